@@ -1,0 +1,39 @@
+# Thin wrapper over CMake: `make demo`, `make test`, `make sanitize`, `make bench`.
+BUILD ?= build
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE_FLAGS ?=
+
+.PHONY: all build test sanitize demo bench format format-check clean
+
+all: build
+
+build:
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+test: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The same suite under AddressSanitizer and UndefinedBehaviorSanitizer.
+sanitize:
+	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DGPUMEM_SANITIZE=ON >/dev/null
+	@cmake --build build-asan -j $(JOBS)
+	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j $(JOBS)
+
+# The main job: replay the bundled traces under both policies on the
+# simulated device and print one comparison table.
+demo: build
+	@$(BUILD)/gpumem replay --compare traces/*.trace.gz
+
+bench: build
+	@$(BUILD)/gpumem replay --compare --passes 5 traces/*.trace.gz
+
+format:
+	clang-format -i include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c bench/*.c
+
+format-check:
+	clang-format --dry-run --Werror include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c bench/*.c
+
+clean:
+	rm -rf $(BUILD) build-asan

@@ -1,0 +1,283 @@
+/* gpumem: a caching GPU memory allocator.
+ *
+ * This is the whole public API. Handles are opaque; every operation that can
+ * fail returns a gpumem_status_t and leaves a detailed, thread-local message
+ * readable with gpumem_last_error(). Nothing here aborts the process.
+ *
+ * One gpumem_t manages the memory of one device through a backend (see
+ * gpumem_backend.h): the simulated device (gpumem_sim_create) or CUDA.
+ * All functions taking a gpumem_t are thread-safe. */
+#ifndef GPUMEM_H
+#define GPUMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define GPUMEM_API
+#else
+#define GPUMEM_API __attribute__((visibility("default")))
+#endif
+
+#define GPUMEM_VERSION_MAJOR 0
+#define GPUMEM_VERSION_MINOR 1
+
+typedef struct gpumem gpumem_t;
+typedef struct gpumem_backend gpumem_backend_t;
+
+/* A stream handle: the CUstream / cudaStream_t value (0 is the default
+ * stream). On the simulated device any value names a stream. */
+typedef uintptr_t gpumem_stream_t;
+
+typedef enum gpumem_status {
+  GPUMEM_OK = 0,
+  GPUMEM_ERR_INVALID_ARGUMENT = 1, /* bad size, NULL out pointer, bad option */
+  GPUMEM_ERR_INVALID_POINTER = 2,  /* never allocated, already freed, interior */
+  GPUMEM_ERR_OUT_OF_MEMORY = 3,    /* device full or limit reached, after retries */
+  GPUMEM_ERR_BACKEND = 4,          /* the device failed for another reason */
+  GPUMEM_ERR_CONFIG = 5,           /* malformed configuration string */
+  GPUMEM_ERR_HOST_MEMORY = 6,      /* malloc of host bookkeeping failed */
+  GPUMEM_ERR_UNSUPPORTED = 7,      /* the backend lacks what this needs */
+  GPUMEM_NOT_READY = 8,            /* backend event query: work still pending */
+  GPUMEM_ERR_IO = 9,               /* file could not be read or parsed */
+} gpumem_status_t;
+
+/* Short fixed text for a status. */
+GPUMEM_API const char* gpumem_strerror(gpumem_status_t status);
+/* Detail of the last failure on this thread (the OOM report, the bad key...);
+ * "" when none. Valid until the next failing gpumem call on this thread. */
+GPUMEM_API const char* gpumem_last_error(void);
+/* Replaces this thread's detail message (printf format); for backends. */
+GPUMEM_API void gpumem_set_last_error(const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 1, 2)))
+#endif
+    ;
+
+/* ---- options ---------------------------------------------------------- */
+
+typedef enum gpumem_policy {
+  /* The project's own policy (defragmenting on virtual memory when the
+   * backend has it). */
+  GPUMEM_POLICY_DEFAULT = 0,
+  /* PyTorch's native caching allocator rules, reproduced exactly. */
+  GPUMEM_POLICY_PYTORCH = 1,
+} gpumem_policy_t;
+
+typedef enum gpumem_reclaim {
+  /* Reclaim free pages only when memory would otherwise grow past the
+   * high-water mark of allocated bytes plus headroom, or at a limit. */
+  GPUMEM_RECLAIM_LAZY = 0,
+  /* Unmap every whole free page as soon as it becomes free. */
+  GPUMEM_RECLAIM_EAGER = 1,
+  /* Reclaim only when the device or the limit refuses. */
+  GPUMEM_RECLAIM_PRESSURE = 2,
+} gpumem_reclaim_t;
+
+typedef struct gpumem_options {
+  uint32_t struct_size;  /* sizeof(gpumem_options_t), set by options_init */
+  gpumem_policy_t policy;
+  size_t limit_bytes;    /* hard cap on reserved memory; 0 = none */
+  double limit_fraction; /* cap as a fraction of device total; 0 = none.
+                          * With both set, the smaller cap holds. */
+  gpumem_reclaim_t reclaim;
+  /* Lazy reclaim lets reserved memory exceed the allocated high-water mark
+   * by this fraction before it moves pages (default 0.002). */
+  double headroom;
+  /* PyTorch's max_split_size_mb: blocks at least this large are never
+   * split for smaller requests; 0 = unlimited (the default). */
+  size_t max_split_size;
+  /* Take ownership of the backend and destroy it with the allocator. */
+  int own_backend;
+} gpumem_options_t;
+
+/* Fills defaults (policy default, no limit, lazy reclaim). */
+GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
+/* Applies a configuration string "key:value,key:value" (the grammar of
+ * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
+ * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
+ * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb.
+ * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
+ * and the valid choices; opts is unchanged on failure. */
+GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
+/* Parses "123", "4K", "1.5G", "2GiB" (binary units). */
+GPUMEM_API gpumem_status_t gpumem_parse_size(const char* text, size_t* out);
+
+/* ---- lifetime --------------------------------------------------------- */
+
+/* Creates an allocator over backend. opts may be NULL (defaults). On
+ * failure returns NULL and sets *err (if err is not NULL). */
+GPUMEM_API gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
+                                   gpumem_status_t* err);
+/* Frees all device memory the allocator holds (live blocks included) and
+ * the allocator. Safe on NULL. */
+GPUMEM_API void gpumem_destroy(gpumem_t* gm);
+/* The per-device default instance, created on first use over the CUDA
+ * backend and configured from the environment variable GPUMEM_CONF. NULL
+ * with gpumem_last_error() set when it cannot be created. */
+GPUMEM_API gpumem_t* gpumem_default(int device);
+
+/* ---- allocation ------------------------------------------------------- */
+
+/* Allocates size bytes usable on stream. size 0 yields *out == NULL and
+ * GPUMEM_OK (as cudaMalloc(0) does). */
+GPUMEM_API gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream,
+                                         void** out);
+/* Frees a pointer returned by gpumem_malloc. NULL is a no-op. */
+GPUMEM_API gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr);
+/* Marks ptr as used on stream: when freed, its memory is reused only after
+ * the work queued on stream up to the free has completed. */
+GPUMEM_API gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream);
+/* Returns every cached, unused page or segment to the device. */
+GPUMEM_API gpumem_status_t gpumem_empty_cache(gpumem_t* gm);
+/* Size the allocation ptr points into was given (its request), or 0. */
+GPUMEM_API size_t gpumem_allocation_size(gpumem_t* gm, const void* ptr);
+
+/* ---- limits ----------------------------------------------------------- */
+
+/* Caps reserved memory at bytes (> 0: a limit of 0 would refuse every
+ * allocation and is rejected). Memory already held above the new cap is
+ * released from the cache where possible. */
+GPUMEM_API gpumem_status_t gpumem_set_limit(gpumem_t* gm, size_t bytes);
+/* Caps reserved memory at fraction (0, 1] of the device's total memory
+ * (torch.cuda.set_per_process_memory_fraction). */
+GPUMEM_API gpumem_status_t gpumem_set_limit_fraction(gpumem_t* gm, double fraction);
+/* Removes the cap. */
+GPUMEM_API void gpumem_remove_limit(gpumem_t* gm);
+/* The cap in bytes, 0 when none. */
+GPUMEM_API size_t gpumem_get_limit(gpumem_t* gm);
+
+/* Called, without the allocator's lock held, when an allocation fails
+ * after the cache was emptied: free what you can and return nonzero to
+ * ask for one more try. */
+typedef int (*gpumem_oom_callback_t)(gpumem_t* gm, size_t size, gpumem_stream_t stream, void* arg);
+GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_callback_t fn,
+                                                   void* arg);
+
+/* ---- statistics ------------------------------------------------------- */
+
+/* Statistic arrays, PyTorch's names: each has all/small/large pools and
+ * current/peak/allocated/freed. One list drives the struct, the summary
+ * table and the JSON. */
+#define GPUMEM_STAT_ARRAYS(X)                                                                      \
+  X(allocation, "Allocations", 0)                                                                  \
+  X(segment, "GPU reserved segments", 0)                                                           \
+  X(active, "Active allocs", 0)                                                                    \
+  X(inactive_split, "Non-releasable allocs", 0)                                                    \
+  X(allocated_bytes, "Allocated memory", 1)                                                        \
+  X(reserved_bytes, "GPU reserved memory", 1)                                                      \
+  X(active_bytes, "Active memory", 1)                                                              \
+  X(inactive_split_bytes, "Non-releasable memory", 1)                                              \
+  X(requested_bytes, "Requested memory", 1)
+
+/* Plain counters: PyTorch's and gpumem's own. */
+#define GPUMEM_STAT_COUNTERS(X)                                                                    \
+  X(num_alloc_retries, "cudaMalloc retries")                                                       \
+  X(num_ooms, "CUDA OOMs")                                                                         \
+  X(num_sync_all_streams, "Synchronizations of all streams")                                       \
+  X(num_device_alloc, "Device allocations")                                                        \
+  X(num_device_free, "Device frees")                                                               \
+  X(num_syncs, "Stream or event synchronizations")                                                 \
+  X(num_pages_mapped, "Pages mapped")                                                              \
+  X(num_pages_unmapped, "Pages unmapped")                                                          \
+  X(num_reclaims, "Page reclaim passes")                                                           \
+  X(num_oom_callbacks, "OOM callbacks called")
+
+/* Backend primitives, counted per call by the allocator. */
+#define GPUMEM_BACKEND_CALLS(X)                                                                    \
+  X(reserve)                                                                                       \
+  X(release_range)                                                                                 \
+  X(create_page)                                                                                   \
+  X(release_page)                                                                                  \
+  X(map)                                                                                           \
+  X(unmap)                                                                                         \
+  X(alloc)                                                                                         \
+  X(free)                                                                                          \
+  X(mem_info)                                                                                      \
+  X(event_create)                                                                                  \
+  X(event_destroy)                                                                                 \
+  X(event_record)                                                                                  \
+  X(event_query)                                                                                   \
+  X(event_sync)                                                                                    \
+  X(stream_sync)                                                                                   \
+  X(device_sync)
+
+typedef enum gpumem_backend_call {
+#define GPUMEM_X_CALL_ENUM(name) GPUMEM_CALL_##name,
+  GPUMEM_BACKEND_CALLS(GPUMEM_X_CALL_ENUM)
+#undef GPUMEM_X_CALL_ENUM
+      GPUMEM_CALL_COUNT
+} gpumem_backend_call_t;
+
+/* Name of a backend call kind ("map", "alloc", ...), NULL if out of range. */
+GPUMEM_API const char* gpumem_backend_call_name(int call);
+
+enum { GPUMEM_POOL_ALL = 0, GPUMEM_POOL_SMALL = 1, GPUMEM_POOL_LARGE = 2, GPUMEM_POOL_COUNT = 3 };
+
+typedef struct gpumem_stat {
+  int64_t current;
+  int64_t peak;
+  int64_t allocated; /* total increments */
+  int64_t freed;     /* total decrements */
+} gpumem_stat_t;
+
+typedef struct gpumem_stats {
+  uint32_t struct_size; /* set by gpumem_get_stats */
+#define GPUMEM_X_STAT_ARRAY(name, title, is_bytes) gpumem_stat_t name[GPUMEM_POOL_COUNT];
+  GPUMEM_STAT_ARRAYS(GPUMEM_X_STAT_ARRAY)
+#undef GPUMEM_X_STAT_ARRAY
+#define GPUMEM_X_STAT_COUNTER(name, title) int64_t name;
+  GPUMEM_STAT_COUNTERS(GPUMEM_X_STAT_COUNTER)
+#undef GPUMEM_X_STAT_COUNTER
+  uint64_t backend_calls[GPUMEM_CALL_COUNT];
+  /* What PyTorch lacks. */
+  uint64_t largest_free_block; /* largest cached block, bytes */
+  uint64_t cached_free_bytes;  /* reserved but not active */
+  /* 1 - largest_free_block / cached_free_bytes: 0 when the cache is one
+   * block (or empty), near 1 when it is dust. */
+  double fragmentation;
+  uint64_t limit_bytes;  /* 0 = none */
+  uint64_t device_total; /* from the backend */
+  uint64_t device_free;
+  uint64_t page_size;
+  int policy;
+  int virtual_memory; /* 1 when blocks live on reserved ranges with pages */
+} gpumem_stats_t;
+
+/* Snapshot of all statistics. */
+GPUMEM_API void gpumem_get_stats(gpumem_t* gm, gpumem_stats_t* out);
+/* Resets peaks to current values (torch.cuda.reset_peak_memory_stats). */
+GPUMEM_API void gpumem_reset_peak_stats(gpumem_t* gm);
+/* Resets the allocated/freed totals and counters (reset_accumulated...). */
+GPUMEM_API void gpumem_reset_accumulated_stats(gpumem_t* gm);
+
+/* Output sink: receives text pieces; returns 0 to continue. */
+typedef int (*gpumem_write_fn)(const char* text, size_t len, void* arg);
+
+/* Prints the table torch.cuda.memory_summary() prints, plus gpumem's own
+ * figures. Returns 0, or the sink's nonzero value. */
+GPUMEM_API int gpumem_print_summary(gpumem_t* gm, gpumem_write_fn write, void* arg);
+/* Same data as one JSON object. */
+GPUMEM_API int gpumem_print_stats_json(gpumem_t* gm, gpumem_write_fn write, void* arg);
+/* Formatting from a stats snapshot (no allocator needed). */
+GPUMEM_API int gpumem_format_summary(const gpumem_stats_t* stats, gpumem_write_fn write, void* arg);
+GPUMEM_API int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_write_fn write,
+                                        void* arg);
+/* A gpumem_write_fn that writes to a FILE* given as arg. */
+GPUMEM_API int gpumem_write_to_file(const char* text, size_t len, void* file);
+
+/* ---- checking --------------------------------------------------------- */
+
+/* Verifies every invariant of the allocator's structures; returns the
+ * number of violations (0 = consistent) and describes the first in
+ * gpumem_last_error(). O(blocks): for tests, not the hot path. */
+GPUMEM_API size_t gpumem_check(gpumem_t* gm);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GPUMEM_H */

@@ -1,0 +1,157 @@
+/* gpumem backend interface: the device primitives the allocator builds on.
+ *
+ * A backend is a versioned table of function pointers plus a context
+ * pointer (in the manner of SQLite's sqlite3_mem_methods). Every slot
+ * returns a gpumem_status_t: GPUMEM_OK, GPUMEM_ERR_OUT_OF_MEMORY when the
+ * device has no memory for the request (the allocator then runs its retry
+ * ladder), or GPUMEM_ERR_BACKEND for anything else, with a message set
+ * through gpumem_set_last_error() naming the device's own error.
+ *
+ * Two ways to hold memory:
+ *  - virtual memory: reserve an address range, create physical pages of
+ *    page_size bytes (or multiples), map them into the range and unmap
+ *    them again (CUDA's cuMemAddressReserve/cuMemCreate/cuMemMap);
+ *  - plain: alloc/free (cuMemAlloc/cuMemFree).
+ * A backend provides at least one of the two sets.
+ *
+ * Slots marked (optional) may be NULL; the default is stated there. */
+#ifndef GPUMEM_BACKEND_H
+#define GPUMEM_BACKEND_H
+
+#include "gpumem.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GPUMEM_BACKEND_VERSION 1
+
+/* An opaque physical allocation handle (CUmemGenericAllocationHandle). */
+typedef uint64_t gpumem_phys_t;
+/* An opaque event handle (CUevent). */
+typedef uintptr_t gpumem_event_t;
+
+struct gpumem_backend {
+  uint32_t version; /* GPUMEM_BACKEND_VERSION */
+  const char* name; /* "sim", "cuda" */
+  void* ctx;        /* passed to every slot */
+  /* Physical page granularity in bytes (a power of two), or 0 when the
+   * virtual memory slots are absent. */
+  size_t page_size;
+
+  /* -- virtual memory (optional as a set: all four or none) -- */
+  /* Reserves size bytes (a multiple of page_size) of device address space. */
+  gpumem_status_t (*reserve)(void* ctx, size_t size, uintptr_t* out_addr);
+  /* Frees a reserved range; it must hold no mappings. */
+  gpumem_status_t (*release_range)(void* ctx, uintptr_t addr, size_t size);
+  /* Creates size bytes (a multiple of page_size) of physical memory. */
+  gpumem_status_t (*create_page)(void* ctx, size_t size, gpumem_phys_t* out);
+  /* Returns physical memory to the device; it must not be mapped. */
+  gpumem_status_t (*release_page)(void* ctx, gpumem_phys_t page, size_t size);
+  /* Maps a whole physical allocation at addr (page aligned, inside a
+   * reserved range) and makes it accessible from the device. */
+  gpumem_status_t (*map)(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page);
+  /* Unmaps [addr, addr+size), which must be whole mapped allocations. The
+   * caller guarantees no queued work still touches them. */
+  gpumem_status_t (*unmap)(void* ctx, uintptr_t addr, size_t size);
+
+  /* -- plain memory (optional as a set) -- */
+  gpumem_status_t (*alloc)(void* ctx, size_t size, uintptr_t* out_addr);
+  gpumem_status_t (*free)(void* ctx, uintptr_t addr, size_t size);
+
+  /* Device memory: total and currently free bytes. */
+  gpumem_status_t (*mem_info)(void* ctx, size_t* free_bytes, size_t* total_bytes);
+
+  /* -- streams and events (optional as a set; without them every stream
+   *    is treated as complete at once, as on a device with no async work) */
+  gpumem_status_t (*event_create)(void* ctx, gpumem_event_t* out);
+  gpumem_status_t (*event_destroy)(void* ctx, gpumem_event_t event);
+  gpumem_status_t (*event_record)(void* ctx, gpumem_event_t event, gpumem_stream_t stream);
+  /* GPUMEM_OK when complete, GPUMEM_NOT_READY when work is pending. */
+  gpumem_status_t (*event_query)(void* ctx, gpumem_event_t event);
+  gpumem_status_t (*event_sync)(void* ctx, gpumem_event_t event);
+  gpumem_status_t (*stream_sync)(void* ctx, gpumem_stream_t stream);
+  /* (optional) defaults to nothing when absent (no async work exists). */
+  gpumem_status_t (*device_sync)(void* ctx);
+
+  /* (optional) frees the backend itself; called by gpumem_destroy when the
+   * allocator owns the backend (options.own_backend). */
+  void (*destroy)(gpumem_backend_t* self);
+};
+
+/* ---- the simulated device -------------------------------------------- */
+
+typedef struct gpumem_sim_options {
+  uint32_t struct_size;
+  size_t capacity;  /* bytes of device memory (default 80 GiB) */
+  size_t page_size; /* physical granularity (default 2 MiB) */
+  /* Plain allocations come at descending addresses, as cudaMalloc's did on
+   * the H200 the traces were recorded on (default 1). */
+  int descending_addresses;
+  /* Every byte handed out is real host memory (for pattern tests). */
+  int host_backed;
+  /* An event recorded on a stream completes after this many queries
+   * (default 0: at once). event_sync and stream_sync complete it. */
+  int event_delay_queries;
+  int virtual_memory; /* offer the virtual memory slots (default 1) */
+  int plain_memory;   /* offer alloc/free (default 1) */
+} gpumem_sim_options_t;
+
+GPUMEM_API void gpumem_sim_options_init(gpumem_sim_options_t* opts);
+/* Creates a simulated device. NULL on host malloc failure. Destroy with
+ * gpumem_sim_destroy (or hand it to the allocator with own_backend). */
+GPUMEM_API gpumem_backend_t* gpumem_sim_create(const gpumem_sim_options_t* opts);
+GPUMEM_API void gpumem_sim_destroy(gpumem_backend_t* sim);
+
+/* Scripted failures. kind is a gpumem_backend_call_t or -1 for any call.
+ * After `skip` more matching calls succeed, the next `count` matching calls
+ * fail with status (count < 0: every later call fails). Replaces any
+ * earlier script. */
+GPUMEM_API void gpumem_sim_fail(gpumem_backend_t* sim, int kind, long skip, long count,
+                                gpumem_status_t status);
+GPUMEM_API void gpumem_sim_fail_clear(gpumem_backend_t* sim);
+
+typedef struct gpumem_sim_counters {
+  uint64_t calls[GPUMEM_CALL_COUNT]; /* every call, by kind */
+  uint64_t failures_injected;
+  uint64_t bytes_in_use;        /* physical + plain bytes held */
+  uint64_t peak_bytes_in_use;
+  uint64_t ranges_reserved;     /* live reserved ranges */
+  uint64_t pages_live;          /* live physical allocations */
+  uint64_t pages_mapped;        /* live mappings */
+  uint64_t plain_live;          /* live plain allocations */
+  uint64_t events_live;
+} gpumem_sim_counters_t;
+
+GPUMEM_API void gpumem_sim_get_counters(gpumem_backend_t* sim, gpumem_sim_counters_t* out);
+/* Host address backing device address addr on a host-backed simulated
+ * device; NULL if addr is not mapped (or the device is not host-backed). */
+GPUMEM_API void* gpumem_sim_host_ptr(gpumem_backend_t* sim, uintptr_t addr);
+/* Marks stream busy: events recorded on it from now on wait for queries
+ * as configured; sim "work" is otherwise instantaneous. */
+GPUMEM_API void gpumem_sim_set_event_delay(gpumem_backend_t* sim, int queries);
+
+/* ---- CUDA ------------------------------------------------------------- */
+
+typedef struct gpumem_cuda_options {
+  uint32_t struct_size;
+  int device;
+  /* 1: use virtual memory when the device supports it (default);
+   * 0: always cuMemAlloc. */
+  int virtual_memory;
+  /* Also grant access to these peer devices (bitmask of ordinals). */
+  uint64_t peer_access_mask;
+} gpumem_cuda_options_t;
+
+GPUMEM_API void gpumem_cuda_options_init(gpumem_cuda_options_t* opts);
+/* Creates a backend over the CUDA driver (libcuda.so.1 loaded with dlopen).
+ * Returns NULL with *err set (GPUMEM_ERR_UNSUPPORTED where no driver or GPU
+ * exists, or the library was built without CUDA headers). */
+GPUMEM_API gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* opts,
+                                                gpumem_status_t* err);
+GPUMEM_API void gpumem_cuda_destroy(gpumem_backend_t* cuda);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GPUMEM_BACKEND_H */

@@ -1,0 +1,830 @@
+/* The device allocator object: creation over a backend, the malloc and
+ * free paths under one lock, the two policies' segment rules, limits, the
+ * retry ladder on out-of-memory and its report, statistics and the
+ * per-device default instances.
+ *
+ * Policies. `pytorch` follows PyTorch's native caching allocator: sizes
+ * rounded to 512 B; requests up to 1 MiB from 2 MiB segments, 1-10 MiB from
+ * 20 MiB segments, larger ones rounded to 2 MiB with their own segment; a
+ * large block is split only if more than 1 MiB remains; segments come from
+ * the backend's plain alloc and go back only on empty_cache or out of
+ * memory. `default` tiles one reserved address range per stream and pool at
+ * 512 B granularity and maps physical pages under it on demand (pages.c);
+ * on a backend without virtual memory it falls back to the pytorch rules. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+/* ---- statistics ---- */
+
+void gm_stat_add(gpumem_stat_t* s, int64_t delta) {
+  s->current += delta;
+  if (delta > 0) {
+    s->allocated += delta;
+    if (s->current > s->peak) s->peak = s->current;
+  } else {
+    s->freed -= delta;
+  }
+}
+
+void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta) {
+  (void)gm;
+  gm_stat_add(&arr[GPUMEM_POOL_ALL], delta);
+  gm_stat_add(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], delta);
+}
+
+gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s) {
+  (void)gm;
+  if (GM_UNLIKELY(s != GPUMEM_OK && s != GPUMEM_NOT_READY && gpumem_last_error()[0] == '\0')) {
+    gpumem_set_last_error("backend %s call failed: %s", gpumem_backend_call_name(call), gpumem_strerror(s));
+  }
+  return s;
+}
+
+void gm_segment_link(gpumem_t* gm, gm_segment* seg) {
+  seg->prev_seg = NULL;
+  seg->next_seg = gm->segments;
+  if (gm->segments) gm->segments->prev_seg = seg;
+  gm->segments = seg;
+}
+
+void gm_segment_unlink(gpumem_t* gm, gm_segment* seg) {
+  if (seg->prev_seg) seg->prev_seg->next_seg = seg->next_seg;
+  else gm->segments = seg->next_seg;
+  if (seg->next_seg) seg->next_seg->prev_seg = seg->prev_seg;
+}
+
+/* ---- creation ---- */
+
+static bool backend_has_vm(const gpumem_backend_t* be) {
+  return be->page_size && be->reserve && be->release_range && be->create_page && be->release_page && be->map &&
+         be->unmap;
+}
+
+static size_t limit_from(const gpumem_options_t* o, size_t total) {
+  size_t limit = o->limit_bytes;
+  if (o->limit_fraction > 0) {
+    size_t frac = (size_t)((double)total * o->limit_fraction);
+    if (!limit || frac < limit) limit = frac;
+  }
+  return limit;
+}
+
+gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts, gpumem_status_t* err) {
+  gpumem_status_t dummy;
+  if (!err) err = &dummy;
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  if (opts) {
+    if (opts->struct_size != sizeof(gpumem_options_t)) {
+      *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                     "gpumem_create: options.struct_size is %u, expected %zu (call gpumem_options_init)",
+                     opts->struct_size, sizeof(gpumem_options_t));
+      return NULL;
+    }
+    o = *opts;
+  }
+  if (!backend) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: backend is NULL");
+    return NULL;
+  }
+  if (backend->version != GPUMEM_BACKEND_VERSION) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: backend \"%s\" has version %u, expected %d",
+                   backend->name ? backend->name : "?", backend->version, GPUMEM_BACKEND_VERSION);
+    return NULL;
+  }
+  bool has_plain = backend->alloc && backend->free;
+  bool has_vm = backend_has_vm(backend);
+  if ((!has_plain && !has_vm) || !backend->mem_info) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_create: backend \"%s\" lacks mem_info or both the plain and the virtual memory slots",
+                   backend->name ? backend->name : "?");
+    return NULL;
+  }
+  if (has_vm && (backend->page_size & (backend->page_size - 1))) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: backend page_size %zu is not a power of two",
+                   backend->page_size);
+    return NULL;
+  }
+  if (o.policy != GPUMEM_POLICY_DEFAULT && o.policy != GPUMEM_POLICY_PYTORCH) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: unknown policy %d", (int)o.policy);
+    return NULL;
+  }
+  if (!(o.limit_fraction >= 0 && o.limit_fraction <= 1) || !(o.headroom >= 0 && o.headroom <= 1)) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: limit_fraction and headroom must be in [0, 1]");
+    return NULL;
+  }
+  bool use_vm = o.policy == GPUMEM_POLICY_DEFAULT && has_vm;
+  if (!use_vm && !has_plain) {
+    *err = gm_fail(GPUMEM_ERR_UNSUPPORTED, "gpumem_create: the pytorch policy needs the backend's alloc/free slots");
+    return NULL;
+  }
+  size_t free_bytes = 0, total = 0;
+  gpumem_last_error(); /* keep any earlier message until a call fails */
+  gpumem_status_t st = backend->mem_info(backend->ctx, &free_bytes, &total);
+  if (st != GPUMEM_OK) {
+    *err = st;
+    return NULL;
+  }
+  gpumem_t* gm = calloc(1, sizeof *gm);
+  if (!gm) {
+    *err = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: out of host memory");
+    return NULL;
+  }
+  gm->stats.backend_calls[GPUMEM_CALL_mem_info] = 1;
+  if (pthread_mutex_init(&gm->lock, NULL) != 0 || gm_ptr_map_init(&gm->ptrs) != GPUMEM_OK) {
+    free(gm);
+    *err = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: cannot initialize the lock or pointer map");
+    return NULL;
+  }
+  gm->backend = backend;
+  gm->opts = o;
+  gm->virtual_memory = use_vm;
+  gm->page_size = use_vm ? backend->page_size : 0;
+  gm->device_total = total;
+  gm->limit = limit_from(&o, total);
+  /* An arena spans the whole device twice over: holes are unmapped, so the
+   * address space a pool walks can exceed its physical memory. */
+  if (use_vm) gm->arena_size = gm_round_up(total ? total * 2 : GM_GIB, gm->page_size);
+  *err = GPUMEM_OK;
+  return gm;
+}
+
+static void release_all_segments(gpumem_t* gm) {
+  gm_segment* seg = gm->segments;
+  while (seg) {
+    gm_segment* next = seg->next_seg;
+    gm_block* b = seg->first;
+    while (b) {
+      gm_block* nb = b->next;
+      gm_block_delete(gm, b);
+      b = nb;
+    }
+    if (seg->is_arena) {
+      gm_arena_destroy(gm, seg);
+    } else {
+      GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
+      free(seg);
+    }
+    seg = next;
+  }
+  gm->segments = NULL;
+}
+
+void gpumem_destroy(gpumem_t* gm) {
+  if (!gm) return;
+  pthread_mutex_lock(&gm->lock);
+  /* Wait for pending frees: their memory may still be in use on a stream. */
+  if (gm->pending_count && gm->backend->event_sync) gm_process_events(gm, true);
+  gm_events_destroy(gm);
+  release_all_segments(gm);
+  gm_release_spare_pages(gm, 0);
+  free(gm->spare_pages);
+  gm_streams_destroy(gm);
+  gm_ptr_map_destroy(&gm->ptrs);
+  gm_slab_destroy(&gm->slab);
+  free(gm->callbacks);
+  pthread_mutex_unlock(&gm->lock);
+  pthread_mutex_destroy(&gm->lock);
+  if (gm->opts.own_backend && gm->backend->destroy) gm->backend->destroy(gm->backend);
+  free(gm);
+}
+
+/* ---- the pytorch rules ---- */
+
+static inline size_t round_request(size_t size) {
+  return size < GM_MIN_BLOCK ? GM_MIN_BLOCK : gm_round_up(size, GM_MIN_BLOCK);
+}
+
+static inline size_t segment_size_for(size_t rsize) {
+  if (rsize <= GM_SMALL_SIZE) return GM_SMALL_BUFFER;
+  if (rsize < GM_MIN_LARGE_ALLOC) return GM_LARGE_BUFFER;
+  return gm_round_up(rsize, GM_ROUND_LARGE);
+}
+
+static inline bool should_split(const gpumem_t* gm, const gm_block* b, size_t rsize) {
+  size_t remaining = b->size - rsize;
+  if (b->pool->is_small || gm->virtual_memory) return remaining >= GM_MIN_BLOCK;
+  size_t max_split = gm->opts.max_split_size ? gm->opts.max_split_size : SIZE_MAX;
+  return rsize < max_split && remaining > GM_SMALL_SIZE;
+}
+
+/* PyTorch's get_free_block, max_split_size rules included. */
+static gm_block* find_free(gpumem_t* gm, gm_pool* pool, size_t rsize) {
+  gm_block* b = gm_index_find(&pool->index, rsize);
+  if (!b || !gm->opts.max_split_size || gm->virtual_memory) return b;
+  size_t max_split = gm->opts.max_split_size;
+  if (rsize < max_split && b->size >= max_split) return NULL;
+  if (rsize >= max_split && b->size >= rsize + GM_LARGE_BUFFER) return NULL;
+  return b;
+}
+
+static bool over_limit(const gpumem_t* gm, size_t extra) {
+  if (!gm->limit) return false;
+  uint64_t reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+  return reserved + extra > gm->limit;
+}
+
+/* A new plain segment for the pytorch rules; its one block is indexed. */
+static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size) {
+  if (over_limit(gm, seg_size)) return GPUMEM_ERR_OUT_OF_MEMORY;
+  gm_segment* seg = calloc(1, sizeof *seg);
+  gm_block* b = gm_block_new(gm);
+  if (!seg || !b) {
+    free(seg);
+    if (b) gm_block_delete(gm, b);
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for a segment");
+  }
+  uintptr_t addr = 0;
+  gpumem_status_t st = GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, seg_size, &addr));
+  if (st != GPUMEM_OK) {
+    free(seg);
+    gm_block_delete(gm, b);
+    return st;
+  }
+  gm->stats.num_device_alloc++;
+  seg->addr = addr;
+  seg->size = seg_size;
+  seg->pool = pool;
+  seg->first = b;
+  gm_segment_link(gm, seg);
+  b->addr = addr;
+  b->size = seg_size;
+  b->seg = seg;
+  b->pool = pool;
+  b->state = GM_FREE;
+  gm_index_insert(&pool->index, b);
+  gm_stat_pool_add(gm, gm->stats.segment, pool->is_small, 1);
+  gm_stat_pool_add(gm, gm->stats.reserved_bytes, pool->is_small, (int64_t)seg_size);
+  return GPUMEM_OK;
+}
+
+/* Releases a plain segment whose single block is free and indexed. */
+static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b) {
+  gm_segment* seg = b->seg;
+  gpumem_status_t st = GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
+  if (st != GPUMEM_OK) return st;
+  gm->stats.num_device_free++;
+  gm_index_remove(&b->pool->index, b);
+  gm_stat_pool_add(gm, gm->stats.segment, b->pool->is_small, -1);
+  gm_stat_pool_add(gm, gm->stats.reserved_bytes, b->pool->is_small, -(int64_t)seg->size);
+  gm_segment_unlink(gm, seg);
+  free(seg);
+  gm_block_delete(gm, b);
+  return GPUMEM_OK;
+}
+
+typedef struct release_state {
+  gpumem_t* gm;
+  gpumem_status_t status;
+  size_t released;
+} release_state;
+
+static void release_if_whole(gm_block* b, void* arg) {
+  release_state* rs = arg;
+  if (rs->status != GPUMEM_OK || gm_block_is_split(b) || b->seg->is_arena) return;
+  size_t size = b->size;
+  gpumem_status_t st = release_plain_segment(rs->gm, b);
+  if (st == GPUMEM_OK) rs->released += size;
+  else rs->status = st;
+}
+
+/* Frees every cached plain segment that holds no allocation. */
+static gpumem_status_t release_plain_cache(gpumem_t* gm, size_t* released) {
+  release_state rs = {gm, GPUMEM_OK, 0};
+  for (gm_stream* s = gm->streams; s; s = s->next) {
+    for (int i = 0; i < GM_NUM_POOLS; i++) gm_index_visit(&s->pools[i].index, release_if_whole, &rs);
+  }
+  if (released) *released = rs.released;
+  return rs.status;
+}
+
+/* PyTorch's release_available_cached_blocks: with max_split_size set, frees
+ * the smallest whole cached large segment that covers the request, else
+ * the largest ones until enough is freed. */
+typedef struct available_state {
+  size_t want;
+  gm_block* best_fit;
+  gm_block** candidates;
+  size_t count, capacity;
+} available_state;
+
+static void collect_whole(gm_block* b, void* arg) {
+  available_state* as = arg;
+  if (gm_block_is_split(b)) return;
+  if (b->size >= as->want && (!as->best_fit || b->size < as->best_fit->size)) as->best_fit = b;
+  if (as->count < as->capacity) as->candidates[as->count++] = b;
+}
+
+static int by_size_desc(const void* a, const void* b) {
+  const gm_block* x = *(gm_block* const*)a;
+  const gm_block* y = *(gm_block* const*)b;
+  return x->size < y->size ? 1 : x->size > y->size ? -1 : 0;
+}
+
+static bool release_available(gpumem_t* gm, gm_pool* pool, size_t rsize) {
+  if (!gm->opts.max_split_size || pool->is_small || gm->virtual_memory) return false;
+  size_t n = pool->index.count;
+  if (!n) return false;
+  available_state as = {rsize, NULL, malloc(n * sizeof(gm_block*)), 0, n};
+  if (!as.candidates) return false;
+  gm_index_visit(&pool->index, collect_whole, &as);
+  bool ok = false;
+  if (as.best_fit) {
+    ok = release_plain_segment(gm, as.best_fit) == GPUMEM_OK;
+  } else {
+    qsort(as.candidates, as.count, sizeof *as.candidates, by_size_desc);
+    size_t freed = 0;
+    for (size_t i = 0; i < as.count && freed < rsize; i++) {
+      size_t sz = as.candidates[i]->size;
+      if (release_plain_segment(gm, as.candidates[i]) != GPUMEM_OK) break;
+      freed += sz;
+    }
+    ok = freed >= rsize;
+  }
+  free(as.candidates);
+  return ok;
+}
+
+/* ---- the malloc path ---- */
+
+/* One attempt to serve rsize bytes from pool, growing through the backend
+ * as the policy allows. On success *out is ALLOCATED and out of the index. */
+static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
+  gm_block* b = find_free(gm, pool, rsize);
+  if (!b) {
+    gpumem_status_t st = gm->virtual_memory ? gm_arena_new(gm, pool, rsize, &b)
+                                            : new_plain_segment(gm, pool, segment_size_for(rsize));
+    if (st != GPUMEM_OK) return st;
+    b = find_free(gm, pool, rsize);
+    if (!b) return gm_fail(GPUMEM_ERR_BACKEND, "gpumem: internal error: a new segment did not fit the request");
+  }
+  gm_index_remove(&pool->index, b);
+  if (b->in_dirty) gm_dirty_remove(pool, b);
+  /* Split before mapping: the rest goes back to the index and its free
+   * pages stay reclaimable while pages are found for this block. */
+  gm_split_block(gm, b, rsize, should_split(gm, b, rsize));
+  b->state = GM_ALLOCATED;
+  if (gm->virtual_memory) {
+    gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);
+    if (st != GPUMEM_OK) {
+      /* Undo: count it active so that freeing it balances to nothing. */
+      gm_stat_pool_add(gm, gm->stats.active, pool->is_small, 1);
+      gm_stat_pool_add(gm, gm->stats.active_bytes, pool->is_small, (int64_t)b->size);
+      gm_free_block(gm, b);
+      return st;
+    }
+  }
+  *out = b;
+  return GPUMEM_OK;
+}
+
+static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_stream_t stream,
+                              gpumem_status_t cause, const char* cause_text);
+
+/* Frees what the cache holds for the retry ladder's second step. */
+static gpumem_status_t free_cached_memory(gpumem_t* gm) {
+  gpumem_status_t st = GPUMEM_OK;
+  if (gm->pending_count) {
+    gm->stats.num_sync_all_streams++;
+    st = gm_process_events(gm, true);
+    if (st != GPUMEM_OK) return st;
+  }
+  if (gm->virtual_memory) {
+    size_t pages = 0;
+    st = gm_reclaim(gm, 0, &pages);
+    if (st == GPUMEM_OK) st = gm_release_spare_pages(gm, 0);
+    return st;
+  }
+  return release_plain_cache(gm, NULL);
+}
+
+/* Which pool serves a rounded request (see GM_NUM_POOLS). */
+static inline int pool_index(const gpumem_t* gm, size_t rsize) {
+  if (rsize <= GM_SMALL_SIZE) return GM_POOL_SMALL;
+  (void)gm;
+  return GM_POOL_LARGE;
+}
+
+static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t stream, void** out,
+                                     bool* want_callbacks) {
+  gpumem_status_t st;
+  if (GM_UNLIKELY(gm->pending_count)) {
+    st = gm_process_events(gm, false);
+    if (st != GPUMEM_OK) return st;
+  }
+  gm_stream* s = gm_stream_get(gm, stream);
+  if (GM_UNLIKELY(!s)) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_malloc: out of host memory for a stream");
+  size_t rsize = round_request(size);
+  bool small = rsize <= GM_SMALL_SIZE;
+  gm_pool* pool = &s->pools[pool_index(gm, rsize)];
+  gm_block* b = NULL;
+  st = try_alloc(gm, pool, rsize, &b);
+  if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY)) {
+    /* The ladder: cached memory first (PyTorch's order), then a retry. */
+    if (release_available(gm, pool, rsize)) st = try_alloc(gm, pool, rsize, &b);
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
+      st = free_cached_memory(gm);
+      if (st == GPUMEM_OK) {
+        gm->stats.num_alloc_retries++;
+        st = try_alloc(gm, pool, rsize, &b);
+      }
+    }
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) return st; /* caller runs callbacks, retries */
+  }
+  if (GM_UNLIKELY(st != GPUMEM_OK)) {
+    char cause[512];
+    snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY) gm->stats.num_ooms++;
+    format_oom_report(gm, size, rsize, stream, st, cause);
+    return st;
+  }
+  st = gm_ptr_map_insert(&gm->ptrs, b);
+  if (GM_UNLIKELY(st != GPUMEM_OK)) {
+    gm_stat_pool_add(gm, gm->stats.active, small, 1);
+    gm_stat_pool_add(gm, gm->stats.active_bytes, small, (int64_t)b->size);
+    gm_free_block(gm, b);
+    return st;
+  }
+  b->requested = size;
+  gm_stat_pool_add(gm, gm->stats.allocation, small, 1);
+  gm_stat_pool_add(gm, gm->stats.allocated_bytes, small, (int64_t)b->size);
+  gm_stat_pool_add(gm, gm->stats.active, small, 1);
+  gm_stat_pool_add(gm, gm->stats.active_bytes, small, (int64_t)b->size);
+  gm_stat_pool_add(gm, gm->stats.requested_bytes, small, (int64_t)size);
+  if ((uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current > gm->allocated_high_water) {
+    gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
+  }
+  *out = (void*)b->addr;
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream, void** out) {
+  if (GM_UNLIKELY(!gm || !out)) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_malloc: NULL allocator or out");
+  *out = NULL;
+  if (GM_UNLIKELY(size == 0)) return GPUMEM_OK;
+  /* Far beyond any device; also keeps the rounding below from wrapping. */
+  if (GM_UNLIKELY(size > ((size_t)1 << 56))) {
+    pthread_mutex_lock(&gm->lock);
+    gm->stats.num_ooms++;
+    pthread_mutex_unlock(&gm->lock);
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "gpumem: out of memory: tried to allocate %zu bytes, more than any device holds", size);
+  }
+  pthread_mutex_lock(&gm->lock);
+  bool has_callbacks = gm->num_callbacks > 0;
+  gpumem_status_t st = malloc_locked(gm, size, stream, out, &has_callbacks);
+  if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY && has_callbacks)) {
+    /* Callbacks run unlocked: they may free memory through this allocator. */
+    size_t n = gm->num_callbacks;
+    gm_oom_callback cbs[16];
+    if (n > 16) n = 16;
+    memcpy(cbs, gm->callbacks, n * sizeof *cbs);
+    gm->stats.num_oom_callbacks += (int64_t)n;
+    pthread_mutex_unlock(&gm->lock);
+    int again = 0;
+    for (size_t i = 0; i < n; i++) again |= cbs[i].fn(gm, size, stream, cbs[i].arg) != 0;
+    pthread_mutex_lock(&gm->lock);
+    bool no_more = false;
+    if (again) gm->stats.num_alloc_retries++;
+    st = again ? malloc_locked(gm, size, stream, out, &no_more) : GPUMEM_ERR_OUT_OF_MEMORY;
+    if (!again) {
+      char cause[512];
+      snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+      gm->stats.num_ooms++;
+      format_oom_report(gm, size, round_request(size), stream, st, cause);
+    }
+  }
+  pthread_mutex_unlock(&gm->lock);
+  return st;
+}
+
+/* ---- free ---- */
+
+/* Slow path: says why ptr is not a live allocation. */
+static gpumem_status_t diagnose_bad_free(gpumem_t* gm, uintptr_t addr, const char* what) {
+  for (size_t i = 0; i <= gm->ptrs.mask; i++) {
+    gm_block* b = gm->ptrs.slots[i];
+    if (b && addr > b->addr && addr < b->addr + b->size) {
+      return gm_fail(GPUMEM_ERR_INVALID_POINTER,
+                     "%s: 0x%lx points %lu bytes into the allocation at 0x%lx (%zu bytes); pass the pointer "
+                     "the allocation returned",
+                     what, (unsigned long)addr, (unsigned long)(addr - b->addr), (unsigned long)b->addr,
+                     b->requested);
+    }
+  }
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (addr >= seg->addr && addr < seg->addr + seg->size) {
+      return gm_fail(GPUMEM_ERR_INVALID_POINTER,
+                     "%s: 0x%lx is not a live allocation (freed already? double free)", what, (unsigned long)addr);
+    }
+  }
+  return gm_fail(GPUMEM_ERR_INVALID_POINTER, "%s: 0x%lx was never allocated by this allocator", what,
+                 (unsigned long)addr);
+}
+
+gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
+  if (GM_UNLIKELY(!gm)) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_free: NULL allocator");
+  if (!ptr) return GPUMEM_OK;
+  uintptr_t addr = (uintptr_t)ptr;
+  pthread_mutex_lock(&gm->lock);
+  gm_block* b = gm_ptr_map_remove(&gm->ptrs, addr);
+  if (GM_UNLIKELY(!b)) {
+    gpumem_status_t st = diagnose_bad_free(gm, addr, "gpumem_free");
+    pthread_mutex_unlock(&gm->lock);
+    return st;
+  }
+  bool small = b->pool->is_small;
+  size_t size = b->size, requested = b->requested;
+  if (b->seg->is_arena) b->pool->stream->frees_since_sync++;
+  if (GM_UNLIKELY(b->num_uses)) {
+    gpumem_status_t st = gm_defer_free(gm, b);
+    if (st != GPUMEM_OK) {
+      /* Not freed: the block stays allocated and the caller may retry. */
+      gm_ptr_map_insert(&gm->ptrs, b);
+      pthread_mutex_unlock(&gm->lock);
+      return st;
+    }
+  } else {
+    gm_free_block(gm, b);
+  }
+  gm_stat_pool_add(gm, gm->stats.allocation, small, -1);
+  gm_stat_pool_add(gm, gm->stats.allocated_bytes, small, -(int64_t)size);
+  gm_stat_pool_add(gm, gm->stats.requested_bytes, small, -(int64_t)requested);
+  gpumem_status_t st = GPUMEM_OK;
+  /* Eager reclaim: the pointer is freed whatever the unmap says; a device
+   * error is still reported. */
+  if (gm->virtual_memory && gm->opts.reclaim == GPUMEM_RECLAIM_EAGER) st = gm_reclaim(gm, 0, NULL);
+  pthread_mutex_unlock(&gm->lock);
+  return st;
+}
+
+gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream) {
+  if (!gm || !ptr) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: NULL allocator or pointer");
+  pthread_mutex_lock(&gm->lock);
+  gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
+  gpumem_status_t st = b ? gm_block_add_use(b, stream) : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
+  pthread_mutex_unlock(&gm->lock);
+  return st;
+}
+
+size_t gpumem_allocation_size(gpumem_t* gm, const void* ptr) {
+  if (!gm || !ptr) return 0;
+  pthread_mutex_lock(&gm->lock);
+  gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
+  size_t size = b ? b->requested : 0;
+  pthread_mutex_unlock(&gm->lock);
+  return size;
+}
+
+gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
+  if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_empty_cache: NULL allocator");
+  pthread_mutex_lock(&gm->lock);
+  gpumem_status_t st = free_cached_memory(gm);
+  pthread_mutex_unlock(&gm->lock);
+  return st;
+}
+
+/* ---- limits and callbacks ---- */
+
+static gpumem_status_t apply_limit(gpumem_t* gm, size_t limit) {
+  gpumem_status_t st = GPUMEM_OK;
+  pthread_mutex_lock(&gm->lock);
+  gm->limit = limit;
+  /* Give back what the cache holds above the new cap; live memory stays. */
+  if (over_limit(gm, 0)) st = free_cached_memory(gm);
+  pthread_mutex_unlock(&gm->lock);
+  return st;
+}
+
+gpumem_status_t gpumem_set_limit(gpumem_t* gm, size_t bytes) {
+  if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit: NULL allocator");
+  if (bytes == 0) {
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_set_limit: a limit of 0 bytes would refuse every allocation; use gpumem_remove_limit "
+                   "to lift the cap");
+  }
+  return apply_limit(gm, bytes);
+}
+
+gpumem_status_t gpumem_set_limit_fraction(gpumem_t* gm, double fraction) {
+  if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit_fraction: NULL allocator");
+  if (!(fraction > 0 && fraction <= 1)) {
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit_fraction: fraction %g is not in (0, 1]", fraction);
+  }
+  size_t bytes = (size_t)((double)gm->device_total * fraction);
+  if (!bytes) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit_fraction: %g of the device is 0 bytes", fraction);
+  return apply_limit(gm, bytes);
+}
+
+void gpumem_remove_limit(gpumem_t* gm) {
+  if (!gm) return;
+  pthread_mutex_lock(&gm->lock);
+  gm->limit = 0;
+  pthread_mutex_unlock(&gm->lock);
+}
+
+size_t gpumem_get_limit(gpumem_t* gm) {
+  if (!gm) return 0;
+  pthread_mutex_lock(&gm->lock);
+  size_t limit = gm->limit;
+  pthread_mutex_unlock(&gm->lock);
+  return limit;
+}
+
+gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_callback_t fn, void* arg) {
+  if (!gm || !fn) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_add_oom_callback: NULL allocator or function");
+  pthread_mutex_lock(&gm->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  if (gm->num_callbacks >= 16) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_add_oom_callback: at most 16 callbacks");
+  } else {
+    gm_oom_callback* grown = realloc(gm->callbacks, (gm->num_callbacks + 1) * sizeof *grown);
+    if (!grown) {
+      st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_add_oom_callback: out of host memory");
+    } else {
+      gm->callbacks = grown;
+      gm->callbacks[gm->num_callbacks].fn = fn;
+      gm->callbacks[gm->num_callbacks].arg = arg;
+      gm->num_callbacks++;
+    }
+  }
+  pthread_mutex_unlock(&gm->lock);
+  return st;
+}
+
+/* ---- statistics ---- */
+
+/* Derived figures: what a new allocation could get from held memory. */
+static void fill_derived(gpumem_t* gm, gpumem_stats_t* out) {
+  uint64_t largest = 0, free_total = 0;
+  for (gm_stream* s = gm->streams; s; s = s->next) {
+    for (int i = 0; i < GM_NUM_POOLS; i++) {
+      if (gm->virtual_memory) continue;
+      gm_block* b = gm_index_largest(&s->pools[i].index);
+      if (b && b->size > largest) largest = b->size;
+      free_total += s->pools[i].index.bytes;
+    }
+  }
+  int64_t reserved = gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+  int64_t active = gm->stats.active_bytes[GPUMEM_POOL_ALL].current;
+  out->cached_free_bytes = reserved > active ? (uint64_t)(reserved - active) : 0;
+  if (gm->virtual_memory) {
+    /* Whole free pages can be remapped anywhere: together they are one
+     * block as far as the next allocation is concerned. */
+    largest = gm_reclaimable_bytes(gm) + (uint64_t)gm->num_spare_pages * gm->page_size;
+    free_total = out->cached_free_bytes;
+  }
+  out->largest_free_block = largest;
+  out->fragmentation = free_total ? 1.0 - (double)largest / (double)free_total : 0.0;
+  if (out->fragmentation < 0) out->fragmentation = 0;
+  out->limit_bytes = gm->limit;
+  out->device_total = gm->device_total;
+  out->page_size = gm->virtual_memory ? gm->page_size : 0;
+  out->policy = (int)gm->opts.policy;
+  out->virtual_memory = gm->virtual_memory;
+}
+
+void gpumem_get_stats(gpumem_t* gm, gpumem_stats_t* out) {
+  if (!out) return;
+  memset(out, 0, sizeof *out);
+  out->struct_size = sizeof *out;
+  if (!gm) return;
+  pthread_mutex_lock(&gm->lock);
+  *out = gm->stats;
+  out->struct_size = sizeof *out;
+  fill_derived(gm, out);
+  size_t free_bytes = 0, total = 0;
+  gm->stats.backend_calls[GPUMEM_CALL_mem_info]++;
+  if (gm->backend->mem_info(gm->backend->ctx, &free_bytes, &total) == GPUMEM_OK) out->device_free = free_bytes;
+  out->backend_calls[GPUMEM_CALL_mem_info] = gm->stats.backend_calls[GPUMEM_CALL_mem_info];
+  pthread_mutex_unlock(&gm->lock);
+}
+
+void gpumem_reset_peak_stats(gpumem_t* gm) {
+  if (!gm) return;
+  pthread_mutex_lock(&gm->lock);
+#define GM_X_RESET_PEAK(name, title, is_bytes) \
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) gm->stats.name[p].peak = gm->stats.name[p].current;
+  GPUMEM_STAT_ARRAYS(GM_X_RESET_PEAK)
+#undef GM_X_RESET_PEAK
+  pthread_mutex_unlock(&gm->lock);
+}
+
+void gpumem_reset_accumulated_stats(gpumem_t* gm) {
+  if (!gm) return;
+  pthread_mutex_lock(&gm->lock);
+#define GM_X_RESET_ACC(name, title, is_bytes)        \
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {      \
+    gm->stats.name[p].allocated = gm->stats.name[p].freed = 0; \
+  }
+  GPUMEM_STAT_ARRAYS(GM_X_RESET_ACC)
+#undef GM_X_RESET_ACC
+#define GM_X_RESET_COUNTER(name, title) gm->stats.name = 0;
+  GPUMEM_STAT_COUNTERS(GM_X_RESET_COUNTER)
+#undef GM_X_RESET_COUNTER
+  memset(gm->stats.backend_calls, 0, sizeof gm->stats.backend_calls);
+  pthread_mutex_unlock(&gm->lock);
+}
+
+int gpumem_print_summary(gpumem_t* gm, gpumem_write_fn write, void* arg) {
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  return gpumem_format_summary(&st, write, arg);
+}
+
+int gpumem_print_stats_json(gpumem_t* gm, gpumem_write_fn write, void* arg) {
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  return gpumem_format_stats_json(&st, write, arg);
+}
+
+/* ---- the out-of-memory report ---- */
+
+static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_stream_t stream,
+                              gpumem_status_t cause, const char* cause_text) {
+  gpumem_stats_t st;
+  st = gm->stats;
+  fill_derived(gm, &st);
+  size_t dev_free = 0, total = 0;
+  gm->stats.backend_calls[GPUMEM_CALL_mem_info]++;
+  if (gm->backend->mem_info(gm->backend->ctx, &dev_free, &total) != GPUMEM_OK) dev_free = 0;
+  char req[32], tot[32], fre[32], lim[32], res[32], alloc_b[32], pend[32], cached[32], largest[32];
+  int64_t active = st.active_bytes[GPUMEM_POOL_ALL].current;
+  int64_t allocated = st.allocated_bytes[GPUMEM_POOL_ALL].current;
+  int64_t reserved = st.reserved_bytes[GPUMEM_POOL_ALL].current;
+  gm_format_bytes(size, req, sizeof req);
+  gm_format_bytes(gm->device_total, tot, sizeof tot);
+  gm_format_bytes(dev_free, fre, sizeof fre);
+  gm_format_bytes(gm->limit, lim, sizeof lim);
+  gm_format_bytes((uint64_t)reserved, res, sizeof res);
+  gm_format_bytes((uint64_t)allocated, alloc_b, sizeof alloc_b);
+  gm_format_bytes((uint64_t)(active - allocated), pend, sizeof pend);
+  gm_format_bytes(st.cached_free_bytes, cached, sizeof cached);
+  gm_format_bytes(st.largest_free_block, largest, sizeof largest);
+  const char* advice;
+  char advice_buf[400];
+  if (cause != GPUMEM_ERR_OUT_OF_MEMORY) {
+    advice = "the device reported an error other than out of memory (see above); the allocator is unchanged";
+  } else if (st.cached_free_bytes >= rsize && st.largest_free_block < rsize) {
+    snprintf(advice_buf, sizeof advice_buf,
+             "fragmentation: %s is cached free but the largest piece is %s. %s", cached, largest,
+             gm->virtual_memory ? "Free memory sits in partly used pages."
+                                : "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
+                                  "policy, max_split_size_mb limits splitting of large blocks.");
+    advice = advice_buf;
+  } else if (active - allocated >= (int64_t)rsize) {
+    advice = "freed memory is still waiting for work on other streams (record_stream); synchronize those streams "
+             "before allocating";
+  } else if (gm->limit && (uint64_t)reserved + rsize > gm->limit && dev_free >= rsize) {
+    advice = "the limit, not the device, refused: raise the limit or lower the batch size";
+  } else {
+    advice = "live allocations fill the memory: free tensors, lower the batch size, or use activation "
+             "checkpointing";
+  }
+  gpumem_set_last_error(
+      "gpumem: out of memory: tried to allocate %s (%zu bytes) on stream 0x%lx. Device: %s total, %s free. "
+      "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, %s cached "
+      "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.",
+      req, size, (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached, largest,
+      st.fragmentation * 100.0, gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
+      cause_text[0] ? cause_text : gpumem_strerror(cause), advice);
+}
+
+/* ---- per-device default instances ---- */
+
+#define GM_MAX_DEVICES 64
+static gpumem_t* default_instances[GM_MAX_DEVICES];
+static pthread_mutex_t default_lock = PTHREAD_MUTEX_INITIALIZER;
+
+gpumem_t* gpumem_default(int device) {
+  if (device < 0 || device >= GM_MAX_DEVICES) {
+    gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_default: device %d out of range [0, %d)", device, GM_MAX_DEVICES);
+    return NULL;
+  }
+  pthread_mutex_lock(&default_lock);
+  gpumem_t* gm = default_instances[device];
+  if (!gm) {
+    gpumem_options_t opts;
+    gpumem_options_init(&opts);
+    const char* conf = getenv("GPUMEM_CONF");
+    gpumem_status_t st = gpumem_options_parse(&opts, conf);
+    if (st == GPUMEM_OK) {
+      gpumem_cuda_options_t copts;
+      gpumem_cuda_options_init(&copts);
+      copts.device = device;
+      gpumem_backend_t* be = gpumem_cuda_create(&copts, &st);
+      if (be) {
+        opts.own_backend = 1;
+        gm = gpumem_create(be, &opts, &st);
+        if (!gm) gpumem_cuda_destroy(be);
+      }
+    }
+    default_instances[device] = gm;
+  }
+  pthread_mutex_unlock(&default_lock);
+  return gm;
+}

@@ -1,0 +1,415 @@
+/* Blocks and the structures that find them: the slab that recycles block
+ * structs, the free index (best fit by size then address, segregated into
+ * size classes with a bitmap, one treap per class), the pointer map from
+ * allocated address to block, and splitting and merging.
+ *
+ * Best fit must be exact (smallest size, then lowest address, as PyTorch's
+ * std::set ordering gives) so that the pytorch policy reproduces PyTorch's
+ * choices. Size classes keep each treap small; the bitmap skips empty
+ * classes in a few word operations, so finding a block costs O(log n) in
+ * the worst case and a handful of steps in practice. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+/* ---- block slab ---- */
+
+#define GM_SLAB_CHUNK 1024
+
+gm_block* gm_block_new(gpumem_t* gm) {
+  gm_block_slab* slab = &gm->slab;
+  if (GM_UNLIKELY(!slab->free_list)) {
+    if (slab->num_chunks == slab->chunk_capacity) {
+      size_t cap = slab->chunk_capacity ? slab->chunk_capacity * 2 : 16;
+      void** chunks = realloc(slab->chunks, cap * sizeof *chunks);
+      if (!chunks) return NULL;
+      slab->chunks = chunks;
+      slab->chunk_capacity = cap;
+    }
+    gm_block* chunk = malloc(GM_SLAB_CHUNK * sizeof *chunk);
+    if (!chunk) return NULL;
+    slab->chunks[slab->num_chunks++] = chunk;
+    for (size_t i = 0; i < GM_SLAB_CHUNK; i++) {
+      chunk[i].next = slab->free_list;
+      slab->free_list = &chunk[i];
+    }
+  }
+  gm_block* b = slab->free_list;
+  slab->free_list = b->next;
+  slab->live++;
+  memset(b, 0, sizeof *b);
+  return b;
+}
+
+void gm_block_delete(gpumem_t* gm, gm_block* b) {
+  free(b->extra_uses);
+  b->extra_uses = NULL;
+  b->next = gm->slab.free_list;
+  gm->slab.free_list = b;
+  gm->slab.live--;
+}
+
+void gm_slab_destroy(gm_block_slab* slab) {
+  for (size_t i = 0; i < slab->num_chunks; i++) {
+    /* Blocks still holding use arrays were freed by their owners already;
+     * the chunks themselves go here. */
+    free(slab->chunks[i]);
+  }
+  free(slab->chunks);
+  memset(slab, 0, sizeof *slab);
+}
+
+/* ---- free index ---- */
+
+static inline unsigned size_class(size_t size) {
+  size_t units = size / GM_MIN_BLOCK;
+  if (units < 8) return (unsigned)units;
+  unsigned log = 63u - (unsigned)__builtin_clzll((unsigned long long)units);
+  unsigned sub = (unsigned)(units >> (log - 3)) & 7u;
+  unsigned cls = 8u + (log - 3u) * 8u + sub;
+  return cls < GM_CLASS_COUNT ? cls : GM_CLASS_COUNT - 1;
+}
+
+static inline bool block_less(const gm_block* a, const gm_block* b) {
+  return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+}
+
+static inline uint32_t addr_priority(uintptr_t addr) {
+  uint64_t h = (uint64_t)addr * 0x9E3779B97F4A7C15ull;
+  return (uint32_t)(h >> 32);
+}
+
+/* Splits treap t into keys < key and keys > key (key itself is absent). */
+static void treap_split(gm_block* t, const gm_block* key, gm_block** lo, gm_block** hi) {
+  while (t) {
+    if (block_less(t, key)) {
+      *lo = t;
+      lo = &t->right;
+      t = t->right;
+    } else {
+      *hi = t;
+      hi = &t->left;
+      t = t->left;
+    }
+  }
+  *lo = NULL;
+  *hi = NULL;
+}
+
+/* Joins two treaps whose keys are all ordered a < b. */
+static gm_block* treap_join(gm_block* a, gm_block* b) {
+  gm_block* root = NULL;
+  gm_block** link = &root;
+  while (a && b) {
+    if (a->prio >= b->prio) {
+      *link = a;
+      link = &a->right;
+      a = a->right;
+    } else {
+      *link = b;
+      link = &b->left;
+      b = b->left;
+    }
+  }
+  *link = a ? a : b;
+  return root;
+}
+
+void gm_index_insert(gm_free_index* ix, gm_block* b) {
+  unsigned cls = size_class(b->size);
+  b->prio = addr_priority(b->addr);
+  gm_block** link = &ix->roots[cls];
+  while (*link && (*link)->prio >= b->prio) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
+  treap_split(*link, b, &b->left, &b->right);
+  *link = b;
+  ix->nonempty[cls / 64] |= 1ull << (cls % 64);
+  ix->count++;
+  ix->bytes += b->size;
+}
+
+void gm_index_remove(gm_free_index* ix, gm_block* b) {
+  unsigned cls = size_class(b->size);
+  gm_block** link = &ix->roots[cls];
+  while (*link != b) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
+  *link = treap_join(b->left, b->right);
+  b->left = b->right = NULL;
+  if (!ix->roots[cls]) ix->nonempty[cls / 64] &= ~(1ull << (cls % 64));
+  ix->count--;
+  ix->bytes -= b->size;
+}
+
+static gm_block* treap_min(gm_block* t) {
+  while (t && t->left) t = t->left;
+  return t;
+}
+
+static gm_block* treap_max(gm_block* t) {
+  while (t && t->right) t = t->right;
+  return t;
+}
+
+/* First class >= cls with a block, or GM_CLASS_COUNT. */
+static unsigned next_nonempty(const gm_free_index* ix, unsigned cls) {
+  unsigned word = cls / 64;
+  uint64_t bits = ix->nonempty[word] & (~0ull << (cls % 64));
+  while (!bits) {
+    if (++word >= GM_CLASS_WORDS) return GM_CLASS_COUNT;
+    bits = ix->nonempty[word];
+  }
+  return word * 64 + (unsigned)__builtin_ctzll(bits);
+}
+
+gm_block* gm_index_find(const gm_free_index* ix, size_t size) {
+  unsigned cls = size_class(size);
+  if (ix->nonempty[cls / 64] & (1ull << (cls % 64))) {
+    /* lower bound of (size, 0) inside the class */
+    gm_block* best = NULL;
+    for (gm_block* t = ix->roots[cls]; t;) {
+      if (t->size >= size) {
+        best = t;
+        t = t->left;
+      } else {
+        t = t->right;
+      }
+    }
+    if (best) return best;
+  }
+  unsigned next = next_nonempty(ix, cls + 1);
+  return next < GM_CLASS_COUNT ? treap_min(ix->roots[next]) : NULL;
+}
+
+gm_block* gm_index_next(const gm_free_index* ix, const gm_block* b) {
+  unsigned cls = size_class(b->size);
+  gm_block* best = NULL;
+  for (gm_block* t = ix->roots[cls]; t;) {
+    if (block_less(b, t)) {
+      best = t;
+      t = t->left;
+    } else {
+      t = t->right;
+    }
+  }
+  if (best) return best;
+  unsigned next = next_nonempty(ix, cls + 1);
+  return next < GM_CLASS_COUNT ? treap_min(ix->roots[next]) : NULL;
+}
+
+gm_block* gm_index_largest(const gm_free_index* ix) {
+  for (unsigned w = GM_CLASS_WORDS; w-- > 0;) {
+    if (ix->nonempty[w]) {
+      unsigned cls = w * 64 + 63u - (unsigned)__builtin_clzll(ix->nonempty[w]);
+      return treap_max(ix->roots[cls]);
+    }
+  }
+  return NULL;
+}
+
+static void treap_visit(gm_block* t, gm_block_visit_fn fn, void* arg) {
+  while (t) {
+    gm_block* right = t->right;
+    treap_visit(t->left, fn, arg);
+    fn(t, arg); /* may remove t: its children were read first */
+    t = right;
+  }
+}
+
+void gm_index_visit(const gm_free_index* ix, gm_block_visit_fn fn, void* arg) {
+  for (unsigned cls = 0; cls < GM_CLASS_COUNT; cls++) {
+    if (ix->roots[cls]) treap_visit(ix->roots[cls], fn, arg);
+  }
+}
+
+typedef struct index_check_state {
+  const gm_pool* pool;
+  unsigned cls;
+  size_t count;
+  size_t bytes;
+  size_t errors;
+} index_check_state;
+
+static void check_treap(gm_block* t, const gm_block* lo, const gm_block* hi, index_check_state* st) {
+  if (!t) return;
+  if ((lo && !block_less(lo, t)) || (hi && !block_less(t, hi))) {
+    if (!st->errors) gpumem_set_last_error("check: free index out of order at block 0x%lx", (unsigned long)t->addr);
+    st->errors++;
+  }
+  if ((t->left && t->left->prio > t->prio) || (t->right && t->right->prio > t->prio)) {
+    if (!st->errors) gpumem_set_last_error("check: treap heap order broken at 0x%lx", (unsigned long)t->addr);
+    st->errors++;
+  }
+  if (t->state != GM_FREE || t->pool != st->pool || size_class(t->size) != st->cls) {
+    if (!st->errors)
+      gpumem_set_last_error("check: indexed block 0x%lx is not free, or in the wrong pool or class",
+                            (unsigned long)t->addr);
+    st->errors++;
+  }
+  st->count++;
+  st->bytes += t->size;
+  check_treap(t->left, lo, t, st);
+  check_treap(t->right, t, hi, st);
+}
+
+size_t gm_index_check(const gm_free_index* ix, const gm_pool* pool) {
+  index_check_state st = {pool, 0, 0, 0, 0};
+  for (unsigned cls = 0; cls < GM_CLASS_COUNT; cls++) {
+    bool bit = (ix->nonempty[cls / 64] >> (cls % 64)) & 1u;
+    if (bit != (ix->roots[cls] != NULL)) {
+      if (!st.errors) gpumem_set_last_error("check: class bitmap disagrees with class %u", cls);
+      st.errors++;
+    }
+    st.cls = cls;
+    check_treap(ix->roots[cls], NULL, NULL, &st);
+  }
+  if (st.count != ix->count || st.bytes != ix->bytes) {
+    if (!st.errors) gpumem_set_last_error("check: free index counts %zu blocks/%zu bytes, holds %zu/%zu",
+                                          ix->count, ix->bytes, st.count, st.bytes);
+    st.errors++;
+  }
+  return st.errors;
+}
+
+/* ---- pointer map ---- */
+
+static inline size_t ptr_hash(uintptr_t addr, size_t mask) {
+  return (size_t)(((uint64_t)addr * 0x9E3779B97F4A7C15ull) >> 20) & mask;
+}
+
+gpumem_status_t gm_ptr_map_init(gm_ptr_map* m) {
+  m->mask = 1023;
+  m->count = 0;
+  m->slots = calloc(m->mask + 1, sizeof *m->slots);
+  return m->slots ? GPUMEM_OK : gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the pointer map");
+}
+
+void gm_ptr_map_destroy(gm_ptr_map* m) {
+  free(m->slots);
+  m->slots = NULL;
+}
+
+static void ptr_map_put(gm_block** slots, size_t mask, gm_block* b) {
+  size_t i = ptr_hash(b->addr, mask);
+  while (slots[i]) i = (i + 1) & mask;
+  slots[i] = b;
+}
+
+gpumem_status_t gm_ptr_map_insert(gm_ptr_map* m, gm_block* b) {
+  if (GM_UNLIKELY((m->count + 1) * 2 > m->mask + 1)) {
+    size_t new_mask = m->mask * 2 + 1;
+    gm_block** slots = calloc(new_mask + 1, sizeof *slots);
+    if (!slots) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory growing the pointer map");
+    for (size_t i = 0; i <= m->mask; i++) {
+      if (m->slots[i]) ptr_map_put(slots, new_mask, m->slots[i]);
+    }
+    free(m->slots);
+    m->slots = slots;
+    m->mask = new_mask;
+  }
+  ptr_map_put(m->slots, m->mask, b);
+  m->count++;
+  return GPUMEM_OK;
+}
+
+gm_block* gm_ptr_map_find(const gm_ptr_map* m, uintptr_t addr) {
+  for (size_t i = ptr_hash(addr, m->mask);; i = (i + 1) & m->mask) {
+    gm_block* b = m->slots[i];
+    if (!b || b->addr == addr) return b;
+  }
+}
+
+gm_block* gm_ptr_map_remove(gm_ptr_map* m, uintptr_t addr) {
+  size_t mask = m->mask;
+  size_t i = ptr_hash(addr, mask);
+  for (;; i = (i + 1) & mask) {
+    if (!m->slots[i]) return NULL;
+    if (m->slots[i]->addr == addr) break;
+  }
+  gm_block* found = m->slots[i];
+  /* Backward-shift deletion keeps probe sequences intact without tombstones. */
+  for (size_t j = i;;) {
+    j = (j + 1) & mask;
+    gm_block* b = m->slots[j];
+    if (!b) break;
+    size_t home = ptr_hash(b->addr, mask);
+    bool movable = (j > i) ? (home <= i || home > j) : (home <= i && home > j);
+    if (movable) {
+      m->slots[i] = b;
+      i = j;
+    }
+  }
+  m->slots[i] = NULL;
+  m->count--;
+  return found;
+}
+
+/* ---- split and merge ---- */
+
+static void absorb_neighbour(gpumem_t* gm, gm_block* b, gm_block* n, int64_t* split_count,
+                             int64_t* split_bytes) {
+  gm_pool* pool = b->pool;
+  gm_index_remove(&pool->index, n);
+  if (n->in_dirty) gm_dirty_remove(pool, n);
+  *split_count -= 1;
+  *split_bytes -= (int64_t)n->size;
+  if (n == b->prev) {
+    if (b->seg->first == n) b->seg->first = b;
+    b->addr = n->addr;
+    b->prev = n->prev;
+    if (b->prev) b->prev->next = b;
+  } else {
+    b->next = n->next;
+    if (b->next) b->next->prev = b;
+  }
+  b->size += n->size;
+  gm_block_delete(gm, n);
+}
+
+gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
+  bool small = b->pool->is_small;
+  size_t original_size = b->size;
+  int64_t split_count = 0, split_bytes = 0;
+  b->state = GM_FREE;
+  if (b->prev && b->prev->state == GM_FREE) absorb_neighbour(gm, b, b->prev, &split_count, &split_bytes);
+  if (b->next && b->next->state == GM_FREE) absorb_neighbour(gm, b, b->next, &split_count, &split_bytes);
+  gm_index_insert(&b->pool->index, b);
+  if (gm_block_is_split(b)) {
+    split_count += 1;
+    split_bytes += (int64_t)b->size;
+  }
+  gm_stat_pool_add(gm, gm->stats.inactive_split, small, split_count);
+  gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, split_bytes);
+  gm_stat_pool_add(gm, gm->stats.active, small, -1);
+  gm_stat_pool_add(gm, gm->stats.active_bytes, small, -(int64_t)original_size);
+  if (b->seg->is_arena && b->size >= gm->page_size) gm_dirty_add(b->pool, b);
+  return b;
+}
+
+void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split) {
+  bool small = b->pool->is_small;
+  bool was_split = gm_block_is_split(b);
+  if (was_split) {
+    gm_stat_pool_add(gm, gm->stats.inactive_split, small, -1);
+    gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, -(int64_t)b->size);
+  }
+  if (split) {
+    gm_block* rest = gm_block_new(gm);
+    if (rest) {
+      rest->addr = b->addr + size;
+      rest->size = b->size - size;
+      rest->seg = b->seg;
+      rest->pool = b->pool;
+      rest->state = GM_FREE;
+      rest->prev = b;
+      rest->next = b->next;
+      if (b->next) b->next->prev = rest;
+      b->next = rest;
+      b->size = size;
+      gm_index_insert(&b->pool->index, rest);
+      gm_stat_pool_add(gm, gm->stats.inactive_split, small, 1);
+      gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, (int64_t)rest->size);
+      if (rest->seg->is_arena && rest->size >= gm->page_size) gm_dirty_add(rest->pool, rest);
+    }
+    /* Without a block struct the whole block is handed out: correct, merely
+     * less economical, and only under host memory exhaustion. */
+  }
+}

@@ -1,0 +1,170 @@
+/* gpumem_check: walks every structure and verifies the invariants written
+ * in engine.h. Counts violations and describes the first one; it never
+ * changes the allocator. O(blocks + pages): meant for tests. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "engine.h"
+
+typedef struct check_ctx {
+  size_t errors;
+} check_ctx;
+
+static void violation(check_ctx* c, const char* fmt, ...) GM_PRINTF(2, 3);
+static void violation(check_ctx* c, const char* fmt, ...) {
+  if (c->errors++ == 0) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    gpumem_set_last_error("gpumem_check: %s", msg);
+  }
+}
+
+typedef struct sums {
+  int64_t allocated[GPUMEM_POOL_COUNT], allocated_bytes[GPUMEM_POOL_COUNT];
+  int64_t active[GPUMEM_POOL_COUNT], active_bytes[GPUMEM_POOL_COUNT];
+  int64_t requested_bytes[GPUMEM_POOL_COUNT];
+  int64_t split[GPUMEM_POOL_COUNT], split_bytes[GPUMEM_POOL_COUNT];
+  int64_t segments[GPUMEM_POOL_COUNT], reserved[GPUMEM_POOL_COUNT];
+  size_t free_blocks, pending_refs, mapped_pages;
+} sums;
+
+static void add(int64_t* arr, bool small, int64_t v) {
+  arr[GPUMEM_POOL_ALL] += v;
+  arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE] += v;
+}
+
+static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) {
+  bool small = seg->pool->is_small;
+  uintptr_t expect = seg->addr;
+  const gm_block* prev = NULL;
+  size_t ps = gm->page_size;
+  add(s->segments, small, 1);
+  if (!seg->is_arena) add(s->reserved, small, (int64_t)seg->size);
+  if (!seg->first) violation(c, "segment 0x%lx has no blocks", (unsigned long)seg->addr);
+  for (const gm_block* b = seg->first; b; prev = b, b = b->next) {
+    if (b->prev != prev) violation(c, "block 0x%lx: prev link broken", (unsigned long)b->addr);
+    if (b->addr != expect) {
+      violation(c, "block 0x%lx: expected at 0x%lx (gap or overlap)", (unsigned long)b->addr, (unsigned long)expect);
+    }
+    if (b->seg != seg || b->pool != seg->pool) violation(c, "block 0x%lx: wrong segment or pool", (unsigned long)b->addr);
+    if (b->size == 0 || b->size % GM_MIN_BLOCK) violation(c, "block 0x%lx: size %zu", (unsigned long)b->addr, b->size);
+    expect = b->addr + b->size;
+    switch (b->state) {
+      case GM_FREE:
+        s->free_blocks++;
+        if (prev && prev->state == GM_FREE) violation(c, "free neighbours 0x%lx and 0x%lx unmerged", (unsigned long)prev->addr, (unsigned long)b->addr);
+        if (gm_block_is_split(b)) {
+          add(s->split, small, 1);
+          add(s->split_bytes, small, (int64_t)b->size);
+        }
+        break;
+      case GM_ALLOCATED:
+        if (gm_ptr_map_find(&gm->ptrs, b->addr) != b) violation(c, "allocated block 0x%lx missing from the pointer map", (unsigned long)b->addr);
+        if (b->requested > b->size) violation(c, "block 0x%lx: requested %zu > size %zu", (unsigned long)b->addr, b->requested, b->size);
+        add(s->allocated, small, 1);
+        add(s->allocated_bytes, small, (int64_t)b->size);
+        add(s->requested_bytes, small, (int64_t)b->requested);
+        add(s->active, small, 1);
+        add(s->active_bytes, small, (int64_t)b->size);
+        break;
+      case GM_PENDING:
+        if (!b->pending_events) violation(c, "pending block 0x%lx waits for no event", (unsigned long)b->addr);
+        s->pending_refs += b->pending_events;
+        add(s->active, small, 1);
+        add(s->active_bytes, small, (int64_t)b->size);
+        break;
+      default:
+        violation(c, "block 0x%lx: bad state %d", (unsigned long)b->addr, b->state);
+    }
+    if (b->state != GM_FREE && b->in_dirty) violation(c, "non-free block 0x%lx in a dirty list", (unsigned long)b->addr);
+    if (seg->is_arena && b->state != GM_FREE) {
+      size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
+      for (size_t p = first; p <= last; p++) {
+        if (!gm_arena_page_mapped(seg, p)) {
+          violation(c, "page %zu under live block 0x%lx is not mapped", p, (unsigned long)b->addr);
+          break;
+        }
+      }
+    }
+  }
+  if (expect != seg->addr + seg->size) violation(c, "segment 0x%lx: blocks cover %lu of %zu bytes", (unsigned long)seg->addr, (unsigned long)(expect - seg->addr), seg->size);
+  if (seg->is_arena) {
+    size_t mapped = 0;
+    for (size_t p = 0; p < seg->num_pages; p++) {
+      bool bit = gm_arena_page_mapped(seg, p);
+      mapped += bit;
+      if (bit != (seg->handles[p] != 0)) violation(c, "arena 0x%lx page %zu: bitmap and handle disagree", (unsigned long)seg->addr, p);
+    }
+    if (mapped != seg->mapped_pages) violation(c, "arena 0x%lx: %zu pages mapped, counter says %zu", (unsigned long)seg->addr, mapped, seg->mapped_pages);
+    s->mapped_pages += mapped;
+    if (small) s->reserved[GPUMEM_POOL_SMALL] += (int64_t)(mapped * ps);
+  }
+}
+
+static void compare(check_ctx* c, const char* name, const gpumem_stat_t* stat, const int64_t* sum) {
+  static const char* const pools[] = {"all", "small_pool", "large_pool"};
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {
+    if (stat[p].current != sum[p]) {
+      violation(c, "%s.%s.current is %lld, the structures hold %lld", name, pools[p], (long long)stat[p].current, (long long)sum[p]);
+    }
+    if (stat[p].current > stat[p].peak || stat[p].current < 0) violation(c, "%s.%s: current %lld outside [0, peak %lld]", name, pools[p], (long long)stat[p].current, (long long)stat[p].peak);
+  }
+}
+
+size_t gpumem_check(gpumem_t* gm) {
+  check_ctx c = {0};
+  if (!gm) {
+    gpumem_set_last_error("gpumem_check: NULL allocator");
+    return 1;
+  }
+  pthread_mutex_lock(&gm->lock);
+  sums s = {0};
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->next_seg && seg->next_seg->prev_seg != seg) violation(&c, "segment list broken");
+    check_segment(gm, seg, &s, &c);
+  }
+  size_t indexed = 0;
+  for (gm_stream* st = gm->streams; st; st = st->next) {
+    for (int i = 0; i < GM_NUM_POOLS; i++) {
+      gm_pool* pool = &st->pools[i];
+      c.errors += gm_index_check(&pool->index, pool);
+      indexed += pool->index.count;
+      const gm_block* prev = NULL;
+      for (const gm_block* b = pool->dirty_head; b; prev = b, b = b->dirty_next) {
+        if (!b->in_dirty || b->dirty_prev != prev || b->pool != pool) violation(&c, "dirty list of stream 0x%lx broken", (unsigned long)st->handle);
+      }
+      if (pool->dirty_tail != prev) violation(&c, "dirty list tail of stream 0x%lx wrong", (unsigned long)st->handle);
+    }
+  }
+  if (indexed != s.free_blocks) violation(&c, "%zu free blocks in segments, %zu in the index", s.free_blocks, indexed);
+  if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL]) violation(&c, "pointer map holds %zu, %lld blocks allocated", gm->ptrs.count, (long long)s.allocated[GPUMEM_POOL_ALL]);
+  if (s.pending_refs != gm->pending_count) violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
+  if (gm->virtual_memory) {
+    int64_t all = (int64_t)((s.mapped_pages + gm->num_spare_pages) * gm->page_size);
+    s.reserved[GPUMEM_POOL_ALL] = all;
+    s.reserved[GPUMEM_POOL_LARGE] = all - s.reserved[GPUMEM_POOL_SMALL];
+  }
+  const gpumem_stats_t* st = &gm->stats;
+  compare(&c, "allocation", st->allocation, s.allocated);
+  compare(&c, "allocated_bytes", st->allocated_bytes, s.allocated_bytes);
+  compare(&c, "active", st->active, s.active);
+  compare(&c, "active_bytes", st->active_bytes, s.active_bytes);
+  compare(&c, "requested_bytes", st->requested_bytes, s.requested_bytes);
+  compare(&c, "inactive_split", st->inactive_split, s.split);
+  compare(&c, "inactive_split_bytes", st->inactive_split_bytes, s.split_bytes);
+  compare(&c, "segment", st->segment, s.segments);
+  compare(&c, "reserved_bytes", st->reserved_bytes, s.reserved);
+  int64_t req = st->requested_bytes[0].current, alloc = st->allocated_bytes[0].current;
+  int64_t act = st->active_bytes[0].current, res = st->reserved_bytes[0].current;
+  if (!(req <= alloc && alloc <= act && act <= res)) {
+    violation(&c, "requested %lld <= allocated %lld <= active %lld <= reserved %lld does not hold", (long long)req, (long long)alloc, (long long)act, (long long)res);
+  }
+  if (gm->slab.live != s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]) {
+    violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live, s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]);
+  }
+  pthread_mutex_unlock(&gm->lock);
+  return c.errors;
+}

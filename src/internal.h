@@ -1,0 +1,32 @@
+/* Cross-file internals shared by every subsystem (gm_ prefix). The engine's
+ * own structures live in engine.h. */
+#ifndef GPUMEM_INTERNAL_H
+#define GPUMEM_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+
+#define GM_KIB ((size_t)1024)
+#define GM_MIB (GM_KIB * 1024)
+#define GM_GIB (GM_MIB * 1024)
+
+#if defined(__GNUC__)
+#define GM_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GM_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define GM_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define GM_LIKELY(x) (x)
+#define GM_UNLIKELY(x) (x)
+#define GM_PRINTF(a, b)
+#endif
+
+/* Sets the thread-local detail message and returns status. */
+gpumem_status_t gm_fail(gpumem_status_t status, const char* fmt, ...) GM_PRINTF(2, 3);
+
+/* Writes a byte count as "12.34 MiB" into buf (at least 32 bytes). */
+const char* gm_format_bytes(uint64_t bytes, char* buf, size_t len);
+
+#endif

@@ -1,0 +1,398 @@
+/* Virtual memory for the default policy: arenas (one reserved address
+ * range per stream and pool, tiled by blocks at 512 B granularity),
+ * physical pages mapped under blocks on demand, and reclamation of the
+ * whole pages that lie inside free blocks.
+ *
+ * Reserved memory is the physical pages held: mapped ones plus a spare
+ * list of unmapped ones. A page is taken from the spare list first; then,
+ * under the lazy setting, a new page is created only while reserved memory
+ * stays within the allocated high-water mark plus headroom, and otherwise
+ * free pages are reclaimed (unmapped from free blocks, oldest free first)
+ * and mapped where they are needed. Unmapping is synchronous with respect
+ * to the host, not the stream, so a stream whose blocks are reclaimed is
+ * synchronized first unless nothing was freed on it since its last sync.
+ *
+ * Reserved bytes per pool: pages mapped in small arenas count as small;
+ * large-arena and spare pages count as large. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+bool gm_arena_page_mapped(const gm_segment* seg, size_t page) {
+  return (seg->mapped_bits[page / 64] >> (page % 64)) & 1u;
+}
+
+static inline void set_mapped(gm_segment* seg, size_t page, gpumem_phys_t handle) {
+  seg->mapped_bits[page / 64] |= 1ull << (page % 64);
+  seg->handles[page] = handle;
+  seg->mapped_pages++;
+}
+
+static inline void clear_mapped(gm_segment* seg, size_t page) {
+  seg->mapped_bits[page / 64] &= ~(1ull << (page % 64));
+  seg->handles[page] = 0;
+  seg->mapped_pages--;
+}
+
+/* True when pages [first, last] are all mapped: a word at a time. */
+static bool range_mapped(const gm_segment* seg, size_t first, size_t last) {
+  while (first <= last) {
+    size_t word = first / 64, bit = first % 64;
+    size_t span = 64 - bit;
+    if (span > last - first + 1) span = last - first + 1;
+    uint64_t mask = (span == 64 ? ~0ull : ((1ull << span) - 1)) << bit;
+    if ((seg->mapped_bits[word] & mask) != mask) return false;
+    first += span;
+  }
+  return true;
+}
+
+bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size) {
+  return range_mapped(seg, (addr - seg->addr) / page_size, (addr + size - 1 - seg->addr) / page_size);
+}
+
+gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out) {
+  size_t ps = gm->page_size;
+  size_t size = gm->arena_size;
+  if (min_size > size) size = gm_round_up(min_size, ps);
+  size_t num_pages = size / ps;
+  gm_segment* seg = calloc(1, sizeof *seg);
+  gm_block* b = gm_block_new(gm);
+  uint64_t* bits = calloc((num_pages + 63) / 64, sizeof *bits);
+  /* calloc of a large table maps zero pages lazily: untouched entries of a
+   * big arena cost no host memory. */
+  gpumem_phys_t* handles = calloc(num_pages, sizeof *handles);
+  if (!seg || !b || !bits || !handles) {
+    free(seg);
+    free(bits);
+    free(handles);
+    if (b) gm_block_delete(gm, b);
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an arena of %zu pages", num_pages);
+  }
+  uintptr_t addr = 0;
+  gpumem_status_t st = GM_CALL(gm, reserve, gm->backend->reserve(gm->backend->ctx, size, &addr));
+  if (st != GPUMEM_OK) {
+    free(seg);
+    free(bits);
+    free(handles);
+    gm_block_delete(gm, b);
+    return st;
+  }
+  seg->addr = addr;
+  seg->size = size;
+  seg->pool = pool;
+  seg->first = b;
+  seg->is_arena = true;
+  seg->num_pages = num_pages;
+  seg->mapped_bits = bits;
+  seg->handles = handles;
+  gm_segment_link(gm, seg);
+  b->addr = addr;
+  b->size = size;
+  b->seg = seg;
+  b->pool = pool;
+  b->state = GM_FREE;
+  gm_index_insert(&pool->index, b);
+  gm_stat_pool_add(gm, gm->stats.segment, pool->is_small, 1);
+  *out = b;
+  return GPUMEM_OK;
+}
+
+void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
+  size_t ps = gm->page_size;
+  for (size_t p = 0; p < seg->num_pages; p++) {
+    if (!gm_arena_page_mapped(seg, p)) continue;
+    gpumem_phys_t h = seg->handles[p];
+    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+    GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
+  }
+  GM_CALL(gm, release_range, gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size));
+  free(seg->mapped_bits);
+  free(seg->handles);
+  free(seg);
+}
+
+/* ---- dirty lists: free blocks that may hold mapped whole pages ---- */
+
+void gm_dirty_add(gm_pool* pool, gm_block* b) {
+  if (b->in_dirty) return;
+  b->in_dirty = 1;
+  b->dirty_next = NULL;
+  b->dirty_prev = pool->dirty_tail;
+  if (pool->dirty_tail) pool->dirty_tail->dirty_next = b;
+  else pool->dirty_head = b;
+  pool->dirty_tail = b;
+}
+
+void gm_dirty_remove(gm_pool* pool, gm_block* b) {
+  if (!b->in_dirty) return;
+  if (b->dirty_prev) b->dirty_prev->dirty_next = b->dirty_next;
+  else pool->dirty_head = b->dirty_next;
+  if (b->dirty_next) b->dirty_next->dirty_prev = b->dirty_prev;
+  else pool->dirty_tail = b->dirty_prev;
+  b->dirty_prev = b->dirty_next = NULL;
+  b->in_dirty = 0;
+}
+
+/* Whole pages inside block b: [*first, *end). */
+static bool interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end) {
+  size_t ps = gm->page_size;
+  uintptr_t lo = gm_round_up(b->addr - b->seg->addr, ps);
+  uintptr_t hi = (b->addr + b->size - b->seg->addr) / ps * ps;
+  if (hi <= lo) return false;
+  *first = lo / ps;
+  *end = hi / ps;
+  /* Beyond the highest page ever mapped nothing can be mapped. */
+  return true;
+}
+
+/* True when no page of [first, end) is mapped. */
+static bool range_mapped_none(const gm_segment* seg, size_t first, size_t end) {
+  size_t p = first;
+  while (p < end) {
+    size_t word = p / 64, bit = p % 64;
+    size_t span = 64 - bit;
+    if (span > end - p) span = end - p;
+    uint64_t mask = (span == 64 ? ~0ull : ((1ull << span) - 1)) << bit;
+    if (seg->mapped_bits[word] & mask) return false;
+    p += span;
+  }
+  return true;
+}
+
+/* ---- spare pages ---- */
+
+static gpumem_status_t spare_push(gpumem_t* gm, gpumem_phys_t h) {
+  if (gm->num_spare_pages == gm->spare_pages_capacity) {
+    size_t cap = gm->spare_pages_capacity ? gm->spare_pages_capacity * 2 : 64;
+    gpumem_phys_t* grown = realloc(gm->spare_pages, cap * sizeof *grown);
+    if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
+    gm->spare_pages = grown;
+    gm->spare_pages_capacity = cap;
+  }
+  gm->spare_pages[gm->num_spare_pages++] = h;
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
+  size_t ps = gm->page_size;
+  while (gm->num_spare_pages > keep) {
+    gpumem_phys_t h = gm->spare_pages[gm->num_spare_pages - 1];
+    gpumem_status_t st = GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
+    if (st != GPUMEM_OK) return st;
+    gm->num_spare_pages--;
+    gm->stats.num_device_free++;
+    gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, -(int64_t)ps);
+  }
+  return GPUMEM_OK;
+}
+
+/* ---- reclaim ---- */
+
+static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s) {
+  if (!s->frees_since_sync || !gm->backend->stream_sync) return GPUMEM_OK;
+  gm->stats.num_syncs++;
+  gpumem_status_t st = GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
+  if (st == GPUMEM_OK) s->frees_since_sync = 0;
+  return st;
+}
+
+/* Unmaps the mapped whole pages inside b, up to *budget pages (0 = all).
+ * One unmap call per run of consecutive pages. */
+static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, size_t* got) {
+  size_t first, end;
+  gm_segment* seg = b->seg;
+  size_t ps = gm->page_size;
+  bool small = seg->pool->is_small;
+  if (!interior_pages(gm, b, &first, &end)) return GPUMEM_OK;
+  size_t p = first;
+  while (p < end && (!*budget || *got < *budget)) {
+    /* skip unmapped pages a word at a time */
+    if (!gm_arena_page_mapped(seg, p)) {
+      if (p % 64 == 0 && seg->mapped_bits[p / 64] == 0) p += 64;
+      else p++;
+      continue;
+    }
+    size_t run_end = p;
+    while (run_end < end && gm_arena_page_mapped(seg, run_end) && (!*budget || *got + (run_end - p) < *budget)) {
+      run_end++;
+    }
+    size_t n = run_end - p;
+    if (gm->spare_pages_capacity < gm->num_spare_pages + n) {
+      /* make room first so a successful unmap cannot lose handles */
+      size_t cap = gm->spare_pages_capacity ? gm->spare_pages_capacity : 64;
+      while (cap < gm->num_spare_pages + n) cap *= 2;
+      gpumem_phys_t* grown = realloc(gm->spare_pages, cap * sizeof *grown);
+      if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
+      gm->spare_pages = grown;
+      gm->spare_pages_capacity = cap;
+    }
+    gpumem_status_t st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, n * ps));
+    if (st != GPUMEM_OK) return st;
+    for (size_t q = p; q < run_end; q++) {
+      gm->spare_pages[gm->num_spare_pages++] = seg->handles[q];
+      clear_mapped(seg, q);
+    }
+    gm->stats.num_pages_unmapped += (int64_t)n;
+    if (small) {
+      gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], -(int64_t)(n * ps));
+      gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], (int64_t)(n * ps));
+    }
+    *got += n;
+    p = run_end;
+  }
+  return GPUMEM_OK;
+}
+
+static int by_addr_desc(const void* a, const void* b) {
+  const gm_block* x = *(gm_block* const*)a;
+  const gm_block* y = *(gm_block* const*)b;
+  return x->addr > y->addr ? -1 : 1;
+}
+
+static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, size_t want, size_t* got) {
+  size_t n = 0;
+  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) n++;
+  if (!n) return GPUMEM_OK;
+  gm_block** order = malloc(n * sizeof *order);
+  if (!order) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory reclaiming pages");
+  n = 0;
+  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) order[n++] = b;
+  /* Highest addresses first: best fit refills low holes soonest, so pages
+   * at the top of an arena are the ones least likely to be wanted back. In
+   * replays this halves page moves against oldest-freed-first. */
+  qsort(order, n, sizeof *order, by_addr_desc);
+  bool synced = false;
+  for (size_t i = 0; i < n && (!want || *got < want); i++) {
+    gm_block* b = order[i];
+    size_t first, end;
+    bool has_pages = interior_pages(gm, b, &first, &end) && !range_mapped_none(b->seg, first, end);
+    if (has_pages && !synced) {
+      gpumem_status_t st = sync_stream_for_reclaim(gm, pool->stream);
+      if (st != GPUMEM_OK) { free(order); return st; }
+      synced = true;
+    }
+    if (has_pages) {
+      size_t budget = want;
+      gpumem_status_t st = reclaim_block(gm, b, &budget, got);
+      if (st != GPUMEM_OK) { free(order); return st; }
+      if (want && *got >= want) {
+        if (range_mapped_none(b->seg, first, end)) gm_dirty_remove(pool, b);
+        break;
+      }
+    }
+    gm_dirty_remove(pool, b);
+  }
+  free(order);
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_reclaim(gpumem_t* gm, size_t want, size_t* reclaimed) {
+  size_t got = 0;
+  gpumem_status_t st = GPUMEM_OK;
+  /* Large pools first: their free pages come in runs, one unmap each. */
+  for (int i = GM_NUM_POOLS; i-- > 0 && st == GPUMEM_OK;) {
+    for (gm_stream* s = gm->streams; s && st == GPUMEM_OK && (!want || got < want); s = s->next) {
+      st = reclaim_pool(gm, &s->pools[i], want, &got);
+    }
+  }
+  if (got) gm->stats.num_reclaims++;
+  if (reclaimed) *reclaimed = got;
+  return st;
+}
+
+uint64_t gm_reclaimable_bytes(gpumem_t* gm) {
+  uint64_t pages = 0;
+  for (gm_stream* s = gm->streams; s; s = s->next) {
+    for (int i = 0; i < GM_NUM_POOLS; i++) {
+      for (gm_block* b = s->pools[i].dirty_head; b; b = b->dirty_next) {
+        size_t first, end;
+        if (!interior_pages(gm, b, &first, &end)) continue;
+        for (size_t p = first; p < end; p++) pages += gm_arena_page_mapped(b->seg, p);
+      }
+    }
+  }
+  return pages * gm->page_size;
+}
+
+/* Creates one physical page (as spare), within the limit. */
+static gpumem_status_t create_page(gpumem_t* gm) {
+  size_t ps = gm->page_size;
+  if (gm->limit && (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current + ps > gm->limit) {
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "the limit of %zu bytes is reached", gm->limit);
+  }
+  gpumem_phys_t h = 0;
+  gpumem_status_t st = GM_CALL(gm, create_page, gm->backend->create_page(gm->backend->ctx, ps, &h));
+  if (st != GPUMEM_OK) return st;
+  st = spare_push(gm, h);
+  if (st != GPUMEM_OK) {
+    GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
+    return st;
+  }
+  gm->stats.num_device_alloc++;
+  gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, (int64_t)ps);
+  return GPUMEM_OK;
+}
+
+/* Makes `need` spare pages available for a request of `size` bytes. */
+static gpumem_status_t provide_pages(gpumem_t* gm, size_t need, size_t size) {
+  if (gm->num_spare_pages >= need) return GPUMEM_OK;
+  size_t ps = gm->page_size;
+  size_t missing = need - gm->num_spare_pages;
+  uint64_t reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+  uint64_t grown = reserved + (uint64_t)missing * ps;
+  bool reclaim_first = false;
+  if (gm->opts.reclaim == GPUMEM_RECLAIM_LAZY) {
+    /* Grow freely while reserved memory stays near the most ever
+     * allocated; past it, move free pages instead of taking new ones. */
+    uint64_t hw = gm->allocated_high_water;
+    uint64_t now = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current + size;
+    if (now > hw) hw = now;
+    reclaim_first = (double)grown > (double)hw * (1.0 + gm->opts.headroom);
+  }
+  if (gm->limit && grown > gm->limit) reclaim_first = true;
+  if (reclaim_first) {
+    gpumem_status_t st = gm_reclaim(gm, missing, NULL);
+    if (st != GPUMEM_OK) return st;
+  }
+  while (gm->num_spare_pages < need) {
+    gpumem_status_t st = create_page(gm);
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && !reclaim_first) {
+      /* The device or the limit refused: free pages elsewhere may do. */
+      reclaim_first = true;
+      size_t got = 0;
+      st = gm_reclaim(gm, need - gm->num_spare_pages, &got);
+      if (st == GPUMEM_OK && !got) st = GPUMEM_ERR_OUT_OF_MEMORY;
+      if (st == GPUMEM_OK) continue;
+    }
+    if (st != GPUMEM_OK) return st;
+  }
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size) {
+  size_t ps = gm->page_size;
+  size_t first = (addr - seg->addr) / ps;
+  size_t last = (addr + size - 1 - seg->addr) / ps;
+  if (GM_LIKELY(range_mapped(seg, first, last))) return GPUMEM_OK;
+  size_t need = 0;
+  for (size_t p = first; p <= last; p++) need += !gm_arena_page_mapped(seg, p);
+  gpumem_status_t st = provide_pages(gm, need, size);
+  if (st != GPUMEM_OK) return st;
+  bool small = seg->pool->is_small;
+  for (size_t p = first; p <= last; p++) {
+    if (gm_arena_page_mapped(seg, p)) continue;
+    gpumem_phys_t h = gm->spare_pages[gm->num_spare_pages - 1];
+    st = GM_CALL(gm, map, gm->backend->map(gm->backend->ctx, seg->addr + p * ps, ps, h));
+    if (st != GPUMEM_OK) return st;
+    gm->num_spare_pages--;
+    set_mapped(seg, p, h);
+    gm->stats.num_pages_mapped++;
+    if (small) {
+      gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], -(int64_t)ps);
+      gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], (int64_t)ps);
+    }
+  }
+  return GPUMEM_OK;
+}

@@ -1,0 +1,203 @@
+/* Streams: the per-stream pools, the streams a block was used on
+ * (record_stream), and deferred frees. A block freed after use on other
+ * streams is not reusable until events recorded on those streams at the
+ * time of the free have completed; until then it is PENDING, counted as
+ * active, and referenced from a FIFO of (event, block) pairs. Events are
+ * pooled: creating one per free would put a driver call on the free path. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle) {
+  gm_stream* s = gm->last_stream;
+  if (GM_LIKELY(s && s->handle == handle)) return s;
+  for (s = gm->streams; s; s = s->next) {
+    if (s->handle == handle) {
+      gm->last_stream = s;
+      return s;
+    }
+  }
+  s = calloc(1, sizeof *s);
+  if (!s) return NULL;
+  s->handle = handle;
+  for (int i = 0; i < GM_NUM_POOLS; i++) {
+    s->pools[i].stream = s;
+    s->pools[i].is_small = i == GM_POOL_SMALL;
+  }
+  s->next = gm->streams;
+  gm->streams = s;
+  gm->last_stream = s;
+  return s;
+}
+
+void gm_streams_destroy(gpumem_t* gm) {
+  gm_stream* s = gm->streams;
+  while (s) {
+    gm_stream* next = s->next;
+    free(s);
+    s = next;
+  }
+  gm->streams = NULL;
+  gm->last_stream = NULL;
+}
+
+static gpumem_stream_t* block_uses(gm_block* b) {
+  return b->num_uses > GM_INLINE_USES ? b->extra_uses : b->inline_uses;
+}
+
+gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream) {
+  if (stream == b->pool->stream->handle) return GPUMEM_OK;
+  gpumem_stream_t* uses = block_uses(b);
+  for (unsigned i = 0; i < b->num_uses; i++) {
+    if (uses[i] == stream) return GPUMEM_OK;
+  }
+  if (b->num_uses < GM_INLINE_USES) {
+    b->inline_uses[b->num_uses++] = stream;
+    return GPUMEM_OK;
+  }
+  if (b->num_uses == UINT16_MAX) {
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: block 0x%lx is used on too many streams",
+                   (unsigned long)b->addr);
+  }
+  if (b->num_uses == GM_INLINE_USES || b->num_uses == b->extra_capacity) {
+    uint32_t cap = b->extra_capacity ? b->extra_capacity * 2 : 8;
+    gpumem_stream_t* grown = realloc(b->extra_uses, cap * sizeof *grown);
+    if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_record_stream: out of host memory");
+    if (b->num_uses == GM_INLINE_USES) memcpy(grown, b->inline_uses, sizeof b->inline_uses);
+    b->extra_uses = grown;
+    b->extra_capacity = cap;
+  }
+  b->extra_uses[b->num_uses++] = stream;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t take_event(gpumem_t* gm, gpumem_event_t* out) {
+  if (gm->num_spare_events) {
+    *out = gm->spare_events[--gm->num_spare_events];
+    return GPUMEM_OK;
+  }
+  return GM_CALL(gm, event_create, gm->backend->event_create(gm->backend->ctx, out));
+}
+
+static void give_back_event(gpumem_t* gm, gpumem_event_t ev) {
+  if (gm->num_spare_events == gm->spare_events_capacity) {
+    size_t cap = gm->spare_events_capacity ? gm->spare_events_capacity * 2 : 16;
+    gpumem_event_t* grown = realloc(gm->spare_events, cap * sizeof *grown);
+    if (!grown) {
+      GM_CALL(gm, event_destroy, gm->backend->event_destroy(gm->backend->ctx, ev));
+      return;
+    }
+    gm->spare_events = grown;
+    gm->spare_events_capacity = cap;
+  }
+  gm->spare_events[gm->num_spare_events++] = ev;
+}
+
+static gpumem_status_t pending_reserve(gpumem_t* gm, size_t extra) {
+  if (gm->pending_count + extra <= gm->pending_capacity) return GPUMEM_OK;
+  size_t cap = gm->pending_capacity ? gm->pending_capacity : 64;
+  while (cap < gm->pending_count + extra) cap *= 2;
+  gm_pending_event* grown = malloc(cap * sizeof *grown);
+  if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_free: out of host memory for deferred frees");
+  for (size_t i = 0; i < gm->pending_count; i++) {
+    grown[i] = gm->pending[(gm->pending_head + i) % gm->pending_capacity];
+  }
+  free(gm->pending);
+  gm->pending = grown;
+  gm->pending_head = 0;
+  gm->pending_capacity = cap;
+  return GPUMEM_OK;
+}
+
+static bool backend_has_events(const gpumem_t* gm) {
+  const gpumem_backend_t* be = gm->backend;
+  return be->event_create && be->event_destroy && be->event_record && be->event_query && be->event_sync;
+}
+
+gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
+  unsigned n = b->num_uses;
+  gpumem_stream_t* uses = block_uses(b);
+  if (!backend_has_events(gm)) {
+    b->num_uses = 0;
+    gm_free_block(gm, b);
+    return GPUMEM_OK;
+  }
+  gpumem_status_t st = pending_reserve(gm, n);
+  if (st != GPUMEM_OK) return st;
+  /* Record every event first; commit only when all succeeded, so that a
+   * failure leaves nothing half done. */
+  gpumem_event_t local[16];
+  gpumem_event_t* events = n <= 16 ? local : malloc(n * sizeof *events);
+  if (!events) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_free: out of host memory");
+  unsigned taken = 0;
+  for (; taken < n; taken++) {
+    st = take_event(gm, &events[taken]);
+    if (st != GPUMEM_OK) break;
+    st = GM_CALL(gm, event_record, gm->backend->event_record(gm->backend->ctx, events[taken], uses[taken]));
+    if (st != GPUMEM_OK) {
+      give_back_event(gm, events[taken]);
+      break;
+    }
+  }
+  if (st != GPUMEM_OK) {
+    for (unsigned i = 0; i < taken; i++) give_back_event(gm, events[i]);
+    if (events != local) free(events);
+    /* Fall back to waiting for the streams now: slower, equally safe. */
+    for (unsigned i = 0; i < n; i++) {
+      gm->stats.num_syncs++;
+      st = GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, uses[i]));
+      if (st != GPUMEM_OK) return st;
+    }
+    b->num_uses = 0;
+    gm_free_block(gm, b);
+    return GPUMEM_OK;
+  }
+  b->state = GM_PENDING;
+  b->pending_events = n;
+  for (unsigned i = 0; i < n; i++) {
+    size_t slot = (gm->pending_head + gm->pending_count) % gm->pending_capacity;
+    gm->pending[slot].event = events[i];
+    gm->pending[slot].block = b;
+    gm->pending_count++;
+  }
+  if (events != local) free(events);
+  b->num_uses = 0;
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_process_events(gpumem_t* gm, bool wait) {
+  while (gm->pending_count) {
+    gm_pending_event* pe = &gm->pending[gm->pending_head];
+    gpumem_status_t st;
+    if (wait) {
+      gm->stats.num_syncs++;
+      st = GM_CALL(gm, event_sync, gm->backend->event_sync(gm->backend->ctx, pe->event));
+    } else {
+      st = GM_CALL(gm, event_query, gm->backend->event_query(gm->backend->ctx, pe->event));
+      if (st == GPUMEM_NOT_READY) return GPUMEM_OK;
+    }
+    if (st != GPUMEM_OK) return st;
+    gm_block* b = pe->block;
+    give_back_event(gm, pe->event);
+    gm->pending_head = (gm->pending_head + 1) % gm->pending_capacity;
+    gm->pending_count--;
+    if (--b->pending_events == 0) gm_free_block(gm, b);
+  }
+  return GPUMEM_OK;
+}
+
+void gm_events_destroy(gpumem_t* gm) {
+  for (size_t i = 0; i < gm->pending_count; i++) {
+    gpumem_event_t ev = gm->pending[(gm->pending_head + i) % gm->pending_capacity].event;
+    GM_CALL(gm, event_destroy, gm->backend->event_destroy(gm->backend->ctx, ev));
+  }
+  for (size_t i = 0; i < gm->num_spare_events; i++) {
+    GM_CALL(gm, event_destroy, gm->backend->event_destroy(gm->backend->ctx, gm->spare_events[i]));
+  }
+  free(gm->pending);
+  free(gm->spare_events);
+  gm->pending = NULL;
+  gm->spare_events = NULL;
+  gm->pending_count = gm->num_spare_events = 0;
+}

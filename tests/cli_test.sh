@@ -1,0 +1,269 @@
+#!/bin/bash
+# End-to-end tests of the gpumem command line on a tiny trace written here:
+# exit codes (0 ok, 1 error, 2 usage), error messages that name the file and
+# the line, the JSON fields, out-of-memory under a small limit, the
+# min-limit bracket, summary and compare.
+# usage: GPUMEM_BIN=build/gpumem bash tests/cli_test.sh SOURCE_DIR
+set -u
+
+SRC=${1:-.}
+BIN=${GPUMEM_BIN:-$SRC/build/gpumem}
+PASS=0
+FAIL=0
+T=$(mktemp -d "${TMPDIR:-/tmp}/gpumem_cli.XXXXXX")
+trap 'rm -rf "$T"' EXIT
+
+ok() { PASS=$((PASS + 1)); }
+bad() {
+  FAIL=$((FAIL + 1))
+  echo "FAIL: $*" >&2
+}
+
+# run CMD...: runs it with stdin closed; sets rc, out, err.
+run() {
+  "$@" </dev/null >"$T/out" 2>"$T/err"
+  rc=$?
+  out=$(cat "$T/out")
+  err=$(cat "$T/err")
+}
+expect_rc() { # WANT WHAT
+  if [ "$rc" -eq "$1" ]; then ok; else bad "$2: exit $rc, want $1; stderr: $err"; fi
+}
+expect_in() { # NEEDLE HAYSTACK WHAT
+  case "$2" in
+    *"$1"*) ok ;;
+    *) bad "$3: '$1' not in: $2" ;;
+  esac
+}
+expect_not_in() { # NEEDLE HAYSTACK WHAT
+  case "$2" in
+    *"$1"*) bad "$3: '$1' unexpectedly in: $2" ;;
+    *) ok ;;
+  esac
+}
+# json_num KEY: the number KEY has in $out (first match), or "".
+json_num() { printf '%s\n' "$out" | sed -n "s/.*\"$1\":\([0-9.]*\).*/\1/p" | head -1; }
+
+if [ ! -x "$BIN" ]; then
+  echo "cli_test: no gpumem binary at $BIN (set GPUMEM_BIN)" >&2
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
+# A tiny trace: two "weights", then three steps of eight activations
+# (1..8 MB) freed in reverse, one of them used on a side stream.
+TINY=$T/tiny.trace
+{
+  echo "# gpumem-trace v1"
+  echo "a 1000 4000000 0"
+  echo "a 1001 6000000 0"
+  for step in 1 2 3; do
+    for i in 0 1 2 3 4 5 6 7; do echo "a $i $(((i + 1) * 1000000)) 0"; done
+    echo "r 3 5"
+    for i in 7 6 5 4 3 2 1 0; do echo "f $i"; done
+  done
+} >"$TINY"
+PEAK_LIVE=46000000
+gzip -c "$TINY" >"$T/tiny.trace.gz"
+
+# ---- usage and errors ----
+
+run "$BIN"
+expect_rc 2 "no arguments"
+expect_in "usage: gpumem" "$err" "no arguments"
+
+run "$BIN" --help
+expect_rc 0 "--help"
+expect_in "usage: gpumem" "$out" "--help"
+
+run "$BIN" replay --help
+expect_rc 0 "replay --help"
+expect_in "--min-limit" "$out" "replay --help"
+
+run "$BIN" frobnicate
+expect_rc 2 "unknown command"
+expect_in "unknown command 'frobnicate'" "$err" "unknown command"
+expect_in "usage:" "$err" "unknown command"
+
+run "$BIN" replay --frobnicate "$TINY"
+expect_rc 2 "unknown option"
+expect_in "unknown option '--frobnicate'" "$err" "unknown option"
+expect_in "usage: gpumem replay" "$err" "unknown option"
+
+run "$BIN" replay -x "$TINY"
+expect_rc 2 "unknown short option"
+
+run "$BIN" replay
+expect_rc 2 "replay without a trace"
+
+run "$BIN" replay "$TINY" --limit
+expect_rc 2 "--limit without a value"
+
+run "$BIN" summary --min-limit "$TINY"
+expect_rc 2 "summary does not take --min-limit"
+
+# A malformed line: the message names the file and the line.
+BAD=$T/bad.trace
+printf '# header\na 0 100 0\nf 0 7\n' >"$BAD"
+run "$BIN" replay "$BAD"
+expect_rc 1 "malformed line"
+expect_in "gpumem: " "$err" "malformed line"
+expect_in "bad.trace" "$err" "malformed line"
+expect_in "line 3" "$err" "malformed line"
+expect_in "extra field" "$err" "malformed line"
+
+printf 'a 0 100 0\nf 1\n' >"$BAD"
+run "$BIN" replay --json "$BAD"
+expect_rc 1 "free of an unknown id"
+expect_in "bad.trace: line 2: free of id 1 which is not allocated" "$err" "free of an unknown id"
+[ -z "$out" ] && ok || bad "nothing on stdout after a trace error: $out"
+
+gzip -c "$BAD" >"$BAD.gz"
+run "$BIN" summary "$BAD.gz"
+expect_rc 1 "summary of a malformed gzip trace"
+expect_in "bad.trace.gz: line 2" "$err" "summary of a malformed gzip trace"
+
+run "$BIN" replay "$T/does_not_exist.trace.gz"
+expect_rc 1 "missing file"
+expect_in "gpumem: " "$err" "missing file"
+expect_in "does_not_exist.trace.gz" "$err" "missing file"
+
+run "$BIN" replay --limit 12Q "$TINY"
+expect_rc 1 "bad --limit"
+expect_in "gpumem: " "$err" "bad --limit"
+expect_in "12Q" "$err" "bad --limit"
+
+run "$BIN" replay --limit-ratio -3 "$TINY"
+expect_rc 1 "bad --limit-ratio"
+
+run "$BIN" replay --passes many "$TINY"
+expect_rc 1 "bad --passes"
+
+run "$BIN" replay --policy fastest "$TINY"
+expect_rc 1 "bad --policy"
+expect_in "fastest" "$err" "bad --policy"
+
+run "$BIN" replay --conf "bogus_key:1" "$TINY"
+expect_rc 1 "bad --conf"
+expect_in "gpumem: " "$err" "bad --conf"
+expect_in "bogus_key" "$err" "bad --conf"
+
+# ---- replay ----
+
+run "$BIN" replay "$TINY"
+expect_rc 0 "replay"
+expect_in "peak live" "$out" "replay"
+expect_in "0.043 GiB ($PEAK_LIVE bytes)" "$out" "replay peak live"
+expect_in "peak reserved" "$out" "replay"
+expect_in "oom             no" "$out" "replay"
+# Not a terminal: no progress line, nothing at all on stderr.
+[ -z "$err" ] && ok || bad "replay wrote to stderr when it is not a terminal: $err"
+
+run "$BIN" replay --json --passes 2 "$T/tiny.trace.gz"
+expect_rc 0 "replay --json"
+for key in trace policy events allocations peak_live_bytes peak_reserved_bytes reserved_ratio \
+  ns_per_op_cold ns_per_op_warm oom oom_event limit_bytes backend_calls backend_calls_warm \
+  num_syncs num_alloc_retries; do
+  expect_in "\"$key\":" "$out" "replay --json field $key"
+done
+expect_in '"events":53,' "$out" "replay --json events"
+expect_in '"allocations":26,' "$out" "replay --json allocations"
+expect_in "\"peak_live_bytes\":$PEAK_LIVE," "$out" "replay --json peak live"
+expect_in '"oom":false' "$out" "replay --json oom"
+expect_in '"limit_bytes":null' "$out" "replay --json limit"
+expect_in '"policy":"default"' "$out" "replay --json policy"
+[ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && ok || bad "replay --json: not one line: $out"
+case "$out" in "{"*"}") ok ;; *) bad "replay --json: not one object: $out" ;; esac
+if command -v python3 >/dev/null 2>&1; then
+  if printf '%s\n' "$out" | python3 -c 'import json,sys; [json.loads(l) for l in sys.stdin]'; then
+    ok
+  else
+    bad "replay --json: not valid JSON: $out"
+  fi
+fi
+RESERVED=$(json_num peak_reserved_bytes)
+
+run "$BIN" replay --json --policy pytorch "$TINY" "$T/tiny.trace.gz"
+expect_rc 0 "replay --json of two traces"
+expect_in '"policy":"pytorch"' "$out" "replay --json --policy pytorch"
+[ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ] && ok || bad "two traces: not two lines: $out"
+
+# A limit below what the trace needs: out of memory, reported, exit 0.
+run "$BIN" replay --limit 20M "$TINY"
+expect_rc 0 "replay under a small limit"
+expect_in "oom             yes" "$out" "replay under a small limit"
+expect_in "limit 0.020 GiB" "$out" "replay under a small limit"
+
+run "$BIN" replay --json --limit-ratio 0.5 "$TINY"
+expect_rc 0 "replay --limit-ratio 0.5"
+expect_in '"oom":true' "$out" "replay --limit-ratio 0.5"
+expect_in "\"limit_bytes\":$((PEAK_LIVE / 2))," "$out" "replay --limit-ratio 0.5"
+OOM_EVENT=$(json_num oom_event)
+[ -n "$OOM_EVENT" ] && ok || bad "oom_event missing: $out"
+
+# The same through the configuration string.
+run "$BIN" replay --json --conf "limit:20M" "$TINY"
+expect_rc 0 "replay --conf limit"
+expect_in '"oom":true' "$out" "replay --conf limit"
+
+# The smallest limit lies between peak live and the unlimited reserve.
+run "$BIN" replay --json --min-limit "$TINY"
+expect_rc 0 "replay --min-limit"
+expect_in '"min_limit_bytes":' "$out" "replay --min-limit"
+expect_in '"min_limit_ratio":' "$out" "replay --min-limit"
+MIN=$(json_num min_limit_bytes)
+RES=$(json_num peak_reserved_bytes)
+if [ -n "$MIN" ] && [ -n "$RES" ] && [ "$MIN" -ge "$PEAK_LIVE" ] && [ "$MIN" -le "$RES" ]; then
+  ok
+else
+  bad "min limit '$MIN' not within [$PEAK_LIVE, '$RES']"
+fi
+[ "$RES" = "$RESERVED" ] && ok || bad "peak reserved differs between runs: $RES vs $RESERVED"
+
+run "$BIN" replay --min-limit "$TINY"
+expect_rc 0 "replay --min-limit (human)"
+expect_in "min limit" "$out" "replay --min-limit (human)"
+expect_in "x peak live" "$out" "replay --min-limit (human)"
+
+# The real GPU: works where there is one, says why where there is none.
+run "$BIN" replay --device cuda --passes 0 "$TINY"
+if [ "$rc" -eq 0 ]; then
+  expect_in "CUDA device" "$out" "replay --device cuda"
+else
+  expect_rc 1 "replay --device cuda without a GPU"
+  expect_in "gpumem: " "$err" "replay --device cuda without a GPU"
+  expect_in "CUDA" "$err" "replay --device cuda without a GPU"
+fi
+
+# ---- compare ----
+
+run "$BIN" replay --compare --passes 1 "$TINY"
+expect_rc 0 "replay --compare"
+expect_in "pytorch" "$out" "replay --compare"
+expect_in "default" "$out" "replay --compare"
+expect_in "ANCHORS.md" "$out" "replay --compare"
+expect_in "tiny" "$out" "replay --compare"
+
+run "$BIN" replay --compare --policy pytorch "$TINY"
+expect_rc 2 "replay --compare with --policy"
+
+run "$BIN" replay --compare --json --passes 1 "$TINY"
+expect_rc 0 "replay --compare --json"
+[ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ] && ok || bad "compare --json: not two lines: $out"
+
+# ---- summary ----
+
+run "$BIN" summary --policy pytorch "$TINY"
+expect_rc 0 "summary"
+expect_in "tiny" "$out" "summary"
+[ "$(printf '%s\n' "$out" | wc -l)" -gt 3 ] && ok || bad "summary too short: $out"
+
+run "$BIN" summary --json "$TINY"
+expect_rc 0 "summary --json"
+case "$out" in "{"*) ok ;; *) bad "summary --json: not an object: $out" ;; esac
+
+run "$BIN" summary "$TINY" "$TINY"
+expect_rc 2 "summary of two traces"
+
+echo "cli_test: $PASS passed, $FAIL failed"
+[ "$FAIL" -eq 0 ]

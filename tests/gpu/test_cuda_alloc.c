@@ -1,0 +1,603 @@
+/* The allocator on a real GPU, through the CUDA backend, under both
+ * policies: every byte handed out is usable and no two live blocks share a
+ * byte; blocks freed while other streams still work on them are never
+ * handed out (or their pages moved) before that work is done; out of
+ * memory at the device's real limit is reported and recovered from; the
+ * driver's free-memory count agrees with the allocator's reserved bytes;
+ * empty_cache gives memory back; a limit holds while the device has room.
+ * Exits 77 (skipped) where no driver or GPU exists.
+ *
+ * The GPU work (memsets, copies, streams) goes through the driver API,
+ * opened with dlopen as the backend does; the test links with neither the
+ * CUDA runtime nor cuda.h, so the few types it needs are declared here
+ * with their ABI (CUresult is an int, handles are pointers, CUdeviceptr a
+ * 64-bit integer).
+ *
+ * Environment: GPUMEM_TEST_MEMINFO_TOL_MIB widens the tolerance between the
+ * driver's and the allocator's counts (compute-sanitizer holds device
+ * memory of its own; the tolerance widens by itself when it is detected). */
+#include <ctype.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+#include "test_util.h"
+
+#define MIB ((size_t)1 << 20)
+#define GIB ((size_t)1 << 30)
+
+/* ---- a minimal driver binding for the test's own GPU work ------------- */
+
+typedef int drv_result;
+typedef unsigned long long drv_ptr;
+typedef void* drv_stream;
+typedef void* drv_ctx;
+enum { DRV_SUCCESS = 0, DRV_STREAM_NON_BLOCKING = 1 };
+
+static struct {
+  void* lib;
+  drv_ctx primary;
+  int device;
+  drv_result (*Init)(unsigned);
+  drv_result (*DeviceGet)(int*, int);
+  drv_result (*PrimaryCtxRetain)(drv_ctx*, int);
+  drv_result (*PrimaryCtxRelease)(int);
+  drv_result (*CtxSetCurrent)(drv_ctx);
+  drv_result (*CtxSynchronize)(void);
+  drv_result (*MemsetD8)(drv_ptr, unsigned char, size_t);
+  drv_result (*MemsetD8Async)(drv_ptr, unsigned char, size_t, drv_stream);
+  drv_result (*MemcpyHtoD)(drv_ptr, const void*, size_t);
+  drv_result (*MemcpyDtoH)(void*, drv_ptr, size_t);
+  drv_result (*StreamCreate)(drv_stream*, unsigned);
+  drv_result (*StreamDestroy)(drv_stream);
+  drv_result (*StreamSynchronize)(drv_stream);
+  drv_result (*MemGetInfo)(size_t*, size_t*);
+  drv_result (*GetErrorName)(drv_result, const char**);
+} drv;
+
+static const char* drv_name(drv_result r) {
+  const char* s = NULL;
+  if (!drv.GetErrorName || drv.GetErrorName(r, &s) != DRV_SUCCESS || !s) return "?";
+  return s;
+}
+
+#define DRV_OK(expr)                                                                               \
+  do {                                                                                             \
+    drv_result r_ = (expr);                                                                        \
+    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_));                          \
+  } while (0)
+
+static int drv_sym(void* fnptr, const char* name) {
+  void* p = dlsym(drv.lib, name);
+  if (!p) fprintf(stderr, "libcuda.so.1 lacks %s\n", name);
+  memcpy(fnptr, &p, sizeof p);
+  return p != NULL;
+}
+
+/* Opens the driver and makes the primary context current, as an
+ * application using the runtime (PyTorch) would have. */
+static int drv_open(int device) {
+  drv.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!drv.lib) return 0;
+  int ok = 1;
+  ok &= drv_sym(&drv.Init, "cuInit");
+  ok &= drv_sym(&drv.DeviceGet, "cuDeviceGet");
+  ok &= drv_sym(&drv.PrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+  ok &= drv_sym(&drv.PrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+  ok &= drv_sym(&drv.CtxSetCurrent, "cuCtxSetCurrent");
+  ok &= drv_sym(&drv.CtxSynchronize, "cuCtxSynchronize");
+  ok &= drv_sym(&drv.MemsetD8, "cuMemsetD8_v2");
+  ok &= drv_sym(&drv.MemsetD8Async, "cuMemsetD8Async");
+  ok &= drv_sym(&drv.MemcpyHtoD, "cuMemcpyHtoD_v2");
+  ok &= drv_sym(&drv.MemcpyDtoH, "cuMemcpyDtoH_v2");
+  ok &= drv_sym(&drv.StreamCreate, "cuStreamCreate");
+  ok &= drv_sym(&drv.StreamDestroy, "cuStreamDestroy_v2");
+  ok &= drv_sym(&drv.StreamSynchronize, "cuStreamSynchronize");
+  ok &= drv_sym(&drv.MemGetInfo, "cuMemGetInfo_v2");
+  ok &= drv_sym(&drv.GetErrorName, "cuGetErrorName");
+  if (!ok) return 0;
+  int dev = 0;
+  if (drv.Init(0) != DRV_SUCCESS || drv.DeviceGet(&dev, device) != DRV_SUCCESS) return 0;
+  drv.device = dev;
+  if (drv.PrimaryCtxRetain(&drv.primary, dev) != DRV_SUCCESS) return 0;
+  return drv.CtxSetCurrent(drv.primary) == DRV_SUCCESS;
+}
+
+static void drv_close(void) {
+  if (drv.primary) drv.PrimaryCtxRelease(drv.device);
+  if (drv.lib) dlclose(drv.lib);
+  memset(&drv, 0, sizeof drv);
+}
+
+static size_t device_free(void) {
+  size_t fr = 0, tot = 0;
+  DRV_OK(drv.MemGetInfo(&fr, &tot));
+  return fr;
+}
+
+static size_t device_total(void) {
+  size_t fr = 0, tot = 0;
+  DRV_OK(drv.MemGetInfo(&fr, &tot));
+  return tot;
+}
+
+/* ---- helpers ------------------------------------------------------------ */
+
+static uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+static uint64_t rng(void) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return rng_state;
+}
+
+static int contains_nocase(const char* hay, const char* needle) {
+  size_t n = strlen(needle);
+  for (; *hay; hay++) {
+    size_t i = 0;
+    while (i < n && hay[i] && tolower((unsigned char)hay[i]) == tolower((unsigned char)needle[i]))
+      i++;
+    if (i == n) return 1;
+  }
+  return n == 0;
+}
+
+/* Position-dependent bytes: a page mapped at the wrong place shows. */
+static unsigned char pattern_byte(size_t i, unsigned seed) {
+  return (unsigned char)((i >> 12) * 31u + i * 7u + seed * 101u);
+}
+
+static unsigned char* scratch; /* 8 MiB host staging buffer */
+#define SCRATCH (8 * MIB)
+
+static void fill_pattern(uintptr_t addr, size_t len, unsigned seed) {
+  for (size_t off = 0; off < len; off += SCRATCH) {
+    size_t n = len - off < SCRATCH ? len - off : SCRATCH;
+    for (size_t i = 0; i < n; i++) scratch[i] = pattern_byte(off + i, seed);
+    DRV_OK(drv.MemcpyHtoD((drv_ptr)(addr + off), scratch, n));
+  }
+}
+
+static size_t check_pattern(uintptr_t addr, size_t len, unsigned seed) {
+  size_t bad = 0;
+  for (size_t off = 0; off < len; off += SCRATCH) {
+    size_t n = len - off < SCRATCH ? len - off : SCRATCH;
+    DRV_OK(drv.MemcpyDtoH(scratch, (drv_ptr)(addr + off), n));
+    for (size_t i = 0; i < n; i++) bad += scratch[i] != pattern_byte(off + i, seed);
+  }
+  return bad;
+}
+
+static size_t check_value(uintptr_t addr, size_t len, unsigned char value) {
+  size_t bad = 0;
+  for (size_t off = 0; off < len; off += SCRATCH) {
+    size_t n = len - off < SCRATCH ? len - off : SCRATCH;
+    DRV_OK(drv.MemcpyDtoH(scratch, (drv_ptr)(addr + off), n));
+    for (size_t i = 0; i < n; i++) bad += scratch[i] != value;
+  }
+  return bad;
+}
+
+/* Device work on stream s that keeps buf busy for a while: reps memsets
+ * of len bytes (256 MiB x 100 is about 10 ms on an H100). The last value
+ * written is reps & 0xff. */
+static void queue_busy_work(uintptr_t buf, size_t len, drv_stream s, int reps) {
+  for (int i = 1; i <= reps; i++) DRV_OK(drv.MemsetD8Async((drv_ptr)buf, (unsigned char)i, len, s));
+}
+
+static const char* policy_name(int policy) {
+  return policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default";
+}
+
+/* An allocator over a fresh CUDA backend it owns; NULL (with a failed
+ * check) when it cannot be made. */
+static gpumem_t* make(int policy, int virtual_memory) {
+  gpumem_cuda_options_t co;
+  gpumem_cuda_options_init(&co);
+  co.virtual_memory = virtual_memory;
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_backend_t* be = gpumem_cuda_create(&co, &st);
+  CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
+  if (!be) return NULL;
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.policy = (gpumem_policy_t)policy;
+  o.own_backend = 1;
+  gpumem_t* gm = gpumem_create(be, &o, &st);
+  CHECK_MSG(gm != NULL, "gpumem_create(%s, %s): %s (%s)", be->name, policy_name(policy),
+            gpumem_strerror(st), gpumem_last_error());
+  if (!gm) gpumem_cuda_destroy(be);
+  return gm;
+}
+
+static size_t reserved_now(gpumem_t* gm) {
+  gpumem_stats_t s;
+  gpumem_get_stats(gm, &s);
+  return (size_t)s.reserved_bytes[GPUMEM_POOL_ALL].current;
+}
+
+/* Driver overhead allowed between cuMemGetInfo and reserved_bytes: page
+ * tables and the driver's own bookkeeping for the mappings stay well under
+ * 64 MiB for the few GiB these tests hold; compute-sanitizer keeps device
+ * memory of its own, so under it the bound is looser. */
+static size_t meminfo_tolerance(void) {
+  const char* env = getenv("GPUMEM_TEST_MEMINFO_TOL_MIB");
+  if (env && *env) return (size_t)strtoull(env, NULL, 10) * MIB;
+  const char* inj = getenv("CUDA_INJECTION64_PATH");
+  const char* pre = getenv("LD_PRELOAD");
+  if ((inj && strstr(inj, "anitizer")) || (pre && strstr(pre, "anitizer"))) return 1024 * MIB;
+  return 64 * MIB;
+}
+
+/* Whether the device offers virtual memory (the backend is "cuda"). */
+static int have_vmm;
+
+static size_t absdiff(size_t a, size_t b) { return a > b ? a - b : b - a; }
+
+/* ---- every byte usable, no overlap ------------------------------------- */
+
+typedef struct live_block {
+  uintptr_t addr;
+  size_t size;
+  unsigned seed;
+} live_block;
+
+static size_t random_size(void) {
+  uint64_t r = rng();
+  if (r % 20 == 0) return 64 * MIB + (size_t)(rng() % (240 * MIB)); /* a few large ones */
+  unsigned bits = (unsigned)(rng() % 25);                           /* 1 B .. 16 MiB */
+  return 1 + (size_t)(rng() % ((uint64_t)1 << bits));
+}
+
+static void test_patterns(int policy, int virtual_memory) {
+  gpumem_t* gm = make(policy, virtual_memory);
+  if (!gm) return;
+  enum { MAX_LIVE = 160, OPS = 500 };
+  live_block live[MAX_LIVE];
+  int n = 0;
+  unsigned seed = 1;
+  size_t bad_total = 0, overlaps = 0, misaligned = 0, wrong_size = 0;
+  for (int op = 0; op < OPS; op++) {
+    int do_free = n == MAX_LIVE || (n > 0 && rng() % 100 < 45);
+    if (do_free) {
+      int k = (int)(rng() % (uint64_t)n);
+      /* Before it goes back, it still holds exactly what was written. */
+      bad_total += check_pattern(live[k].addr, live[k].size, live[k].seed);
+      CHECK_STATUS(gpumem_free(gm, (void*)live[k].addr), GPUMEM_OK);
+      live[k] = live[--n];
+    } else {
+      size_t size = random_size();
+      void* p = NULL;
+      gpumem_status_t st = gpumem_malloc(gm, size, 0, &p);
+      CHECK_MSG(st == GPUMEM_OK && p, "malloc(%zu): %s (%s)", size, gpumem_strerror(st),
+                gpumem_last_error());
+      if (st != GPUMEM_OK || !p) break;
+      uintptr_t a = (uintptr_t)p;
+      misaligned += a % 256 != 0;
+      wrong_size += gpumem_allocation_size(gm, p) != size;
+      for (int i = 0; i < n; i++)
+        overlaps += a < live[i].addr + live[i].size && live[i].addr < a + size;
+      live[n].addr = a;
+      live[n].size = size;
+      live[n].seed = seed++;
+      fill_pattern(a, size, live[n].seed);
+      n++;
+    }
+    if (op % 50 == 0) CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  }
+  for (int i = 0; i < n; i++) bad_total += check_pattern(live[i].addr, live[i].size, live[i].seed);
+  CHECK_MSG(bad_total == 0, "%s/%s: %zu bytes differ from what was written", policy_name(policy),
+            virtual_memory ? "vmm" : "plain", bad_total);
+  CHECK_MSG(overlaps == 0, "%zu overlapping live blocks", overlaps);
+  CHECK_MSG(misaligned == 0, "%zu blocks not 256-byte aligned", misaligned);
+  CHECK_MSG(wrong_size == 0, "%zu blocks with a wrong allocation_size", wrong_size);
+  for (int i = 0; i < n; i++) CHECK_STATUS(gpumem_free(gm, (void*)live[i].addr), GPUMEM_OK);
+  CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  gpumem_stats_t s;
+  gpumem_get_stats(gm, &s);
+  CHECK(s.allocated_bytes[GPUMEM_POOL_ALL].current == 0);
+  CHECK(s.virtual_memory == (virtual_memory && have_vmm && policy == GPUMEM_POLICY_DEFAULT));
+  printf("patterns %s/%s: %d ops, peak reserved %.1f MiB, peak allocated %.1f MiB\n",
+         policy_name(policy), virtual_memory ? "vmm" : "plain", OPS,
+         (double)s.reserved_bytes[0].peak / MIB, (double)s.allocated_bytes[0].peak / MIB);
+  gpumem_destroy(gm);
+}
+
+/* ---- the driver's count, empty_cache, limits --------------------------- */
+
+static void test_meminfo_and_empty_cache(int policy) {
+  gpumem_t* gm = make(policy, 1);
+  if (!gm) return;
+  const size_t tol = meminfo_tolerance();
+  const size_t free0 = device_free(); /* baseline: context and allocator exist */
+  enum { N = 40 };
+  void* p[N] = {0};
+  for (int i = 0; i < N; i++) {
+    /* 20 blocks of 100..150 MiB and 20 small ones. */
+    size_t size = i % 2 ? (100 + (size_t)(rng() % 51)) * MIB : 1 + (size_t)(rng() % (2 * MIB));
+    CHECK_STATUS(gpumem_malloc(gm, size, 0, &p[i]), GPUMEM_OK);
+    if (p[i]) DRV_OK(drv.MemsetD8((drv_ptr)(uintptr_t)p[i], 0x11, size));
+  }
+  DRV_OK(drv.CtxSynchronize());
+  size_t free1 = device_free(), reserved1 = reserved_now(gm);
+  size_t used1 = free0 > free1 ? free0 - free1 : 0;
+  printf("meminfo %s: device used %.1f MiB, reserved %.1f MiB (tolerance %.0f MiB)\n",
+         policy_name(policy), (double)used1 / MIB, (double)reserved1 / MIB, (double)tol / MIB);
+  CHECK_MSG(absdiff(used1, reserved1) <= tol, "device used %zu vs reserved %zu", used1, reserved1);
+  CHECK(reserved1 >= 20 * 100 * MIB);
+
+  /* Free half, in a scattered order: the cache keeps what it keeps, but the
+   * two counts still agree. */
+  for (int i = 0; i < N; i += 2) CHECK_STATUS(gpumem_free(gm, p[i]), GPUMEM_OK);
+  for (int i = 3; i < N; i += 4) CHECK_STATUS(gpumem_free(gm, p[i]), GPUMEM_OK);
+  size_t free2 = device_free(), reserved2 = reserved_now(gm);
+  size_t used2 = free0 > free2 ? free0 - free2 : 0;
+  CHECK_MSG(absdiff(used2, reserved2) <= tol, "after frees: device used %zu vs reserved %zu", used2,
+            reserved2);
+  for (int i = 1; i < N; i += 4) CHECK_STATUS(gpumem_free(gm, p[i]), GPUMEM_OK);
+
+  /* Nothing live: empty_cache gives every byte back. */
+  size_t free3 = device_free(), reserved3 = reserved_now(gm);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  size_t free4 = device_free(), reserved4 = reserved_now(gm);
+  printf("empty_cache %s: reserved %.1f -> %.1f MiB, device free +%.1f MiB\n", policy_name(policy),
+         (double)reserved3 / MIB, (double)reserved4 / MIB,
+         ((double)free4 - (double)free3) / (double)MIB);
+  CHECK_MSG(reserved4 == 0, "reserved after empty_cache with nothing live: %zu", reserved4);
+  CHECK_MSG(free4 + tol >= free0, "device free back to baseline: %zu vs %zu", free4, free0);
+  CHECK_MSG(free4 + tol >= free3 + reserved3, "empty_cache returned %zu of %zu cached",
+            free4 > free3 ? free4 - free3 : 0, reserved3);
+  CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  gpumem_destroy(gm);
+}
+
+static void test_limit(int policy) {
+  gpumem_t* gm = make(policy, 1);
+  if (!gm) return;
+  CHECK_STATUS(gpumem_set_limit(gm, 2 * GIB), GPUMEM_OK);
+  CHECK(gpumem_get_limit(gm) == 2 * GIB);
+  void* a = NULL;
+  void* b = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, GIB, 0, &a), GPUMEM_OK);
+  CHECK_MSG(device_free() > 4 * GIB, "the device has room beyond the limit");
+  gpumem_status_t st = gpumem_malloc(gm, 3 * GIB / 2, 0, &b);
+  CHECK_MSG(st == GPUMEM_ERR_OUT_OF_MEMORY, "malloc beyond the limit -> %s", gpumem_strerror(st));
+  CHECK(b == NULL);
+  CHECK_MSG(gpumem_last_error()[0] != '\0', "an explanation is left");
+  printf("limit %s: %s\n", policy_name(policy), gpumem_last_error());
+  CHECK(reserved_now(gm) <= 2 * GIB);
+  CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  /* Under the limit still works. */
+  CHECK_STATUS(gpumem_malloc(gm, 512 * MIB, 0, &b), GPUMEM_OK);
+  CHECK(reserved_now(gm) <= 2 * GIB);
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, a), GPUMEM_OK);
+  /* Lifted: the same request passes. */
+  CHECK_STATUS(gpumem_set_limit(gm, 0), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 3 * GIB, 0, &b), GPUMEM_OK);
+  if (b) DRV_OK(drv.MemsetD8((drv_ptr)(uintptr_t)b, 0x21, 3 * GIB));
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  gpumem_destroy(gm);
+}
+
+/* ---- out of memory at the device's real limit -------------------------- */
+
+static void test_oom(int policy) {
+  gpumem_t* gm = make(policy, 1);
+  if (!gm) return;
+  const size_t free0 = device_free();
+  const int max_blocks = (int)(device_total() / GIB) + 8;
+  void** blocks = calloc((size_t)max_blocks, sizeof *blocks);
+  if (!blocks) return;
+  int n = 0;
+  gpumem_status_t st = GPUMEM_OK;
+  char report[4096] = "";
+  while (n < max_blocks) {
+    void* p = NULL;
+    st = gpumem_malloc(gm, GIB, 0, &p);
+    if (st != GPUMEM_OK) {
+      snprintf(report, sizeof report, "%s", gpumem_last_error());
+      break;
+    }
+    /* Touch both ends: the memory is really there. */
+    DRV_OK(drv.MemsetD8((drv_ptr)(uintptr_t)p, 0x5A, MIB));
+    DRV_OK(drv.MemsetD8((drv_ptr)((uintptr_t)p + GIB - MIB), 0x5A, MIB));
+    blocks[n++] = p;
+  }
+  printf("oom %s: %d x 1 GiB before %s (device had %.2f GiB free)\n%s\n", policy_name(policy), n,
+         gpumem_strerror(st), (double)free0 / GIB, report);
+  CHECK_MSG(st == GPUMEM_ERR_OUT_OF_MEMORY, "filling the device ends in out of memory, got %s",
+            gpumem_strerror(st));
+  CHECK_MSG(report[0] != '\0' && contains_nocase(report, "out of memory"),
+            "the report explains: \"%s\"", report);
+  /* The allocator used the device: at most one block's worth plus the
+   * driver's share left unused. */
+  CHECK_MSG((size_t)n + 2 >= free0 / GIB, "%d blocks of 1 GiB with %zu bytes free", n, free0);
+  CHECK_MSG(gpumem_check(gm) == 0, "consistent after OOM: %s", gpumem_last_error());
+  gpumem_stats_t s;
+  gpumem_get_stats(gm, &s);
+  CHECK(s.num_ooms >= 1);
+  CHECK(s.allocated_bytes[0].current == (int64_t)n * (int64_t)GIB);
+  for (int i = 0; i < n; i++) {
+    unsigned char h[16];
+    DRV_OK(drv.MemcpyDtoH(h, (drv_ptr)((uintptr_t)blocks[i] + GIB - sizeof h), sizeof h));
+    CHECK(h[0] == 0x5A && h[15] == 0x5A);
+    CHECK_STATUS(gpumem_free(gm, blocks[i]), GPUMEM_OK);
+  }
+  CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  /* Recovered: a fresh allocation succeeds, and a big one too. */
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, GIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, (size_t)(n / 2) * GIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK_MSG(device_free() + meminfo_tolerance() >= free0, "all memory back after empty_cache");
+  free(blocks);
+  gpumem_destroy(gm);
+}
+
+/* ---- streams ------------------------------------------------------------ */
+
+/* A block freed while another stream (record_stream) still writes it must
+ * not be handed out, on its own stream or any other, before that work is
+ * done; a block on its own stream may be reused at once (stream order
+ * protects it). After all syncs, every block holds what its last user
+ * wrote: a premature reuse shows as the busy stream's bytes. */
+static void test_streams(int policy) {
+  gpumem_t* gm = make(policy, 1);
+  if (!gm) return;
+  drv_stream s1 = NULL, s2 = NULL, s3 = NULL;
+  DRV_OK(drv.StreamCreate(&s1, DRV_STREAM_NON_BLOCKING));
+  DRV_OK(drv.StreamCreate(&s2, DRV_STREAM_NON_BLOCKING));
+  DRV_OK(drv.StreamCreate(&s3, DRV_STREAM_NON_BLOCKING));
+  const gpumem_stream_t g1 = (gpumem_stream_t)s1, g2 = (gpumem_stream_t)s2,
+                        g3 = (gpumem_stream_t)s3;
+  const size_t n = 64 * MIB;
+  int same1 = 0, same3 = 0;
+  for (int round = 0; round < 6; round++) {
+    void* x = NULL;
+    CHECK_STATUS(gpumem_malloc(gm, n, g1, &x), GPUMEM_OK);
+    if (!x) break;
+    CHECK_STATUS(gpumem_record_stream(gm, x, g2), GPUMEM_OK);
+    queue_busy_work((uintptr_t)x, n, s2, 160); /* ~10 GB of writes on s2 */
+    CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+
+    void* y1 = NULL;
+    void* y3 = NULL;
+    unsigned char v1 = (unsigned char)(0xC0 + round), v3 = (unsigned char)(0xE0 + round);
+    CHECK_STATUS(gpumem_malloc(gm, n, g1, &y1), GPUMEM_OK);
+    CHECK_STATUS(gpumem_malloc(gm, n, g3, &y3), GPUMEM_OK);
+    if (y1) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)y1, v1, n, s1));
+    if (y3) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)y3, v3, n, s3));
+    same1 += y1 == x;
+    same3 += y3 == x;
+    DRV_OK(drv.StreamSynchronize(s1));
+    DRV_OK(drv.StreamSynchronize(s2));
+    DRV_OK(drv.StreamSynchronize(s3));
+    if (y1) CHECK_MSG(check_value((uintptr_t)y1, n, v1) == 0, "round %d: y1 overwritten", round);
+    if (y3) CHECK_MSG(check_value((uintptr_t)y3, n, v3) == 0, "round %d: y3 overwritten", round);
+    CHECK_STATUS(gpumem_free(gm, y1), GPUMEM_OK);
+    CHECK_STATUS(gpumem_free(gm, y3), GPUMEM_OK);
+    CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  }
+  printf("streams %s: reused the busy block on its own stream %d/6, on another %d/6\n",
+         policy_name(policy), same1, same3);
+
+  /* Own-stream reuse: ordered after the stream's work, so immediate reuse
+   * is correct and the new owner's write lands last. */
+  {
+    void* x = NULL;
+    void* y = NULL;
+    CHECK_STATUS(gpumem_malloc(gm, n, g1, &x), GPUMEM_OK);
+    if (x) queue_busy_work((uintptr_t)x, n, s1, 100);
+    CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+    CHECK_STATUS(gpumem_malloc(gm, n, g1, &y), GPUMEM_OK);
+    if (y) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)y, 0x99, n, s1));
+    DRV_OK(drv.StreamSynchronize(s1));
+    if (y) CHECK(check_value((uintptr_t)y, n, 0x99) == 0);
+    CHECK_STATUS(gpumem_free(gm, y), GPUMEM_OK);
+  }
+
+  /* Under a limit that leaves no room, a request on another stream can only
+   * be served by the busy block's memory (its pages moved, or its segment
+   * freed and made again): that must wait for the busy streams. Unmapping
+   * or freeing under running work would fault the memsets (memcheck sees
+   * it; the stream syncs below fail). */
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK_STATUS(gpumem_set_limit(gm, 320 * MIB), GPUMEM_OK);
+  {
+    const size_t m = 256 * MIB;
+    void* x = NULL;
+    void* y = NULL;
+    CHECK_STATUS(gpumem_malloc(gm, m, g1, &x), GPUMEM_OK);
+    if (x) {
+      queue_busy_work((uintptr_t)x, m, s1, 40); /* owner stream busy */
+      CHECK_STATUS(gpumem_record_stream(gm, x, g2), GPUMEM_OK);
+      queue_busy_work((uintptr_t)x, m, s2, 40); /* and another */
+    }
+    CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+    CHECK_STATUS(gpumem_malloc(gm, m, g3, &y), GPUMEM_OK);
+    if (y) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)y, 0x3D, m, s3));
+    DRV_OK(drv.StreamSynchronize(s1));
+    DRV_OK(drv.StreamSynchronize(s2));
+    DRV_OK(drv.StreamSynchronize(s3));
+    if (y) CHECK_MSG(check_value((uintptr_t)y, m, 0x3D) == 0, "moved memory overwritten");
+    CHECK_STATUS(gpumem_free(gm, y), GPUMEM_OK);
+    CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  }
+  CHECK_STATUS(gpumem_set_limit(gm, 0), GPUMEM_OK);
+
+  /* empty_cache while freed blocks are still being written on their own
+   * stream and on another: nothing may be unmapped or freed under them. */
+  {
+    void* x = NULL;
+    void* z = NULL;
+    CHECK_STATUS(gpumem_malloc(gm, 256 * MIB, g1, &x), GPUMEM_OK);
+    CHECK_STATUS(gpumem_malloc(gm, 256 * MIB, g2, &z), GPUMEM_OK);
+    if (x && z) {
+      queue_busy_work((uintptr_t)x, 256 * MIB, s1, 60);
+      CHECK_STATUS(gpumem_record_stream(gm, z, g3), GPUMEM_OK);
+      queue_busy_work((uintptr_t)z, 256 * MIB, s3, 60);
+    }
+    CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+    CHECK_STATUS(gpumem_free(gm, z), GPUMEM_OK);
+    CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+    DRV_OK(drv.StreamSynchronize(s1));
+    DRV_OK(drv.StreamSynchronize(s2));
+    DRV_OK(drv.StreamSynchronize(s3));
+    CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+    CHECK_MSG(reserved_now(gm) == 0, "everything released once the streams are idle");
+    CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  }
+
+  DRV_OK(drv.StreamDestroy(s1));
+  DRV_OK(drv.StreamDestroy(s2));
+  DRV_OK(drv.StreamDestroy(s3));
+  gpumem_destroy(gm);
+}
+
+int main(void) {
+  const char* name = "gpu_test_cuda_alloc";
+  gpumem_cuda_options_t co;
+  gpumem_cuda_options_init(&co);
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_backend_t* probe = gpumem_cuda_create(&co, &st);
+  if (!probe && st == GPUMEM_ERR_UNSUPPORTED) {
+    printf("SKIP: %s\n", gpumem_last_error());
+    return TEST_SKIP;
+  }
+  CHECK_MSG(probe != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st),
+            gpumem_last_error());
+  if (!probe) return test_finish(name);
+  have_vmm = probe->map != NULL;
+  printf("backend \"%s\", page size %zu\n", probe->name, probe->page_size);
+  scratch = malloc(SCRATCH);
+  if (!scratch || !drv_open(0)) {
+    CHECK_MSG(0, "the test's own driver binding failed");
+    gpumem_cuda_destroy(probe);
+    return test_finish(name);
+  }
+  /* The probe keeps the primary context retained across the allocators. */
+
+  const int policies[2] = {GPUMEM_POLICY_DEFAULT, GPUMEM_POLICY_PYTORCH};
+  for (int i = 0; i < 2; i++) {
+    test_patterns(policies[i], 1);
+    if (have_vmm) test_patterns(policies[i], 0);
+    test_meminfo_and_empty_cache(policies[i]);
+    test_limit(policies[i]);
+    test_oom(policies[i]);
+  }
+  /* Last: a premature reuse would fault the context. */
+  for (int i = 0; i < 2; i++) test_streams(policies[i]);
+
+  gpumem_cuda_destroy(probe);
+  drv_close();
+  free(scratch);
+  return test_finish(name);
+}

@@ -1,0 +1,52 @@
+/* Minimal test helpers: CHECK records a failure and goes on; the program's
+ * exit status is the number of failures (capped), and it ends with the
+ * plain "N passed, N failed" line. */
+#ifndef GPUMEM_TEST_UTIL_H
+#define GPUMEM_TEST_UTIL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static long test_checks_passed;
+static long test_checks_failed;
+
+#define CHECK(cond)                                                                  \
+  do {                                                                               \
+    if (cond) {                                                                      \
+      test_checks_passed++;                                                          \
+    } else {                                                                         \
+      test_checks_failed++;                                                          \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);       \
+    }                                                                                \
+  } while (0)
+
+#define CHECK_MSG(cond, ...)                                                         \
+  do {                                                                               \
+    if (cond) {                                                                      \
+      test_checks_passed++;                                                          \
+    } else {                                                                         \
+      test_checks_failed++;                                                          \
+      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);       \
+      fprintf(stderr, __VA_ARGS__);                                                  \
+      fputc('\n', stderr);                                                           \
+    }                                                                                \
+  } while (0)
+
+/* Status equality with the detail message printed on mismatch. */
+#define CHECK_STATUS(expr, want)                                                     \
+  do {                                                                               \
+    gpumem_status_t got_status_ = (expr);                                            \
+    CHECK_MSG(got_status_ == (want), "got %s, want %s (%s)",                         \
+              gpumem_strerror(got_status_), gpumem_strerror(want), gpumem_last_error()); \
+  } while (0)
+
+static inline int test_finish(const char* name) {
+  printf("%s: %ld passed, %ld failed\n", name, test_checks_passed, test_checks_failed);
+  return test_checks_failed ? 1 : 0;
+}
+
+/* Exit code CTest reports as "skipped". */
+#define TEST_SKIP 77
+
+#endif

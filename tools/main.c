@@ -1,0 +1,980 @@
+/* The gpumem command line: `replay` (one trace at a time, or --compare for
+ * both policies side by side with the figures measured on an H200) and
+ * `summary` (the allocator's table at the end of a trace). Owns argument
+ * parsing, exit codes (2 usage, 1 error), the human, JSON and table
+ * output, and the progress line. The replay itself lives in replay.c. */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpumem.h"
+#include "replay.h"
+#include "trace.h"
+
+#define EXIT_USAGE 2
+#define GIB 1073741824.0
+
+/* ---- measured figures quoted from ANCHORS.md -------------------------- */
+
+/* These are measurements on an NVIDIA H200 (/work/shared/ANCHORS.md), not
+ * anything this program computes; they are shown beside our replay so the
+ * reader can see where gpumem stands. Keyed by trace basename. */
+typedef struct anchor {
+  const char* trace;
+  double torch_reserved;     /* PyTorch native: peak reserved / peak live */
+  double best_reserved;      /* best of torch_exp and async */
+  const char* best_peer;     /* which one */
+  double torch_min_cap;      /* min cap / peak live, PyTorch native */
+  double best_min_cap;       /* best of torch_exp and async */
+  const char* best_cap_peer; /* which one */
+} anchor_t;
+
+static const anchor_t anchors[] = {
+    {"gpt2_train", 1.1245, 1.0698, "exp", 1.1266, 1.0094, "exp"},
+    {"resnet50_train", 1.1266, 1.0068, "exp", 1.0211, 1.0070, "exp"},
+    {"llama_ckpt_train", 1.3514, 1.0968, "async", 1.1266, 1.0258, "exp"},
+    {"t5_varlen_prefetch", 1.3497, 1.0354, "exp", 1.0328, 1.0141, "exp"},
+};
+
+static const anchor_t* find_anchor(const char* name) {
+  for (size_t i = 0; i < sizeof anchors / sizeof anchors[0]; i++) {
+    if (strcmp(anchors[i].trace, name) == 0) return &anchors[i];
+  }
+  return NULL;
+}
+
+/* ---- usage ------------------------------------------------------------ */
+
+static const char usage_main[] =
+    "usage: gpumem <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  replay    replay allocation traces and report memory and host cost\n"
+    "  summary   replay one trace and print the allocator's summary at its end\n"
+    "\n"
+    "Run 'gpumem <command> --help' for a command's options.\n";
+
+static const char usage_replay[] =
+    "usage: gpumem replay [options] TRACE...\n"
+    "\n"
+    "Replays each trace (gzip or plain text, traces/README.md) through gpumem:\n"
+    "one cold pass from an empty allocator, then warm passes from its cache.\n"
+    "\n"
+    "options:\n"
+    "  --policy default|pytorch  allocation policy (default: default)\n"
+    "  --limit SIZE              hard cap on reserved memory (e.g. 12G, 1.5GiB)\n"
+    "  --limit-ratio R           cap at R x each trace's peak live bytes\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --passes N                warm passes after the cold one (default 3)\n"
+    "  --device sim|cuda         simulated device (default) or the real GPU\n"
+    "  --capacity SIZE           simulated device memory (default 1T)\n"
+    "  --min-limit               also bisect the smallest limit that replays the trace\n"
+    "  --json                    one JSON object per trace (and policy) per line\n"
+    "  --compare                 both policies side by side, beside measured H200 figures\n"
+    "  -h, --help                this text\n";
+
+static const char usage_summary[] =
+    "usage: gpumem summary [options] TRACE\n"
+    "\n"
+    "Replays one cold pass of TRACE and prints the allocator's summary table\n"
+    "(as torch.cuda.memory_summary) at the end of the trace, before anything\n"
+    "still live is freed.\n"
+    "\n"
+    "options:\n"
+    "  --policy default|pytorch  allocation policy (default: default)\n"
+    "  --limit SIZE              hard cap on reserved memory\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --device sim|cuda         simulated device (default) or the real GPU\n"
+    "  --capacity SIZE           simulated device memory (default 1T)\n"
+    "  --json                    the statistics as one JSON object instead\n"
+    "  -h, --help                this text\n";
+
+static int usage_error(const char* usage, const char* fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Usage mistakes: say what was wrong, then how to call, exit 2. */
+static int usage_error(const char* usage, const char* fmt, ...) {
+  va_list ap;
+  fputs("gpumem: ", stderr);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputs("\n\n", stderr);
+  fputs(usage, stderr);
+  return EXIT_USAGE;
+}
+
+static int error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Errors: "gpumem: <message>", exit 1. */
+static int error(const char* fmt, ...) {
+  va_list ap;
+  fputs("gpumem: ", stderr);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+  return EXIT_FAILURE;
+}
+
+/* The library's messages may begin with "gpumem: " (or "gpumem config: ")
+ * for programs that print them bare; ours already start with "gpumem: ". */
+static const char* detail(const char* msg) {
+  static const char* const prefixes[] = {"gpumem: ", "gpumem config: "};
+  for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++) {
+    size_t n = strlen(prefixes[i]);
+    if (strncmp(msg, prefixes[i], n) == 0) return msg + n;
+  }
+  return msg;
+}
+
+/* ---- arguments -------------------------------------------------------- */
+
+enum {
+  OPT_POLICY,
+  OPT_LIMIT,
+  OPT_LIMIT_RATIO,
+  OPT_CONF,
+  OPT_PASSES,
+  OPT_DEVICE,
+  OPT_CAPACITY,
+  OPT_MIN_LIMIT,
+  OPT_JSON,
+  OPT_COMPARE,
+  OPT_HELP,
+};
+
+typedef struct option_spec {
+  const char* name;
+  int id;
+  int takes_value;
+} option_spec_t;
+
+static const option_spec_t all_options[] = {
+    {"policy", OPT_POLICY, 1},
+    {"limit", OPT_LIMIT, 1},
+    {"limit-ratio", OPT_LIMIT_RATIO, 1},
+    {"conf", OPT_CONF, 1},
+    {"passes", OPT_PASSES, 1},
+    {"device", OPT_DEVICE, 1},
+    {"capacity", OPT_CAPACITY, 1},
+    {"min-limit", OPT_MIN_LIMIT, 0},
+    {"json", OPT_JSON, 0},
+    {"compare", OPT_COMPARE, 0},
+    {"help", OPT_HELP, 0},
+};
+
+typedef struct cli {
+  replay_config_t config;
+  int json;
+  int compare;
+  int min_limit;
+  int help;
+  const char** traces;
+  int num_traces;
+} cli_t;
+
+/* Parses argv (after the command) into cli. allowed is a bitmask of OPT_*
+ * the command accepts. Returns 0, or the exit code after printing why. */
+static int parse_args(int argc, char** argv, unsigned allowed, const char* usage, cli_t* cli) {
+  int only_files = 0;
+  const char* limit_text = NULL;
+  const char* ratio_text = NULL;
+  replay_config_init(&cli->config);
+  cli->traces = calloc((size_t)argc + 1, sizeof *cli->traces);
+  if (!cli->traces) return error("out of host memory");
+
+  for (int i = 0; i < argc; i++) {
+    const char* arg = argv[i];
+    if (only_files || arg[0] != '-' || arg[1] == '\0') {
+      cli->traces[cli->num_traces++] = arg;
+      continue;
+    }
+    if (strcmp(arg, "--") == 0) {
+      only_files = 1;
+      continue;
+    }
+    if (strcmp(arg, "-h") == 0) {
+      cli->help = 1;
+      continue;
+    }
+    if (arg[1] != '-') return usage_error(usage, "unknown option '%s'", arg);
+
+    /* --name value or --name=value */
+    const char* name = arg + 2;
+    const char* eq = strchr(name, '=');
+    size_t name_len = eq ? (size_t)(eq - name) : strlen(name);
+    const option_spec_t* spec = NULL;
+    for (size_t k = 0; k < sizeof all_options / sizeof all_options[0]; k++) {
+      if (strlen(all_options[k].name) == name_len &&
+          memcmp(all_options[k].name, name, name_len) == 0 && (allowed >> all_options[k].id) & 1) {
+        spec = &all_options[k];
+      }
+    }
+    if (!spec) return usage_error(usage, "unknown option '%.*s'", (int)name_len + 2, arg);
+    const char* value = NULL;
+    if (spec->takes_value) {
+      if (eq) {
+        value = eq + 1;
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        return usage_error(usage, "option '--%s' needs a value", spec->name);
+      }
+    } else if (eq) {
+      return usage_error(usage, "option '--%s' takes no value", spec->name);
+    }
+
+    replay_config_t* c = &cli->config;
+    switch (spec->id) {
+      case OPT_POLICY:
+        if (strcmp(value, "default") == 0) {
+          c->policy = GPUMEM_POLICY_DEFAULT;
+        } else if (strcmp(value, "pytorch") == 0) {
+          c->policy = GPUMEM_POLICY_PYTORCH;
+        } else {
+          return error("bad --policy '%s' (valid: default, pytorch)", value);
+        }
+        c->policy_set = 1;
+        break;
+      case OPT_LIMIT:
+        limit_text = value;
+        break;
+      case OPT_LIMIT_RATIO:
+        ratio_text = value;
+        break;
+      case OPT_CONF:
+        c->conf = value;
+        break;
+      case OPT_PASSES: {
+        char* end;
+        errno = 0;
+        long n = strtol(value, &end, 10);
+        if (errno || end == value || *end || n < 0 || n > REPLAY_MAX_PASSES - 1) {
+          return error("bad --passes '%s' (a number of warm passes, 0 to %d)", value,
+                       REPLAY_MAX_PASSES - 1);
+        }
+        c->warm_passes = (int)n;
+        break;
+      }
+      case OPT_DEVICE:
+        if (strcmp(value, "sim") == 0) {
+          c->device = REPLAY_DEVICE_SIM;
+        } else if (strcmp(value, "cuda") == 0) {
+          c->device = REPLAY_DEVICE_CUDA;
+        } else {
+          return error("bad --device '%s' (valid: sim, cuda)", value);
+        }
+        break;
+      case OPT_CAPACITY: {
+        size_t cap = 0;
+        if (gpumem_parse_size(value, &cap) != GPUMEM_OK || cap == 0) {
+          return error("bad --capacity '%s': %s", value,
+                       gpumem_last_error()[0] ? detail(gpumem_last_error()) : "must be above 0");
+        }
+        c->sim_capacity = cap;
+        break;
+      }
+      case OPT_MIN_LIMIT:
+        cli->min_limit = 1;
+        break;
+      case OPT_JSON:
+        cli->json = 1;
+        break;
+      case OPT_COMPARE:
+        cli->compare = 1;
+        break;
+      case OPT_HELP:
+        cli->help = 1;
+        break;
+      default:
+        break;
+    }
+  }
+  if (cli->help) return 0;
+
+  if (limit_text && ratio_text) return error("give either --limit or --limit-ratio, not both");
+  if (limit_text) {
+    size_t bytes = 0;
+    gpumem_set_last_error("%s", "");
+    if (gpumem_parse_size(limit_text, &bytes) != GPUMEM_OK) {
+      return error("bad --limit '%s': %s", limit_text,
+                   gpumem_last_error()[0] ? detail(gpumem_last_error())
+                                          : "expected bytes with an optional K/M/G/T suffix");
+    }
+    cli->config.limit_bytes = bytes;
+  }
+  if (ratio_text) {
+    char* end;
+    errno = 0;
+    double r = strtod(ratio_text, &end);
+    if (errno || end == ratio_text || *end || !(r > 0) || isinf(r)) {
+      return error("bad --limit-ratio '%s' (a positive number: the limit is R x peak live)",
+                   ratio_text);
+    }
+    cli->config.limit_ratio = r;
+  }
+  /* A bad --conf is reported before any trace is read. */
+  if (replay_check_config(&cli->config) != GPUMEM_OK) {
+    return error("bad --conf '%s': %s", cli->config.conf ? cli->config.conf : "",
+                 detail(gpumem_last_error()));
+  }
+  return 0;
+}
+
+/* ---- progress --------------------------------------------------------- */
+
+/* A one-line progress display on stderr, only for a person at a terminal
+ * (never in logs or pipes), and only once work has run long enough to be
+ * worth watching. */
+typedef struct progress {
+  int enabled;
+  double started;
+  int shown; /* characters on the line now */
+  const char* trace;
+  const char* policy;
+} progress_t;
+
+static double seconds(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void progress_start(progress_t* p, const char* trace, const char* policy) {
+  p->started = seconds();
+  p->trace = trace;
+  p->policy = policy;
+}
+
+static void progress_show(void* arg, const char* what, size_t done, size_t total) {
+  progress_t* p = arg;
+  if (!p->enabled || seconds() - p->started < 0.5) return;
+  char line[160];
+  int n = snprintf(line, sizeof line, "%s [%s] %s %3.0f%%", p->trace, p->policy, what,
+                   total ? 100.0 * (double)done / (double)total : 0.0);
+  if (n < 0) return;
+  if (n >= (int)sizeof line) n = (int)sizeof line - 1;
+  /* Pad over a longer previous line rather than rely on terminal codes. */
+  fprintf(stderr, "\r%s%*s", line, p->shown > n ? p->shown - n : 0, "");
+  fflush(stderr);
+  p->shown = n > p->shown ? n : p->shown;
+}
+
+static void progress_clear(progress_t* p) {
+  if (!p->shown) return;
+  fprintf(stderr, "\r%*s\r", p->shown, "");
+  fflush(stderr);
+  p->shown = 0;
+}
+
+/* ---- formatting ------------------------------------------------------- */
+
+/* 1234567 -> "1,234,567" (buf of at least 32 bytes). */
+static const char* fmt_count(uint64_t v, char* buf) {
+  char tmp[32];
+  int n = snprintf(tmp, sizeof tmp, "%llu", (unsigned long long)v);
+  int o = 0;
+  for (int i = 0; i < n; i++) {
+    if (i > 0 && (n - i) % 3 == 0) buf[o++] = ',';
+    buf[o++] = tmp[i];
+  }
+  buf[o] = '\0';
+  return buf;
+}
+
+/* The first line of a message, for one-line reports. */
+static const char* first_line(const char* msg, char* buf, size_t cap) {
+  size_t n = strcspn(msg, "\n");
+  if (n >= cap) n = cap - 1;
+  memcpy(buf, msg, n);
+  buf[n] = '\0';
+  return buf;
+}
+
+static void json_string(FILE* f, const char* s) {
+  fputc('"', f);
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') {
+      fputc('\\', f);
+      fputc(c, f);
+    } else if (c == '\n') {
+      fputs("\\n", f);
+    } else if (c == '\t') {
+      fputs("\\t", f);
+    } else if (c < 0x20) {
+      fprintf(f, "\\u%04x", c);
+    } else {
+      fputc(c, f);
+    }
+  }
+  fputc('"', f);
+}
+
+static void json_calls(FILE* f, const uint64_t* calls) {
+  fputc('{', f);
+  for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
+    fprintf(f, "%s\"%s\":%llu", k ? "," : "", gpumem_backend_call_name(k),
+            (unsigned long long)calls[k]);
+  }
+  fputc('}', f);
+}
+
+static uint64_t sum_calls(const uint64_t* calls) {
+  uint64_t n = 0;
+  for (int k = 0; k < GPUMEM_CALL_COUNT; k++) n += calls[k];
+  return n;
+}
+
+static double per_1k(uint64_t calls, uint64_t ops) {
+  return ops ? 1000.0 * (double)calls / (double)ops : 0;
+}
+
+static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
+                       const replay_result_t* r, const anchor_t* anchor) {
+  fputs("{\"trace\":", f);
+  json_string(f, t->path);
+  fputs(",\"name\":", f);
+  json_string(f, t->name);
+  fprintf(f, ",\"policy\":\"%s\",\"device\":\"%s\"", replay_policy_name(r->policy),
+          replay_device_name(c->device));
+  fprintf(f, ",\"events\":%zu,\"allocations\":%zu,\"streams\":%zu", t->num_events, t->num_allocs,
+          t->num_streams);
+  fprintf(f, ",\"peak_live_bytes\":%llu,\"peak_live_event\":%zu",
+          (unsigned long long)t->peak_live_bytes, t->peak_event);
+  fprintf(f, ",\"peak_reserved_bytes\":%llu,\"reserved_ratio\":%.4f",
+          (unsigned long long)r->peak_reserved_bytes, r->reserved_ratio);
+  fprintf(f, ",\"ns_per_op_cold\":%.1f", r->ns_per_op_cold);
+  if (r->ns_per_op_warm >= 0) {
+    fprintf(f, ",\"ns_per_op_warm\":%.1f", r->ns_per_op_warm);
+  } else {
+    fputs(",\"ns_per_op_warm\":null", f);
+  }
+  fprintf(f, ",\"warm_passes\":%d,\"ops_cold\":%llu,\"ops_warm\":%llu", r->warm_passes,
+          (unsigned long long)r->ops_cold, (unsigned long long)r->ops_warm);
+  if (r->oom) {
+    fprintf(f, ",\"oom\":true,\"oom_pass\":%d,\"oom_event\":%zu,\"oom_line\":%u,\"oom_size\":%zu",
+            r->oom_pass, r->oom_event, r->oom_line, r->oom_size);
+    fprintf(f, ",\"oom_status\":\"%s\",\"oom_message\":", gpumem_strerror(r->oom_status));
+    json_string(f, r->oom_message);
+  } else {
+    fputs(",\"oom\":false,\"oom_event\":null", f);
+  }
+  if (r->limit_bytes) {
+    fprintf(f, ",\"limit_bytes\":%zu", r->limit_bytes);
+  } else {
+    fputs(",\"limit_bytes\":null", f);
+  }
+  fputs(",\"backend_calls\":", f);
+  json_calls(f, r->backend_calls_cold);
+  fputs(",\"backend_calls_warm\":", f);
+  json_calls(f, r->backend_calls_warm);
+  fprintf(f, ",\"num_syncs\":%lld,\"num_syncs_warm\":%lld", (long long)r->num_syncs_cold,
+          (long long)r->num_syncs_warm);
+  fprintf(f, ",\"num_alloc_retries\":%lld,\"num_alloc_retries_warm\":%lld",
+          (long long)r->num_alloc_retries_cold, (long long)r->num_alloc_retries_warm);
+  if (r->min_limit_done) {
+    if (r->min_limit_found) {
+      fprintf(f, ",\"min_limit_bytes\":%zu,\"min_limit_ratio\":%.4f", r->min_limit_bytes,
+              r->min_limit_ratio);
+    } else {
+      fputs(",\"min_limit_bytes\":null,\"min_limit_ratio\":null,\"min_limit_message\":", f);
+      json_string(f, r->min_limit_message);
+    }
+    fprintf(f, ",\"min_limit_probes\":%d", r->min_limit_probes);
+  }
+  if (anchor) {
+    fprintf(f, ",\"h200_pytorch_reserved_ratio\":%.4f,\"h200_best_peer_reserved_ratio\":%.4f",
+            anchor->torch_reserved, anchor->best_reserved);
+  }
+  fputs("}\n", f);
+  fflush(f);
+}
+
+static void print_calls_line(FILE* f, const char* label, const uint64_t* calls, uint64_t ops) {
+  fprintf(f, "  %-16s", label);
+  if (sum_calls(calls) == 0) {
+    fputs("none\n", f);
+    return;
+  }
+  /* Wrapped under the label column, to stay readable in 100 columns. */
+  int col = 18, first = 1;
+  for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
+    if (!calls[k]) continue;
+    char item[96];
+    int n = snprintf(item, sizeof item, "%s %llu (%.2f/1k ops)", gpumem_backend_call_name(k),
+                     (unsigned long long)calls[k], per_1k(calls[k], ops));
+    if (!first && col + 2 + n > 100) {
+      fprintf(f, ",\n%18s", "");
+      col = 18;
+    } else if (!first) {
+      fputs(", ", f);
+      col += 2;
+    }
+    fputs(item, f);
+    col += n;
+    first = 0;
+  }
+  fputc('\n', f);
+}
+
+static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
+                        const replay_result_t* r) {
+  char a[32], b[32], d[32], msg[512];
+  fprintf(f, "%s (%s)\n", t->name, t->path);
+  fprintf(f, "  %-16s%s on the %s device, ", "policy", replay_policy_name(r->policy),
+          c->device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated");
+  if (r->limit_bytes) {
+    fprintf(f, "limit %.3f GiB (%zu bytes)\n", (double)r->limit_bytes / GIB, r->limit_bytes);
+  } else {
+    fputs("no limit\n", f);
+  }
+  fprintf(f, "  %-16s%s (%s allocations, %s frees", "events", fmt_count(t->num_events, a),
+          fmt_count(t->num_allocs, b), fmt_count(t->num_frees, d));
+  if (t->num_record_streams) fprintf(f, ", %zu record_stream", t->num_record_streams);
+  fprintf(f, "), %zu stream%s\n", t->num_streams, t->num_streams == 1 ? "" : "s");
+  fprintf(f, "  %-16s%.3f GiB (%llu bytes) at event %zu\n", "peak live",
+          (double)t->peak_live_bytes / GIB, (unsigned long long)t->peak_live_bytes, t->peak_event);
+  fprintf(f, "  %-16s%.3f GiB (%llu bytes), %.4f x peak live%s\n", "peak reserved",
+          (double)r->peak_reserved_bytes / GIB, (unsigned long long)r->peak_reserved_bytes,
+          r->reserved_ratio, r->oom && r->oom_pass == 0 ? " (up to the failure)" : "");
+  fprintf(f, "  %-16scold %.1f", "ns/op", r->ns_per_op_cold);
+  if (r->ns_per_op_warm >= 0) {
+    fprintf(f, ", warm %.1f (median of %d pass%s)\n", r->ns_per_op_warm, r->warm_passes,
+            r->warm_passes == 1 ? "" : "es");
+  } else {
+    fputs(", warm -\n", f);
+  }
+  if (r->oom) {
+    fprintf(f, "  %-16syes: %s pass, event %zu (line %u), %zu bytes: %s\n", "oom",
+            r->oom_pass ? "warm" : "cold", r->oom_event, r->oom_line, r->oom_size,
+            first_line(r->oom_message[0] ? detail(r->oom_message) : gpumem_strerror(r->oom_status),
+                       msg, sizeof msg));
+  } else {
+    fprintf(f, "  %-16sno\n", "oom");
+  }
+  print_calls_line(f, "calls (cold)", r->backend_calls_cold, r->ops_cold);
+  if (r->warm_passes) print_calls_line(f, "calls (warm)", r->backend_calls_warm, r->ops_warm);
+  fprintf(f, "  %-16scold %lld, warm %lld\n", "syncs", (long long)r->num_syncs_cold,
+          (long long)r->num_syncs_warm);
+  fprintf(f, "  %-16scold %lld, warm %lld\n", "alloc retries", (long long)r->num_alloc_retries_cold,
+          (long long)r->num_alloc_retries_warm);
+  if (r->min_limit_done) {
+    if (r->min_limit_found) {
+      fprintf(f, "  %-16s%.3f GiB (%zu bytes), %.4f x peak live (%d probes)\n", "min limit",
+              (double)r->min_limit_bytes / GIB, r->min_limit_bytes, r->min_limit_ratio,
+              r->min_limit_probes);
+    } else {
+      fprintf(f, "  %-16snot found: %s\n", "min limit",
+              first_line(r->min_limit_message, msg, sizeof msg));
+    }
+  }
+  fputc('\n', f);
+  fflush(f);
+}
+
+/* ---- replay ----------------------------------------------------------- */
+
+/* Loads every trace before replaying any, so that a typo in the last file
+ * name fails at once, not after minutes of replay. */
+static int load_all(const cli_t* cli, trace_t*** out) {
+  trace_t** traces = calloc((size_t)cli->num_traces, sizeof *traces);
+  if (!traces) return error("out of host memory");
+  for (int i = 0; i < cli->num_traces; i++) {
+    if (trace_load(cli->traces[i], &traces[i]) != GPUMEM_OK) {
+      int rc = error("%s", detail(gpumem_last_error()));
+      for (int j = 0; j < i; j++) trace_free(traces[j]);
+      free(traces);
+      return rc;
+    }
+  }
+  *out = traces;
+  return 0;
+}
+
+/* A real GPU is opened once up front, so that a machine without one says
+ * so plainly, before any trace is read. */
+static int check_device(const replay_config_t* config) {
+  if (config->device != REPLAY_DEVICE_CUDA) return 0;
+  gpumem_options_t opts;
+  gpumem_t* gm = NULL;
+  if (replay_options(config, NULL, &opts) != GPUMEM_OK ||
+      replay_open(config, &opts, &gm) != GPUMEM_OK) {
+    return error("%s", detail(gpumem_last_error()));
+  }
+  gpumem_destroy(gm);
+  return 0;
+}
+
+/* Replays one trace under config (and the min-limit bisection when asked);
+ * returns 0 or prints the error and returns 1. */
+static int run_one(const trace_t* t, const replay_config_t* config, int min_limit,
+                   progress_t* progress, replay_result_t* r) {
+  replay_config_t c = *config;
+  c.progress = progress_show;
+  c.progress_arg = progress;
+  /* The policy may come from --conf: label the progress with the one used. */
+  gpumem_options_t opts;
+  gpumem_policy_t policy = c.policy;
+  if (replay_options(&c, t, &opts) == GPUMEM_OK) policy = opts.policy;
+  progress_start(progress, t->name, replay_policy_name(policy));
+  gpumem_status_t st = replay_trace(t, &c, r);
+  if (st == GPUMEM_OK && min_limit) st = replay_min_limit(t, &c, r);
+  progress_clear(progress);
+  if (st != GPUMEM_OK) {
+    const char* msg = detail(gpumem_last_error());
+    /* Trace-level messages already start with the path. */
+    if (strncmp(msg, t->path, strlen(t->path)) == 0) return error("%s", msg);
+    return error("%s: %s", t->path, msg);
+  }
+  return 0;
+}
+
+static void cell_ratio(char* buf, size_t cap, const replay_result_t* r, int ok) {
+  if (!ok) {
+    snprintf(buf, cap, "error");
+  } else if (r->oom) {
+    snprintf(buf, cap, "OOM");
+  } else {
+    snprintf(buf, cap, "%.4f", r->reserved_ratio);
+  }
+}
+
+static void cell_min(char* buf, size_t cap, const replay_result_t* r, int ok) {
+  if (!ok || !r->min_limit_done) {
+    snprintf(buf, cap, "error");
+  } else if (!r->min_limit_found) {
+    snprintf(buf, cap, "none");
+  } else {
+    snprintf(buf, cap, "%.4f", r->min_limit_ratio);
+  }
+}
+
+static void cell_anchor(char* buf, size_t cap, double v, const char* who) {
+  if (who) {
+    snprintf(buf, cap, "%.4f %s", v, who);
+  } else if (v > 0) {
+    snprintf(buf, cap, "%.4f", v);
+  } else {
+    snprintf(buf, cap, "-");
+  }
+}
+
+/* A table row built piece by piece, printed without trailing blanks. */
+typedef struct row {
+  char text[1024];
+  size_t len;
+} row_t;
+
+static void row_add(row_t* r, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void row_add(row_t* r, const char* fmt, ...) {
+  if (r->len >= sizeof r->text - 1) return;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(r->text + r->len, sizeof r->text - r->len, fmt, ap);
+  va_end(ap);
+  if (n > 0) r->len += (size_t)n;
+  if (r->len > sizeof r->text - 1) r->len = sizeof r->text - 1;
+}
+
+static void row_print(row_t* r) {
+  while (r->len > 0 && r->text[r->len - 1] == ' ') r->len--;
+  r->text[r->len] = '\0';
+  puts(r->text);
+  fflush(stdout);
+  r->len = 0;
+}
+
+/* One table for every trace under both policies: what ANCHORS.md reports
+ * for the peers, computed here for gpumem, with the measured H200 figures
+ * beside it. Rows are printed as each trace finishes. */
+static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
+  static const gpumem_policy_t policies[2] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT};
+  const int mins = cli->min_limit;
+  int failed = 0;
+  int name_w = 5; /* "trace" */
+  row_t row = {{0}, 0};
+  replay_result_t* r = malloc(2 * sizeof *r);
+  if (!r) return error("out of host memory");
+  for (int i = 0; i < cli->num_traces; i++) {
+    int n = (int)strlen(traces[i]->name);
+    if (n > name_w) name_w = n > 60 ? 60 : n;
+  }
+
+  if (!cli->json) {
+    const char* limit_note = "no limit";
+    char limit_buf[96];
+    if (cli->config.limit_bytes) {
+      snprintf(limit_buf, sizeof limit_buf, "limit %.3f GiB",
+               (double)cli->config.limit_bytes / GIB);
+      limit_note = limit_buf;
+    } else if (cli->config.limit_ratio > 0) {
+      snprintf(limit_buf, sizeof limit_buf, "limit %.4f x peak live", cli->config.limit_ratio);
+      limit_note = limit_buf;
+    }
+    printf(
+        "Peak reserved / peak live: gpumem's two policies replayed here (%s device, %s),\n"
+        "beside figures MEASURED on an NVIDIA H200 and quoted from ANCHORS.md.\n\n",
+        cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit_note);
+    row_add(&row, "%-*s %10s | %-16s | %-22s | %-16s | %-16s", name_w, "", "", "replayed here",
+            "H200, from ANCHORS.md", "warm ns/op", "calls/1k ops");
+    if (mins) row_add(&row, " | %-16s | %-22s", "min limit", "H200 min cap (ANCHORS)");
+    row_print(&row);
+    row_add(&row, "%-*s %10s | %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, "trace",
+            "peak live", "pytorch", "default", "PyTorch", "best peer", "pytorch", "default",
+            "pytorch", "default");
+    if (mins)
+      row_add(&row, " | %7s  %7s | %-8s  %-12s", "pytorch", "default", "PyTorch", "best peer");
+    row_print(&row);
+    int width = name_w + 1 + 10 + 3 + 16 + 3 + 22 + 3 + 16 + 3 + 16 + (mins ? 3 + 16 + 3 + 22 : 0);
+    for (int i = 0; i < width && row.len < sizeof row.text - 1; i++) row.text[row.len++] = '-';
+    row_print(&row);
+  }
+
+  for (int i = 0; i < cli->num_traces; i++) {
+    const trace_t* t = traces[i];
+    const anchor_t* anchor = find_anchor(t->name);
+    int ok[2];
+    for (int p = 0; p < 2; p++) {
+      replay_config_t c = cli->config;
+      c.policy = policies[p];
+      c.policy_set = 1;
+      ok[p] = run_one(t, &c, mins, progress, &r[p]) == 0;
+      if (!ok[p]) failed = 1;
+      if (ok[p] && cli->json) print_json(stdout, t, &c, &r[p], anchor);
+    }
+    if (cli->json) continue;
+
+    char live[32], c0[16], c1[16], a0[32], a1[32], w[2][16], k[2][16];
+    snprintf(live, sizeof live, "%.3f GiB", (double)t->peak_live_bytes / GIB);
+    cell_ratio(c0, sizeof c0, &r[0], ok[0]);
+    cell_ratio(c1, sizeof c1, &r[1], ok[1]);
+    cell_anchor(a0, sizeof a0, anchor ? anchor->torch_reserved : 0, NULL);
+    cell_anchor(a1, sizeof a1, anchor ? anchor->best_reserved : 0,
+                anchor ? anchor->best_peer : NULL);
+    for (int p = 0; p < 2; p++) {
+      if (ok[p] && r[p].ns_per_op_warm >= 0) {
+        snprintf(w[p], sizeof w[p], "%.1f", r[p].ns_per_op_warm);
+      } else {
+        snprintf(w[p], sizeof w[p], "-");
+      }
+      if (ok[p]) {
+        snprintf(k[p], sizeof k[p], "%.2f",
+                 per_1k(sum_calls(r[p].backend_calls_cold), r[p].ops_cold));
+      } else {
+        snprintf(k[p], sizeof k[p], "-");
+      }
+    }
+    row_add(&row, "%-*.*s %10s | %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, name_w,
+            t->name, live, c0, c1, a0, a1, w[0], w[1], k[0], k[1]);
+    if (mins) {
+      char m0[16], m1[16], x0[32], x1[32];
+      cell_min(m0, sizeof m0, &r[0], ok[0]);
+      cell_min(m1, sizeof m1, &r[1], ok[1]);
+      cell_anchor(x0, sizeof x0, anchor ? anchor->torch_min_cap : 0, NULL);
+      cell_anchor(x1, sizeof x1, anchor ? anchor->best_min_cap : 0,
+                  anchor ? anchor->best_cap_peer : NULL);
+      row_add(&row, " | %7s  %7s | %-8s  %-12s", m0, m1, x0, x1);
+    }
+    row_print(&row);
+  }
+
+  if (!cli->json) {
+    printf(
+        "\nreplayed here: peak reserved after the cold pass / peak live (OOM: ran out of memory"
+        " under the limit).\n"
+        "H200 columns: measured on an NVIDIA H200 with PyTorch 2.11 (ANCHORS.md), not computed"
+        " by this run;\n"
+        "  PyTorch = its native caching allocator; best peer = the better of expandable"
+        " segments (exp)\n"
+        "  and cudaMallocAsync (async). '-': trace not in ANCHORS.md.\n"
+        "warm ns/op: host time per alloc or free on this machine, median of %d warm passes"
+        " (ANCHORS' times are\n"
+        "  from another machine: compare them only with a replay on that machine).\n"
+        "calls/1k ops: backend calls (device primitives) per 1000 allocs and frees, cold"
+        " pass.\n",
+        cli->config.warm_passes);
+    if (mins) {
+      printf(
+          "min limit: smallest hard limit under which the trace replays, / peak live"
+          " (bisection to 0.25%%).\n");
+    }
+  }
+  free(r);
+  return failed ? EXIT_FAILURE : 0;
+}
+
+static int cmd_replay(int argc, char** argv) {
+  cli_t cli;
+  memset(&cli, 0, sizeof cli);
+  unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_LIMIT_RATIO) |
+                     (1u << OPT_CONF) | (1u << OPT_PASSES) | (1u << OPT_DEVICE) |
+                     (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) | (1u << OPT_JSON) |
+                     (1u << OPT_COMPARE) | (1u << OPT_HELP);
+  int rc = parse_args(argc, argv, allowed, usage_replay, &cli);
+  if (rc == 0 && cli.help) {
+    fputs(usage_replay, stdout);
+  } else if (rc == 0 && cli.num_traces == 0) {
+    rc = usage_error(usage_replay, "no trace given");
+  } else if (rc == 0 && cli.compare && cli.config.policy_set) {
+    rc = usage_error(usage_replay, "--compare replays both policies: drop --policy");
+  }
+  if (rc != 0 || cli.help) {
+    free(cli.traces);
+    return rc;
+  }
+
+  trace_t** traces = NULL;
+  if ((rc = check_device(&cli.config)) != 0 || (rc = load_all(&cli, &traces)) != 0) {
+    free(cli.traces);
+    return rc;
+  }
+  progress_t progress = {0};
+  progress.enabled = isatty(STDERR_FILENO);
+
+  if (cli.compare) {
+    rc = cmd_compare(&cli, traces, &progress);
+  } else {
+    replay_result_t* r = malloc(sizeof *r);
+    if (!r) {
+      rc = error("out of host memory");
+    } else {
+      for (int i = 0; i < cli.num_traces; i++) {
+        if (run_one(traces[i], &cli.config, cli.min_limit, &progress, r) != 0) {
+          rc = EXIT_FAILURE;
+          continue;
+        }
+        if (cli.json) {
+          print_json(stdout, traces[i], &cli.config, r, NULL);
+        } else {
+          print_human(stdout, traces[i], &cli.config, r);
+        }
+      }
+      free(r);
+    }
+  }
+  for (int i = 0; i < cli.num_traces; i++) trace_free(traces[i]);
+  free(traces);
+  free(cli.traces);
+  return rc;
+}
+
+/* ---- summary ---------------------------------------------------------- */
+
+static int cmd_summary(int argc, char** argv) {
+  cli_t cli;
+  memset(&cli, 0, sizeof cli);
+  unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
+                     (1u << OPT_DEVICE) | (1u << OPT_CAPACITY) | (1u << OPT_JSON) |
+                     (1u << OPT_HELP);
+  int rc = parse_args(argc, argv, allowed, usage_summary, &cli);
+  if (rc == 0 && cli.help) {
+    fputs(usage_summary, stdout);
+  } else if (rc == 0 && cli.num_traces != 1) {
+    rc = usage_error(usage_summary, cli.num_traces ? "one trace at a time" : "no trace given");
+  }
+  if (rc != 0 || cli.help) {
+    free(cli.traces);
+    return rc;
+  }
+
+  trace_t* t = NULL;
+  gpumem_t* gm = NULL;
+  replay_result_t* r = NULL;
+  gpumem_options_t opts;
+  progress_t progress = {0};
+  progress.enabled = isatty(STDERR_FILENO);
+
+  if (trace_load(cli.traces[0], &t) != GPUMEM_OK) {
+    rc = error("%s", detail(gpumem_last_error()));
+    goto done;
+  }
+  if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
+      replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
+    rc = error("%s", detail(gpumem_last_error()));
+    goto done;
+  }
+  r = malloc(sizeof *r);
+  if (!r) {
+    rc = error("out of host memory");
+    goto done;
+  }
+  replay_result_init(r, t);
+  progress_start(&progress, t->name, replay_policy_name(opts.policy));
+  r->progress = progress_show;
+  r->progress_arg = &progress;
+  r->progress_what = "cold pass";
+  gpumem_status_t st = replay_pass_keep(gm, t, r);
+  progress_clear(&progress);
+  if (st != GPUMEM_OK) {
+    rc = error("%s", detail(gpumem_last_error()));
+    goto done;
+  }
+  if (r->oom) {
+    char msg[512];
+    fprintf(stderr,
+            "gpumem: note: out of memory at event %zu (line %u, %zu bytes): %s\n"
+            "gpumem: the summary shows the state at that failure\n",
+            r->oom_event, r->oom_line, r->oom_size,
+            first_line(detail(r->oom_message), msg, sizeof msg));
+  }
+  if (cli.json) {
+    gpumem_print_stats_json(gm, gpumem_write_to_file, stdout);
+    fputc('\n', stdout);
+  } else {
+    printf("%s: allocator state at the end of the trace (policy %s, %s device, ", t->name,
+           replay_policy_name(opts.policy), replay_device_name(cli.config.device));
+    if (opts.limit_bytes) {
+      printf("limit %zu bytes)\n", opts.limit_bytes);
+    } else {
+      printf("no limit)\n");
+    }
+    gpumem_print_summary(gm, gpumem_write_to_file, stdout);
+  }
+
+done:
+  free(r);
+  gpumem_destroy(gm);
+  trace_free(t);
+  free(cli.traces);
+  return rc;
+}
+
+/* ---- commands --------------------------------------------------------- */
+
+typedef struct command {
+  const char* name;
+  int (*run)(int argc, char** argv);
+} command_t;
+
+static const command_t commands[] = {
+    {"replay", cmd_replay}, {"summary", cmd_summary},
+    /* ---- RESERVED: `gpumem explain TRACE` ----
+     * The lead implements the engine side (which allocations are alive at
+     * the peak, where reserved memory went); its command goes here as
+     * {"explain", cmd_explain}, with its usage line in usage_main. */
+};
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    fputs(usage_main, stderr);
+    return EXIT_USAGE;
+  }
+  const char* cmd = argv[1];
+  if (strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {
+    fputs(usage_main, stdout);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+    if (strcmp(cmd, commands[i].name) == 0) return commands[i].run(argc - 2, argv + 2);
+  }
+  if (cmd[0] == '-') return usage_error(usage_main, "unknown option '%s'", cmd);
+  return usage_error(usage_main, "unknown command '%s'", cmd);
+}

@@ -1,0 +1,462 @@
+/* Trace replay: drives an allocator with a trace's events and measures what
+ * ANCHORS.md measures for the peers (peak reserved over peak live, host ns
+ * per operation cold and warm, the smallest workable limit), plus what only
+ * we can see (backend calls, syncs, retries). Owns the device setup for a
+ * replay (simulated by default, CUDA on request) and the timing rules: only
+ * the events are timed, never setup, statistics reads or leftover frees. */
+#include "replay.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define TIB ((size_t)1 << 40)
+#define MIB ((size_t)1 << 20)
+
+/* Events between looks at the clock for progress: cheap enough to leave
+ * inside the timed loop (a clock read per 16K events). */
+#define PROGRESS_STRIDE 16384
+/* Seconds between progress calls. */
+#define PROGRESS_INTERVAL 0.2
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+const char* replay_policy_name(gpumem_policy_t policy) {
+  switch (policy) {
+    case GPUMEM_POLICY_DEFAULT:
+      return "default";
+    case GPUMEM_POLICY_PYTORCH:
+      return "pytorch";
+  }
+  return "?";
+}
+
+const char* replay_device_name(replay_device_t device) {
+  return device == REPLAY_DEVICE_CUDA ? "cuda" : "sim";
+}
+
+void replay_config_init(replay_config_t* c) {
+  memset(c, 0, sizeof *c);
+  c->policy = GPUMEM_POLICY_DEFAULT;
+  c->warm_passes = 3;
+  c->device = REPLAY_DEVICE_SIM;
+  /* Large enough that no bundled trace ever meets the device's end: the
+   * replay measures the allocator, and limits are set explicitly. */
+  c->sim_capacity = TIB;
+  c->sim_page_size = 2 * MIB;
+}
+
+gpumem_status_t replay_options(const replay_config_t* c, const trace_t* trace,
+                               gpumem_options_t* out) {
+  gpumem_options_t opts;
+  gpumem_options_init(&opts);
+  if (c->conf && c->conf[0]) {
+    gpumem_status_t st = gpumem_options_parse(&opts, c->conf);
+    if (st != GPUMEM_OK) return st; /* the parser's message names the key */
+  }
+  if (c->policy_set) opts.policy = c->policy;
+  if (c->limit_bytes) {
+    opts.limit_bytes = c->limit_bytes;
+  } else if (c->limit_ratio > 0 && trace) {
+    double bytes = c->limit_ratio * (double)trace->peak_live_bytes;
+    opts.limit_bytes = bytes >= (double)SIZE_MAX ? SIZE_MAX : (size_t)bytes;
+    if (opts.limit_bytes == 0) opts.limit_bytes = 1; /* 0 would mean "none" */
+  }
+  opts.own_backend = 1;
+  *out = opts;
+  return GPUMEM_OK;
+}
+
+gpumem_status_t replay_check_config(const replay_config_t* c) {
+  if (c->warm_passes < 0 || c->warm_passes > REPLAY_MAX_PASSES - 1) {
+    gpumem_set_last_error("passes must be between 0 and %d, not %d", REPLAY_MAX_PASSES - 1,
+                          c->warm_passes);
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
+  if (!(c->limit_ratio >= 0) || isinf(c->limit_ratio)) {
+    gpumem_set_last_error("limit ratio must be a positive number");
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
+  if (c->device != REPLAY_DEVICE_SIM && c->device != REPLAY_DEVICE_CUDA) {
+    gpumem_set_last_error("unknown device %d (valid: sim, cuda)", (int)c->device);
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
+  gpumem_options_t opts;
+  return replay_options(c, NULL, &opts);
+}
+
+gpumem_status_t replay_open(const replay_config_t* c, const gpumem_options_t* opts,
+                            gpumem_t** out) {
+  gpumem_backend_t* backend = NULL;
+  gpumem_status_t st = GPUMEM_OK;
+  *out = NULL;
+  if (c->device == REPLAY_DEVICE_CUDA) {
+    gpumem_cuda_options_t co;
+    gpumem_cuda_options_init(&co);
+    co.device = c->cuda_device;
+    backend = gpumem_cuda_create(&co, &st);
+    if (!backend) {
+      char why[1024];
+      snprintf(why, sizeof why, "%s", gpumem_last_error());
+      gpumem_set_last_error("cannot use CUDA device %d: %s", c->cuda_device,
+                            why[0] ? why : gpumem_strerror(st));
+      return st != GPUMEM_OK ? st : GPUMEM_ERR_UNSUPPORTED;
+    }
+  } else {
+    gpumem_sim_options_t so;
+    gpumem_sim_options_init(&so);
+    if (c->sim_capacity) so.capacity = c->sim_capacity;
+    if (c->sim_page_size) so.page_size = c->sim_page_size;
+    /* As cudaMalloc did on the H200 the traces were recorded on
+     * (traces/README.md): PyTorch's ties break by address. */
+    so.descending_addresses = 1;
+    backend = gpumem_sim_create(&so);
+    if (!backend) {
+      gpumem_set_last_error("cannot create the simulated device: out of host memory");
+      return GPUMEM_ERR_HOST_MEMORY;
+    }
+  }
+  gpumem_options_t o = *opts;
+  o.own_backend = 1;
+  gpumem_t* gm = gpumem_create(backend, &o, &st);
+  if (!gm) {
+    /* The allocator never took the backend over: it is still ours. */
+    if (c->device == REPLAY_DEVICE_CUDA) {
+      gpumem_cuda_destroy(backend);
+    } else {
+      gpumem_sim_destroy(backend);
+    }
+    return st != GPUMEM_OK ? st : GPUMEM_ERR_HOST_MEMORY;
+  }
+  *out = gm;
+  return GPUMEM_OK;
+}
+
+void replay_result_init(replay_result_t* r, const trace_t* trace) {
+  memset(r, 0, sizeof *r);
+  r->ns_per_op_warm = -1;
+  if (trace) {
+    r->events = trace->num_events;
+    r->allocations = trace->num_allocs;
+    r->peak_live_bytes = trace->peak_live_bytes;
+  }
+}
+
+/* ---- one pass --------------------------------------------------------- */
+
+static int cmp_double(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+
+/* Cold is pass 0; warm is the median of the later ones (the steady state
+ * of a training loop, robust to one pass disturbed by the machine). */
+static void update_timings(replay_result_t* r) {
+  r->ns_per_op_cold = r->passes_run > 0 ? r->pass_ns_per_op[0] : 0;
+  int n = r->passes_run - 1;
+  if (n <= 0) {
+    r->ns_per_op_warm = -1;
+    return;
+  }
+  double sorted[REPLAY_MAX_PASSES];
+  memcpy(sorted, r->pass_ns_per_op + 1, (size_t)n * sizeof *sorted);
+  qsort(sorted, (size_t)n, sizeof *sorted, cmp_double);
+  r->ns_per_op_warm = n % 2 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+}
+
+static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t* r, int keep_live) {
+  if (r->passes_run >= REPLAY_MAX_PASSES) {
+    gpumem_set_last_error("replay: more than %d passes on one result", REPLAY_MAX_PASSES);
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
+  /* One pointer per allocation of the trace (its dense slot): the hot
+   * loop then does no lookup of its own. */
+  void** slots = calloc(t->num_allocs ? t->num_allocs : 1, sizeof *slots);
+  if (!slots) {
+    gpumem_set_last_error("replay: out of host memory for %zu slots", t->num_allocs);
+    return GPUMEM_ERR_HOST_MEMORY;
+  }
+  const char* what = r->progress_what ? r->progress_what : "replay";
+  gpumem_stats_t before;
+  gpumem_get_stats(gm, &before);
+  if (r->progress) r->progress(r->progress_arg, what, 0, t->num_events);
+
+  const trace_event_t* ev = t->events;
+  const size_t n = t->num_events;
+  uint64_t ops = 0;
+  size_t i;
+  int failed_alloc = 0, failed_other = 0;
+  gpumem_status_t st = GPUMEM_OK;
+  double last_progress = now_s();
+
+  uint64_t t0 = now_ns();
+  for (i = 0; i < n; i++) {
+    const trace_event_t* e = &ev[i];
+    if (e->op == TRACE_ALLOC) {
+      void* p = NULL;
+      ops++;
+      st = gpumem_malloc(gm, (size_t)e->size, e->stream, &p);
+      if (st != GPUMEM_OK) {
+        failed_alloc = 1;
+        break;
+      }
+      slots[e->id] = p;
+    } else if (e->op == TRACE_FREE) {
+      ops++;
+      st = gpumem_free(gm, slots[e->id]);
+      slots[e->id] = NULL;
+      if (st != GPUMEM_OK) {
+        failed_other = 1;
+        break;
+      }
+    } else if (slots[e->id]) { /* record_stream; a 0-byte allocation has no pointer */
+      st = gpumem_record_stream(gm, slots[e->id], e->stream);
+      if (st != GPUMEM_OK) {
+        failed_other = 1;
+        break;
+      }
+    }
+    if (r->progress && (i % PROGRESS_STRIDE) == PROGRESS_STRIDE - 1) {
+      double s = now_s();
+      if (s - last_progress >= PROGRESS_INTERVAL) {
+        last_progress = s;
+        r->progress(r->progress_arg, what, i + 1, n);
+      }
+    }
+  }
+  uint64_t t1 = now_ns();
+
+  if (failed_alloc) {
+    r->oom = 1;
+    r->oom_pass = r->passes_run;
+    r->oom_event = i;
+    r->oom_line = ev[i].line;
+    r->oom_size = (size_t)ev[i].size;
+    r->oom_status = st;
+    snprintf(r->oom_message, sizeof r->oom_message, "%s", gpumem_last_error());
+  }
+
+  gpumem_get_stats(gm, &r->last_pass_end);
+  for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
+    r->last_pass_calls[k] = r->last_pass_end.backend_calls[k] - before.backend_calls[k];
+  }
+  r->last_pass_syncs = r->last_pass_end.num_syncs - before.num_syncs;
+  r->last_pass_retries = r->last_pass_end.num_alloc_retries - before.num_alloc_retries;
+
+  int p = r->passes_run++;
+  r->pass_ops[p] = ops;
+  r->pass_ns_per_op[p] = ops ? (double)(t1 - t0) / (double)ops : 0;
+  update_timings(r);
+
+  gpumem_status_t result = GPUMEM_OK;
+  if (failed_other) {
+    /* The trace was validated when loaded, so the allocator refused a
+     * pointer it handed out: report it, it is a bug worth seeing. */
+    char why[1024];
+    snprintf(why, sizeof why, "%s", gpumem_last_error());
+    gpumem_set_last_error("%s: line %u: %s of id %llu failed: %s: %s", t->path,
+                          (unsigned)ev[i].line, trace_op_name(ev[i].op),
+                          (unsigned long long)t->slot_trace_id[ev[i].id], gpumem_strerror(st), why);
+    result = st;
+  }
+  /* Weights and optimizer state are never freed by the trace: free them
+   * here, untimed, so the next pass starts from the warmed cache. */
+  if (!keep_live) {
+    for (size_t s = 0; s < t->num_allocs; s++) {
+      if (!slots[s]) continue;
+      gpumem_status_t fst = gpumem_free(gm, slots[s]);
+      if (fst != GPUMEM_OK && result == GPUMEM_OK) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", gpumem_last_error());
+        gpumem_set_last_error("%s: freeing leftover id %llu after the pass failed: %s: %s", t->path,
+                              (unsigned long long)t->slot_trace_id[s], gpumem_strerror(fst), why);
+        result = fst;
+      }
+    }
+  }
+  free(slots);
+  return result;
+}
+
+gpumem_status_t replay_pass(gpumem_t* gm, const trace_t* trace, replay_result_t* result) {
+  return run_pass(gm, trace, result, 0);
+}
+
+gpumem_status_t replay_pass_keep(gpumem_t* gm, const trace_t* trace, replay_result_t* result) {
+  return run_pass(gm, trace, result, 1);
+}
+
+/* ---- cold + warm ------------------------------------------------------ */
+
+gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, replay_result_t* r) {
+  gpumem_options_t opts;
+  gpumem_t* gm = NULL;
+  gpumem_status_t st;
+  char label[64];
+
+  replay_result_init(r, trace);
+  r->progress = c->progress;
+  r->progress_arg = c->progress_arg;
+  if ((st = replay_check_config(c)) != GPUMEM_OK) return st;
+  if ((st = replay_options(c, trace, &opts)) != GPUMEM_OK) return st;
+  r->policy = opts.policy;
+  r->limit_bytes = opts.limit_bytes;
+  if ((st = replay_open(c, &opts, &gm)) != GPUMEM_OK) return st;
+
+  r->progress_what = "cold pass";
+  st = replay_pass(gm, trace, r);
+  if (st != GPUMEM_OK) goto done;
+  memcpy(r->backend_calls_cold, r->last_pass_calls, sizeof r->backend_calls_cold);
+  r->ops_cold = r->pass_ops[0];
+  r->num_syncs_cold = r->last_pass_syncs;
+  r->num_alloc_retries_cold = r->last_pass_retries;
+  gpumem_get_stats(gm, &r->stats_cold);
+  r->peak_reserved_bytes = (uint64_t)r->stats_cold.reserved_bytes[GPUMEM_POOL_ALL].peak;
+  r->reserved_ratio =
+      trace->peak_live_bytes ? (double)r->peak_reserved_bytes / (double)trace->peak_live_bytes : 0;
+
+  for (int k = 1; k <= c->warm_passes && !r->oom; k++) {
+    snprintf(label, sizeof label, "warm pass %d/%d", k, c->warm_passes);
+    r->progress_what = label;
+    st = replay_pass(gm, trace, r);
+    if (st != GPUMEM_OK) goto done;
+    for (int j = 0; j < GPUMEM_CALL_COUNT; j++) r->backend_calls_warm[j] += r->last_pass_calls[j];
+    r->ops_warm += r->pass_ops[r->passes_run - 1];
+    r->num_syncs_warm += r->last_pass_syncs;
+    r->num_alloc_retries_warm += r->last_pass_retries;
+    r->warm_passes++;
+  }
+  gpumem_get_stats(gm, &r->stats_final);
+
+done:
+  r->progress_what = NULL;
+  gpumem_destroy(gm);
+  return st;
+}
+
+/* ---- the smallest limit ----------------------------------------------- */
+
+/* One cold pass from a fresh allocator under limit (0 = none). */
+static gpumem_status_t probe(const trace_t* trace, const replay_config_t* c, size_t limit,
+                             const char* label, int* ok, uint64_t* peak_reserved, char* msg,
+                             size_t msg_len) {
+  gpumem_options_t opts;
+  gpumem_t* gm = NULL;
+  gpumem_status_t st = replay_options(c, trace, &opts);
+  if (st != GPUMEM_OK) return st;
+  opts.limit_bytes = limit;
+  opts.limit_fraction = 0;
+  if ((st = replay_open(c, &opts, &gm)) != GPUMEM_OK) return st;
+
+  replay_result_t* pr = malloc(sizeof *pr);
+  if (!pr) {
+    gpumem_destroy(gm);
+    gpumem_set_last_error("replay: out of host memory");
+    return GPUMEM_ERR_HOST_MEMORY;
+  }
+  replay_result_init(pr, trace);
+  pr->progress = c->progress;
+  pr->progress_arg = c->progress_arg;
+  pr->progress_what = label;
+  st = replay_pass(gm, trace, pr);
+  if (st == GPUMEM_OK) {
+    gpumem_stats_t s;
+    gpumem_get_stats(gm, &s);
+    *ok = !pr->oom;
+    *peak_reserved = (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].peak;
+    if (pr->oom && msg) {
+      /* The report is quoted inside ours: drop its own program prefix. */
+      const char* why = pr->oom_message;
+      if (strncmp(why, "gpumem: ", 8) == 0) why += 8;
+      snprintf(msg, msg_len, "event %zu (line %u, %zu bytes): %.1400s", pr->oom_event, pr->oom_line,
+               pr->oom_size, why);
+    }
+  }
+  free(pr);
+  gpumem_destroy(gm);
+  return st;
+}
+
+gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* config,
+                                 replay_result_t* r) {
+  replay_config_t c = *config;
+  c.limit_bytes = 0;
+  c.limit_ratio = 0;
+  gpumem_status_t st = replay_check_config(&c);
+  if (st != GPUMEM_OK) return st;
+
+  const uint64_t peak = trace->peak_live_bytes;
+  char label[96], msg[1536] = "";
+  int ok = 0;
+  uint64_t reserved = 0;
+  r->min_limit_done = 1;
+  r->min_limit_found = 0;
+  r->min_limit_bytes = 0;
+  r->min_limit_ratio = 0;
+  r->min_limit_probes = 0;
+  r->min_limit_message[0] = '\0';
+
+  r->min_limit_probes++;
+  st = probe(trace, &c, 0, "min-limit: no limit", &ok, &reserved, msg, sizeof msg);
+  if (st != GPUMEM_OK) return st;
+  if (!ok) {
+    snprintf(r->min_limit_message, sizeof r->min_limit_message,
+             "out of memory even without a limit at %s", msg);
+    return GPUMEM_OK;
+  }
+
+  /* The limit the unlimited run reached should replay too; if it does not
+   * (a limit can change decisions, e.g. when the allocator frees cache to
+   * stay under it), widen it a few times before giving up. */
+  uint64_t hi = reserved > peak ? reserved : peak;
+  for (int tries = 0;; tries++) {
+    snprintf(label, sizeof label, "min-limit: upper bound %.3f GiB",
+             (double)hi / (double)((uint64_t)1 << 30));
+    r->min_limit_probes++;
+    st = probe(trace, &c, (size_t)hi, label, &ok, &reserved, msg, sizeof msg);
+    if (st != GPUMEM_OK) return st;
+    if (ok) break;
+    if (tries == 8) {
+      snprintf(r->min_limit_message, sizeof r->min_limit_message,
+               "no limit up to %llu bytes (%.4f x peak live) replays the trace: %s",
+               (unsigned long long)hi, (double)hi / (double)peak, msg);
+      return GPUMEM_OK;
+    }
+    hi += hi / 32 + 1;
+  }
+
+  /* Nothing can replay under peak live: it is the lower end without a
+   * probe. */
+  uint64_t lo = peak;
+  uint64_t tol = peak / 400; /* 0.25% */
+  if (tol == 0) tol = 1;
+  while (hi > lo && hi - lo >= tol) {
+    uint64_t mid = lo + (hi - lo) / 2;
+    snprintf(label, sizeof label, "min-limit: probe %d at %.4f x peak live",
+             r->min_limit_probes + 1, (double)mid / (double)peak);
+    r->min_limit_probes++;
+    st = probe(trace, &c, (size_t)mid, label, &ok, &reserved, NULL, 0);
+    if (st != GPUMEM_OK) return st;
+    if (ok) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  r->min_limit_found = 1;
+  r->min_limit_bytes = (size_t)hi;
+  r->min_limit_ratio = peak ? (double)hi / (double)peak : 0;
+  return GPUMEM_OK;
+}

@@ -1,0 +1,71 @@
+/* Allocation traces: reading a trace file (gzip or plain text) into memory
+ * and the facts about it that the replay reports (peak live bytes, streams).
+ *
+ * Format (traces/README.md): '#' comments and blank lines, then one event a
+ * line: `a ID SIZE STREAM` (allocate), `f ID` (free), and the project's
+ * extension `r ID STREAM` (record_stream: the live allocation ID is used on
+ * STREAM). A trace ID may be reused once freed, so every allocation gets its
+ * own dense slot (0, 1, 2... in allocation order) and events name slots:
+ * the replay then keeps its live pointers in a plain array. */
+#ifndef GPUMEM_TOOLS_TRACE_H
+#define GPUMEM_TOOLS_TRACE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem.h"
+
+typedef enum trace_op {
+  TRACE_ALLOC = 0,
+  TRACE_FREE = 1,
+  TRACE_RECORD_STREAM = 2,
+} trace_op_t;
+
+typedef struct trace_event {
+  uint64_t size;    /* the allocation's requested bytes (on every op) */
+  uintptr_t stream; /* ALLOC: its stream; RECORD_STREAM: the stream used; FREE: the alloc's */
+  uint32_t id;      /* dense slot of the allocation (allocation order) */
+  uint32_t line;    /* line in the file, for messages */
+  uint8_t op;       /* trace_op_t */
+} trace_event_t;
+
+typedef struct trace {
+  char* path; /* as given to trace_load */
+  char* name; /* basename without .gz and .trace: "gpt2_train" */
+  trace_event_t* events;
+  size_t num_events;
+  size_t num_allocs; /* also the number of slots */
+  size_t num_frees;
+  size_t num_record_streams;
+  /* The largest sum of requested bytes alive at once, and the index of the
+   * event (an ALLOC) where it was first reached. */
+  uint64_t peak_live_bytes;
+  size_t peak_event;
+  size_t peak_live_allocs; /* allocations alive at that event */
+  uint64_t end_live_bytes; /* never freed: weights, optimizer state */
+  size_t end_live_allocs;
+  uint64_t total_alloc_bytes;
+  uint64_t max_alloc_size;
+  size_t num_streams; /* distinct streams named by ALLOC and RECORD_STREAM */
+  /* Per slot: the ID the file used and the index of its ALLOC event. */
+  uint64_t* slot_trace_id;
+  size_t* slot_event;
+} trace_t;
+
+/* Reads path (gzip or plain) and validates every line. On failure returns
+ * GPUMEM_ERR_IO (unreadable file, malformed line, inconsistent IDs) or
+ * GPUMEM_ERR_HOST_MEMORY, with a message naming the file and the line in
+ * gpumem_last_error(), and *out is NULL. */
+gpumem_status_t trace_load(const char* path, trace_t** out);
+/* Same from text already in memory; path is used for messages and name. */
+gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trace_t** out);
+void trace_free(trace_t* trace);
+
+/* "alloc", "free", "record_stream". */
+const char* trace_op_name(int op);
+/* Operations the replay times: allocations plus frees. */
+static inline size_t trace_num_ops(const trace_t* trace) {
+  return trace->num_allocs + trace->num_frees;
+}
+
+#endif
