@@ -40,7 +40,9 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* opts, gpumem_s
   return NULL;
 }
 
-void gpumem_cuda_destroy(gpumem_backend_t* cuda) { (void)cuda; }
+void gpumem_cuda_destroy(gpumem_backend_t* cuda) {
+  (void)cuda;
+}
 
 #else /* GPUMEM_HAVE_CUDA */
 
@@ -55,43 +57,43 @@ void gpumem_cuda_destroy(gpumem_backend_t* cuda) { (void)cuda; }
  * (this file never defines CUDA_API_PER_THREAD_DEFAULT_STREAM): stream 0
  * means what it means to PyTorch and the runtime's default. The second
  * column is 1 where the backend cannot work without the entry. */
-#define GM_CU_CORE(X)                                                                              \
-  X(cuGetErrorName)                                                                                \
-  X(cuGetErrorString)                                                                              \
-  X(cuInit)                                                                                        \
-  X(cuDriverGetVersion)                                                                            \
-  X(cuDeviceGetCount)                                                                              \
-  X(cuDeviceGet)                                                                                   \
-  X(cuDeviceGetName)                                                                               \
-  X(cuDeviceGetAttribute)                                                                          \
-  X(cuDeviceCanAccessPeer)                                                                         \
-  X(cuDevicePrimaryCtxRetain)                                                                      \
-  X(cuDevicePrimaryCtxRelease)                                                                     \
-  X(cuCtxGetCurrent)                                                                               \
-  X(cuCtxSetCurrent)                                                                               \
-  X(cuCtxPushCurrent)                                                                              \
-  X(cuCtxPopCurrent)                                                                               \
-  X(cuCtxSynchronize)                                                                              \
-  X(cuMemAlloc)                                                                                    \
-  X(cuMemFree)                                                                                     \
-  X(cuMemGetInfo)                                                                                  \
-  X(cuEventCreate)                                                                                 \
-  X(cuEventDestroy)                                                                                \
-  X(cuEventRecord)                                                                                 \
-  X(cuEventQuery)                                                                                  \
-  X(cuEventSynchronize)                                                                            \
+#define GM_CU_CORE(X)          \
+  X(cuGetErrorName)            \
+  X(cuGetErrorString)          \
+  X(cuInit)                    \
+  X(cuDriverGetVersion)        \
+  X(cuDeviceGetCount)          \
+  X(cuDeviceGet)               \
+  X(cuDeviceGetName)           \
+  X(cuDeviceGetAttribute)      \
+  X(cuDeviceCanAccessPeer)     \
+  X(cuDevicePrimaryCtxRetain)  \
+  X(cuDevicePrimaryCtxRelease) \
+  X(cuCtxGetCurrent)           \
+  X(cuCtxSetCurrent)           \
+  X(cuCtxPushCurrent)          \
+  X(cuCtxPopCurrent)           \
+  X(cuCtxSynchronize)          \
+  X(cuMemAlloc)                \
+  X(cuMemFree)                 \
+  X(cuMemGetInfo)              \
+  X(cuEventCreate)             \
+  X(cuEventDestroy)            \
+  X(cuEventRecord)             \
+  X(cuEventQuery)              \
+  X(cuEventSynchronize)        \
   X(cuStreamSynchronize)
 
 /* Virtual memory management: CUDA 10.2 and later drivers. Missing entries
  * only turn the virtual memory path off. */
-#define GM_CU_VMM(X)                                                                               \
-  X(cuMemGetAllocationGranularity)                                                                 \
-  X(cuMemAddressReserve)                                                                           \
-  X(cuMemAddressFree)                                                                              \
-  X(cuMemCreate)                                                                                   \
-  X(cuMemRelease)                                                                                  \
-  X(cuMemMap)                                                                                      \
-  X(cuMemUnmap)                                                                                    \
+#define GM_CU_VMM(X)               \
+  X(cuMemGetAllocationGranularity) \
+  X(cuMemAddressReserve)           \
+  X(cuMemAddressFree)              \
+  X(cuMemCreate)                   \
+  X(cuMemRelease)                  \
+  X(cuMemMap)                      \
+  X(cuMemUnmap)                    \
   X(cuMemSetAccess)
 
 #define GM_CU_STR2(x) #x
@@ -359,18 +361,20 @@ static gpumem_status_t cu_device_sync(void* ctx) {
   return GPUMEM_OK;
 }
 
-static void cu_destroy_slot(gpumem_backend_t* self) { gpumem_cuda_destroy(self); }
+static void cu_destroy_slot(gpumem_backend_t* self) {
+  gpumem_cuda_destroy(self);
+}
 
 /* ---- lifetime ---------------------------------------------------------- */
 
 /* Resolves one set of entries; returns the first missing name or NULL.
  * memcpy moves dlsym's object pointer into the function pointer without
  * the cast ISO C leaves undefined (POSIX guarantees the representation). */
-#define GM_CU_LOAD(fn)                                                                             \
-  do {                                                                                             \
-    void* sym_ = dlsym(b->lib, GM_CU_NAME(fn));                                                    \
-    if (!sym_) return GM_CU_NAME(fn);                                                              \
-    memcpy(&b->api.fn, &sym_, sizeof sym_);                                                        \
+#define GM_CU_LOAD(fn)                          \
+  do {                                          \
+    void* sym_ = dlsym(b->lib, GM_CU_NAME(fn)); \
+    if (!sym_) return GM_CU_NAME(fn);           \
+    memcpy(&b->api.fn, &sym_, sizeof sym_);     \
   } while (0);
 
 static const char* cu_load_core(gm_cu_backend_t* b) {
@@ -386,7 +390,7 @@ static const char* cu_load_vmm(gm_cu_backend_t* b) {
 
 /* Fails create: frees what was taken so far (in reverse) and reports. */
 static gpumem_backend_t* GM_PRINTF(4, 5) cu_create_fail(gm_cu_backend_t* b, gpumem_status_t* err,
-                                                       gpumem_status_t st, const char* fmt, ...) {
+                                                        gpumem_status_t st, const char* fmt, ...) {
   char msg[1024];
   va_list ap;
   va_start(ap, fmt);
@@ -473,8 +477,7 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
   if (r != CUDA_SUCCESS)
     return cu_create_fail(b, err, GPUMEM_ERR_BACKEND, "cuDeviceGet(%d) failed: %s", opts.device,
                           cu_describe(b, r, why, sizeof why));
-  if (b->api.cuDeviceGetName(b->device_name, (int)sizeof b->device_name, b->device) !=
-      CUDA_SUCCESS)
+  if (b->api.cuDeviceGetName(b->device_name, (int)sizeof b->device_name, b->device) != CUDA_SUCCESS)
     snprintf(b->device_name, sizeof b->device_name, "unknown GPU");
 
   /* The primary context is the one the runtime (and so PyTorch) uses:
@@ -483,10 +486,10 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
   CUcontext pctx = NULL;
   r = b->api.cuDevicePrimaryCtxRetain(&pctx, b->device);
   if (r != CUDA_SUCCESS) {
-    gpumem_status_t st = r == CUDA_ERROR_OUT_OF_MEMORY ? GPUMEM_ERR_OUT_OF_MEMORY
-                                                       : GPUMEM_ERR_BACKEND;
-    return cu_create_fail(b, err, st, "cuDevicePrimaryCtxRetain(device %d) failed: %s",
-                          opts.device, cu_describe(b, r, why, sizeof why));
+    gpumem_status_t st =
+        r == CUDA_ERROR_OUT_OF_MEMORY ? GPUMEM_ERR_OUT_OF_MEMORY : GPUMEM_ERR_BACKEND;
+    return cu_create_fail(b, err, st, "cuDevicePrimaryCtxRetain(device %d) failed: %s", opts.device,
+                          cu_describe(b, r, why, sizeof why));
   }
   b->ctx = pctx;
 
@@ -526,9 +529,8 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
   int vmm = 0;
   if (opts.virtual_memory && have_vmm_api) {
     int supported = 0;
-    r = b->api.cuDeviceGetAttribute(&supported,
-                                    CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                                    b->device);
+    r = b->api.cuDeviceGetAttribute(
+        &supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, b->device);
     vmm = r == CUDA_SUCCESS && supported;
   }
   if (vmm) {

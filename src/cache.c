@@ -376,8 +376,12 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
     split_count += 1;
     split_bytes += (int64_t)b->size;
   }
-  gm_stat_pool_add(gm, gm->stats.inactive_split, small, split_count);
-  gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, split_bytes);
+  /* Arenas are never released whole, so "non-releasable" split blocks mean
+   * nothing there (PyTorch skips them for expandable segments too). */
+  if (!b->seg->is_arena) {
+    gm_stat_pool_add(gm, gm->stats.inactive_split, small, split_count);
+    gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, split_bytes);
+  }
   gm_stat_pool_add(gm, gm->stats.active, small, -1);
   gm_stat_pool_add(gm, gm->stats.active_bytes, small, -(int64_t)original_size);
   if (b->seg->is_arena && b->size >= gm->page_size) gm_dirty_add(b->pool, b);
@@ -386,7 +390,7 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
 
 void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split) {
   bool small = b->pool->is_small;
-  bool was_split = gm_block_is_split(b);
+  bool was_split = gm_block_is_split(b) && !b->seg->is_arena;
   if (was_split) {
     gm_stat_pool_add(gm, gm->stats.inactive_split, small, -1);
     gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, -(int64_t)b->size);
@@ -405,8 +409,10 @@ void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split) {
       b->next = rest;
       b->size = size;
       gm_index_insert(&b->pool->index, rest);
-      gm_stat_pool_add(gm, gm->stats.inactive_split, small, 1);
-      gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, (int64_t)rest->size);
+      if (!rest->seg->is_arena) {
+        gm_stat_pool_add(gm, gm->stats.inactive_split, small, 1);
+        gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, (int64_t)rest->size);
+      }
       if (rest->seg->is_arena && rest->size >= gm->page_size) gm_dirty_add(rest->pool, rest);
     }
     /* Without a block struct the whole block is handed out: correct, merely

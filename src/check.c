@@ -56,7 +56,7 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       case GM_FREE:
         s->free_blocks++;
         if (prev && prev->state == GM_FREE) violation(c, "free neighbours 0x%lx and 0x%lx unmerged", (unsigned long)prev->addr, (unsigned long)b->addr);
-        if (gm_block_is_split(b)) {
+        if (gm_block_is_split(b) && !seg->is_arena) {
           add(s->split, small, 1);
           add(s->split_bytes, small, (int64_t)b->size);
         }

@@ -80,6 +80,7 @@ struct gm_segment {
   /* arenas only */
   size_t num_pages;
   size_t mapped_pages;
+  size_t mapped_end;      /* 1 + the highest page ever mapped: scans stop here */
   uint64_t* mapped_bits;  /* one bit per page */
   gpumem_phys_t* handles; /* physical page mapped at each page, 0 if none */
 };

@@ -27,6 +27,7 @@ static inline void set_mapped(gm_segment* seg, size_t page, gpumem_phys_t handle
   seg->mapped_bits[page / 64] |= 1ull << (page % 64);
   seg->handles[page] = handle;
   seg->mapped_pages++;
+  if (page >= seg->mapped_end) seg->mapped_end = page + 1;
 }
 
 static inline void clear_mapped(gm_segment* seg, size_t page) {
@@ -140,11 +141,12 @@ static bool interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first,
   size_t ps = gm->page_size;
   uintptr_t lo = gm_round_up(b->addr - b->seg->addr, ps);
   uintptr_t hi = (b->addr + b->size - b->seg->addr) / ps * ps;
-  if (hi <= lo) return false;
   *first = lo / ps;
   *end = hi / ps;
-  /* Beyond the highest page ever mapped nothing can be mapped. */
-  return true;
+  /* Beyond the highest page ever mapped nothing can be mapped: the huge
+   * free block at the top of an arena costs nothing to scan. */
+  if (*end > b->seg->mapped_end) *end = b->seg->mapped_end;
+  return *first < *end;
 }
 
 /* True when no page of [first, end) is mapped. */

@@ -29,6 +29,11 @@ run() {
 expect_rc() { # WANT WHAT
   if [ "$rc" -eq "$1" ]; then ok; else bad "$2: exit $rc, want $1; stderr: $err"; fi
 }
+expect_true() { # WHAT TEST-COMMAND...
+  local what=$1
+  shift
+  if "$@"; then ok; else bad "$what"; fi
+}
 expect_in() { # NEEDLE HAYSTACK WHAT
   case "$2" in
     *"$1"*) ok ;;
@@ -57,7 +62,7 @@ TINY=$T/tiny.trace
   echo "# gpumem-trace v1"
   echo "a 1000 4000000 0"
   echo "a 1001 6000000 0"
-  for step in 1 2 3; do
+  for _ in 1 2 3; do
     for i in 0 1 2 3 4 5 6 7; do echo "a $i $(((i + 1) * 1000000)) 0"; done
     echo "r 3 5"
     for i in 7 6 5 4 3 2 1 0; do echo "f $i"; done
@@ -116,7 +121,7 @@ printf 'a 0 100 0\nf 1\n' >"$BAD"
 run "$BIN" replay --json "$BAD"
 expect_rc 1 "free of an unknown id"
 expect_in "bad.trace: line 2: free of id 1 which is not allocated" "$err" "free of an unknown id"
-[ -z "$out" ] && ok || bad "nothing on stdout after a trace error: $out"
+expect_true "nothing on stdout after a trace error: $out" [ -z "$out" ]
 
 gzip -c "$BAD" >"$BAD.gz"
 run "$BIN" summary "$BAD.gz"
@@ -157,7 +162,7 @@ expect_in "0.043 GiB ($PEAK_LIVE bytes)" "$out" "replay peak live"
 expect_in "peak reserved" "$out" "replay"
 expect_in "oom             no" "$out" "replay"
 # Not a terminal: no progress line, nothing at all on stderr.
-[ -z "$err" ] && ok || bad "replay wrote to stderr when it is not a terminal: $err"
+expect_true "replay wrote to stderr when it is not a terminal: $err" [ -z "$err" ]
 
 run "$BIN" replay --json --passes 2 "$T/tiny.trace.gz"
 expect_rc 0 "replay --json"
@@ -172,7 +177,7 @@ expect_in "\"peak_live_bytes\":$PEAK_LIVE," "$out" "replay --json peak live"
 expect_in '"oom":false' "$out" "replay --json oom"
 expect_in '"limit_bytes":null' "$out" "replay --json limit"
 expect_in '"policy":"default"' "$out" "replay --json policy"
-[ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ] && ok || bad "replay --json: not one line: $out"
+expect_true "replay --json: not one line: $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 1 ]
 case "$out" in "{"*"}") ok ;; *) bad "replay --json: not one object: $out" ;; esac
 if command -v python3 >/dev/null 2>&1; then
   if printf '%s\n' "$out" | python3 -c 'import json,sys; [json.loads(l) for l in sys.stdin]'; then
@@ -186,7 +191,7 @@ RESERVED=$(json_num peak_reserved_bytes)
 run "$BIN" replay --json --policy pytorch "$TINY" "$T/tiny.trace.gz"
 expect_rc 0 "replay --json of two traces"
 expect_in '"policy":"pytorch"' "$out" "replay --json --policy pytorch"
-[ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ] && ok || bad "two traces: not two lines: $out"
+expect_true "two traces: not two lines: $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ]
 
 # A limit below what the trace needs: out of memory, reported, exit 0.
 run "$BIN" replay --limit 20M "$TINY"
@@ -199,7 +204,7 @@ expect_rc 0 "replay --limit-ratio 0.5"
 expect_in '"oom":true' "$out" "replay --limit-ratio 0.5"
 expect_in "\"limit_bytes\":$((PEAK_LIVE / 2))," "$out" "replay --limit-ratio 0.5"
 OOM_EVENT=$(json_num oom_event)
-[ -n "$OOM_EVENT" ] && ok || bad "oom_event missing: $out"
+expect_true "oom_event missing: $out" [ -n "$OOM_EVENT" ]
 
 # The same through the configuration string.
 run "$BIN" replay --json --conf "limit:20M" "$TINY"
@@ -218,7 +223,7 @@ if [ -n "$MIN" ] && [ -n "$RES" ] && [ "$MIN" -ge "$PEAK_LIVE" ] && [ "$MIN" -le
 else
   bad "min limit '$MIN' not within [$PEAK_LIVE, '$RES']"
 fi
-[ "$RES" = "$RESERVED" ] && ok || bad "peak reserved differs between runs: $RES vs $RESERVED"
+expect_true "peak reserved differs between runs: $RES vs $RESERVED" [ "$RES" = "$RESERVED" ]
 
 run "$BIN" replay --min-limit "$TINY"
 expect_rc 0 "replay --min-limit (human)"
@@ -249,14 +254,14 @@ expect_rc 2 "replay --compare with --policy"
 
 run "$BIN" replay --compare --json --passes 1 "$TINY"
 expect_rc 0 "replay --compare --json"
-[ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ] && ok || bad "compare --json: not two lines: $out"
+expect_true "compare --json: not two lines: $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ]
 
 # ---- summary ----
 
 run "$BIN" summary --policy pytorch "$TINY"
 expect_rc 0 "summary"
 expect_in "tiny" "$out" "summary"
-[ "$(printf '%s\n' "$out" | wc -l)" -gt 3 ] && ok || bad "summary too short: $out"
+expect_true "summary too short: $out" [ "$(printf '%s\n' "$out" | wc -l)" -gt 3 ]
 
 run "$BIN" summary --json "$TINY"
 expect_rc 0 "summary --json"

@@ -2,7 +2,9 @@
  * files, ID reuse and dense slots, record_stream lines, the peak-live
  * facts, every malformed-line error naming the file and the line, and the
  * bundled traces' published figures; then a few replays of a tiny trace on
- * the simulated device (tools/replay.c). */
+ * the simulated device (tools/replay.c). Built with
+ * -DTEST_TRACE_WITHOUT_ENGINE it tests the reader alone, linked with only
+ * src/errors.c and zlib. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -388,12 +388,17 @@ static const char* fmt_count(uint64_t v, char* buf) {
   return buf;
 }
 
-/* The first line of a message, for one-line reports. */
+/* The first line of a message, for one-line reports; long ones are cut
+ * with "..." (the JSON output carries the whole text). */
 static const char* first_line(const char* msg, char* buf, size_t cap) {
   size_t n = strcspn(msg, "\n");
-  if (n >= cap) n = cap - 1;
+  int cut = 0;
+  if (n > 300) n = 300;
+  if (n >= cap - 4) n = cap - 4;
+  if (msg[n] != '\0' && msg[n] != '\n') cut = 1;
   memcpy(buf, msg, n);
-  buf[n] = '\0';
+  if (cut) memcpy(buf + n, "...", 3);
+  buf[n + (cut ? 3 : 0)] = '\0';
   return buf;
 }
 
@@ -886,6 +891,7 @@ static int cmd_summary(int argc, char** argv) {
   }
 
   trace_t* t = NULL;
+  replay_session_t* session = NULL;
   gpumem_t* gm = NULL;
   replay_result_t* r = NULL;
   gpumem_options_t opts;
@@ -897,10 +903,11 @@ static int cmd_summary(int argc, char** argv) {
     goto done;
   }
   if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
-      replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
+      replay_session_open(&cli.config, &opts, t, &session) != GPUMEM_OK) {
     rc = error("%s", detail(gpumem_last_error()));
     goto done;
   }
+  gm = replay_session_allocator(session);
   r = malloc(sizeof *r);
   if (!r) {
     rc = error("out of host memory");
@@ -911,7 +918,7 @@ static int cmd_summary(int argc, char** argv) {
   r->progress = progress_show;
   r->progress_arg = &progress;
   r->progress_what = "cold pass";
-  gpumem_status_t st = replay_pass_keep(gm, t, r);
+  gpumem_status_t st = replay_pass_keep(gm, replay_session_trace(session), r);
   progress_clear(&progress);
   if (st != GPUMEM_OK) {
     rc = error("%s", detail(gpumem_last_error()));
@@ -941,7 +948,7 @@ static int cmd_summary(int argc, char** argv) {
 
 done:
   free(r);
-  gpumem_destroy(gm);
+  replay_session_close(session);
   trace_free(t);
   free(cli.traces);
   return rc;

@@ -2,10 +2,12 @@
  * ANCHORS.md measures for the peers (peak reserved over peak live, host ns
  * per operation cold and warm, the smallest workable limit), plus what only
  * we can see (backend calls, syncs, retries). Owns the device setup for a
- * replay (simulated by default, CUDA on request) and the timing rules: only
- * the events are timed, never setup, statistics reads or leftover frees. */
+ * replay (simulated by default, CUDA on request, with real streams in
+ * place of the handles a trace recorded) and the timing rules: only the
+ * events are timed, never setup, statistics reads or leftover frees. */
 #include "replay.h"
 
+#include <dlfcn.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -152,6 +154,184 @@ void replay_result_init(replay_result_t* r, const trace_t* trace) {
     r->allocations = trace->num_allocs;
     r->peak_live_bytes = trace->peak_live_bytes;
   }
+}
+
+/* ---- sessions: real streams on the CUDA device ------------------------- */
+
+/* The few driver entry points the stream mapping needs, looked up in the
+ * libcuda.so.1 the CUDA backend already loaded. Declared with plain types:
+ * CUresult is an int, CUdevice an int, CUcontext and CUstream pointers. */
+typedef struct cuda_api {
+  void* lib;
+  int (*device_get)(int* dev, int ordinal);
+  int (*primary_retain)(void** ctx, int dev);
+  int (*primary_release)(int dev);
+  int (*ctx_get_current)(void** ctx);
+  int (*ctx_set_current)(void* ctx);
+  int (*stream_create)(void** stream, unsigned flags);
+  int (*stream_destroy)(void* stream);
+} cuda_api_t;
+
+struct replay_session {
+  gpumem_t* gm;
+  trace_t view;          /* the trace as replayed here */
+  trace_event_t* mapped; /* owned when streams were mapped */
+  cuda_api_t cu;
+  int cu_device;
+  int ctx_retained;
+  void** streams; /* created, one per distinct nonzero trace stream */
+  size_t num_streams;
+};
+
+static void* cuda_sym(void* lib, const char* name, const char* fallback) {
+  void* f = dlsym(lib, name);
+  if (!f && fallback) f = dlsym(lib, fallback);
+  return f;
+}
+
+static gpumem_status_t cuda_api_load(cuda_api_t* cu) {
+  cu->lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!cu->lib) {
+    gpumem_set_last_error("cannot load libcuda.so.1 for the trace's streams: %s", dlerror());
+    return GPUMEM_ERR_UNSUPPORTED;
+  }
+  /* Object pointers to function pointers: POSIX guarantees dlsym's
+   * result converts; memcpy keeps -Wpedantic quiet about it. */
+  void* f[7] = {
+      cuda_sym(cu->lib, "cuDeviceGet", NULL),
+      cuda_sym(cu->lib, "cuDevicePrimaryCtxRetain", NULL),
+      cuda_sym(cu->lib, "cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"),
+      cuda_sym(cu->lib, "cuCtxGetCurrent", NULL),
+      cuda_sym(cu->lib, "cuCtxSetCurrent", NULL),
+      cuda_sym(cu->lib, "cuStreamCreate", NULL),
+      cuda_sym(cu->lib, "cuStreamDestroy_v2", "cuStreamDestroy"),
+  };
+  for (int i = 0; i < 7; i++) {
+    if (!f[i]) {
+      gpumem_set_last_error("libcuda.so.1 lacks a stream or context entry point");
+      return GPUMEM_ERR_UNSUPPORTED;
+    }
+  }
+  memcpy(&cu->device_get, &f[0], sizeof f[0]);
+  memcpy(&cu->primary_retain, &f[1], sizeof f[1]);
+  memcpy(&cu->primary_release, &f[2], sizeof f[2]);
+  memcpy(&cu->ctx_get_current, &f[3], sizeof f[3]);
+  memcpy(&cu->ctx_set_current, &f[4], sizeof f[4]);
+  memcpy(&cu->stream_create, &f[5], sizeof f[5]);
+  memcpy(&cu->stream_destroy, &f[6], sizeof f[6]);
+  return GPUMEM_OK;
+}
+
+static int cmp_uintptr(const void* a, const void* b) {
+  uintptr_t x = *(const uintptr_t*)a, y = *(const uintptr_t*)b;
+  return (x > y) - (x < y);
+}
+
+/* Replaces the trace's stream values by streams created on the device's
+ * primary context (the one the CUDA backend uses), kept alive by our own
+ * retain until the streams are gone. */
+static gpumem_status_t map_cuda_streams(replay_session_t* s, const replay_config_t* c) {
+  const trace_t* t = &s->view;
+  size_t n = t->num_events;
+  uintptr_t* keys = malloc((n ? n : 1) * sizeof *keys);
+  if (!keys) goto no_memory;
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (t->events[i].stream != 0) keys[k++] = t->events[i].stream;
+  }
+  if (k == 0) {
+    free(keys);
+    return GPUMEM_OK;
+  }
+  qsort(keys, k, sizeof *keys, cmp_uintptr);
+  size_t u = 0;
+  for (size_t i = 0; i < k; i++) {
+    if (u == 0 || keys[u - 1] != keys[i]) keys[u++] = keys[i];
+  }
+
+  gpumem_status_t st = cuda_api_load(&s->cu);
+  if (st != GPUMEM_OK) {
+    free(keys);
+    return st;
+  }
+  void* ctx = NULL;
+  void* cur = NULL;
+  int r = s->cu.device_get(&s->cu_device, c->cuda_device);
+  if (r == 0) r = s->cu.primary_retain(&ctx, s->cu_device);
+  if (r == 0) {
+    s->ctx_retained = 1;
+    if (s->cu.ctx_get_current(&cur) != 0 || cur != ctx) r = s->cu.ctx_set_current(ctx);
+  }
+  s->streams = calloc(u, sizeof *s->streams);
+  s->mapped = malloc(n * sizeof *s->mapped);
+  if (!s->streams || !s->mapped) {
+    free(keys);
+    goto no_memory;
+  }
+  for (size_t i = 0; r == 0 && i < u; i++) {
+    r = s->cu.stream_create(&s->streams[i], 0);
+    if (r == 0) s->num_streams++;
+  }
+  if (r != 0) {
+    free(keys);
+    gpumem_set_last_error("cannot create %zu CUDA streams for the trace's streams: driver error %d",
+                          u, r);
+    return GPUMEM_ERR_BACKEND;
+  }
+  for (size_t i = 0; i < n; i++) {
+    s->mapped[i] = t->events[i];
+    uintptr_t v = t->events[i].stream;
+    if (v == 0) continue;
+    uintptr_t* hit = bsearch(&v, keys, u, sizeof *keys, cmp_uintptr);
+    s->mapped[i].stream = (uintptr_t)s->streams[hit - keys];
+  }
+  s->view.events = s->mapped;
+  free(keys);
+  return GPUMEM_OK;
+
+no_memory:
+  gpumem_set_last_error("replay: out of host memory mapping streams");
+  return GPUMEM_ERR_HOST_MEMORY;
+}
+
+void replay_session_close(replay_session_t* s) {
+  if (!s) return;
+  /* The allocator first: its deferred frees may hold events on our
+   * streams. The context outlives both through our retain. */
+  gpumem_destroy(s->gm);
+  for (size_t i = 0; i < s->num_streams; i++) s->cu.stream_destroy(s->streams[i]);
+  if (s->ctx_retained) s->cu.primary_release(s->cu_device);
+  if (s->cu.lib) dlclose(s->cu.lib);
+  free(s->streams);
+  free(s->mapped);
+  free(s);
+}
+
+gpumem_status_t replay_session_open(const replay_config_t* c, const gpumem_options_t* opts,
+                                    const trace_t* trace, replay_session_t** out) {
+  *out = NULL;
+  replay_session_t* s = calloc(1, sizeof *s);
+  if (!s) {
+    gpumem_set_last_error("replay: out of host memory");
+    return GPUMEM_ERR_HOST_MEMORY;
+  }
+  s->view = *trace;
+  gpumem_status_t st = replay_open(c, opts, &s->gm);
+  if (st == GPUMEM_OK && c->device == REPLAY_DEVICE_CUDA) st = map_cuda_streams(s, c);
+  if (st != GPUMEM_OK) {
+    replay_session_close(s);
+    return st;
+  }
+  *out = s;
+  return GPUMEM_OK;
+}
+
+gpumem_t* replay_session_allocator(replay_session_t* s) {
+  return s->gm;
+}
+
+const trace_t* replay_session_trace(replay_session_t* s) {
+  return &s->view;
 }
 
 /* ---- one pass --------------------------------------------------------- */
@@ -302,7 +482,7 @@ gpumem_status_t replay_pass_keep(gpumem_t* gm, const trace_t* trace, replay_resu
 
 gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, replay_result_t* r) {
   gpumem_options_t opts;
-  gpumem_t* gm = NULL;
+  replay_session_t* session = NULL;
   gpumem_status_t st;
   char label[64];
 
@@ -313,10 +493,12 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, rep
   if ((st = replay_options(c, trace, &opts)) != GPUMEM_OK) return st;
   r->policy = opts.policy;
   r->limit_bytes = opts.limit_bytes;
-  if ((st = replay_open(c, &opts, &gm)) != GPUMEM_OK) return st;
+  if ((st = replay_session_open(c, &opts, trace, &session)) != GPUMEM_OK) return st;
+  gpumem_t* gm = replay_session_allocator(session);
+  const trace_t* run = replay_session_trace(session);
 
   r->progress_what = "cold pass";
-  st = replay_pass(gm, trace, r);
+  st = replay_pass(gm, run, r);
   if (st != GPUMEM_OK) goto done;
   memcpy(r->backend_calls_cold, r->last_pass_calls, sizeof r->backend_calls_cold);
   r->ops_cold = r->pass_ops[0];
@@ -330,7 +512,7 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, rep
   for (int k = 1; k <= c->warm_passes && !r->oom; k++) {
     snprintf(label, sizeof label, "warm pass %d/%d", k, c->warm_passes);
     r->progress_what = label;
-    st = replay_pass(gm, trace, r);
+    st = replay_pass(gm, run, r);
     if (st != GPUMEM_OK) goto done;
     for (int j = 0; j < GPUMEM_CALL_COUNT; j++) r->backend_calls_warm[j] += r->last_pass_calls[j];
     r->ops_warm += r->pass_ops[r->passes_run - 1];
@@ -342,7 +524,7 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, rep
 
 done:
   r->progress_what = NULL;
-  gpumem_destroy(gm);
+  replay_session_close(session);
   return st;
 }
 
@@ -353,16 +535,17 @@ static gpumem_status_t probe(const trace_t* trace, const replay_config_t* c, siz
                              const char* label, int* ok, uint64_t* peak_reserved, char* msg,
                              size_t msg_len) {
   gpumem_options_t opts;
-  gpumem_t* gm = NULL;
+  replay_session_t* session = NULL;
   gpumem_status_t st = replay_options(c, trace, &opts);
   if (st != GPUMEM_OK) return st;
   opts.limit_bytes = limit;
   opts.limit_fraction = 0;
-  if ((st = replay_open(c, &opts, &gm)) != GPUMEM_OK) return st;
+  if ((st = replay_session_open(c, &opts, trace, &session)) != GPUMEM_OK) return st;
+  gpumem_t* gm = replay_session_allocator(session);
 
   replay_result_t* pr = malloc(sizeof *pr);
   if (!pr) {
-    gpumem_destroy(gm);
+    replay_session_close(session);
     gpumem_set_last_error("replay: out of host memory");
     return GPUMEM_ERR_HOST_MEMORY;
   }
@@ -370,7 +553,7 @@ static gpumem_status_t probe(const trace_t* trace, const replay_config_t* c, siz
   pr->progress = c->progress;
   pr->progress_arg = c->progress_arg;
   pr->progress_what = label;
-  st = replay_pass(gm, trace, pr);
+  st = replay_pass(gm, replay_session_trace(session), pr);
   if (st == GPUMEM_OK) {
     gpumem_stats_t s;
     gpumem_get_stats(gm, &s);
@@ -385,7 +568,7 @@ static gpumem_status_t probe(const trace_t* trace, const replay_config_t* c, siz
     }
   }
   free(pr);
-  gpumem_destroy(gm);
+  replay_session_close(session);
   return st;
 }
 

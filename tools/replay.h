@@ -51,9 +51,25 @@ gpumem_status_t replay_check_config(const replay_config_t* config);
 /* The allocator options this config gives for trace (limit resolved). */
 gpumem_status_t replay_options(const replay_config_t* config, const trace_t* trace,
                                gpumem_options_t* out);
-/* A fresh device (sim or CUDA) and an allocator that owns it, with opts. */
+/* A fresh device (sim or CUDA) and an allocator that owns it, with opts.
+ * Streams are whatever the caller passes: on CUDA only 0 is safe, see
+ * replay_session_open. */
 gpumem_status_t replay_open(const replay_config_t* config, const gpumem_options_t* opts,
                             gpumem_t** out);
+
+/* A device and allocator ready to replay one trace. On the CUDA device a
+ * trace's stream values are handles from the recording process, which
+ * would crash the driver here: each distinct nonzero stream is replaced by
+ * a real stream created for the session (0 stays the default stream). On
+ * the simulated device the trace is used as it is. */
+typedef struct replay_session replay_session_t;
+gpumem_status_t replay_session_open(const replay_config_t* config, const gpumem_options_t* opts,
+                                    const trace_t* trace, replay_session_t** out);
+gpumem_t* replay_session_allocator(replay_session_t* session);
+/* The trace to replay on this session's device (streams mapped). */
+const trace_t* replay_session_trace(replay_session_t* session);
+/* Destroys the allocator (and what it still holds), then the streams. */
+void replay_session_close(replay_session_t* session);
 
 typedef struct replay_result {
   /* -- inputs a caller of replay_pass may set (replay_trace sets them) -- */
@@ -70,7 +86,9 @@ typedef struct replay_result {
   gpumem_policy_t policy;
   size_t limit_bytes; /* 0 = none */
 
-  /* -- filled by each replay_pass: timings of every pass so far -- */
+  /* -- filled by each replay_pass: timings of every pass so far. An
+   * operation is one alloc or one free; record_stream events are timed
+   * with them but not counted. -- */
   int passes_run;
   double pass_ns_per_op[REPLAY_MAX_PASSES];
   uint64_t pass_ops[REPLAY_MAX_PASSES]; /* allocs + frees executed */
@@ -132,7 +150,8 @@ gpumem_status_t replay_pass(gpumem_t* gm, const trace_t* trace, replay_result_t*
  * release them. */
 gpumem_status_t replay_pass_keep(gpumem_t* gm, const trace_t* trace, replay_result_t* result);
 
-/* A fresh device and allocator from config, one cold pass, then
+/* Starts result afresh (replay_result_init), so call replay_min_limit
+ * after it. A fresh device and allocator from config, one cold pass, then
  * config->warm_passes warm ones (fewer if one runs out of memory). Returns
  * GPUMEM_OK with result filled, or the error that stopped it (bad config,
  * no device), with gpumem_last_error() set. */

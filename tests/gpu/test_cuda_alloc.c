@@ -15,7 +15,8 @@
  *
  * Environment: GPUMEM_TEST_MEMINFO_TOL_MIB widens the tolerance between the
  * driver's and the allocator's counts (compute-sanitizer holds device
- * memory of its own; the tolerance widens by itself when it is detected). */
+ * memory of its own; the tolerance widens by itself when it is detected);
+ * GPUMEM_TEST_QUICK=1 runs fewer random operations (for slow tools). */
 #include <ctype.h>
 #include <dlfcn.h>
 #include <stdint.h>
@@ -65,10 +66,10 @@ static const char* drv_name(drv_result r) {
   return s;
 }
 
-#define DRV_OK(expr)                                                                               \
-  do {                                                                                             \
-    drv_result r_ = (expr);                                                                        \
-    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_));                          \
+#define DRV_OK(expr)                                                      \
+  do {                                                                    \
+    drv_result r_ = (expr);                                               \
+    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_)); \
   } while (0)
 
 static int drv_sym(void* fnptr, const char* name) {
@@ -236,7 +237,9 @@ static size_t meminfo_tolerance(void) {
 /* Whether the device offers virtual memory (the backend is "cuda"). */
 static int have_vmm;
 
-static size_t absdiff(size_t a, size_t b) { return a > b ? a - b : b - a; }
+static size_t absdiff(size_t a, size_t b) {
+  return a > b ? a - b : b - a;
+}
 
 /* ---- every byte usable, no overlap ------------------------------------- */
 
@@ -256,12 +259,14 @@ static size_t random_size(void) {
 static void test_patterns(int policy, int virtual_memory) {
   gpumem_t* gm = make(policy, virtual_memory);
   if (!gm) return;
-  enum { MAX_LIVE = 160, OPS = 500 };
+  enum { MAX_LIVE = 160 };
+  const char* quick = getenv("GPUMEM_TEST_QUICK");
+  const int n_ops = quick && *quick == '1' ? 150 : 500;
   live_block live[MAX_LIVE];
   int n = 0;
   unsigned seed = 1;
   size_t bad_total = 0, overlaps = 0, misaligned = 0, wrong_size = 0;
-  for (int op = 0; op < OPS; op++) {
+  for (int op = 0; op < n_ops; op++) {
     int do_free = n == MAX_LIVE || (n > 0 && rng() % 100 < 45);
     if (do_free) {
       int k = (int)(rng() % (uint64_t)n);
@@ -302,7 +307,7 @@ static void test_patterns(int policy, int virtual_memory) {
   CHECK(s.allocated_bytes[GPUMEM_POOL_ALL].current == 0);
   CHECK(s.virtual_memory == (virtual_memory && have_vmm && policy == GPUMEM_POLICY_DEFAULT));
   printf("patterns %s/%s: %d ops, peak reserved %.1f MiB, peak allocated %.1f MiB\n",
-         policy_name(policy), virtual_memory ? "vmm" : "plain", OPS,
+         policy_name(policy), virtual_memory ? "vmm" : "plain", n_ops,
          (double)s.reserved_bytes[0].peak / MIB, (double)s.allocated_bytes[0].peak / MIB);
   gpumem_destroy(gm);
 }
@@ -572,8 +577,7 @@ int main(void) {
     printf("SKIP: %s\n", gpumem_last_error());
     return TEST_SKIP;
   }
-  CHECK_MSG(probe != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st),
-            gpumem_last_error());
+  CHECK_MSG(probe != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
   if (!probe) return test_finish(name);
   have_vmm = probe->map != NULL;
   printf("backend \"%s\", page size %zu\n", probe->name, probe->page_size);

@@ -45,7 +45,7 @@ static struct {
   drv_result (*CtxSetCurrent)(drv_ctx);
   drv_result (*CtxPushCurrent)(drv_ctx);
   drv_result (*CtxPopCurrent)(drv_ctx*);
-  drv_result (*CtxCreate)(drv_ctx*, unsigned, int);  /* optional: cuCtxCreate_v2 */
+  drv_result (*CtxCreate)(drv_ctx*, unsigned, int); /* optional: cuCtxCreate_v2 */
   drv_result (*CtxDestroy)(drv_ctx);
   drv_result (*CtxSynchronize)(void);
   drv_result (*MemsetD8)(drv_ptr, unsigned char, size_t);
@@ -66,10 +66,10 @@ static const char* drv_name(drv_result r) {
   return s;
 }
 
-#define DRV_OK(expr)                                                                               \
-  do {                                                                                             \
-    drv_result r_ = (expr);                                                                        \
-    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_));                          \
+#define DRV_OK(expr)                                                      \
+  do {                                                                    \
+    drv_result r_ = (expr);                                               \
+    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_)); \
   } while (0)
 
 static int drv_sym(void* fnptr, const char* name, int required) {
@@ -413,8 +413,8 @@ static void test_errors(gpumem_backend_t* be) {
 
   uintptr_t a = 0;
   st = be->alloc(be->ctx, huge, &a);
-  CHECK_MSG(st == GPUMEM_ERR_OUT_OF_MEMORY, "cuMemAlloc(%zu) -> %s (%s)", huge,
-            gpumem_strerror(st), gpumem_last_error());
+  CHECK_MSG(st == GPUMEM_ERR_OUT_OF_MEMORY, "cuMemAlloc(%zu) -> %s (%s)", huge, gpumem_strerror(st),
+            gpumem_last_error());
   CHECK(strstr(gpumem_last_error(), "CUDA_ERROR_OUT_OF_MEMORY") != NULL);
   if (st == GPUMEM_OK) be->free(be->ctx, a, huge);
 
@@ -488,8 +488,8 @@ static void* thread_body(void* arg) {
   if (be->unmap(be->ctx, base, ps) != GPUMEM_OK) ++*failures;
   if (be->release_page(be->ctx, p, ps) != GPUMEM_OK) ++*failures;
   if (be->release_range(be->ctx, base, 2 * ps) != GPUMEM_OK) ++*failures;
-  if (*failures) fprintf(stderr, "thread: %ld failures, last error: %s\n", *failures,
-                         gpumem_last_error());
+  if (*failures)
+    fprintf(stderr, "thread: %ld failures, last error: %s\n", *failures, gpumem_last_error());
   return failures;
 }
 

@@ -1,0 +1,86 @@
+"""gpumem: a caching GPU memory allocator, from Python.
+
+Pure Python over ctypes: the C library (libgpumem.so) does the work. See
+docs/python.md.
+
+    import gpumem
+    with gpumem.Allocator("sim", capacity=1 << 30) as a:   # no GPU needed
+        p = a.malloc(1 << 20)
+        print(a.memory_stats()["allocated_bytes.all.current"])
+        a.free(p)
+
+    import gpumem.torch
+    gpumem.torch.enable("limit:40G")   # before the first CUDA tensor
+
+The module functions (memory_stats, memory_allocated, empty_cache,
+set_per_process_memory_fraction, ...) mirror torch.cuda's and act on the
+per-device allocators that PyTorch and CuPy use once enabled.
+"""
+
+from . import errors
+from ._lib import load as load_library
+from ._lib import path as library_path
+from .allocator import (
+    Allocator,
+    allocator,
+    check_conf,
+    device_index,
+    empty_cache,
+    get_per_process_memory_fraction,
+    last_error,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_summary,
+    parse_size,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+    set_allocator,
+    set_per_process_memory_fraction,
+)
+from .errors import (
+    ConfigError,
+    GpumemError,
+    InvalidArgumentError,
+    InvalidPointerError,
+    LibraryNotFoundError,
+    OutOfMemoryError,
+    UnsupportedError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Allocator",
+    "ConfigError",
+    "GpumemError",
+    "InvalidArgumentError",
+    "InvalidPointerError",
+    "LibraryNotFoundError",
+    "OutOfMemoryError",
+    "UnsupportedError",
+    "allocator",
+    "check_conf",
+    "device_index",
+    "empty_cache",
+    "errors",
+    "get_per_process_memory_fraction",
+    "last_error",
+    "library_path",
+    "load_library",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "memory_summary",
+    "parse_size",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "set_allocator",
+    "set_per_process_memory_fraction",
+]

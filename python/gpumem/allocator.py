@@ -1,0 +1,467 @@
+"""gpumem allocators from Python: the Allocator class over one gpumem_t, and
+the torch.cuda-shaped module functions over the per-device allocators that
+also serve PyTorch and CuPy (see src/bindings.c).
+
+Addresses are plain ints (device pointers); streams are ints too (the
+cudaStream_t value, 0 for the default stream; torch.cuda.Stream and
+cupy.cuda.Stream objects are accepted and their handle used).
+"""
+
+import ctypes
+import json
+import sys
+import threading
+
+from . import _lib, errors
+
+
+def _stream_handle(stream):
+    """The integer handle of a stream given as an int, None, or a torch /
+    CuPy stream object."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
+        value = getattr(stream, attr, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError("stream must be an int handle or a torch/CuPy stream, not %r" % (stream,))
+
+
+def _ptr_value(ptr):
+    if isinstance(ptr, int):
+        return ptr
+    value = getattr(ptr, "data_ptr", None)  # a torch tensor
+    if callable(value):
+        return value()
+    raise TypeError("pointer must be an int address, not %r" % (ptr,))
+
+
+def flatten_stats(obj, prefix=""):
+    """gpumem's stats JSON (flat torch keys plus nested extras) as one flat
+    dict: {"allocated_bytes.all.current": 0, ..., "backend_calls.map": 3}."""
+    out = {}
+    for key, value in obj.items():
+        name = prefix + key
+        if isinstance(value, dict):
+            out.update(flatten_stats(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _stats_of(handle):
+    lib = _lib.load()
+    if hasattr(lib, "gpumem_binding_stats_json"):
+        text = _lib.read_text(lib.gpumem_binding_stats_json, handle)
+    else:
+        text = _lib.print_to_string(lib.gpumem_print_stats_json, handle)
+    return flatten_stats(json.loads(text))
+
+
+def _summary_of(handle):
+    lib = _lib.load()
+    if hasattr(lib, "gpumem_binding_summary"):
+        return _lib.read_text(lib.gpumem_binding_summary, handle)
+    return _lib.print_to_string(lib.gpumem_print_summary, handle)
+
+
+class Allocator:
+    """One gpumem allocator.
+
+    device="sim" makes a simulated device (no GPU needed): capacity and
+    page_size in bytes (defaults 80 GiB and 2 MiB), host_backed=True backs
+    every byte with host memory so contents can be read and written through
+    host_view(). device=N makes a new allocator over CUDA device N (the
+    per-device allocators that PyTorch and CuPy use are reached through the
+    module functions instead). conf is a configuration string such as
+    "policy:pytorch,limit:4G" (the grammar of GPUMEM_CONF).
+
+    Use as a context manager, or call close(): it frees the device memory
+    the allocator holds, live allocations included.
+    """
+
+    def __init__(self, device="sim", conf=None, capacity=None, page_size=None, host_backed=False):
+        lib = _lib.load()
+        self._lib = lib
+        self._gm = None
+        self._backend = None
+        self._backend_kind = None
+        self._owned = True
+        self._lock = threading.Lock()
+        opts = _lib.parse_conf(conf)  # raises ConfigError before touching a device
+        if device == "sim":
+            sim = _lib.SimOptions()
+            lib.gpumem_sim_options_init(ctypes.byref(sim))
+            if capacity is not None:
+                sim.capacity = int(capacity)
+            if page_size is not None:
+                sim.page_size = int(page_size)
+            sim.host_backed = 1 if host_backed else 0
+            backend = lib.gpumem_sim_create(ctypes.byref(sim))
+            if not backend:
+                raise errors.InvalidArgumentError(
+                    _lib.last_error() or "gpumem: cannot create the simulated device"
+                )
+            self._backend_kind = "sim"
+        elif isinstance(device, int) and not isinstance(device, bool):
+            if capacity is not None or page_size is not None or host_backed:
+                raise errors.InvalidArgumentError(
+                    "gpumem: capacity, page_size and host_backed apply to device='sim' only"
+                )
+            copts = _lib.CudaOptions()
+            lib.gpumem_cuda_options_init(ctypes.byref(copts))
+            copts.device = device
+            st = ctypes.c_int(0)
+            backend = lib.gpumem_cuda_create(ctypes.byref(copts), ctypes.byref(st))
+            if not backend:
+                _lib.check(st.value or errors.ERR_BACKEND, "gpumem_cuda_create")
+            self._backend_kind = "cuda"
+        else:
+            raise TypeError('device must be "sim" or a CUDA device ordinal, not %r' % (device,))
+        self._backend = backend
+        st = ctypes.c_int(0)
+        gm = lib.gpumem_create(backend, opts, ctypes.byref(st))
+        if not gm:
+            detail = _lib.last_error()
+            self._destroy_backend()
+            raise errors.error_for(st.value or errors.ERR_BACKEND, detail)
+        self._gm = gm
+        self.device = device
+
+    @classmethod
+    def _wrap(cls, handle, device):
+        """A non-owning view of an existing gpumem_t (close() does nothing)."""
+        self = cls.__new__(cls)
+        self._lib = _lib.load()
+        self._gm = handle
+        self._backend = None
+        self._backend_kind = None
+        self._owned = False
+        self._lock = threading.Lock()
+        self.device = device
+        return self
+
+    # -- lifetime --
+
+    def _destroy_backend(self):
+        if self._backend:
+            if self._backend_kind == "sim":
+                self._lib.gpumem_sim_destroy(self._backend)
+            else:
+                self._lib.gpumem_cuda_destroy(self._backend)
+        self._backend = None
+
+    def close(self):
+        """Frees everything the allocator holds and the allocator itself."""
+        with self._lock:
+            if not self._owned or self._gm is None:
+                self._gm = None
+                return
+            self._lib.gpumem_destroy(self._gm)
+            self._gm = None
+            self._destroy_backend()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may be gone
+            pass
+
+    @property
+    def closed(self):
+        return self._gm is None
+
+    @property
+    def handle(self):
+        """The gpumem_t* as an int (for C code, or CuPy's param)."""
+        return self._h()
+
+    def _h(self):
+        if self._gm is None:
+            raise ValueError("gpumem: the allocator is closed")
+        return self._gm
+
+    def __repr__(self):
+        state = "closed" if self._gm is None else "0x%x" % self._gm
+        return "<gpumem.Allocator device=%r %s>" % (self.device, state)
+
+    # -- allocation --
+
+    def malloc(self, size, stream=0):
+        """Allocates size bytes usable on stream; returns the device address
+        (0 for size 0). Raises OutOfMemoryError with gpumem's report."""
+        if size < 0:
+            raise errors.InvalidArgumentError("gpumem: malloc size %d is negative" % size)
+        out = ctypes.c_void_p(0)
+        _lib.check(self._lib.gpumem_malloc(self._h(), size, _stream_handle(stream), ctypes.byref(out)))
+        return out.value or 0
+
+    def free(self, ptr):
+        """Frees an address malloc returned (0 is a no-op). Raises
+        InvalidPointerError for anything else."""
+        _lib.check(self._lib.gpumem_free(self._h(), _ptr_value(ptr) or None))
+
+    def record_stream(self, ptr, stream):
+        """Marks ptr as used on stream: its memory is reused only after the
+        work queued there before the free has completed."""
+        _lib.check(
+            self._lib.gpumem_record_stream(self._h(), _ptr_value(ptr) or None, _stream_handle(stream))
+        )
+
+    def allocation_size(self, ptr):
+        """Size the allocation at ptr was asked for, 0 if ptr is not one."""
+        return self._lib.gpumem_allocation_size(self._h(), _ptr_value(ptr) or None)
+
+    def empty_cache(self):
+        """Returns every cached, unused page or segment to the device."""
+        _lib.check(self._lib.gpumem_empty_cache(self._h()))
+
+    # -- limits --
+
+    def set_limit(self, nbytes):
+        """Caps reserved memory at nbytes (an int, or a size string like "4G")."""
+        if isinstance(nbytes, str):
+            nbytes = parse_size(nbytes)
+        _lib.check(self._lib.gpumem_set_limit(self._h(), int(nbytes)))
+
+    def set_limit_fraction(self, fraction):
+        """Caps reserved memory at fraction (0, 1] of the device's memory."""
+        _lib.check(self._lib.gpumem_set_limit_fraction(self._h(), float(fraction)))
+
+    def remove_limit(self):
+        self._lib.gpumem_remove_limit(self._h())
+
+    def get_limit(self):
+        """The cap in bytes, 0 when none."""
+        return self._lib.gpumem_get_limit(self._h())
+
+    # -- statistics --
+
+    def memory_stats(self):
+        """Statistics as a flat dict in torch.cuda.memory_stats()'s key
+        vocabulary ("allocated_bytes.all.current", "num_ooms", ...), plus
+        gpumem's own figures (largest_free_block, fragmentation,
+        backend_calls.<kind>, ...)."""
+        return _stats_of(self._h())
+
+    def memory_summary(self):
+        """The table torch.cuda.memory_summary() prints, plus gpumem's
+        figures."""
+        return _summary_of(self._h())
+
+    def reset_peak_stats(self):
+        self._lib.gpumem_reset_peak_stats(self._h())
+
+    def reset_accumulated_stats(self):
+        self._lib.gpumem_reset_accumulated_stats(self._h())
+
+    def check(self):
+        """Verifies every invariant of the allocator's structures; returns the
+        number of violations (0 = consistent). The first one is described by
+        last_error()."""
+        return self._lib.gpumem_check(self._h())
+
+    # -- the simulated device --
+
+    def _sim(self):
+        if self._backend_kind != "sim":
+            raise errors.UnsupportedError("gpumem: this needs an Allocator(device='sim')")
+        return self._backend
+
+    def sim_fail(self, kind=-1, skip=0, count=1, status=errors.ERR_OUT_OF_MEMORY):
+        """Scripted device failures: after `skip` more calls of `kind` (a
+        backend call index, -1 for any) succeed, the next `count` fail."""
+        self._lib.gpumem_sim_fail(self._sim(), kind, skip, count, status)
+
+    def sim_fail_clear(self):
+        self._lib.gpumem_sim_fail_clear(self._sim())
+
+    def host_view(self, ptr, size):
+        """A writable memoryview of size bytes at device address ptr on a
+        host-backed simulated device."""
+        host = self._lib.gpumem_sim_host_ptr(self._sim(), _ptr_value(ptr))
+        if not host:
+            raise errors.InvalidPointerError(
+                "gpumem: 0x%x is not mapped on this device (or it is not host-backed)" % _ptr_value(ptr)
+            )
+        return memoryview((ctypes.c_char * size).from_address(host)).cast("B")
+
+
+def last_error():
+    """The C library's detail message for the last failure on this thread."""
+    return _lib.last_error()
+
+
+def parse_size(text):
+    """Bytes in a size string: "123", "4K", "1.5G", "2GiB" (binary units)."""
+    out = ctypes.c_size_t(0)
+    _lib.check(_lib.load().gpumem_parse_size(str(text).encode(), ctypes.byref(out)))
+    return out.value
+
+
+def check_conf(conf):
+    """Raises ConfigError (naming the key) when conf is not a valid
+    configuration string."""
+    _lib.parse_conf(conf)
+
+
+# ---- the per-device allocators (the ones PyTorch and CuPy use) ----------
+
+
+def _current_device():
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_initialized():
+                return torch.cuda.current_device()
+        except Exception:
+            pass
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            return cupy.cuda.runtime.getDevice()
+        except Exception:
+            pass
+    return 0
+
+
+def device_index(device=None):
+    """A CUDA device ordinal from None (the current device), an int, a
+    "cuda:N" string, a torch.device or a cupy Device."""
+    if device is None:
+        return _current_device()
+    if isinstance(device, bool):
+        raise TypeError("device must be an int, a string or a device object")
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        text = device.strip()
+        if text == "cuda":
+            return _current_device()
+        if text.startswith("cuda:"):
+            return int(text[5:])
+        return int(text)
+    for attr in ("index", "id"):  # torch.device, cupy.cuda.Device
+        value = getattr(device, attr, None)
+        if value is None and attr == "index" and getattr(device, "type", None) == "cuda":
+            return _current_device()
+        if isinstance(value, int):
+            return value
+    raise TypeError("cannot tell a CUDA device from %r" % (device,))
+
+
+_views = {}
+
+
+def allocator(device=None):
+    """The Allocator (a non-owning view) serving device for PyTorch, CuPy
+    and these functions: gpumem_default(device), configured from GPUMEM_CONF,
+    created on first use."""
+    lib = _lib.load()
+    idx = device_index(device)
+    handle = lib.gpumem_binding_allocator(idx)
+    if not handle:
+        raise errors.error_for(errors.ERR_BACKEND, _lib.last_error())
+    view = _views.get(idx)
+    if view is None or view._gm != handle:
+        view = _views[idx] = Allocator._wrap(handle, idx)
+    return view
+
+
+def set_allocator(device, alloc):
+    """Serves device from alloc (an Allocator; None for the default) for
+    PyTorch, CuPy and these functions. Only while nothing is allocated on
+    the device through them."""
+    lib = _lib.load()
+    idx = device_index(device)
+    handle = None if alloc is None else alloc.handle
+    _lib.check(lib.gpumem_binding_set_allocator(idx, handle))
+    _views.pop(idx, None)
+    if alloc is not None:
+        _views[idx] = alloc
+
+
+def _peek(device):
+    """The serving allocator's handle, or None when the device has not been
+    used (statistics are then all zero: nothing is created for asking)."""
+    return _lib.load().gpumem_binding_peek(device_index(device)) or None
+
+
+def memory_stats(device=None):
+    """torch.cuda.memory_stats() for gpumem: a flat dict of statistics."""
+    return _stats_of(_peek(device))
+
+
+def memory_summary(device=None, abbreviated=False):
+    """torch.cuda.memory_summary() for gpumem (abbreviated is accepted for
+    compatibility; gpumem's table is always the full one)."""
+    return _summary_of(_peek(device))
+
+
+def memory_allocated(device=None):
+    return memory_stats(device).get("allocated_bytes.all.current", 0)
+
+
+def max_memory_allocated(device=None):
+    return memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+
+def memory_reserved(device=None):
+    return memory_stats(device).get("reserved_bytes.all.current", 0)
+
+
+def max_memory_reserved(device=None):
+    return memory_stats(device).get("reserved_bytes.all.peak", 0)
+
+
+def reset_peak_memory_stats(device=None):
+    handle = _peek(device)
+    if handle:
+        _lib.load().gpumem_reset_peak_stats(handle)
+
+
+def reset_accumulated_memory_stats(device=None):
+    handle = _peek(device)
+    if handle:
+        _lib.load().gpumem_reset_accumulated_stats(handle)
+
+
+def empty_cache(device=None):
+    """Returns cached memory to the driver: every device used so far when
+    device is None (as torch.cuda.empty_cache does), else that one."""
+    lib = _lib.load()
+    idx = -1 if device is None else device_index(device)
+    _lib.check(lib.gpumem_torch_empty_cache(idx))
+
+
+def set_per_process_memory_fraction(fraction, device=None):
+    """Caps device's reserved memory at fraction of its total memory."""
+    if not isinstance(fraction, (float, int)) or isinstance(fraction, bool):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
+    if fraction < 0 or fraction > 1:
+        raise ValueError("Invalid fraction value: %r. Allowed range: 0~1" % (fraction,))
+    allocator(device).set_limit_fraction(float(fraction))
+
+
+def get_per_process_memory_fraction(device=None):
+    """The cap as a fraction of the device's memory (1.0 when none)."""
+    stats = memory_stats(device)
+    limit, total = stats.get("limit_bytes", 0), stats.get("device_total", 0)
+    if not limit or not total:
+        return 1.0
+    return min(1.0, limit / total)
+
+
+def mem_get_info(device=None):
+    """(free, total) bytes of the device, as the driver reports them."""
+    stats = allocator(device).memory_stats()
+    return stats.get("device_free", 0), stats.get("device_total", 0)

@@ -1,0 +1,345 @@
+/* The C ABI through which other frameworks allocate from gpumem: PyTorch's
+ * CUDAPluggableAllocator (gpumem_torch_*) and CuPy's CFunctionAllocator
+ * (gpumem_cupy_*), plus the few helpers the Python package needs to reach
+ * the same allocators (gpumem_binding_*).
+ *
+ * Each device ordinal is served by one allocator: gpumem_default(device)
+ * unless gpumem_binding_set_allocator() named another (tests use a simulated
+ * device there; users may want a differently configured instance). The
+ * choice is cached in an atomic table, so the hot path costs one load and
+ * never takes gpumem_default's global lock.
+ *
+ * Neither framework can be told why an allocation failed: both take a NULL
+ * return at face value (PyTorch 2.11's CUDAPluggableAllocator::malloc stores
+ * it in a tensor; CuPy wraps it in a MemoryPointer). So every failure leaves
+ * its status and full report in thread-local storage (gpumem_torch_last_oom,
+ * gpumem_torch_last_status) for a wrapper to turn into the framework's own
+ * exception: the Python package compiles a small C++ shim around
+ * gpumem_torch_malloc that throws c10::OutOfMemoryError, and checks CuPy's
+ * pointers itself. Where no such wrapper exists, a fail hook (a C++ function
+ * that throws, e.g. c10::detail::torchCheckFail) can be installed with
+ * gpumem_torch_set_fail_hook: it is called from gpumem_torch_malloc with no
+ * lock held and nothing to clean up, so a C++ exception may unwind through
+ * this frame.
+ *
+ * None of these entry points can return an error, and frees run in C++
+ * destructors, so failures other than allocation ones are printed on
+ * stderr: a wrong free is a bug worth seeing, never worth aborting for. */
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+
+#include "internal.h"
+
+/* ---- the entry points (declared here: include/ belongs to the API) ---- */
+
+/* Which allocator serves device's requests through these bindings; created
+ * (gpumem_default) on first use. NULL with gpumem_last_error() on failure. */
+GPUMEM_API gpumem_t* gpumem_binding_allocator(int device);
+/* Like gpumem_binding_allocator, but never creates one: NULL when nothing
+ * has been allocated on device through the bindings yet. */
+GPUMEM_API gpumem_t* gpumem_binding_peek(int device);
+/* Serves device from gm instead (NULL: back to gpumem_default). Refused
+ * while the allocator serving device now has live allocations. gm is not
+ * owned: keep it alive while it serves. */
+GPUMEM_API gpumem_status_t gpumem_binding_set_allocator(int device, gpumem_t* gm);
+/* gpumem_print_stats_json / gpumem_print_summary into buf (always
+ * NUL-terminated when cap > 0). Returns the full length the text needs
+ * (excluding the NUL): call again with a larger buffer when it is >= cap.
+ * gm NULL formats all-zero statistics (an allocator that never ran). */
+GPUMEM_API size_t gpumem_binding_stats_json(gpumem_t* gm, char* buf, size_t cap);
+GPUMEM_API size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap);
+
+/* PyTorch CUDAPluggableAllocator: alloc_fn and free_fn. The stream is the
+ * cudaStream_t, taken as void* so no CUDA header is needed. NULL on failure
+ * (see gpumem_torch_last_oom). */
+GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream);
+GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
+/* The optional hooks: set_init_fn, set_reset_fn (torch.cuda.empty_cache),
+ * set_memory_fraction_fn, set_base_alloc_fn and set_record_stream_fn. */
+GPUMEM_API void gpumem_torch_init(int device_count);
+GPUMEM_API void gpumem_torch_reset(void);
+GPUMEM_API void gpumem_torch_set_memory_fraction(double fraction, int device);
+GPUMEM_API void* gpumem_torch_base_alloc(void* ptr, size_t* size);
+GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream);
+/* Empties the cache of device, or of every device served so far (-1). */
+GPUMEM_API gpumem_status_t gpumem_torch_empty_cache(int device);
+/* The report and status of the last failed allocation through these
+ * bindings on this thread ("" and GPUMEM_OK when none). */
+GPUMEM_API const char* gpumem_torch_last_oom(void);
+GPUMEM_API int gpumem_torch_last_status(void);
+/* A function that raises the caller's exception and does not return, given
+ * torch's source location convention and the report. */
+typedef void (*gpumem_torch_fail_fn)(const char* func, const char* file, uint32_t line,
+                                     const char* msg);
+/* Installs (or, with NULL, removes) the hook gpumem_torch_malloc calls
+ * before it would return NULL. */
+GPUMEM_API void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn);
+
+/* CuPy CFunctionAllocator: malloc and free. param is NULL (the device's
+ * binding allocator) or the gpumem_t* to use. Allocations belong to stream
+ * 0, the stream CuPy uses unless told otherwise. NULL on failure. */
+GPUMEM_API void* gpumem_cupy_malloc(void* param, size_t size, int device);
+GPUMEM_API void gpumem_cupy_free(void* param, void* ptr, int device);
+
+/* ---- which allocator serves which device ---------------------------- */
+
+#define GM_BIND_MAX_DEVICES 64
+
+/* Written once per device (or by set_allocator), read on every call. */
+static gpumem_t* _Atomic bound[GM_BIND_MAX_DEVICES];
+static _Atomic int torch_device_count;
+static _Atomic(gpumem_torch_fail_fn) fail_hook;
+
+/* The failure report outlives later gpumem failures on the thread (a free
+ * failing while the exception unwinds must not replace the OOM report). */
+static _Thread_local char last_report[4096];
+static _Thread_local int last_status;
+
+static int device_ok(int device) { return device >= 0 && device < GM_BIND_MAX_DEVICES; }
+
+gpumem_t* gpumem_binding_peek(int device) {
+  if (!device_ok(device)) return NULL;
+  return atomic_load_explicit(&bound[device], memory_order_acquire);
+}
+
+gpumem_t* gpumem_binding_allocator(int device) {
+  if (!device_ok(device)) {
+    gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem: CUDA device %d is out of range [0, %d)", device,
+            GM_BIND_MAX_DEVICES);
+    return NULL;
+  }
+  gpumem_t* gm = atomic_load_explicit(&bound[device], memory_order_acquire);
+  if (GM_LIKELY(gm != NULL)) return gm;
+  gpumem_t* made = gpumem_default(device);
+  if (!made) return NULL;
+  /* A racing set_allocator wins: its choice was explicit. */
+  gpumem_t* expected = NULL;
+  if (atomic_compare_exchange_strong_explicit(&bound[device], &expected, made,
+                                              memory_order_acq_rel, memory_order_acquire))
+    return made;
+  return expected;
+}
+
+gpumem_status_t gpumem_binding_set_allocator(int device, gpumem_t* gm) {
+  if (!device_ok(device))
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_binding_set_allocator: device %d is out of range [0, %d)", device,
+                   GM_BIND_MAX_DEVICES);
+  gpumem_t* cur = atomic_load_explicit(&bound[device], memory_order_acquire);
+  if (cur && cur != gm) {
+    /* Frees go to the allocator serving the device at free time: switching
+     * under live blocks would send them to one that never saw them. */
+    gpumem_stats_t st;
+    gpumem_get_stats(cur, &st);
+    if (st.allocation[GPUMEM_POOL_ALL].current > 0)
+      return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                     "gpumem_binding_set_allocator: device %d's allocator still has %lld live "
+                     "allocation(s); free them first",
+                     device, (long long)st.allocation[GPUMEM_POOL_ALL].current);
+  }
+  atomic_store_explicit(&bound[device], gm, memory_order_release);
+  return GPUMEM_OK;
+}
+
+/* The served allocator whose live allocation starts at ptr, or NULL. The
+ * torch hooks that get no device (record_stream, base_alloc) need it; the
+ * first device answers on single-GPU jobs. */
+static gpumem_t* owner_of(const void* ptr, size_t* size) {
+  for (int d = 0; d < GM_BIND_MAX_DEVICES; d++) {
+    gpumem_t* gm = atomic_load_explicit(&bound[d], memory_order_acquire);
+    if (!gm) continue;
+    size_t n = gpumem_allocation_size(gm, ptr);
+    if (n) {
+      if (size) *size = n;
+      return gm;
+    }
+  }
+  return NULL;
+}
+
+/* ---- text into a buffer ---------------------------------------------- */
+
+typedef struct gm_text_buf {
+  char* buf;
+  size_t cap;
+  size_t len; /* full length, even past cap */
+} gm_text_buf;
+
+static int text_buf_write(const char* text, size_t len, void* arg) {
+  gm_text_buf* t = arg;
+  if (t->cap && t->len + 1 < t->cap) {
+    size_t room = t->cap - 1 - t->len;
+    memcpy(t->buf + t->len, text, len < room ? len : room);
+  }
+  t->len += len;
+  return 0;
+}
+
+static size_t format_into(gpumem_t* gm, char* buf, size_t cap, int json) {
+  gm_text_buf t = {buf, buf ? cap : 0, 0};
+  gpumem_stats_t st;
+  if (gm) {
+    gpumem_get_stats(gm, &st);
+  } else {
+    memset(&st, 0, sizeof st);
+    st.struct_size = (uint32_t)sizeof st;
+  }
+  if (json) {
+    gpumem_format_stats_json(&st, text_buf_write, &t);
+  } else {
+    gpumem_format_summary(&st, text_buf_write, &t);
+  }
+  if (t.cap) t.buf[t.len < t.cap ? t.len : t.cap - 1] = '\0';
+  return t.len;
+}
+
+size_t gpumem_binding_stats_json(gpumem_t* gm, char* buf, size_t cap) {
+  return format_into(gm, buf, cap, 1);
+}
+
+size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap) {
+  return format_into(gm, buf, cap, 0);
+}
+
+/* ---- failures --------------------------------------------------------- */
+
+static void remember_failure(gpumem_status_t st, const char* prefix) {
+  const char* detail = gpumem_last_error();
+  if (!detail[0]) detail = gpumem_strerror(st);
+  snprintf(last_report, sizeof last_report, "%s%s", prefix, detail);
+  last_status = (int)st;
+}
+
+const char* gpumem_torch_last_oom(void) { return last_report; }
+
+int gpumem_torch_last_status(void) { return last_status; }
+
+void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn) {
+  atomic_store_explicit(&fail_hook, fn, memory_order_release);
+}
+
+static void warn_failure(const char* what, const void* ptr, int device) {
+  fprintf(stderr, "gpumem: %s of %p on CUDA device %d failed: %s\n", what, ptr, device,
+          gpumem_last_error());
+}
+
+/* ---- PyTorch ------------------------------------------------------------ */
+
+void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
+  /* torch asks for 0 bytes for empty tensors and expects NULL back. */
+  if (size <= 0) return NULL;
+  void* p = NULL;
+  gpumem_status_t st;
+  gpumem_t* gm = gpumem_binding_allocator(device);
+  if (GM_LIKELY(gm != NULL)) {
+    st = gpumem_malloc(gm, (size_t)size, (gpumem_stream_t)(uintptr_t)stream, &p);
+    if (GM_LIKELY(st == GPUMEM_OK)) return p;
+    remember_failure(st, "");
+  } else {
+    /* No allocator at all (no driver, bad GPUMEM_CONF): not an OOM, but
+     * the report must still say why every allocation fails. */
+    char prefix[96];
+    snprintf(prefix, sizeof prefix, "gpumem: no allocator for CUDA device %d: ", device);
+    remember_failure(GPUMEM_ERR_BACKEND, prefix);
+  }
+  gpumem_torch_fail_fn hook = atomic_load_explicit(&fail_hook, memory_order_acquire);
+  if (hook) hook(__func__, __FILE__, (uint32_t)__LINE__, last_report);
+  return NULL;
+}
+
+void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
+  (void)size;   /* gpumem knows every block's size */
+  (void)stream; /* and the stream it was allocated on */
+  if (!ptr) return;
+  gpumem_t* gm = gpumem_binding_peek(device);
+  if (!gm) gm = owner_of(ptr, NULL);
+  if (!gm) {
+    gpumem_set_last_error("no gpumem allocator serves this device");
+    warn_failure("free", ptr, device);
+    return;
+  }
+  if (gpumem_free(gm, ptr) != GPUMEM_OK) warn_failure("free", ptr, device);
+}
+
+void gpumem_torch_init(int device_count) {
+  /* Allocators are made lazily per device on first use, so a process that
+   * only ever touches GPU 0 creates nothing on the others. */
+  atomic_store_explicit(&torch_device_count, device_count, memory_order_relaxed);
+}
+
+gpumem_status_t gpumem_torch_empty_cache(int device) {
+  gpumem_status_t first = GPUMEM_OK;
+  for (int d = 0; d < GM_BIND_MAX_DEVICES; d++) {
+    if (device >= 0 && d != device) continue;
+    gpumem_t* gm = atomic_load_explicit(&bound[d], memory_order_acquire);
+    if (!gm) continue;
+    gpumem_status_t st = gpumem_empty_cache(gm);
+    if (st != GPUMEM_OK && first == GPUMEM_OK) first = st;
+  }
+  return first;
+}
+
+void gpumem_torch_reset(void) {
+  if (gpumem_torch_empty_cache(-1) != GPUMEM_OK) warn_failure("empty_cache", NULL, -1);
+}
+
+void gpumem_torch_set_memory_fraction(double fraction, int device) {
+  gpumem_t* gm = gpumem_binding_allocator(device);
+  gpumem_status_t st = gm ? gpumem_set_limit_fraction(gm, fraction) : GPUMEM_ERR_BACKEND;
+  if (st != GPUMEM_OK) {
+    fprintf(stderr, "gpumem: set_per_process_memory_fraction(%g) on CUDA device %d failed: %s\n",
+            fraction, device, gpumem_last_error());
+  }
+}
+
+void* gpumem_torch_base_alloc(void* ptr, size_t* size) {
+  /* Every block is its own allocation as far as callers can tell: gpumem
+   * never hands out pieces of a larger one to share by IPC. */
+  size_t n = 0;
+  owner_of(ptr, &n);
+  if (size) *size = n;
+  return ptr;
+}
+
+void gpumem_torch_record_stream(void* ptr, void* stream) {
+  if (!ptr) return;
+  gpumem_t* gm = owner_of(ptr, NULL);
+  gpumem_status_t st =
+      gm ? gpumem_record_stream(gm, ptr, (gpumem_stream_t)(uintptr_t)stream)
+         : gm_fail(GPUMEM_ERR_INVALID_POINTER, "no gpumem allocator holds this pointer");
+  if (st != GPUMEM_OK) warn_failure("record_stream", ptr, -1);
+}
+
+/* ---- CuPy --------------------------------------------------------------- */
+
+void* gpumem_cupy_malloc(void* param, size_t size, int device) {
+  if (size == 0) return NULL;
+  gpumem_t* gm = param ? (gpumem_t*)param : gpumem_binding_allocator(device);
+  if (!gm) {
+    char prefix[96];
+    snprintf(prefix, sizeof prefix, "gpumem: no allocator for CUDA device %d: ", device);
+    remember_failure(GPUMEM_ERR_BACKEND, prefix);
+    return NULL;
+  }
+  void* p = NULL;
+  gpumem_status_t st = gpumem_malloc(gm, size, 0, &p);
+  if (st != GPUMEM_OK) {
+    remember_failure(st, "");
+    return NULL;
+  }
+  return p;
+}
+
+void gpumem_cupy_free(void* param, void* ptr, int device) {
+  if (!ptr) return;
+  gpumem_t* gm = param ? (gpumem_t*)param : gpumem_binding_peek(device);
+  if (!gm) gm = owner_of(ptr, NULL);
+  if (!gm) {
+    gpumem_set_last_error("no gpumem allocator serves this device");
+    warn_failure("free", ptr, device);
+    return;
+  }
+  if (gpumem_free(gm, ptr) != GPUMEM_OK) warn_failure("free", ptr, device);
+}

@@ -1,0 +1,772 @@
+/* Randomized differential test: long random sequences of malloc, free (in
+ * any order), record_stream onto other streams, empty_cache and a hard
+ * limit, run against a reference model that is nothing but the list of live
+ * allocations (pointer, size, stream, id).
+ *
+ * After every operation the allocator must pass gpumem_check and its
+ * statistics must agree with the model. On a host-backed device every
+ * allocation also carries a pattern derived from its id, written and read
+ * through gpumem_sim_host_ptr one device page at a time: two live
+ * allocations sharing a byte, or a page of a live block unmapped or moved
+ * while free pages are reclaimed and remapped, show up as a mismatch.
+ *
+ * Every policy runs: pytorch (plain segments) and default (arenas) under each
+ * reclaim mode; odd seeds run host-backed with a small device and moderate
+ * sizes, even seeds without backing with sizes up to 64 MiB.
+ *
+ * Scale: GPUMEM_RANDOM_OPS (operations per seed, default 100000; argv[1]
+ * overrides it), GPUMEM_RANDOM_SEEDS (seeds per configuration, default 4),
+ * GPUMEM_RANDOM_SEED (first seed, to reproduce a reported run). */
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+#include "test_util.h"
+
+#define KIB ((size_t)1 << 10)
+#define MIB ((size_t)1 << 20)
+#define GIB ((size_t)1 << 30)
+
+/* ---- random numbers: splitmix64, so a seed names one exact run ---- */
+
+typedef struct rng {
+  uint64_t state;
+} rng_t;
+
+static uint64_t rng_next(rng_t* r) {
+  uint64_t z = (r->state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static uint64_t rng_below(rng_t* r, uint64_t n) { return n ? rng_next(r) % n : 0; }
+
+/* ---- configurations ---- */
+
+typedef struct config {
+  const char* name;
+  gpumem_policy_t policy;
+  gpumem_reclaim_t reclaim;
+} config_t;
+
+static const config_t configs[] = {
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER},
+    {"default/pressure", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE},
+};
+
+/* Streams allocations are made on; record_stream also names a fourth one
+ * that never allocates, as a side stream of copies would. */
+static const gpumem_stream_t alloc_streams[] = {0, 0x100, 0x200};
+static const gpumem_stream_t use_streams[] = {0, 0x100, 0x200, 0x300};
+
+/* ---- the model ---- */
+
+typedef struct live {
+  uintptr_t ptr;
+  size_t size;
+  gpumem_stream_t stream;
+  uint64_t id;
+} live_t;
+
+typedef struct run {
+  const config_t* cfg;
+  uint64_t seed;
+  rng_t rng;
+  int host_backed;
+  gpumem_backend_t* sim;
+  gpumem_t* gm;
+  size_t page_size;
+  size_t capacity;
+  size_t max_size;     /* largest request */
+  size_t budget_max;   /* live bytes the run aims at, at most */
+  size_t budget;       /* current aim, moved now and then */
+  size_t limit;        /* hard limit in force, 0 = none */
+  int64_t prev_reserved;
+  long op;
+  const char* phase;
+  int failed;
+
+  live_t* live;
+  size_t n, cap;
+  uint64_t next_id;
+  /* sums over live allocations, kept as the model changes */
+  uint64_t sum_size, sum_round;
+  uint64_t n_small, sum_small_size, sum_small_round;
+
+  /* patterns: a random tape; allocation id reads it from its own offset */
+  const unsigned char* tape;
+  size_t tape_len;
+
+  long allocs, frees, records, ooms, empties, verified;
+  uint64_t bytes_verified;
+  size_t max_live;
+} run_t;
+
+static void run_context(const run_t* r) {
+  fprintf(stderr, "  in run %s seed %llu (%s), phase %s, op %ld, %zu live\n", r->cfg->name,
+          (unsigned long long)r->seed, r->host_backed ? "host-backed" : "no backing", r->phase,
+          r->op, r->n);
+}
+
+/* A check that stops the run on failure: everything after it would only
+ * repeat the first symptom. */
+#define RUN_CHECK(r, cond, ...)                                                 \
+  do {                                                                          \
+    if (cond) {                                                                 \
+      test_checks_passed++;                                                     \
+    } else {                                                                    \
+      test_checks_failed++;                                                     \
+      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);  \
+      fprintf(stderr, __VA_ARGS__);                                             \
+      fputc('\n', stderr);                                                      \
+      run_context(r);                                                           \
+      (r)->failed = 1;                                                          \
+    }                                                                           \
+  } while (0)
+
+static size_t round512(size_t size) { return size < 512 ? 512 : (size + 511) / 512 * 512; }
+
+/* The pytorch rules' segment for a request (PyTorch's allocation sizes). */
+static size_t pytorch_segment(size_t size) {
+  size_t r = round512(size);
+  if (r <= MIB) return 2 * MIB;
+  if (r < 10 * MIB) return 20 * MIB;
+  return (r + 2 * MIB - 1) / (2 * MIB) * (2 * MIB);
+}
+
+/* Messages persist until the next failure: clear it so that a message
+ * checked after a call is that call's own. */
+static void clear_error(void) { gpumem_set_last_error("%s", ""); }
+
+static gpumem_sim_counters_t sim_counters(gpumem_backend_t* sim) {
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(sim, &c);
+  return c;
+}
+
+/* ---- device bytes through the host: one page at a time ---- */
+
+/* Host memory of consecutive device pages is not contiguous (a mapped page
+ * is its own host buffer), so every copy is cut at page boundaries and each
+ * piece is resolved on its own. NULL host pointers (an unmapped page under
+ * a live allocation) make the copy fail. */
+typedef enum { COPY_IN, COPY_OUT } copy_dir_t;
+
+static int device_copy(run_t* r, copy_dir_t dir, uintptr_t addr, unsigned char* buf, size_t len) {
+  size_t ps = r->page_size;
+  while (len > 0) {
+    size_t piece = ps - (size_t)(addr % ps);
+    if (piece > len) piece = len;
+    unsigned char* host = gpumem_sim_host_ptr(r->sim, addr);
+    if (!host) return -1;
+    if (dir == COPY_IN) {
+      memcpy(host, buf, piece);
+    } else {
+      memcpy(buf, host, piece);
+    }
+    addr += piece;
+    buf += piece;
+    len -= piece;
+  }
+  return 0;
+}
+
+/* Compares device bytes with expected ones without a bounce buffer: the
+ * same page-by-page walk. Returns the offset of the first difference, or
+ * len when equal; (size_t)-1 when a page is not mapped. */
+static size_t device_compare(run_t* r, uintptr_t addr, const unsigned char* want, size_t len) {
+  size_t ps = r->page_size, done = 0;
+  while (done < len) {
+    size_t piece = ps - (size_t)((addr + done) % ps);
+    if (piece > len - done) piece = len - done;
+    const unsigned char* host = gpumem_sim_host_ptr(r->sim, addr + done);
+    if (!host) return (size_t)-1;
+    if (memcmp(host, want + done, piece) != 0) {
+      for (size_t i = 0; i < piece; i++) {
+        if (host[i] != want[done + i]) return done + i;
+      }
+    }
+    done += piece;
+  }
+  return len;
+}
+
+/* The pattern of allocation id at byte offset o is tape[(start(id) + o) %
+ * tape_len]: a random tape read from an id-dependent start. Different ids
+ * start at different places, and the tape's length is no multiple of a
+ * page, so overlapping allocations and swapped pages both read wrong. The
+ * expected bytes are materialized in runs straight from the tape, so
+ * filling and checking cost two memcpy/memcmp per piece. */
+static size_t pattern_start(const run_t* r, uint64_t id) {
+  uint64_t h = id * 0x9E3779B97F4A7C15ull;
+  return (size_t)((h ^ (h >> 29)) % r->tape_len);
+}
+
+static int pattern_fill(run_t* r, const live_t* a) {
+  size_t pos = pattern_start(r, a->id), done = 0;
+  while (done < a->size) {
+    size_t piece = r->tape_len - pos;
+    if (piece > a->size - done) piece = a->size - done;
+    if (device_copy(r, COPY_IN, a->ptr + done, (unsigned char*)r->tape + pos, piece) != 0) {
+      return -1;
+    }
+    done += piece;
+    pos = 0;
+  }
+  return 0;
+}
+
+/* Verifies the whole pattern of a; reports the first bad byte. */
+static void pattern_verify(run_t* r, const live_t* a, const char* when) {
+  size_t pos = pattern_start(r, a->id), done = 0;
+  while (done < a->size && !r->failed) {
+    size_t piece = r->tape_len - pos;
+    if (piece > a->size - done) piece = a->size - done;
+    size_t bad = device_compare(r, a->ptr + done, r->tape + pos, piece);
+    RUN_CHECK(r, bad == piece,
+              "%s: allocation #%llu at 0x%lx (%zu bytes) %s at offset %zu", when,
+              (unsigned long long)a->id, (unsigned long)a->ptr, a->size,
+              bad == (size_t)-1 ? "has an unmapped page" : "lost its pattern",
+              bad == (size_t)-1 ? done : done + bad);
+    done += piece;
+    pos = 0;
+  }
+  r->verified++;
+  r->bytes_verified += a->size;
+}
+
+/* ---- model checks ---- */
+
+static int cmp_live_ptr(const void* x, const void* y) {
+  const live_t* a = x;
+  const live_t* b = y;
+  return a->ptr < b->ptr ? -1 : a->ptr > b->ptr ? 1 : 0;
+}
+
+/* Pages of size ps under the blocks of the live allocations, counted once
+ * each (blocks are the requests rounded to 512 bytes). Sorts r->live. */
+static uint64_t live_pages(run_t* r) {
+  qsort(r->live, r->n, sizeof *r->live, cmp_live_ptr);
+  uint64_t pages = 0;
+  uintptr_t last_page = UINTPTR_MAX;
+  for (size_t i = 0; i < r->n; i++) {
+    uintptr_t first = r->live[i].ptr / r->page_size;
+    uintptr_t end = (r->live[i].ptr + round512(r->live[i].size) - 1) / r->page_size;
+    if (first == last_page) first++;
+    if (end >= first) pages += end - first + 1;
+    if (last_page == UINTPTR_MAX || end > last_page) last_page = end;
+  }
+  return pages;
+}
+
+/* Sorts the live set by address and checks neighbours pairwise: no two
+ * live allocations share a byte. */
+static void check_no_overlap_sorted(run_t* r) {
+  qsort(r->live, r->n, sizeof *r->live, cmp_live_ptr);
+  for (size_t i = 1; i < r->n && !r->failed; i++) {
+    const live_t* a = &r->live[i - 1];
+    const live_t* b = &r->live[i];
+    RUN_CHECK(r, a->ptr + a->size <= b->ptr,
+              "live allocations overlap: #%llu [0x%lx, +%zu) and #%llu [0x%lx, +%zu)",
+              (unsigned long long)a->id, (unsigned long)a->ptr, a->size,
+              (unsigned long long)b->id, (unsigned long)b->ptr, b->size);
+  }
+}
+
+/* The invariants checked after every operation. */
+static void check_state(run_t* r) {
+  size_t violations = gpumem_check(r->gm);
+  RUN_CHECK(r, violations == 0, "gpumem_check found %zu violations: %s", violations,
+            gpumem_last_error());
+  if (r->failed) return;
+  gpumem_stats_t s;
+  gpumem_get_stats(r->gm, &s);
+  const int A = GPUMEM_POOL_ALL, S = GPUMEM_POOL_SMALL, L = GPUMEM_POOL_LARGE;
+  RUN_CHECK(r, s.allocation[A].current == (int64_t)r->n, "allocations %lld, model %zu",
+            (long long)s.allocation[A].current, r->n);
+  RUN_CHECK(r, s.allocation[S].current == (int64_t)r->n_small, "small allocations %lld, model %llu",
+            (long long)s.allocation[S].current, (unsigned long long)r->n_small);
+  RUN_CHECK(r, s.requested_bytes[A].current == (int64_t)r->sum_size, "requested %lld, model %llu",
+            (long long)s.requested_bytes[A].current, (unsigned long long)r->sum_size);
+  RUN_CHECK(r, s.requested_bytes[S].current == (int64_t)r->sum_small_size,
+            "small requested %lld, model %llu", (long long)s.requested_bytes[S].current,
+            (unsigned long long)r->sum_small_size);
+  /* Small blocks are always split down to the rounded request, so the
+   * small pool's allocated bytes are exact under both policies. */
+  RUN_CHECK(r, s.allocated_bytes[S].current == (int64_t)r->sum_small_round,
+            "small allocated %lld, model %llu", (long long)s.allocated_bytes[S].current,
+            (unsigned long long)r->sum_small_round);
+  int64_t large_round = (int64_t)(r->sum_round - r->sum_small_round);
+  if (r->cfg->policy == GPUMEM_POLICY_DEFAULT) {
+    /* Arenas split at 512-byte granularity whatever the remainder. */
+    RUN_CHECK(r, s.allocated_bytes[L].current == large_round, "large allocated %lld, model %lld",
+              (long long)s.allocated_bytes[L].current, (long long)large_round);
+  } else {
+    /* A large block stays whole when at most 1 MiB would remain. */
+    int64_t slack = (int64_t)((r->n - r->n_small) * MIB);
+    RUN_CHECK(r,
+              s.allocated_bytes[L].current >= large_round &&
+                  s.allocated_bytes[L].current <= large_round + slack,
+              "large allocated %lld outside [%lld, %lld]", (long long)s.allocated_bytes[L].current,
+              (long long)large_round, (long long)(large_round + slack));
+  }
+  RUN_CHECK(r, s.allocated_bytes[A].current >= s.requested_bytes[A].current,
+            "allocated %lld < requested %lld", (long long)s.allocated_bytes[A].current,
+            (long long)s.requested_bytes[A].current);
+  RUN_CHECK(r, s.active_bytes[A].current >= s.allocated_bytes[A].current,
+            "active %lld < allocated %lld", (long long)s.active_bytes[A].current,
+            (long long)s.allocated_bytes[A].current);
+  RUN_CHECK(r, s.reserved_bytes[A].current >= s.active_bytes[A].current,
+            "reserved %lld < active %lld", (long long)s.reserved_bytes[A].current,
+            (long long)s.active_bytes[A].current);
+  gpumem_sim_counters_t c = sim_counters(r->sim);
+  RUN_CHECK(r, (uint64_t)s.reserved_bytes[A].current == c.bytes_in_use,
+            "reserved %lld, the device holds %llu", (long long)s.reserved_bytes[A].current,
+            (unsigned long long)c.bytes_in_use);
+  /* Nothing may take memory past the limit: above it, reserved only falls. */
+  if (r->limit && s.reserved_bytes[A].current > (int64_t)r->limit) {
+    RUN_CHECK(r, s.reserved_bytes[A].current <= r->prev_reserved,
+              "reserved grew from %lld to %lld past the limit %zu", (long long)r->prev_reserved,
+              (long long)s.reserved_bytes[A].current, r->limit);
+  }
+  r->prev_reserved = s.reserved_bytes[A].current;
+}
+
+/* ---- operations ---- */
+
+static size_t pick_size(run_t* r) {
+  rng_t* g = &r->rng;
+  size_t ps = r->page_size, max = r->max_size;
+  uint64_t c = rng_below(g, 1000);
+  size_t size;
+  if (c < 30) return 0;
+  if (c < 180) {
+    size = 1 + rng_below(g, 512); /* below one block */
+  } else if (c < 380) {
+    size = 512 * (1 + rng_below(g, r->host_backed ? 512 : 2048)); /* 512-multiples */
+  } else if (c < 410) {
+    size = ps * (1 + rng_below(g, r->host_backed ? 1 : 8)); /* exactly whole pages */
+  } else if (c < 440) {
+    /* a page multiple give or take a little: straddles one more page */
+    size = ps * (1 + rng_below(g, r->host_backed ? 1 : 4)) + rng_below(g, 1024);
+    size = size > 512 ? size - 512 : size;
+  } else if (c < 470) {
+    /* the pytorch thresholds: 1 MiB (small/large), 10 MiB (segment rule) */
+    static const size_t edges[] = {MIB - 1, MIB, MIB + 1, 10 * MIB - 1, 10 * MIB, 10 * MIB + 1};
+    size = edges[rng_below(g, r->host_backed ? 3 : 6)];
+  } else {
+    /* log-uniform over 1 B .. max; host-backed runs keep large ones rare
+     * so that writing every byte stays affordable */
+    unsigned top = 0;
+    while (((size_t)2 << top) <= max) top++;
+    unsigned bits = (unsigned)rng_below(g, top + 1);
+    if (r->host_backed && bits > 18 && rng_below(g, 8) != 0) bits = (unsigned)rng_below(g, 19);
+    size = ((size_t)1 << bits) + rng_below(g, (size_t)1 << bits);
+  }
+  return size > max ? max : size;
+}
+
+/* An out-of-memory answer is right only when the device or the limit
+ * really refused the last unit the policy needed: a page (default) or the
+ * request's segment (pytorch). The retry ladder has emptied the cache by
+ * then, so this is what is left. */
+static int oom_justified(run_t* r, size_t size, char* why, size_t why_len) {
+  gpumem_stats_t s;
+  gpumem_get_stats(r->gm, &s);
+  gpumem_sim_counters_t c = sim_counters(r->sim);
+  uint64_t unit = r->cfg->policy == GPUMEM_POLICY_PYTORCH ? pytorch_segment(size) : r->page_size;
+  uint64_t dev_free = r->capacity - c.bytes_in_use;
+  uint64_t reserved = (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current;
+  snprintf(why, why_len, "unit %llu, device free %llu, reserved %llu, limit %zu",
+           (unsigned long long)unit, (unsigned long long)dev_free, (unsigned long long)reserved,
+           r->limit);
+  return dev_free < unit || (r->limit && reserved + unit > r->limit);
+}
+
+static void model_add(run_t* r, live_t a) {
+  if (r->n == r->cap) {
+    r->cap = r->cap ? r->cap * 2 : 256;
+    r->live = realloc(r->live, r->cap * sizeof *r->live);
+    if (!r->live) {
+      fprintf(stderr, "out of host memory\n");
+      exit(2);
+    }
+  }
+  r->live[r->n++] = a;
+  size_t rs = round512(a.size);
+  r->sum_size += a.size;
+  r->sum_round += rs;
+  if (rs <= MIB) {
+    r->n_small++;
+    r->sum_small_size += a.size;
+    r->sum_small_round += rs;
+  }
+  if (r->n > r->max_live) r->max_live = r->n;
+}
+
+static void model_remove(run_t* r, size_t i) {
+  live_t a = r->live[i];
+  size_t rs = round512(a.size);
+  r->sum_size -= a.size;
+  r->sum_round -= rs;
+  if (rs <= MIB) {
+    r->n_small--;
+    r->sum_small_size -= a.size;
+    r->sum_small_round -= rs;
+  }
+  r->live[i] = r->live[--r->n];
+}
+
+/* Allocates; returns the gpumem status (the model holds the result). */
+static gpumem_status_t op_malloc(run_t* r, size_t size, gpumem_stream_t stream) {
+  void* p = (void*)1;
+  clear_error();
+  gpumem_status_t st = gpumem_malloc(r->gm, size, stream, &p);
+  if (size == 0) {
+    RUN_CHECK(r, st == GPUMEM_OK && p == NULL, "malloc(0): %s, %p", gpumem_strerror(st), p);
+    return st;
+  }
+  if (st == GPUMEM_OK) {
+    uintptr_t ptr = (uintptr_t)p;
+    RUN_CHECK(r, ptr != 0 && ptr % 512 == 0, "malloc(%zu) returned %p", size, p);
+    /* The new one against every live one: no shared byte. */
+    for (size_t i = 0; i < r->n && !r->failed; i++) {
+      const live_t* b = &r->live[i];
+      RUN_CHECK(r, ptr + size <= b->ptr || b->ptr + b->size <= ptr,
+                "malloc(%zu) = 0x%lx overlaps live #%llu [0x%lx, +%zu)", size, (unsigned long)ptr,
+                (unsigned long long)b->id, (unsigned long)b->ptr, b->size);
+    }
+    live_t a = {ptr, size, stream, r->next_id++};
+    model_add(r, a);
+    r->allocs++;
+    if (r->host_backed) {
+      RUN_CHECK(r, pattern_fill(r, &a) == 0, "malloc(%zu) = 0x%lx: a page is not mapped", size,
+                (unsigned long)ptr);
+    }
+    return st;
+  }
+  RUN_CHECK(r, st == GPUMEM_ERR_OUT_OF_MEMORY, "malloc(%zu) on stream 0x%lx: %s: %s", size,
+            (unsigned long)stream, gpumem_strerror(st), gpumem_last_error());
+  RUN_CHECK(r, p == NULL, "failed malloc left *out = %p", p);
+  RUN_CHECK(r, strstr(gpumem_last_error(), "out of memory") != NULL,
+            "OOM message lacks \"out of memory\": \"%s\"", gpumem_last_error());
+  char why[200];
+  int justified = oom_justified(r, size, why, sizeof why);
+  RUN_CHECK(r, justified, "malloc(%zu) reported out of memory with room to spare (%s): %s", size,
+            why, gpumem_last_error());
+  r->ooms++;
+  return st;
+}
+
+static void op_free(run_t* r, size_t i) {
+  live_t a = r->live[i];
+  if (r->host_backed) pattern_verify(r, &a, "before free");
+  size_t known = gpumem_allocation_size(r->gm, (void*)a.ptr);
+  RUN_CHECK(r, known == a.size, "allocation_size(#%llu) = %zu, model %zu", (unsigned long long)a.id,
+            known, a.size);
+  clear_error();
+  gpumem_status_t st = gpumem_free(r->gm, (void*)a.ptr);
+  RUN_CHECK(r, st == GPUMEM_OK, "free(0x%lx): %s: %s", (unsigned long)a.ptr, gpumem_strerror(st),
+            gpumem_last_error());
+  model_remove(r, i);
+  r->frees++;
+}
+
+static void op_record(run_t* r) {
+  size_t i = (size_t)rng_below(&r->rng, r->n);
+  gpumem_stream_t s = use_streams[rng_below(&r->rng, 4)];
+  gpumem_status_t st = gpumem_record_stream(r->gm, (void*)r->live[i].ptr, s);
+  RUN_CHECK(r, st == GPUMEM_OK, "record_stream: %s: %s", gpumem_strerror(st), gpumem_last_error());
+  r->records++;
+}
+
+/* empty_cache waits for every pending free and returns every cached page or
+ * segment; under the default policy what is left is exactly the pages
+ * under live blocks. */
+static void op_empty_cache(run_t* r) {
+  gpumem_status_t st = gpumem_empty_cache(r->gm);
+  RUN_CHECK(r, st == GPUMEM_OK, "empty_cache: %s: %s", gpumem_strerror(st), gpumem_last_error());
+  r->empties++;
+  gpumem_stats_t s;
+  gpumem_get_stats(r->gm, &s);
+  RUN_CHECK(r, s.active_bytes[GPUMEM_POOL_ALL].current == s.allocated_bytes[GPUMEM_POOL_ALL].current,
+            "after empty_cache active %lld != allocated %lld (a pending free survived)",
+            (long long)s.active_bytes[GPUMEM_POOL_ALL].current,
+            (long long)s.allocated_bytes[GPUMEM_POOL_ALL].current);
+  if (r->cfg->policy == GPUMEM_POLICY_DEFAULT) {
+    uint64_t want = live_pages(r) * r->page_size;
+    RUN_CHECK(r, (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == want,
+              "after empty_cache reserved %lld, live blocks cover %llu bytes of pages",
+              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current, (unsigned long long)want);
+  } else if (r->n == 0) {
+    RUN_CHECK(r, s.reserved_bytes[GPUMEM_POOL_ALL].current == 0 && s.segment[0].current == 0,
+              "after empty_cache with nothing live: reserved %lld in %lld segments",
+              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current,
+              (long long)s.segment[0].current);
+  }
+}
+
+/* Verifies a few live patterns: reclaim and remap must not have moved a
+ * byte of a live allocation. */
+static void verify_some(run_t* r, int count) {
+  for (int k = 0; k < count && r->n && !r->failed; k++) {
+    pattern_verify(r, &r->live[rng_below(&r->rng, r->n)], "spot check");
+  }
+}
+
+static void verify_all(run_t* r, const char* when) {
+  for (size_t i = 0; i < r->n && !r->failed; i++) pattern_verify(r, &r->live[i], when);
+}
+
+/* One random step. Live bytes drift around r->budget: allocations are
+ * likelier below it, frees above. */
+static void random_step(run_t* r) {
+  rng_t* g = &r->rng;
+  uint64_t c = rng_below(g, 1000);
+  int want_alloc = r->sum_size < r->budget ? 560 : 400;
+  if (r->n < 4) want_alloc = 900;
+  if (c < 5) {
+    op_empty_cache(r);
+    if (r->host_backed) verify_some(r, 4);
+  } else if (c < 85 && r->n) {
+    op_record(r);
+  } else if (c < 85 + (uint64_t)want_alloc) {
+    op_malloc(r, pick_size(r), alloc_streams[rng_below(g, 3)]);
+  } else if (r->n) {
+    op_free(r, (size_t)rng_below(g, r->n));
+  }
+  if (r->host_backed && r->n && rng_below(g, 8) == 0) verify_some(r, 1);
+}
+
+/* Frees live allocations in random order until keep(r) says stop. */
+static void free_until(run_t* r, int (*enough)(run_t*, size_t), size_t arg) {
+  while (r->n && !enough(r, arg) && !r->failed) {
+    op_free(r, (size_t)rng_below(&r->rng, r->n));
+    check_state(r);
+  }
+}
+
+static int enough_nothing(run_t* r, size_t arg) {
+  (void)arg;
+  return r->n == 0;
+}
+
+static int enough_below_bytes(run_t* r, size_t bytes) { return r->sum_size <= bytes; }
+
+/* Default policy: the retry of a refused request of `size` bytes is sure to
+ * succeed once the pages under live blocks plus the pages the request can
+ * touch fit under the limit and the device. */
+static int enough_pages_for(run_t* r, size_t size) {
+  uint64_t ps = r->page_size;
+  uint64_t need = (live_pages(r) + (round512(size) + ps - 1) / ps + 1) * ps;
+  uint64_t cap = r->limit && r->limit < r->capacity ? r->limit : r->capacity;
+  return need <= cap;
+}
+
+/* The limit phase: OOMs are expected; each must change nothing, and the
+ * refused request must succeed once enough is freed. */
+static void limit_phase(run_t* r, long ops) {
+  r->phase = "limit";
+  size_t limit = r->capacity / 4;
+  /* Start below the limit so that the phase begins with room. */
+  free_until(r, enough_below_bytes, limit / 2);
+  if (r->failed) return;
+  clear_error();
+  gpumem_status_t st = gpumem_set_limit(r->gm, limit);
+  RUN_CHECK(r, st == GPUMEM_OK, "set_limit(%zu): %s: %s", limit, gpumem_strerror(st),
+            gpumem_last_error());
+  RUN_CHECK(r, gpumem_get_limit(r->gm) == limit, "get_limit %zu, want %zu", gpumem_get_limit(r->gm),
+            limit);
+  r->limit = limit;
+  r->budget = limit; /* aim at the limit: about half the allocations refused */
+  check_state(r);
+  long retries = 0, phase_ooms = 0;
+  for (long k = 0; k < ops && !r->failed; k++, r->op++) {
+    uint64_t c = rng_below(&r->rng, 100);
+    if (c < 55 || r->n == 0) {
+      size_t size = pick_size(r);
+      gpumem_stream_t stream = alloc_streams[rng_below(&r->rng, 3)];
+      gpumem_status_t ms = op_malloc(r, size, stream);
+      check_state(r);
+      if (ms == GPUMEM_ERR_OUT_OF_MEMORY && !r->failed && ++phase_ooms % 4 == 1) {
+        /* Make room, then the same request must go through. */
+        if (r->cfg->policy == GPUMEM_POLICY_DEFAULT) {
+          free_until(r, enough_pages_for, size);
+        } else {
+          free_until(r, enough_nothing, 0);
+        }
+        if (r->failed) break;
+        size_t unit = r->cfg->policy == GPUMEM_POLICY_PYTORCH ? pytorch_segment(size) : 0;
+        if (unit <= limit) {
+          ms = op_malloc(r, size, stream);
+          RUN_CHECK(r, ms == GPUMEM_OK, "malloc(%zu) still refused after freeing: %s", size,
+                    gpumem_last_error());
+          retries++;
+        }
+      }
+    } else if (c < 65) {
+      op_record(r);
+    } else if (c < 67) {
+      op_empty_cache(r);
+    } else {
+      op_free(r, (size_t)rng_below(&r->rng, r->n));
+    }
+    check_state(r);
+  }
+  if (r->failed) return;
+  /* A limit phase that never hit the limit tested nothing (a short run
+   * may be unlucky; the default length never is). */
+  if (ops >= 5000) RUN_CHECK(r, phase_ooms > 0 && retries > 0, "the limit phase saw no OOM");
+  gpumem_remove_limit(r->gm);
+  r->limit = 0;
+  RUN_CHECK(r, gpumem_get_limit(r->gm) == 0, "limit still %zu after remove", gpumem_get_limit(r->gm));
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long ops,
+                    const unsigned char* tape, size_t tape_len) {
+  run_t run;
+  memset(&run, 0, sizeof run);
+  run_t* r = &run;
+  r->cfg = cfg;
+  r->seed = seed;
+  r->rng.state = seed * 0x2545F4914F6CDD1Dull + (uint64_t)(cfg - configs);
+  r->host_backed = host_backed;
+  r->tape = tape;
+  r->tape_len = tape_len;
+  r->phase = "main";
+  r->next_id = 1;
+  /* Devices stay small: every byte of a host-backed one is host memory, and
+   * gpumem_check walks every page of every arena (twice the device's size)
+   * after each operation. 1 GiB still holds a dozen 64 MiB requests. */
+  r->capacity = host_backed ? 512 * MIB : 1 * GIB;
+  r->max_size = host_backed ? 16 * MIB : 64 * MIB;
+  r->budget_max = host_backed ? 160 * MIB : 384 * MIB;
+  r->budget = r->budget_max / 2;
+
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = r->capacity;
+  so.host_backed = host_backed;
+  /* Events stay pending for a few queries: freed blocks used on other
+   * streams wait while later mallocs go on. */
+  so.event_delay_queries = 1 + (int)(seed % 4);
+  r->sim = gpumem_sim_create(&so);
+  RUN_CHECK(r, r->sim != NULL, "sim_create: %s", gpumem_last_error());
+  if (!r->sim) return;
+  r->page_size = so.page_size;
+
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.policy = cfg->policy;
+  o.reclaim = cfg->reclaim;
+  gpumem_status_t st = GPUMEM_OK;
+  r->gm = gpumem_create(r->sim, &o, &st);
+  RUN_CHECK(r, r->gm != NULL && st == GPUMEM_OK, "create: %s: %s", gpumem_strerror(st),
+            gpumem_last_error());
+  if (!r->gm) {
+    gpumem_sim_destroy(r->sim);
+    return;
+  }
+
+  double t0 = now_s();
+  for (r->op = 0; r->op < ops && !r->failed; r->op++) {
+    if (r->op % 2000 == 0) r->budget = (size_t)rng_below(&r->rng, r->budget_max + 1);
+    random_step(r);
+    check_state(r);
+    if (r->op % 1024 == 1023 && !r->failed) check_no_overlap_sorted(r);
+    if (r->host_backed && r->op % 20000 == 19999 && !r->failed) verify_all(r, "periodic sweep");
+  }
+  if (!r->failed) limit_phase(r, ops / 5);
+
+  /* Teardown: every pattern intact, everything freed, nothing held. */
+  r->phase = "teardown";
+  if (!r->failed) check_no_overlap_sorted(r);
+  if (r->host_backed && !r->failed) verify_all(r, "teardown");
+  free_until(r, enough_nothing, 0);
+  if (!r->failed) {
+    op_empty_cache(r);
+    check_state(r);
+    gpumem_stats_t s;
+    gpumem_get_stats(r->gm, &s);
+    RUN_CHECK(r, s.allocated_bytes[0].current == 0 && s.active_bytes[0].current == 0 &&
+                     s.reserved_bytes[0].current == 0 && s.active[0].current == 0,
+              "after freeing everything: allocated %lld active %lld reserved %lld",
+              (long long)s.allocated_bytes[0].current, (long long)s.active_bytes[0].current,
+              (long long)s.reserved_bytes[0].current);
+  }
+  gpumem_stats_t fin;
+  gpumem_get_stats(r->gm, &fin);
+  gpumem_destroy(r->gm);
+  /* The allocator does not own the device: after destroy the device must
+   * hold nothing of it. */
+  gpumem_sim_counters_t c = sim_counters(r->sim);
+  RUN_CHECK(r,
+            c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
+                c.pages_mapped == 0 && c.plain_live == 0 && c.events_live == 0,
+            "leak after destroy: %llu bytes, %llu ranges, %llu pages (%llu mapped), %llu plain, "
+            "%llu events",
+            (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
+            (unsigned long long)c.pages_live, (unsigned long long)c.pages_mapped,
+            (unsigned long long)c.plain_live, (unsigned long long)c.events_live);
+  gpumem_sim_destroy(r->sim);
+  printf(
+      "%-16s seed %-3llu %-11s %ld ops: %ld mallocs, %ld frees, %ld record_stream, %ld "
+      "empty_cache, %ld OOMs, max %zu live, %ld verified (%.1f MiB), device peak %.0f MiB, %lld "
+      "segments at most, %.2f s\n",
+      cfg->name, (unsigned long long)seed, host_backed ? "host-backed" : "no-backing", r->op,
+      r->allocs, r->frees, r->records, r->empties, r->ooms, r->max_live, r->verified,
+      (double)r->bytes_verified / (double)MIB, (double)c.peak_bytes_in_use / (double)MIB,
+      (long long)fin.segment[0].peak, now_s() - t0);
+  fflush(stdout);
+  free(r->live);
+}
+
+static long env_long(const char* name, long fallback) {
+  const char* v = getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = NULL;
+  long x = strtol(v, &end, 10);
+  return end && *end == '\0' && x >= 0 ? x : fallback;
+}
+
+int main(int argc, char** argv) {
+  long ops = env_long("GPUMEM_RANDOM_OPS", 100000);
+  if (argc > 1) ops = strtol(argv[1], NULL, 10);
+  long seeds = env_long("GPUMEM_RANDOM_SEEDS", 4);
+  long first = env_long("GPUMEM_RANDOM_SEED", 1);
+
+  /* 4 MiB plus an odd tail: no multiple of a page, so shifted or swapped
+   * pages never read the same bytes. */
+  size_t tape_len = 4 * MIB + 4099;
+  unsigned char* tape = malloc(tape_len);
+  if (!tape) return 2;
+  rng_t g = {12345};
+  for (size_t i = 0; i < tape_len; i += 8) {
+    uint64_t w = rng_next(&g);
+    size_t n = tape_len - i < 8 ? tape_len - i : 8;
+    memcpy(tape + i, &w, n);
+  }
+
+  for (size_t ci = 0; ci < sizeof configs / sizeof configs[0]; ci++) {
+    for (long k = 0; k < seeds; k++) {
+      uint64_t seed = (uint64_t)(first + k);
+      run_one(&configs[ci], seed, (int)(seed % 2 == 1), ops, tape, tape_len);
+    }
+  }
+  free(tape);
+  return test_finish("test_random");
+}
