@@ -270,6 +270,31 @@ GPUMEM_API int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_writ
 /* A gpumem_write_fn that writes to a FILE* given as arg. */
 GPUMEM_API int gpumem_write_to_file(const char* text, size_t len, void* file);
 
+/* ---- where reserved memory sits --------------------------------------- */
+
+/* A breakdown of reserved memory at this moment: every reserved byte is in
+ * exactly one field, so the fields add up to `reserved`. */
+typedef struct gpumem_explain {
+  uint32_t struct_size;
+  uint64_t reserved;
+  uint64_t requested;       /* what live allocations asked for */
+  uint64_t rounding;        /* allocated minus requested: 512 B rounding, unsplit tails */
+  uint64_t other_streams;   /* freed, waiting for work on other streams (record_stream) */
+  /* Free bytes in pages (or segments) that also hold live blocks: the
+   * edges of holes, where a page cannot be reclaimed. */
+  uint64_t partial_pages_large;
+  uint64_t partial_pages_small; /* the same, in small-pool pages */
+  /* Free bytes the cache could give back now: whole free pages still
+   * mapped, whole free segments (pytorch policy). */
+  uint64_t cached_reclaimable;
+  uint64_t spare_pages;     /* physical pages held, unmapped */
+  size_t live_blocks;
+  size_t free_blocks;
+} gpumem_explain_t;
+
+/* Fills out with where reserved memory sits now. */
+GPUMEM_API gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out);
+
 /* ---- checking --------------------------------------------------------- */
 
 /* Verifies every invariant of the allocator's structures; returns the

@@ -3,6 +3,7 @@
  * changes the allocator. O(blocks + pages): meant for tests. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "engine.h"
 
@@ -167,4 +168,58 @@ size_t gpumem_check(gpumem_t* gm) {
   }
   pthread_mutex_unlock(&gm->lock);
   return c.errors;
+}
+
+/* ---- gpumem_explain: the same walk, sorting bytes instead of judging ---- */
+
+/* Free bytes of block b (in an arena) that lie in mapped pages, split into
+ * whole interior pages (reclaimable) and partial edge pages. */
+static void explain_arena_free(const gpumem_t* gm, const gm_block* b, gpumem_explain_t* out) {
+  const gm_segment* seg = b->seg;
+  size_t ps = gm->page_size;
+  uintptr_t lo = b->addr - seg->addr, hi = lo + b->size;
+  size_t first = lo / ps, last = (hi - 1) / ps;
+  if (first >= seg->mapped_end) return;
+  if (last >= seg->mapped_end) last = seg->mapped_end - 1;
+  for (size_t p = first; p <= last; p++) {
+    if (!gm_arena_page_mapped(seg, p)) continue;
+    uintptr_t page_lo = p * ps, page_hi = page_lo + ps;
+    uintptr_t a = lo > page_lo ? lo : page_lo, z = hi < page_hi ? hi : page_hi;
+    uint64_t bytes = z - a;
+    if (a == page_lo && z == page_hi) out->cached_reclaimable += bytes;
+    else if (seg->pool->is_small) out->partial_pages_small += bytes;
+    else out->partial_pages_large += bytes;
+  }
+}
+
+gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
+  if (!gm || !out) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_explain: NULL argument");
+  memset(out, 0, sizeof *out);
+  out->struct_size = sizeof *out;
+  pthread_mutex_lock(&gm->lock);
+  out->reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+  out->spare_pages = (uint64_t)gm->num_spare_pages * gm->page_size;
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    bool whole_free = seg->first && !seg->first->next && seg->first->state == GM_FREE;
+    for (const gm_block* b = seg->first; b; b = b->next) {
+      if (b->state == GM_ALLOCATED) {
+        out->live_blocks++;
+        out->requested += b->requested;
+        out->rounding += b->size - b->requested;
+      } else if (b->state == GM_PENDING) {
+        out->other_streams += b->size;
+      } else {
+        out->free_blocks++;
+        if (seg->is_arena) explain_arena_free(gm, b, out);
+        else if (whole_free) out->cached_reclaimable += b->size;
+        else if (seg->pool->is_small) out->partial_pages_small += b->size;
+        else out->partial_pages_large += b->size;
+      }
+    }
+  }
+  /* Live and pending blocks lie wholly in mapped pages (an invariant), so
+   * their bytes plus the free bytes in mapped pages are the mapped memory:
+   * the fields partition reserved memory. */
+  pthread_mutex_unlock(&gm->lock);
+  return GPUMEM_OK;
 }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "gpumem.h"
+#include "internal.h" /* gm_format_bytes */
 #include "replay.h"
 #include "trace.h"
 
@@ -56,6 +57,7 @@ static const char usage_main[] =
     "commands:\n"
     "  replay    replay allocation traces and report memory and host cost\n"
     "  summary   replay one trace and print the allocator's summary at its end\n"
+    "  explain   where reserved memory sits at the moment of peak reserved\n"
     "\n"
     "Run 'gpumem <command> --help' for a command's options.\n";
 
@@ -92,6 +94,22 @@ static const char usage_summary[] =
     "  --device sim|cuda         simulated device (default) or the real GPU\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --json                    the statistics as one JSON object instead\n"
+    "  -h, --help                this text\n";
+
+static const char usage_explain[] =
+    "usage: gpumem explain [options] TRACE\n"
+    "\n"
+    "Replays one cold pass of TRACE, finds the event at which reserved memory\n"
+    "peaked, replays again up to it and says where the reserved bytes beyond\n"
+    "the live ones sit: rounding, partial pages at hole edges (large and\n"
+    "small pool), cached free memory not yet reclaimed, memory waiting for\n"
+    "other streams, spare pages.\n"
+    "\n"
+    "options:\n"
+    "  --policy default|pytorch  allocation policy (default: default)\n"
+    "  --limit SIZE              hard cap on reserved memory\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  -h, --help                this text\n";
 
 static int usage_error(const char* usage, const char* fmt, ...)
@@ -954,6 +972,121 @@ done:
   return rc;
 }
 
+/* ---- explain ------------------------------------------------------------ */
+
+/* Runs events [0, stop) of t on gm; returns the index of the event after
+ * which reserved memory first reached its highest value (or SIZE_MAX when
+ * an allocation failed before stop). */
+static size_t explain_run(gpumem_t* gm, const trace_t* t, size_t stop, void** slots) {
+  int64_t best = -1;
+  size_t best_event = 0;
+  for (size_t i = 0; i < stop; i++) {
+    const trace_event_t* e = &t->events[i];
+    if (e->op == TRACE_ALLOC) {
+      if (gpumem_malloc(gm, e->size, e->stream, &slots[e->id]) != GPUMEM_OK) return SIZE_MAX;
+      gpumem_stats_t st;
+      gpumem_get_stats(gm, &st);
+      if (st.reserved_bytes[GPUMEM_POOL_ALL].current > best) {
+        best = st.reserved_bytes[GPUMEM_POOL_ALL].current;
+        best_event = i;
+      }
+    } else if (e->op == TRACE_FREE) {
+      gpumem_free(gm, slots[e->id]);
+      slots[e->id] = NULL;
+    } else {
+      gpumem_record_stream(gm, slots[e->id], e->stream);
+    }
+  }
+  return best_event;
+}
+
+static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
+  char b[32];
+  printf("  %-46s %14s  %7.4f%%\n", what, gm_format_bytes(bytes, b, sizeof b),
+         live ? 100.0 * (double)bytes / (double)live : 0.0);
+}
+
+static int cmd_explain(int argc, char** argv) {
+  cli_t cli;
+  memset(&cli, 0, sizeof cli);
+  unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
+                     (1u << OPT_CAPACITY) | (1u << OPT_HELP);
+  int rc = parse_args(argc, argv, allowed, usage_explain, &cli);
+  if (rc == 0 && cli.help) {
+    fputs(usage_explain, stdout);
+  } else if (rc == 0 && cli.num_traces != 1) {
+    rc = usage_error(usage_explain, cli.num_traces ? "one trace at a time" : "no trace given");
+  }
+  if (rc != 0 || cli.help) {
+    free(cli.traces);
+    return rc;
+  }
+  trace_t* t = NULL;
+  gpumem_t* gm = NULL;
+  void** slots = NULL;
+  gpumem_options_t opts;
+  if (trace_load(cli.traces[0], &t) != GPUMEM_OK) {
+    rc = error("%s", detail(gpumem_last_error()));
+    goto done;
+  }
+  slots = calloc(t->num_allocs ? t->num_allocs : 1, sizeof *slots);
+  if (!slots) {
+    rc = error("out of host memory");
+    goto done;
+  }
+  /* Two runs on fresh allocators: the first finds the peak, the second
+   * stops right after it. Replays on the simulated device are
+   * deterministic, so both see the same state at that event. */
+  size_t peak_event = SIZE_MAX;
+  for (int run = 0; run < 2; run++) {
+    if (replay_options(&cli.config, t, &opts) != GPUMEM_OK || replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
+      rc = error("%s", detail(gpumem_last_error()));
+      goto done;
+    }
+    memset(slots, 0, t->num_allocs * sizeof *slots);
+    size_t stop = run == 0 ? t->num_events : peak_event + 1;
+    size_t found = explain_run(gm, t, stop, slots);
+    if (found == SIZE_MAX) {
+      rc = error("%s: out of memory before the peak: %s", t->name, detail(gpumem_last_error()));
+      goto done;
+    }
+    if (run == 0) {
+      peak_event = found;
+      gpumem_destroy(gm);
+      gm = NULL;
+    }
+  }
+  gpumem_explain_t ex;
+  gpumem_explain(gm, &ex);
+  uint64_t live = ex.requested;
+  char b1[32], b2[32];
+  printf("%s: peak reserved at event %zu (line %u), policy %s\n", t->name, peak_event,
+         t->events[peak_event].line, replay_policy_name(opts.policy));
+  printf("  reserved %s for %s requested by %zu live allocations (%.4f x)\n\n",
+         gm_format_bytes(ex.reserved, b1, sizeof b1), gm_format_bytes(live, b2, sizeof b2),
+         ex.live_blocks, live ? (double)ex.reserved / (double)live : 0.0);
+  printf("  %-46s %14s  %8s\n", "bytes beyond the live ones", "bytes", "of live");
+  explain_row("rounding (512 B units, unsplit tails)", ex.rounding, live);
+  explain_row("partial pages at hole edges, large pool", ex.partial_pages_large, live);
+  explain_row("partial pages at hole edges, small pool", ex.partial_pages_small, live);
+  explain_row("cached free, reclaimable (whole pages/segments)", ex.cached_reclaimable, live);
+  explain_row("waiting for other streams (record_stream)", ex.other_streams, live);
+  explain_row("spare pages (held, unmapped)", ex.spare_pages, live);
+  uint64_t beyond = ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
+                    ex.cached_reclaimable + ex.other_streams + ex.spare_pages;
+  explain_row("total", beyond, live);
+  if (live + beyond != ex.reserved) {
+    rc = error("internal: the breakdown adds up to %llu bytes, reserved is %llu",
+               (unsigned long long)(live + beyond), (unsigned long long)ex.reserved);
+  }
+done:
+  gpumem_destroy(gm);
+  free(slots);
+  trace_free(t);
+  free(cli.traces);
+  return rc;
+}
+
 /* ---- commands --------------------------------------------------------- */
 
 typedef struct command {
@@ -962,11 +1095,9 @@ typedef struct command {
 } command_t;
 
 static const command_t commands[] = {
-    {"replay", cmd_replay}, {"summary", cmd_summary},
-    /* ---- RESERVED: `gpumem explain TRACE` ----
-     * The lead implements the engine side (which allocations are alive at
-     * the peak, where reserved memory went); its command goes here as
-     * {"explain", cmd_explain}, with its usage line in usage_main. */
+    {"replay", cmd_replay},
+    {"summary", cmd_summary},
+    {"explain", cmd_explain},
 };
 
 int main(int argc, char** argv) {
