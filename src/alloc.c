@@ -229,8 +229,11 @@ static bool over_limit(const gpumem_t* gm, size_t extra) {
 }
 
 /* A new plain segment for the pytorch rules; its one block is indexed. */
-static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size) {
-  if (over_limit(gm, seg_size)) return GPUMEM_ERR_OUT_OF_MEMORY;
+static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size, gm_block** out) {
+  if (over_limit(gm, seg_size)) {
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "a new %zu-byte segment would pass the limit of %zu bytes",
+                   seg_size, gm->limit);
+  }
   gm_segment* seg = calloc(1, sizeof *seg);
   gm_block* b = gm_block_new(gm);
   if (!seg || !b) {
@@ -259,6 +262,7 @@ static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg
   gm_index_insert(&pool->index, b);
   gm_stat_pool_add(gm, gm->stats.segment, pool->is_small, 1);
   gm_stat_pool_add(gm, gm->stats.reserved_bytes, pool->is_small, (int64_t)seg_size);
+  *out = b;
   return GPUMEM_OK;
 }
 
@@ -354,13 +358,21 @@ static bool release_available(gpumem_t* gm, gm_pool* pool, size_t rsize) {
 /* One attempt to serve rsize bytes from pool, growing through the backend
  * as the policy allows. On success *out is ALLOCATED and out of the index. */
 static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
+  if (GM_UNLIKELY(rsize > gm->device_total || (gm->limit && rsize > gm->limit))) {
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "%zu bytes is more than the %s of %zu bytes", rsize,
+                   gm->limit && gm->limit < gm->device_total ? "limit" : "device's total memory",
+                   gm->limit && gm->limit < gm->device_total ? gm->limit : gm->device_total);
+  }
   gm_block* b = find_free(gm, pool, rsize);
+  gm_segment* fresh = NULL;
   if (!b) {
+    /* A new segment's block serves the request directly, as PyTorch's
+     * alloc_block does: the max_split_size rules of find_free are for
+     * cached blocks only. */
     gpumem_status_t st = gm->virtual_memory ? gm_arena_new(gm, pool, rsize, &b)
-                                            : new_plain_segment(gm, pool, segment_size_for(rsize));
+                                            : new_plain_segment(gm, pool, segment_size_for(rsize), &b);
     if (st != GPUMEM_OK) return st;
-    b = find_free(gm, pool, rsize);
-    if (!b) return gm_fail(GPUMEM_ERR_BACKEND, "gpumem: internal error: a new segment did not fit the request");
+    fresh = b->seg;
   }
   gm_index_remove(&pool->index, b);
   if (b->in_dirty) gm_dirty_remove(pool, b);
@@ -375,6 +387,8 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
       gm_stat_pool_add(gm, gm->stats.active, pool->is_small, 1);
       gm_stat_pool_add(gm, gm->stats.active_bytes, pool->is_small, (int64_t)b->size);
       gm_free_block(gm, b);
+      /* An arena reserved for this request alone goes back with it. */
+      if (fresh) gm_arena_release_if_unused(gm, fresh);
       return st;
     }
   }
@@ -422,6 +436,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   bool small = rsize <= GM_SMALL_SIZE;
   gm_pool* pool = &s->pools[pool_index(gm, rsize)];
   gm_block* b = NULL;
+  size_t spare_before = gm->num_spare_pages;
   st = try_alloc(gm, pool, rsize, &b);
   if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY)) {
     /* The ladder: cached memory first (PyTorch's order), then a retry. */
@@ -433,12 +448,17 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
         st = try_alloc(gm, pool, rsize, &b);
       }
     }
-    if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) return st; /* caller runs callbacks, retries */
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) {
+      if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
+      return st; /* the caller runs the callbacks and retries */
+    }
   }
   if (GM_UNLIKELY(st != GPUMEM_OK)) {
     char cause[512];
     snprintf(cause, sizeof cause, "%s", gpumem_last_error());
     if (st == GPUMEM_ERR_OUT_OF_MEMORY) gm->stats.num_ooms++;
+    /* Pages taken from the device for a request that failed go back. */
+    if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
     format_oom_report(gm, size, rsize, stream, st, cause);
     return st;
   }

@@ -116,7 +116,6 @@ typedef struct gm_cu_backend {
   int ordinal;
   CUdevice device;
   CUcontext ctx; /* the device's primary context, retained by create */
-  int driver_version;
   char device_name[128];
   /* cuMemCreate's properties and cuMemSetAccess's list: the device itself
    * first, then each peer asked for. */
@@ -126,6 +125,16 @@ typedef struct gm_cu_backend {
 } gm_cu_backend_t;
 
 /* ---- errors ------------------------------------------------------------ */
+
+/* Writes "NAME (string)" for a driver error into buf. */
+static const char* cu_describe(const gm_cu_backend_t* b, CUresult r, char* buf, size_t len) {
+  const char* name = NULL;
+  const char* text = NULL;
+  if (b->api.cuGetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN_CODE";
+  if (b->api.cuGetErrorString(r, &text) != CUDA_SUCCESS || !text) text = "no description";
+  snprintf(buf, len, "%s (%s) [code %d]", name, text, (int)r);
+  return buf;
+}
 
 /* Sets "<call> failed: NAME (string) on device N (model)" and returns the
  * status the allocator should see: out of memory is the one error its
@@ -137,11 +146,8 @@ static gpumem_status_t GM_PRINTF(3, 4)
   va_start(ap, call_fmt);
   vsnprintf(call, sizeof call, call_fmt, ap);
   va_end(ap);
-  const char* name = NULL;
-  const char* text = NULL;
-  if (b->api.cuGetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN_CODE";
-  if (b->api.cuGetErrorString(r, &text) != CUDA_SUCCESS || !text) text = "no description";
-  gpumem_set_last_error("%s failed: %s (%s) [code %d] on device %d (%s)", call, name, text, (int)r,
+  char why[256];
+  gpumem_set_last_error("%s failed: %s on device %d (%s)", call, cu_describe(b, r, why, sizeof why),
                         b->ordinal, b->device_name);
   return r == CUDA_ERROR_OUT_OF_MEMORY ? GPUMEM_ERR_OUT_OF_MEMORY : GPUMEM_ERR_BACKEND;
 }
@@ -406,16 +412,6 @@ static gpumem_backend_t* GM_PRINTF(4, 5) cu_create_fail(gm_cu_backend_t* b, gpum
   return NULL;
 }
 
-/* Writes "NAME (string)" for a driver error into buf. */
-static const char* cu_describe(const gm_cu_backend_t* b, CUresult r, char* buf, size_t len) {
-  const char* name = NULL;
-  const char* text = NULL;
-  if (b->api.cuGetErrorName(r, &name) != CUDA_SUCCESS || !name) name = "CUDA_ERROR_UNKNOWN_CODE";
-  if (b->api.cuGetErrorString(r, &text) != CUDA_SUCCESS || !text) text = "no description";
-  snprintf(buf, len, "%s (%s) [code %d]", name, text, (int)r);
-  return buf;
-}
-
 gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_status_t* err) {
   gpumem_cuda_options_t opts;
   gpumem_cuda_options_init(&opts);
@@ -459,10 +455,12 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
   if (r != CUDA_SUCCESS) {
     /* No device, no usable driver, driver/library mismatch: all mean this
      * machine cannot run CUDA, which callers (and tests) treat as absent. */
-    return cu_create_fail(b, err, GPUMEM_ERR_UNSUPPORTED, "cuInit failed: %s",
-                          cu_describe(b, r, why, sizeof why));
+    int version = 0;
+    b->api.cuDriverGetVersion(&version); /* answers without cuInit */
+    return cu_create_fail(b, err, GPUMEM_ERR_UNSUPPORTED,
+                          "cuInit failed: %s (driver supports CUDA %d.%d)",
+                          cu_describe(b, r, why, sizeof why), version / 1000, version % 1000 / 10);
   }
-  b->api.cuDriverGetVersion(&b->driver_version);
   int count = 0;
   r = b->api.cuDeviceGetCount(&count);
   if (r != CUDA_SUCCESS)

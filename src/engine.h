@@ -225,6 +225,9 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep);
 /* Bytes of whole free pages that could be reclaimed now (stats). */
 uint64_t gm_reclaimable_bytes(gpumem_t* gm);
 void gm_arena_destroy(gpumem_t* gm, gm_segment* seg);
+/* Releases an arena that holds nothing but its one free block (its mapped
+ * pages become spare). */
+void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg);
 bool gm_arena_page_mapped(const gm_segment* seg, size_t page);
 /* True when every page under [addr, addr+size) of the arena is mapped. */
 bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size);

@@ -19,6 +19,9 @@
 
 #include "engine.h"
 
+static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s);
+static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, size_t* got);
+
 bool gm_arena_page_mapped(const gm_segment* seg, size_t page) {
   return (seg->mapped_bits[page / 64] >> (page % 64)) & 1u;
 }
@@ -109,6 +112,27 @@ void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
     GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
   }
   GM_CALL(gm, release_range, gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size));
+  free(seg->mapped_bits);
+  free(seg->handles);
+  free(seg);
+}
+
+void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg) {
+  gm_block* b = seg->first;
+  if (!b || b->next || b->state != GM_FREE) return;
+  size_t got = 0, budget = 0;
+  if (seg->mapped_pages) {
+    if (sync_stream_for_reclaim(gm, seg->pool->stream) != GPUMEM_OK) return;
+    if (reclaim_block(gm, b, &budget, &got) != GPUMEM_OK || seg->mapped_pages) return;
+  }
+  if (GM_CALL(gm, release_range, gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size)) != GPUMEM_OK) {
+    return;
+  }
+  gm_index_remove(&seg->pool->index, b);
+  gm_dirty_remove(seg->pool, b);
+  gm_block_delete(gm, b);
+  gm_segment_unlink(gm, seg);
+  gm_stat_pool_add(gm, gm->stats.segment, seg->pool->is_small, -1);
   free(seg->mapped_bits);
   free(seg->handles);
   free(seg);
