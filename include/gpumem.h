@@ -134,7 +134,8 @@ GPUMEM_API gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr);
 GPUMEM_API gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream);
 /* Returns every cached, unused page or segment to the device. */
 GPUMEM_API gpumem_status_t gpumem_empty_cache(gpumem_t* gm);
-/* Size the allocation ptr points into was given (its request), or 0. */
+/* The size requested for the live allocation that starts at ptr, or 0 when
+ * ptr does not start one (interior pointers included). */
 GPUMEM_API size_t gpumem_allocation_size(gpumem_t* gm, const void* ptr);
 
 /* ---- limits ----------------------------------------------------------- */

@@ -788,7 +788,8 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
   const char* advice;
   char advice_buf[400];
   if (cause != GPUMEM_ERR_OUT_OF_MEMORY) {
-    advice = "the device reported an error other than out of memory (see above); the allocator is unchanged";
+    advice = "the device reported an error other than out of memory (the cause above); nothing was allocated and "
+             "the allocator is consistent";
   } else if (st.cached_free_bytes >= rsize && st.largest_free_block < rsize) {
     snprintf(advice_buf, sizeof advice_buf,
              "fragmentation: %s is cached free but the largest piece is %s. %s", cached, largest,
@@ -806,10 +807,11 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
              "checkpointing";
   }
   gpumem_set_last_error(
-      "gpumem: out of memory: tried to allocate %s (%zu bytes) on stream 0x%lx. Device: %s total, %s free. "
+      "gpumem: %s: tried to allocate %s (%zu bytes) on stream 0x%lx. Device: %s total, %s free. "
       "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, %s cached "
       "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.",
-      req, size, (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached, largest,
+      cause == GPUMEM_ERR_OUT_OF_MEMORY ? "out of memory" : "allocation failed", req, size,
+      (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached, largest,
       st.fragmentation * 100.0, gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
       cause_text[0] ? cause_text : gpumem_strerror(cause), advice);
 }

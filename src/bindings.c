@@ -97,7 +97,9 @@ static _Atomic(gpumem_torch_fail_fn) fail_hook;
 static _Thread_local char last_report[4096];
 static _Thread_local int last_status;
 
-static int device_ok(int device) { return device >= 0 && device < GM_BIND_MAX_DEVICES; }
+static int device_ok(int device) {
+  return device >= 0 && device < GM_BIND_MAX_DEVICES;
+}
 
 gpumem_t* gpumem_binding_peek(int device) {
   if (!device_ok(device)) return NULL;
@@ -116,8 +118,8 @@ gpumem_t* gpumem_binding_allocator(int device) {
   if (!made) return NULL;
   /* A racing set_allocator wins: its choice was explicit. */
   gpumem_t* expected = NULL;
-  if (atomic_compare_exchange_strong_explicit(&bound[device], &expected, made,
-                                              memory_order_acq_rel, memory_order_acquire))
+  if (atomic_compare_exchange_strong_explicit(&bound[device], &expected, made, memory_order_acq_rel,
+                                              memory_order_acquire))
     return made;
   return expected;
 }
@@ -212,9 +214,13 @@ static void remember_failure(gpumem_status_t st, const char* prefix) {
   last_status = (int)st;
 }
 
-const char* gpumem_torch_last_oom(void) { return last_report; }
+const char* gpumem_torch_last_oom(void) {
+  return last_report;
+}
 
-int gpumem_torch_last_status(void) { return last_status; }
+int gpumem_torch_last_status(void) {
+  return last_status;
+}
 
 void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn) {
   atomic_store_explicit(&fail_hook, fn, memory_order_release);

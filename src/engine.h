@@ -239,8 +239,12 @@ void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delt
 void gm_segment_link(gpumem_t* gm, gm_segment* seg);
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
 
-#define GM_CALL(gm, kind, expr) \
-  ((gm)->stats.backend_calls[GPUMEM_CALL_##kind]++, gm_backend_status((gm), GPUMEM_CALL_##kind, (expr)))
+/* Counts a backend call and makes sure a failure carries a message: the
+ * detail is cleared first, so a backend that fails silently is named
+ * rather than leaving an older, unrelated message in place. */
+#define GM_CALL(gm, kind, expr)                                        \
+  (gm_clear_error(), (gm)->stats.backend_calls[GPUMEM_CALL_##kind]++, \
+   gm_backend_status((gm), GPUMEM_CALL_##kind, (expr)))
 
 static inline bool gm_block_is_split(const gm_block* b) { return b->prev || b->next; }
 static inline size_t gm_round_up(size_t x, size_t unit) { return (x + unit - 1) / unit * unit; }

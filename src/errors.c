@@ -25,6 +25,8 @@ const char* gpumem_strerror(gpumem_status_t status) {
 
 const char* gpumem_last_error(void) { return last_error; }
 
+void gm_clear_error(void) { last_error[0] = '\0'; }
+
 void gpumem_set_last_error(const char* fmt, ...) {
   va_list ap;
   va_start(ap, fmt);

@@ -26,6 +26,9 @@
 /* Sets the thread-local detail message and returns status. */
 gpumem_status_t gm_fail(gpumem_status_t status, const char* fmt, ...) GM_PRINTF(2, 3);
 
+/* Empties the thread-local detail message. */
+void gm_clear_error(void);
+
 /* Writes a byte count as "12.34 MiB" into buf (at least 32 bytes). */
 const char* gm_format_bytes(uint64_t bytes, char* buf, size_t len);
 

@@ -10,6 +10,13 @@
  * allocations sharing a byte, or a page of a live block unmapped or moved
  * while free pages are reclaimed and remapped, show up as a mismatch.
  *
+ * A spy backend between the allocator and the device remembers up to when
+ * each stream's work is known complete (events seen complete, streams
+ * synchronized). Memory freed after use on other streams must not be
+ * handed out, and no page may be unmapped, before every stream that used
+ * it is known done up to the free. Out-of-memory answers are judged too:
+ * the device or the limit must really lack room for the request.
+ *
  * Every policy runs: pytorch (plain segments) and default (arenas) under each
  * reclaim mode; odd seeds run host-backed with a small device and moderate
  * sizes, even seeds without backing with sizes up to 64 MiB.
@@ -17,7 +24,6 @@
  * Scale: GPUMEM_RANDOM_OPS (operations per seed, default 100000; argv[1]
  * overrides it), GPUMEM_RANDOM_SEEDS (seeds per configuration, default 4),
  * GPUMEM_RANDOM_SEED (first seed, to reproduce a reported run). */
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,7 +34,6 @@
 #include "gpumem_backend.h"
 #include "test_util.h"
 
-#define KIB ((size_t)1 << 10)
 #define MIB ((size_t)1 << 20)
 #define GIB ((size_t)1 << 30)
 
@@ -45,7 +50,9 @@ static uint64_t rng_next(rng_t* r) {
   return z ^ (z >> 31);
 }
 
-static uint64_t rng_below(rng_t* r, uint64_t n) { return n ? rng_next(r) % n : 0; }
+static uint64_t rng_below(rng_t* r, uint64_t n) {
+  return n ? rng_next(r) % n : 0;
+}
 
 /* ---- configurations ---- */
 
@@ -67,6 +74,200 @@ static const config_t configs[] = {
 static const gpumem_stream_t alloc_streams[] = {0, 0x100, 0x200};
 static const gpumem_stream_t use_streams[] = {0, 0x100, 0x200, 0x300};
 
+/* ---- a spy between the allocator and the device ----
+ *
+ * The allocator talks to the device through this table, which forwards
+ * every call and remembers, per stream, up to which moment its work is
+ * known to be complete: an event recorded on it was seen complete (query
+ * or sync), or the stream or the device was synchronized. Memory freed at
+ * moment T after use on stream X may be handed out again only once X's
+ * work is known complete past T; the spy is the oracle for that. */
+#define SPY_STREAMS 16
+
+typedef struct spy_event {
+  gpumem_stream_t stream;
+  uint64_t recorded; /* moment of the last record, 0 = never */
+} spy_event_t;
+
+typedef struct spy {
+  gpumem_backend_t be; /* first: what the allocator is given */
+  gpumem_backend_t* dev;
+  uint64_t clock; /* one tick per device call */
+  gpumem_stream_t streams[SPY_STREAMS];
+  uint64_t done_upto[SPY_STREAMS];
+  size_t num_streams;
+  uint64_t device_synced;
+  spy_event_t* events; /* by handle */
+  size_t events_cap;
+  /* called before every unmap: physical pages leave their address */
+  void (*on_unmap)(void* arg, uintptr_t addr, size_t size);
+  void* on_unmap_arg;
+} spy_t;
+
+static uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
+  for (size_t i = 0; i < s->num_streams; i++) {
+    if (s->streams[i] == stream) return &s->done_upto[i];
+  }
+  if (s->num_streams == SPY_STREAMS) {
+    fprintf(stderr, "spy: more than %d streams\n", SPY_STREAMS);
+    exit(2);
+  }
+  s->streams[s->num_streams] = stream;
+  s->done_upto[s->num_streams] = 0;
+  return &s->done_upto[s->num_streams++];
+}
+
+static void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
+  uint64_t* d = spy_done(s, stream);
+  if (upto > *d) *d = upto;
+}
+
+/* True when stream's work queued up to moment t is known complete. */
+static int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
+  return *spy_done(s, stream) > t || s->device_synced > t;
+}
+
+static spy_event_t* spy_event(spy_t* s, gpumem_event_t h) {
+  if (h >= s->events_cap) {
+    size_t cap = s->events_cap ? s->events_cap : 64;
+    while (cap <= h) cap *= 2;
+    spy_event_t* grown = realloc(s->events, cap * sizeof *grown);
+    if (!grown) {
+      fprintf(stderr, "spy: out of host memory\n");
+      exit(2);
+    }
+    memset(grown + s->events_cap, 0, (cap - s->events_cap) * sizeof *grown);
+    s->events = grown;
+    s->events_cap = cap;
+  }
+  return &s->events[h];
+}
+
+#define SPY_DEV(ctx) (((spy_t*)(ctx))->clock++, ((spy_t*)(ctx))->dev)
+
+static gpumem_status_t spy_reserve(void* ctx, size_t size, uintptr_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->reserve(d->ctx, size, out);
+}
+static gpumem_status_t spy_release_range(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->release_range(d->ctx, addr, size);
+}
+static gpumem_status_t spy_create_page(void* ctx, size_t size, gpumem_phys_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->create_page(d->ctx, size, out);
+}
+static gpumem_status_t spy_release_page(void* ctx, gpumem_phys_t page, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->release_page(d->ctx, page, size);
+}
+static gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->map(d->ctx, addr, size, page);
+}
+static gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {
+  spy_t* s = ctx;
+  if (s->on_unmap) s->on_unmap(s->on_unmap_arg, addr, size);
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->unmap(d->ctx, addr, size);
+}
+static gpumem_status_t spy_alloc(void* ctx, size_t size, uintptr_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->alloc(d->ctx, size, out);
+}
+static gpumem_status_t spy_free(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->free(d->ctx, addr, size);
+}
+static gpumem_status_t spy_mem_info(void* ctx, size_t* free_bytes, size_t* total) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->mem_info(d->ctx, free_bytes, total);
+}
+static gpumem_status_t spy_event_create(void* ctx, gpumem_event_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->event_create(d->ctx, out);
+}
+static gpumem_status_t spy_event_destroy(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->event_destroy(d->ctx, ev);
+}
+static gpumem_status_t spy_event_record(void* ctx, gpumem_event_t ev, gpumem_stream_t stream) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_record(d->ctx, ev, stream);
+  if (st == GPUMEM_OK) {
+    spy_event_t* e = spy_event(s, ev);
+    e->stream = stream;
+    e->recorded = s->clock;
+  }
+  return st;
+}
+static void spy_event_done(spy_t* s, gpumem_event_t ev) {
+  spy_event_t* e = spy_event(s, ev);
+  if (e->recorded) spy_mark_done(s, e->stream, e->recorded);
+}
+static gpumem_status_t spy_event_query(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_query(d->ctx, ev);
+  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
+  return st;
+}
+static gpumem_status_t spy_event_sync(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_sync(d->ctx, ev);
+  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
+  return st;
+}
+static gpumem_status_t spy_stream_sync(void* ctx, gpumem_stream_t stream) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->stream_sync(d->ctx, stream);
+  if (st == GPUMEM_OK) spy_mark_done(s, stream, s->clock);
+  return st;
+}
+static gpumem_status_t spy_device_sync(void* ctx) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->device_sync(d->ctx);
+  if (st == GPUMEM_OK) s->device_synced = s->clock;
+  return st;
+}
+
+/* Wraps dev (a simulated device with every slot). */
+static void spy_init(spy_t* s, gpumem_backend_t* dev) {
+  memset(s, 0, sizeof *s);
+  s->dev = dev;
+  s->be.version = dev->version;
+  s->be.name = "spy";
+  s->be.ctx = s;
+  s->be.page_size = dev->page_size;
+  if (dev->reserve) {
+    s->be.reserve = spy_reserve;
+    s->be.release_range = spy_release_range;
+    s->be.create_page = spy_create_page;
+    s->be.release_page = spy_release_page;
+    s->be.map = spy_map;
+    s->be.unmap = spy_unmap;
+  }
+  if (dev->alloc) {
+    s->be.alloc = spy_alloc;
+    s->be.free = spy_free;
+  }
+  s->be.mem_info = spy_mem_info;
+  s->be.event_create = spy_event_create;
+  s->be.event_destroy = spy_event_destroy;
+  s->be.event_record = spy_event_record;
+  s->be.event_query = spy_event_query;
+  s->be.event_sync = spy_event_sync;
+  s->be.stream_sync = spy_stream_sync;
+  s->be.device_sync = spy_device_sync;
+}
+
+static void spy_fini(spy_t* s) {
+  free(s->events);
+  s->events = NULL;
+}
+
 /* ---- the model ---- */
 
 typedef struct live {
@@ -74,7 +275,18 @@ typedef struct live {
   size_t size;
   gpumem_stream_t stream;
   uint64_t id;
+  unsigned uses; /* bit i: recorded on use_streams[i], another stream */
 } live_t;
+
+/* Memory freed while other streams may still use it: [ptr, ptr+size)
+ * must not be handed out before those streams' work up to the free
+ * (moment t) is known complete. */
+typedef struct quarantine {
+  uintptr_t ptr;
+  size_t size;
+  uint64_t t;
+  unsigned uses;
+} quarantine_t;
 
 typedef struct run {
   const config_t* cfg;
@@ -82,13 +294,14 @@ typedef struct run {
   rng_t rng;
   int host_backed;
   gpumem_backend_t* sim;
+  spy_t spy; /* the allocator's view of the device */
   gpumem_t* gm;
   size_t page_size;
   size_t capacity;
-  size_t max_size;     /* largest request */
-  size_t budget_max;   /* live bytes the run aims at, at most */
-  size_t budget;       /* current aim, moved now and then */
-  size_t limit;        /* hard limit in force, 0 = none */
+  size_t max_size;   /* largest request */
+  size_t budget_max; /* live bytes the run aims at, at most */
+  size_t budget;     /* current aim, moved now and then */
+  size_t limit;      /* hard limit in force, 0 = none */
   int64_t prev_reserved;
   long op;
   const char* phase;
@@ -96,6 +309,16 @@ typedef struct run {
 
   live_t* live;
   size_t n, cap;
+  quarantine_t* quar;
+  size_t nquar, quar_cap;
+  /* Per device page (default policy): for each of use_streams, the moment
+   * a block on the page was last freed after use on that stream; the page
+   * may be unmapped only once those streams are done up to then. Open
+   * addressing by page number (never 0: device addresses are high). */
+  uint64_t* page_keys;
+  uint64_t (*page_freed)[4];
+  size_t page_mask, page_count;
+  long unmaps_checked;
   uint64_t next_id;
   /* sums over live allocations, kept as the model changes */
   uint64_t sum_size, sum_round;
@@ -105,7 +328,7 @@ typedef struct run {
   const unsigned char* tape;
   size_t tape_len;
 
-  long allocs, frees, records, ooms, empties, verified;
+  long allocs, frees, records, ooms, empties, verified, deferred;
   uint64_t bytes_verified;
   size_t max_live;
 } run_t;
@@ -118,21 +341,23 @@ static void run_context(const run_t* r) {
 
 /* A check that stops the run on failure: everything after it would only
  * repeat the first symptom. */
-#define RUN_CHECK(r, cond, ...)                                                 \
-  do {                                                                          \
-    if (cond) {                                                                 \
-      test_checks_passed++;                                                     \
-    } else {                                                                    \
-      test_checks_failed++;                                                     \
-      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);  \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fputc('\n', stderr);                                                      \
-      run_context(r);                                                           \
-      (r)->failed = 1;                                                          \
-    }                                                                           \
+#define RUN_CHECK(r, cond, ...)                                                \
+  do {                                                                         \
+    if (cond) {                                                                \
+      test_checks_passed++;                                                    \
+    } else {                                                                   \
+      test_checks_failed++;                                                    \
+      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fputc('\n', stderr);                                                     \
+      run_context(r);                                                          \
+      (r)->failed = 1;                                                         \
+    }                                                                          \
   } while (0)
 
-static size_t round512(size_t size) { return size < 512 ? 512 : (size + 511) / 512 * 512; }
+static size_t round512(size_t size) {
+  return size < 512 ? 512 : (size + 511) / 512 * 512;
+}
 
 /* The pytorch rules' segment for a request (PyTorch's allocation sizes). */
 static size_t pytorch_segment(size_t size) {
@@ -144,7 +369,9 @@ static size_t pytorch_segment(size_t size) {
 
 /* Messages persist until the next failure: clear it so that a message
  * checked after a call is that call's own. */
-static void clear_error(void) { gpumem_set_last_error("%s", ""); }
+static void clear_error(void) {
+  gpumem_set_last_error("%s", "");
+}
 
 static gpumem_sim_counters_t sim_counters(gpumem_backend_t* sim) {
   gpumem_sim_counters_t c;
@@ -231,8 +458,7 @@ static void pattern_verify(run_t* r, const live_t* a, const char* when) {
     size_t piece = r->tape_len - pos;
     if (piece > a->size - done) piece = a->size - done;
     size_t bad = device_compare(r, a->ptr + done, r->tape + pos, piece);
-    RUN_CHECK(r, bad == piece,
-              "%s: allocation #%llu at 0x%lx (%zu bytes) %s at offset %zu", when,
+    RUN_CHECK(r, bad == piece, "%s: allocation #%llu at 0x%lx (%zu bytes) %s at offset %zu", when,
               (unsigned long long)a->id, (unsigned long)a->ptr, a->size,
               bad == (size_t)-1 ? "has an unmapped page" : "lost its pattern",
               bad == (size_t)-1 ? done : done + bad);
@@ -276,8 +502,8 @@ static void check_no_overlap_sorted(run_t* r) {
     const live_t* b = &r->live[i];
     RUN_CHECK(r, a->ptr + a->size <= b->ptr,
               "live allocations overlap: #%llu [0x%lx, +%zu) and #%llu [0x%lx, +%zu)",
-              (unsigned long long)a->id, (unsigned long)a->ptr, a->size,
-              (unsigned long long)b->id, (unsigned long)b->ptr, b->size);
+              (unsigned long long)a->id, (unsigned long)a->ptr, a->size, (unsigned long long)b->id,
+              (unsigned long)b->ptr, b->size);
   }
 }
 
@@ -375,20 +601,29 @@ static size_t pick_size(run_t* r) {
 }
 
 /* An out-of-memory answer is right only when the device or the limit
- * really refused the last unit the policy needed: a page (default) or the
- * request's segment (pytorch). The retry ladder has emptied the cache by
- * then, so this is what is left. */
+ * really refused what the policy needed. The retry ladder has emptied the
+ * cache by then, so the room left must be smaller than the request's need:
+ * its segment (pytorch), or the pages its block can span, ceil(size/page)
+ * + 1 (default; fewer when edge pages are shared, hence an upper bound). */
 static int oom_justified(run_t* r, size_t size, char* why, size_t why_len) {
   gpumem_stats_t s;
   gpumem_get_stats(r->gm, &s);
   gpumem_sim_counters_t c = sim_counters(r->sim);
-  uint64_t unit = r->cfg->policy == GPUMEM_POLICY_PYTORCH ? pytorch_segment(size) : r->page_size;
-  uint64_t dev_free = r->capacity - c.bytes_in_use;
+  uint64_t ps = r->page_size;
+  uint64_t need = r->cfg->policy == GPUMEM_POLICY_PYTORCH
+                      ? pytorch_segment(size)
+                      : ((round512(size) + ps - 1) / ps + 1) * ps;
   uint64_t reserved = (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current;
-  snprintf(why, why_len, "unit %llu, device free %llu, reserved %llu, limit %zu",
-           (unsigned long long)unit, (unsigned long long)dev_free, (unsigned long long)reserved,
-           r->limit);
-  return dev_free < unit || (r->limit && reserved + unit > r->limit);
+  uint64_t room = r->capacity - c.bytes_in_use;
+  if (r->limit) {
+    uint64_t under_limit = r->limit > reserved ? r->limit - reserved : 0;
+    if (under_limit < room) room = under_limit;
+  }
+  snprintf(why, why_len,
+           "needs at most %llu, room %llu: reserved %llu, device free %llu, limit %zu",
+           (unsigned long long)need, (unsigned long long)room, (unsigned long long)reserved,
+           (unsigned long long)(r->capacity - c.bytes_in_use), r->limit);
+  return room < need;
 }
 
 static void model_add(run_t* r, live_t a) {
@@ -425,6 +660,119 @@ static void model_remove(run_t* r, size_t i) {
   r->live[i] = r->live[--r->n];
 }
 
+static int uses_safe(run_t* r, unsigned uses, uint64_t t, gpumem_stream_t* unsafe) {
+  for (int i = 0; i < 4; i++) {
+    if ((uses >> i & 1u) && !spy_safe(&r->spy, use_streams[i], t)) {
+      *unsafe = use_streams[i];
+      return 0;
+    }
+  }
+  return 1;
+}
+
+/* A new allocation must not overlap memory whose other streams may still
+ * be at work; entries whose streams are done leave the list. */
+static void quarantine_check(run_t* r, uintptr_t ptr, size_t size) {
+  for (size_t i = 0; i < r->nquar && !r->failed;) {
+    quarantine_t* q = &r->quar[i];
+    gpumem_stream_t busy = 0;
+    if (uses_safe(r, q->uses, q->t, &busy)) {
+      *q = r->quar[--r->nquar];
+      continue;
+    }
+    RUN_CHECK(r, ptr + size <= q->ptr || q->ptr + q->size <= ptr,
+              "malloc(%zu) = 0x%lx reuses [0x%lx, +%zu) before stream 0x%lx's work was known "
+              "complete",
+              size, (unsigned long)ptr, (unsigned long)q->ptr, q->size, (unsigned long)busy);
+    i++;
+  }
+}
+
+static void quarantine_add(run_t* r, const live_t* a, uint64_t t) {
+  if (r->nquar == r->quar_cap) {
+    r->quar_cap = r->quar_cap ? r->quar_cap * 2 : 64;
+    r->quar = realloc(r->quar, r->quar_cap * sizeof *r->quar);
+    if (!r->quar) {
+      fprintf(stderr, "out of host memory\n");
+      exit(2);
+    }
+  }
+  quarantine_t q = {a->ptr, a->size, t, a->uses};
+  r->quar[r->nquar++] = q;
+}
+
+static uint64_t* page_entry(run_t* r, uint64_t page) {
+  if (!r->page_keys || 2 * (r->page_count + 1) > r->page_mask + 1) {
+    size_t cap = r->page_keys ? 2 * (r->page_mask + 1) : 1024;
+    uint64_t* keys = calloc(cap, sizeof *keys);
+    uint64_t(*vals)[4] = calloc(cap, sizeof *vals);
+    if (!keys || !vals) {
+      fprintf(stderr, "out of host memory\n");
+      exit(2);
+    }
+    for (size_t i = 0; r->page_keys && i <= r->page_mask; i++) {
+      if (!r->page_keys[i]) continue;
+      size_t j = (size_t)(r->page_keys[i] * 0x9E3779B97F4A7C15ull >> 20) & (cap - 1);
+      while (keys[j]) j = (j + 1) & (cap - 1);
+      keys[j] = r->page_keys[i];
+      memcpy(vals[j], r->page_freed[i], sizeof vals[j]);
+    }
+    free(r->page_keys);
+    free(r->page_freed);
+    r->page_keys = keys;
+    r->page_freed = vals;
+    r->page_mask = cap - 1;
+  }
+  size_t j = (size_t)(page * 0x9E3779B97F4A7C15ull >> 20) & r->page_mask;
+  while (r->page_keys[j] && r->page_keys[j] != page) j = (j + 1) & r->page_mask;
+  if (!r->page_keys[j]) {
+    r->page_keys[j] = page;
+    r->page_count++;
+  }
+  return r->page_freed[j];
+}
+
+/* Notes that a's pages were in use on its own stream and its other streams
+ * up to moment t (the free). */
+static void pages_freed(run_t* r, const live_t* a, uint64_t t) {
+  if (r->cfg->policy != GPUMEM_POLICY_DEFAULT) return;
+  unsigned streams = a->uses;
+  for (unsigned k = 0; k < 4; k++) {
+    if (use_streams[k] == a->stream) streams |= 1u << k;
+  }
+  uint64_t first = a->ptr / r->page_size;
+  uint64_t last = (a->ptr + round512(a->size) - 1) / r->page_size;
+  for (uint64_t p = first; p <= last; p++) {
+    uint64_t* e = page_entry(r, p);
+    for (unsigned k = 0; k < 4; k++) {
+      if (streams >> k & 1u) e[k] = t;
+    }
+  }
+}
+
+/* The spy's unmap hook: a page leaving its address (to be mapped
+ * elsewhere, for any stream) must not still be in use by a stream that
+ * worked on it before it was freed. */
+static void check_unmap(void* arg, uintptr_t addr, size_t size) {
+  run_t* r = arg;
+  for (uintptr_t at = addr; at < addr + size && !r->failed; at += r->page_size) {
+    uint64_t* e = page_entry(r, at / r->page_size);
+    for (unsigned k = 0; k < 4; k++) {
+      RUN_CHECK(r, !e[k] || spy_safe(&r->spy, use_streams[k], e[k]),
+                "page 0x%lx unmapped while stream 0x%lx may still use it", (unsigned long)at,
+                (unsigned long)use_streams[k]);
+      e[k] = 0;
+    }
+  }
+  r->unmaps_checked++;
+}
+
+static int64_t pending_bytes(run_t* r) {
+  gpumem_stats_t s;
+  gpumem_get_stats(r->gm, &s);
+  return s.active_bytes[GPUMEM_POOL_ALL].current - s.allocated_bytes[GPUMEM_POOL_ALL].current;
+}
+
 /* Allocates; returns the gpumem status (the model holds the result). */
 static gpumem_status_t op_malloc(run_t* r, size_t size, gpumem_stream_t stream) {
   void* p = (void*)1;
@@ -444,7 +792,8 @@ static gpumem_status_t op_malloc(run_t* r, size_t size, gpumem_stream_t stream) 
                 "malloc(%zu) = 0x%lx overlaps live #%llu [0x%lx, +%zu)", size, (unsigned long)ptr,
                 (unsigned long long)b->id, (unsigned long)b->ptr, b->size);
     }
-    live_t a = {ptr, size, stream, r->next_id++};
+    quarantine_check(r, ptr, size);
+    live_t a = {ptr, size, stream, r->next_id++, 0};
     model_add(r, a);
     r->allocs++;
     if (r->host_backed) {
@@ -472,19 +821,37 @@ static void op_free(run_t* r, size_t i) {
   size_t known = gpumem_allocation_size(r->gm, (void*)a.ptr);
   RUN_CHECK(r, known == a.size, "allocation_size(#%llu) = %zu, model %zu", (unsigned long long)a.id,
             known, a.size);
+  int64_t pending_before = a.uses ? pending_bytes(r) : 0;
+  uint64_t t = r->spy.clock;
   clear_error();
   gpumem_status_t st = gpumem_free(r->gm, (void*)a.ptr);
   RUN_CHECK(r, st == GPUMEM_OK, "free(0x%lx): %s: %s", (unsigned long)a.ptr, gpumem_strerror(st),
             gpumem_last_error());
+  if (a.uses) {
+    /* Used on other streams: either deferred (pending, counted active)
+     * or made safe at once by synchronizing those streams. */
+    gpumem_stream_t busy = 0;
+    if (pending_bytes(r) - pending_before >= (int64_t)round512(a.size)) {
+      quarantine_add(r, &a, t);
+      r->deferred++;
+    } else {
+      RUN_CHECK(r, uses_safe(r, a.uses, t, &busy),
+                "free of #%llu used on stream 0x%lx: neither deferred nor synchronized",
+                (unsigned long long)a.id, (unsigned long)busy);
+    }
+  }
+  pages_freed(r, &a, t);
   model_remove(r, i);
   r->frees++;
 }
 
 static void op_record(run_t* r) {
   size_t i = (size_t)rng_below(&r->rng, r->n);
-  gpumem_stream_t s = use_streams[rng_below(&r->rng, 4)];
+  unsigned k = (unsigned)rng_below(&r->rng, 4);
+  gpumem_stream_t s = use_streams[k];
   gpumem_status_t st = gpumem_record_stream(r->gm, (void*)r->live[i].ptr, s);
   RUN_CHECK(r, st == GPUMEM_OK, "record_stream: %s: %s", gpumem_strerror(st), gpumem_last_error());
+  if (s != r->live[i].stream) r->live[i].uses |= 1u << k;
   r->records++;
 }
 
@@ -497,7 +864,8 @@ static void op_empty_cache(run_t* r) {
   r->empties++;
   gpumem_stats_t s;
   gpumem_get_stats(r->gm, &s);
-  RUN_CHECK(r, s.active_bytes[GPUMEM_POOL_ALL].current == s.allocated_bytes[GPUMEM_POOL_ALL].current,
+  RUN_CHECK(r,
+            s.active_bytes[GPUMEM_POOL_ALL].current == s.allocated_bytes[GPUMEM_POOL_ALL].current,
             "after empty_cache active %lld != allocated %lld (a pending free survived)",
             (long long)s.active_bytes[GPUMEM_POOL_ALL].current,
             (long long)s.allocated_bytes[GPUMEM_POOL_ALL].current);
@@ -559,7 +927,9 @@ static int enough_nothing(run_t* r, size_t arg) {
   return r->n == 0;
 }
 
-static int enough_below_bytes(run_t* r, size_t bytes) { return r->sum_size <= bytes; }
+static int enough_below_bytes(run_t* r, size_t bytes) {
+  return r->sum_size <= bytes;
+}
 
 /* Default policy: the retry of a refused request of `size` bytes is sure to
  * succeed once the pages under live blocks plus the pages the request can
@@ -627,7 +997,8 @@ static void limit_phase(run_t* r, long ops) {
   if (ops >= 5000) RUN_CHECK(r, phase_ooms > 0 && retries > 0, "the limit phase saw no OOM");
   gpumem_remove_limit(r->gm);
   r->limit = 0;
-  RUN_CHECK(r, gpumem_get_limit(r->gm) == 0, "limit still %zu after remove", gpumem_get_limit(r->gm));
+  RUN_CHECK(r, gpumem_get_limit(r->gm) == 0, "limit still %zu after remove",
+            gpumem_get_limit(r->gm));
 }
 
 static double now_s(void) {
@@ -668,17 +1039,21 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   RUN_CHECK(r, r->sim != NULL, "sim_create: %s", gpumem_last_error());
   if (!r->sim) return;
   r->page_size = so.page_size;
+  spy_init(&r->spy, r->sim);
+  r->spy.on_unmap = check_unmap;
+  r->spy.on_unmap_arg = r;
 
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
   o.reclaim = cfg->reclaim;
   gpumem_status_t st = GPUMEM_OK;
-  r->gm = gpumem_create(r->sim, &o, &st);
+  r->gm = gpumem_create(&r->spy.be, &o, &st);
   RUN_CHECK(r, r->gm != NULL && st == GPUMEM_OK, "create: %s: %s", gpumem_strerror(st),
             gpumem_last_error());
   if (!r->gm) {
     gpumem_sim_destroy(r->sim);
+    spy_fini(&r->spy);
     return;
   }
 
@@ -702,14 +1077,18 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     check_state(r);
     gpumem_stats_t s;
     gpumem_get_stats(r->gm, &s);
-    RUN_CHECK(r, s.allocated_bytes[0].current == 0 && s.active_bytes[0].current == 0 &&
-                     s.reserved_bytes[0].current == 0 && s.active[0].current == 0,
+    RUN_CHECK(r,
+              s.allocated_bytes[0].current == 0 && s.active_bytes[0].current == 0 &&
+                  s.reserved_bytes[0].current == 0 && s.active[0].current == 0,
               "after freeing everything: allocated %lld active %lld reserved %lld",
               (long long)s.allocated_bytes[0].current, (long long)s.active_bytes[0].current,
               (long long)s.reserved_bytes[0].current);
   }
   gpumem_stats_t fin;
   gpumem_get_stats(r->gm, &fin);
+  /* destroy tears everything down; the caller vouches that no work is
+   * queued any more, so unmapping there is not judged */
+  r->spy.on_unmap = NULL;
   gpumem_destroy(r->gm);
   /* The allocator does not own the device: after destroy the device must
    * hold nothing of it. */
@@ -723,16 +1102,20 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
             (unsigned long long)c.pages_live, (unsigned long long)c.pages_mapped,
             (unsigned long long)c.plain_live, (unsigned long long)c.events_live);
   gpumem_sim_destroy(r->sim);
+  spy_fini(&r->spy);
   printf(
       "%-16s seed %-3llu %-11s %ld ops: %ld mallocs, %ld frees, %ld record_stream, %ld "
-      "empty_cache, %ld OOMs, max %zu live, %ld verified (%.1f MiB), device peak %.0f MiB, %lld "
-      "segments at most, %.2f s\n",
+      "deferred frees, %ld unmaps checked, %ld empty_cache, %ld OOMs, max %zu live, %ld "
+      "verified (%.1f MiB), device peak %.0f MiB, %lld segments at most, %.2f s\n",
       cfg->name, (unsigned long long)seed, host_backed ? "host-backed" : "no-backing", r->op,
-      r->allocs, r->frees, r->records, r->empties, r->ooms, r->max_live, r->verified,
-      (double)r->bytes_verified / (double)MIB, (double)c.peak_bytes_in_use / (double)MIB,
-      (long long)fin.segment[0].peak, now_s() - t0);
+      r->allocs, r->frees, r->records, r->deferred, r->unmaps_checked, r->empties, r->ooms,
+      r->max_live, r->verified, (double)r->bytes_verified / (double)MIB,
+      (double)c.peak_bytes_in_use / (double)MIB, (long long)fin.segment[0].peak, now_s() - t0);
   fflush(stdout);
   free(r->live);
+  free(r->quar);
+  free(r->page_keys);
+  free(r->page_freed);
 }
 
 static long env_long(const char* name, long fallback) {

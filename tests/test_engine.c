@@ -1,0 +1,814 @@
+/* The engine's rules, one at a time, through the public API.
+ *
+ * pytorch policy: rounding to 512 bytes; segment sizes (2 MiB for small
+ * requests, 20 MiB for 1-10 MiB, larger ones rounded to 2 MiB); when blocks
+ * split; merging of free neighbours; best fit with ties broken by address;
+ * stream ownership; record_stream and event-deferred reuse; the retry
+ * ladder, OOM callbacks and the OOM report; empty_cache; limits as a
+ * fraction; max_split_size.
+ *
+ * default policy: pages mapped on demand, reserved memory following live
+ * bytes, empty_cache unmapping and releasing pages, limits met by moving
+ * pages, and streams lending each other their free pages.
+ *
+ * Last, a throughput figure with 10^6 cached blocks (printed, not judged). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+#include "test_util.h"
+
+#define KIB ((size_t)1 << 10)
+#define MIB ((size_t)1 << 20)
+#define GIB ((size_t)1 << 30)
+
+#define SA ((gpumem_stream_t)0)
+#define SB ((gpumem_stream_t)0xB0)
+#define SC ((gpumem_stream_t)0xC0)
+
+typedef struct fx {
+  gpumem_backend_t* sim;
+  gpumem_t* gm;
+} fx_t;
+
+/* A fresh device and allocator. conf is a GPUMEM_CONF string (policy and
+ * the rest); the allocator does not own the device, so fx_done can check
+ * that it left nothing behind. */
+static fx_t fx_new(const char* conf, size_t capacity, int event_delay) {
+  fx_t f = {NULL, NULL};
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = capacity;
+  so.event_delay_queries = event_delay;
+  f.sim = gpumem_sim_create(&so);
+  CHECK(f.sim != NULL);
+  if (!f.sim) return f;
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
+  gpumem_status_t st;
+  f.gm = gpumem_create(f.sim, &o, &st);
+  CHECK_MSG(f.gm != NULL, "create(%s): %s", conf, gpumem_last_error());
+  return f;
+}
+
+static void fx_done(fx_t* f) {
+  if (f->gm) {
+    size_t v = gpumem_check(f->gm);
+    CHECK_MSG(v == 0, "gpumem_check: %s", gpumem_last_error());
+  }
+  gpumem_destroy(f->gm);
+  if (f->sim) {
+    gpumem_sim_counters_t c;
+    gpumem_sim_get_counters(f->sim, &c);
+    CHECK_MSG(c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
+                  c.plain_live == 0 && c.events_live == 0,
+              "the device holds %llu bytes, %llu ranges, %llu events after destroy",
+              (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
+              (unsigned long long)c.events_live);
+    gpumem_sim_destroy(f->sim);
+  }
+  f->gm = NULL;
+  f->sim = NULL;
+}
+
+static gpumem_stats_t stats(fx_t* f) {
+  gpumem_stats_t s;
+  gpumem_get_stats(f->gm, &s);
+  return s;
+}
+
+static gpumem_sim_counters_t dev(fx_t* f) {
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(f->sim, &c);
+  return c;
+}
+
+static int64_t reserved(fx_t* f) {
+  return stats(f).reserved_bytes[GPUMEM_POOL_ALL].current;
+}
+
+/* Allocates or records a failed check and returns NULL. */
+static char* alloc(fx_t* f, size_t size, gpumem_stream_t stream) {
+  void* p = NULL;
+  gpumem_status_t st = gpumem_malloc(f->gm, size, stream, &p);
+  CHECK_MSG(st == GPUMEM_OK && p != NULL, "malloc(%zu) on 0x%lx: %s: %s", size,
+            (unsigned long)stream, gpumem_strerror(st), gpumem_last_error());
+  return p;
+}
+
+static void release(fx_t* f, void* p) {
+  CHECK_STATUS(gpumem_free(f->gm, p), GPUMEM_OK);
+}
+
+/* ---- pytorch policy ---- */
+
+static void test_rounding(void) {
+  static const struct {
+    size_t request, block;
+    int small;
+  } cases[] = {
+      {1, 512, 1},    {511, 512, 1},           {512, 512, 1},
+      {513, 1024, 1}, {1000, 1024, 1},         {MIB - 1, MIB, 1},
+      {MIB, MIB, 1},  {MIB + 1, MIB + 512, 0}, {5 * MIB + 3, 5 * MIB + 512, 0},
+  };
+  fx_t f = fx_new("policy:pytorch", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char* p = alloc(&f, cases[i].request, SA);
+    gpumem_stats_t s = stats(&f);
+    int pool = cases[i].small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE;
+    CHECK_MSG(s.allocated_bytes[GPUMEM_POOL_ALL].current == (int64_t)cases[i].block &&
+                  s.allocated_bytes[pool].current == (int64_t)cases[i].block,
+              "request %zu: allocated %lld, want %zu in the %s pool", cases[i].request,
+              (long long)s.allocated_bytes[GPUMEM_POOL_ALL].current, cases[i].block,
+              cases[i].small ? "small" : "large");
+    CHECK(s.requested_bytes[GPUMEM_POOL_ALL].current == (int64_t)cases[i].request);
+    CHECK(gpumem_allocation_size(f.gm, p) == cases[i].request);
+    release(&f, p);
+  }
+  fx_done(&f);
+}
+
+/* Each request on a fresh allocator takes exactly one new segment. */
+static void test_segment_sizes(void) {
+  static const struct {
+    size_t request, segment;
+    int small;
+  } cases[] = {
+      {1, 2 * MIB, 1},
+      {1000, 2 * MIB, 1},
+      {MIB, 2 * MIB, 1},
+      {MIB + 1, 20 * MIB, 0},
+      {5 * MIB, 20 * MIB, 0},
+      {10 * MIB - 512, 20 * MIB, 0},
+      {10 * MIB - 1, 10 * MIB, 0}, /* rounds to 10 MiB: no longer "below 10 MiB" */
+      {10 * MIB, 10 * MIB, 0},
+      {11 * MIB, 12 * MIB, 0},
+      {64 * MIB + 1, 66 * MIB, 0},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    fx_t f = fx_new("policy:pytorch", 8 * GIB, 0);
+    if (!f.gm) return fx_done(&f);
+    alloc(&f, cases[i].request, SA);
+    gpumem_stats_t s = stats(&f);
+    int pool = cases[i].small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE;
+    CHECK_MSG(s.reserved_bytes[GPUMEM_POOL_ALL].current == (int64_t)cases[i].segment &&
+                  s.reserved_bytes[pool].current == (int64_t)cases[i].segment &&
+                  s.segment[pool].current == 1,
+              "request %zu: reserved %lld in %lld segments, want one of %zu", cases[i].request,
+              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current,
+              (long long)s.segment[GPUMEM_POOL_ALL].current, cases[i].segment);
+    CHECK(dev(&f).bytes_in_use == cases[i].segment && dev(&f).plain_live == 1);
+    fx_done(&f);
+  }
+}
+
+static void test_splitting(void) {
+  fx_t f = fx_new("policy:pytorch", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  /* Large: a 12 MiB segment, reused by requests that leave 1 MiB - 512,
+   * exactly 1 MiB, and 1 MiB + 512 behind: only the last is split. */
+  char* seg = alloc(&f, 12 * MIB, SA);
+  release(&f, seg);
+  static const struct {
+    size_t request;
+    int split;
+  } cases[] = {{11 * MIB + 512, 0}, {11 * MIB, 0}, {11 * MIB - 512, 1}};
+  for (size_t i = 0; i < 3; i++) {
+    char* p = alloc(&f, cases[i].request, SA);
+    CHECK(p == seg);
+    gpumem_stats_t s = stats(&f);
+    size_t block = cases[i].split ? cases[i].request : 12 * MIB;
+    CHECK_MSG(s.allocated_bytes[GPUMEM_POOL_LARGE].current == (int64_t)block,
+              "request %zu from a 12 MiB block: allocated %lld, want %zu", cases[i].request,
+              (long long)s.allocated_bytes[GPUMEM_POOL_LARGE].current, block);
+    CHECK(s.inactive_split[GPUMEM_POOL_LARGE].current == cases[i].split);
+    CHECK(s.inactive_split_bytes[GPUMEM_POOL_LARGE].current ==
+          (cases[i].split ? (int64_t)(12 * MIB - cases[i].request) : 0));
+    CHECK(s.reserved_bytes[GPUMEM_POOL_ALL].current == (int64_t)(12 * MIB)); /* no new segment */
+    release(&f, p);
+    /* Freed, the pieces merge back into the whole segment. */
+    CHECK(stats(&f).inactive_split[GPUMEM_POOL_ALL].current == 0);
+  }
+
+  /* Small: split whenever at least 512 bytes remain. */
+  char* a = alloc(&f, MIB, SB); /* a 2 MiB segment: 1 MiB remains, split */
+  gpumem_stats_t s = stats(&f);
+  CHECK(s.inactive_split[GPUMEM_POOL_SMALL].current == 1);
+  CHECK(s.inactive_split_bytes[GPUMEM_POOL_SMALL].current == (int64_t)MIB);
+  char* b = alloc(&f, MIB - 512, SB); /* leaves exactly 512: still split */
+  CHECK(b == a + MIB);
+  s = stats(&f);
+  CHECK(s.inactive_split[GPUMEM_POOL_SMALL].current == 1);
+  CHECK(s.inactive_split_bytes[GPUMEM_POOL_SMALL].current == 512);
+  char* c = alloc(&f, 1, SB); /* takes the last 512 bytes whole */
+  CHECK(c == b + MIB - 512);
+  s = stats(&f);
+  CHECK(s.inactive_split[GPUMEM_POOL_SMALL].current == 0);
+  CHECK(s.allocated_bytes[GPUMEM_POOL_SMALL].current == (int64_t)(2 * MIB));
+  CHECK(s.segment[GPUMEM_POOL_SMALL].current == 1);
+  fx_done(&f);
+}
+
+/* Three adjacent blocks; free the middle, then the sides: one free block,
+ * the whole segment again. */
+static void test_merging(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  int pytorch = strstr(conf, "pytorch") != NULL;
+  char* a = alloc(&f, 2 * MIB, SA);
+  char* b = alloc(&f, 2 * MIB, SA);
+  char* c = alloc(&f, 2 * MIB, SA);
+  CHECK_MSG(b == a + 2 * MIB && c == b + 2 * MIB, "%s: blocks not adjacent: %p %p %p", conf,
+            (void*)a, (void*)b, (void*)c);
+  release(&f, b);
+  gpumem_stats_t s = stats(&f);
+  if (pytorch) {
+    /* the hole and the tail of the 20 MiB segment */
+    CHECK(s.inactive_split[GPUMEM_POOL_ALL].current == 2);
+    CHECK(s.largest_free_block == 14 * MIB);
+  }
+  release(&f, a);
+  if (pytorch) {
+    s = stats(&f);
+    CHECK(s.inactive_split[GPUMEM_POOL_ALL].current == 2);
+    CHECK(s.inactive_split_bytes[GPUMEM_POOL_ALL].current == (int64_t)(18 * MIB));
+  }
+  release(&f, c);
+  s = stats(&f);
+  CHECK_MSG(s.inactive_split[GPUMEM_POOL_ALL].current == 0, "%s: %lld split blocks remain", conf,
+            (long long)s.inactive_split[GPUMEM_POOL_ALL].current);
+  CHECK(s.segment[GPUMEM_POOL_ALL].current == 1);
+  if (pytorch) {
+    CHECK(s.largest_free_block == 20 * MIB);
+    CHECK(s.cached_free_bytes == 20 * MIB);
+    CHECK(s.fragmentation == 0.0);
+  }
+  /* One block again: a request of all three together lands where a was. */
+  char* all = alloc(&f, 6 * MIB, SA);
+  CHECK_MSG(all == a, "%s: 6 MiB after merging at %p, want %p", conf, (void*)all, (void*)a);
+  CHECK(gpumem_check(f.gm) == 0);
+  fx_done(&f);
+}
+
+/* Holes of 4, 3 and 3 MiB (in address order) between live guards: a 2.5
+ * MiB request takes the smallest hole that fits, and of two equal ones the
+ * lower; then the other 3 MiB one; then the 4 MiB hole rather than the
+ * equally large tail above it. */
+static void test_best_fit(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* h1 = alloc(&f, 4 * MIB, SA);
+  char* g1 = alloc(&f, 2 * MIB, SA);
+  char* h2 = alloc(&f, 3 * MIB, SA);
+  char* g2 = alloc(&f, 2 * MIB, SA);
+  char* h3 = alloc(&f, 3 * MIB, SA);
+  char* g3 = alloc(&f, 2 * MIB, SA);
+  /* and a 4 MiB block above, the tail of the 20 MiB segment (pytorch) */
+  char* g4 = strstr(conf, "pytorch") ? NULL : alloc(&f, 4 * MIB, SA);
+  CHECK(g1 == h1 + 4 * MIB && h2 == g1 + 2 * MIB && g2 == h2 + 3 * MIB && h3 == g2 + 2 * MIB &&
+        g3 == h3 + 3 * MIB);
+  char* tail = g3 + 2 * MIB;
+  if (g4) {
+    CHECK(g4 == tail);
+    release(&f, g4); /* default: a free block from g3's end to the arena's end */
+  }
+  release(&f, h1);
+  release(&f, h2);
+  release(&f, h3);
+  char* x = alloc(&f, 5 * MIB / 2, SA);
+  CHECK_MSG(x == h2, "%s: first 2.5 MiB at %p, want the lower 3 MiB hole %p", conf, (void*)x,
+            (void*)h2);
+  char* y = alloc(&f, 5 * MIB / 2, SA);
+  CHECK_MSG(y == h3, "%s: second 2.5 MiB at %p, want %p", conf, (void*)y, (void*)h3);
+  char* z = alloc(&f, 5 * MIB / 2, SA);
+  CHECK_MSG(z == h1, "%s: third 2.5 MiB at %p, want the 4 MiB hole %p (tail %p)", conf, (void*)z,
+            (void*)h1, (void*)tail);
+
+  /* The same in the small pool, inside one 2 MiB segment or arena. */
+  char* s1 = alloc(&f, 4 * KIB, SB);
+  char* t1 = alloc(&f, 512, SB);
+  char* s2 = alloc(&f, 3 * KIB, SB);
+  char* t2 = alloc(&f, 512, SB);
+  char* s3 = alloc(&f, 3 * KIB, SB);
+  char* t3 = alloc(&f, 512, SB);
+  CHECK(t3 == s3 + 3 * KIB && s2 == t1 + 512 && t1 == s1 + 4 * KIB);
+  release(&f, s1);
+  release(&f, s2);
+  release(&f, s3);
+  CHECK(alloc(&f, 2500, SB) == s2);
+  CHECK(alloc(&f, 2500, SB) == s3);
+  CHECK(alloc(&f, 2500, SB) == s1);
+  (void)t2;
+  fx_done(&f);
+}
+
+/* A block freed on stream A is A's: B gets new memory, A gets it back at
+ * once. */
+static void test_stream_ownership(void) {
+  fx_t f = fx_new("policy:pytorch", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 5 * MIB, SA);
+  release(&f, a);
+  CHECK(reserved(&f) == (int64_t)(20 * MIB));
+  char* b = alloc(&f, 5 * MIB, SB);
+  CHECK(b != a);
+  CHECK_MSG(reserved(&f) == (int64_t)(40 * MIB), "stream B reused A's cache: reserved %lld",
+            (long long)reserved(&f));
+  char* a2 = alloc(&f, 5 * MIB, SA);
+  CHECK(a2 == a);
+  CHECK(reserved(&f) == (int64_t)(40 * MIB));
+  fx_done(&f);
+
+  /* default: B never gets A's address either; A's free pages may move to
+   * B, but only after A was synchronized (its queued work may still touch
+   * them). */
+  f = fx_new("policy:default", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  a = alloc(&f, 6 * MIB, SA);
+  release(&f, a);
+  gpumem_stats_t before = stats(&f);
+  uint64_t syncs_before = dev(&f).calls[GPUMEM_CALL_stream_sync];
+  b = alloc(&f, 6 * MIB, SB);
+  CHECK(b != a);
+  gpumem_stats_t after = stats(&f);
+  CHECK_MSG(after.reserved_bytes[0].current == (int64_t)(6 * MIB),
+            "default: stream B took new pages instead of A's free ones: reserved %lld",
+            (long long)after.reserved_bytes[0].current);
+  CHECK(after.num_pages_unmapped - before.num_pages_unmapped == 3);
+  CHECK_MSG(dev(&f).calls[GPUMEM_CALL_stream_sync] == syncs_before + 1 &&
+                after.num_syncs == before.num_syncs + 1,
+            "A's pages moved without synchronizing A");
+  a2 = alloc(&f, 6 * MIB, SA);
+  CHECK(a2 == a);
+  fx_done(&f);
+}
+
+/* A block used on another stream is not reused until that stream's work
+ * up to the free has completed: the event completes after 3 queries, one
+ * per malloc. Meanwhile it counts as active. */
+static void test_record_stream(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 3);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 5 * MIB, SA);
+  CHECK_STATUS(gpumem_record_stream(f.gm, a, SB), GPUMEM_OK);
+  CHECK_STATUS(gpumem_record_stream(f.gm, a, SB), GPUMEM_OK); /* twice: one use */
+  release(&f, a);
+  gpumem_stats_t s = stats(&f);
+  CHECK(s.allocated_bytes[0].current == 0);
+  CHECK_MSG(s.active_bytes[0].current == (int64_t)(5 * MIB) && s.active[0].current == 1,
+            "%s: pending block not active: %lld", conf, (long long)s.active_bytes[0].current);
+  CHECK(gpumem_allocation_size(f.gm, a) == 0);
+  CHECK(dev(&f).calls[GPUMEM_CALL_event_record] == 1);
+  /* Three mallocs query the event three times: still pending, so even a
+   * request that a would fit exactly goes elsewhere. */
+  char* other = alloc(&f, 5 * MIB, SA);
+  CHECK_MSG(other != a, "%s: reused a block whose event is pending", conf);
+  char* s1 = alloc(&f, 1000, SA);
+  char* s2 = alloc(&f, 1000, SA);
+  s = stats(&f);
+  CHECK_MSG(s.active_bytes[0].current - s.allocated_bytes[0].current == (int64_t)(5 * MIB),
+            "%s: the pending block was released early", conf);
+  CHECK(dev(&f).calls[GPUMEM_CALL_event_query] == 3);
+  /* The fourth query finds the work done; that same malloc reuses it. */
+  char* again = alloc(&f, 5 * MIB, SA);
+  CHECK_MSG(again == a, "%s: after the event completed, got %p, want %p", conf, (void*)again,
+            (void*)a);
+  s = stats(&f);
+  CHECK(s.active_bytes[0].current == s.allocated_bytes[0].current);
+  /* Free without other uses: back at once, no event. */
+  release(&f, s1);
+  CHECK(alloc(&f, 1000, SA) == s1);
+  CHECK(dev(&f).calls[GPUMEM_CALL_event_record] == 1);
+  (void)s2;
+  (void)other;
+
+  /* A pending free is synchronized by empty_cache. */
+  CHECK_STATUS(gpumem_record_stream(f.gm, again, SC), GPUMEM_OK);
+  release(&f, again);
+  CHECK(stats(&f).active_bytes[0].current > stats(&f).allocated_bytes[0].current);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  s = stats(&f);
+  CHECK(s.active_bytes[0].current == s.allocated_bytes[0].current);
+  CHECK(s.num_sync_all_streams == 1);
+  fx_done(&f);
+}
+
+typedef struct oom_cb {
+  fx_t* f;
+  void* to_free;
+  int ret;
+  int calls;
+  size_t size;
+  gpumem_stream_t stream;
+} oom_cb_t;
+
+static int on_oom(gpumem_t* gm, size_t size, gpumem_stream_t stream, void* arg) {
+  oom_cb_t* cb = arg;
+  CHECK(gm == cb->f->gm);
+  cb->calls++;
+  cb->size = size;
+  cb->stream = stream;
+  if (cb->to_free) {
+    /* Called without the allocator's lock: freeing here must work. */
+    CHECK_STATUS(gpumem_free(gm, cb->to_free), GPUMEM_OK);
+    cb->to_free = NULL;
+  }
+  return cb->ret;
+}
+
+static void test_retry_ladder(void) {
+  fx_t f = fx_new("policy:pytorch", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  CHECK_STATUS(gpumem_set_limit(f.gm, 40 * MIB), GPUMEM_OK);
+  /* Whole 20 MiB segments, so that no free tail can serve what follows. */
+  char* b = alloc(&f, 20 * MIB, SB);
+  release(&f, b);          /* 20 MiB cached on B */
+  alloc(&f, 20 * MIB, SA); /* 20 MiB on A: at the limit */
+  gpumem_stats_t s0 = stats(&f);
+  CHECK(s0.reserved_bytes[0].current == (int64_t)(40 * MIB));
+  /* A 12 MiB segment does not fit: B's cache goes, then it does. */
+  char* a2 = alloc(&f, 12 * MIB, SA);
+  gpumem_stats_t s1 = stats(&f);
+  CHECK(s1.num_alloc_retries == s0.num_alloc_retries + 1);
+  CHECK(s1.num_ooms == s0.num_ooms);
+  CHECK(s1.reserved_bytes[0].current == (int64_t)(32 * MIB));
+  CHECK(dev(&f).bytes_in_use == 32 * MIB);
+  CHECK(s1.num_device_free == s0.num_device_free + 1);
+
+  /* Nothing cached left: a 16 MiB segment needs an OOM callback. It frees
+   * a2 and asks for another try, which succeeds. */
+  oom_cb_t cb = {&f, a2, 1, 0, 0, 0};
+  CHECK_STATUS(gpumem_add_oom_callback(f.gm, on_oom, &cb), GPUMEM_OK);
+  char* a3 = alloc(&f, 16 * MIB, SA);
+  gpumem_stats_t s2 = stats(&f);
+  CHECK(a3 != NULL);
+  CHECK(cb.calls == 1 && cb.size == 16 * MIB && cb.stream == SA);
+  CHECK(s2.num_oom_callbacks == s1.num_oom_callbacks + 1);
+  CHECK(s2.num_ooms == s1.num_ooms);
+  CHECK(s2.num_alloc_retries > s1.num_alloc_retries);
+  CHECK(s2.reserved_bytes[0].current == (int64_t)(36 * MIB));
+
+  /* Final failure: the callback frees nothing and declines. */
+  cb.ret = 0;
+  void* p = (void*)1;
+  gpumem_set_last_error("%s", "");
+  gpumem_status_t st = gpumem_malloc(f.gm, 30 * MIB, SA, &p);
+  CHECK_STATUS(st, GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK(p == NULL);
+  CHECK(cb.calls == 2);
+  gpumem_stats_t s3 = stats(&f);
+  CHECK(s3.num_ooms == s2.num_ooms + 1);
+  const char* msg = gpumem_last_error();
+  CHECK_MSG(strstr(msg, "out of memory") && strstr(msg, "31457280") && strstr(msg, "40.00 MiB"),
+            "OOM report lacks the words, the size or the limit: %s", msg);
+  /* The failure changed nothing. */
+  CHECK(s3.allocation[0].current == s2.allocation[0].current);
+  CHECK(s3.reserved_bytes[0].current == s2.reserved_bytes[0].current);
+  /* A callback that asks again but frees nothing: still one OOM. */
+  cb.ret = 1;
+  CHECK_STATUS(gpumem_malloc(f.gm, 30 * MIB, SA, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK(stats(&f).num_ooms == s3.num_ooms + 1);
+  fx_done(&f);
+
+  /* default: an OOM callback freeing a live block lets the retry map its
+   * pages. */
+  f = fx_new("policy:default", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  CHECK_STATUS(gpumem_set_limit(f.gm, 32 * MIB), GPUMEM_OK);
+  char* big = alloc(&f, 24 * MIB, SA);
+  oom_cb_t cb2 = {&f, big, 1, 0, 0, 0};
+  CHECK_STATUS(gpumem_add_oom_callback(f.gm, on_oom, &cb2), GPUMEM_OK);
+  char* next = alloc(&f, 16 * MIB, SB);
+  CHECK(next != NULL && cb2.calls == 1);
+  CHECK(reserved(&f) <= (int64_t)(32 * MIB));
+  fx_done(&f);
+}
+
+static void test_empty_cache(void) {
+  fx_t f = fx_new("policy:pytorch", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 5 * MIB, SA);  /* 20 MiB segment, stays (a is live) */
+  char* b = alloc(&f, 16 * MIB, SA); /* 16 MiB segment (a's 15 MiB tail is too small) */
+  char* c = alloc(&f, 1000, SB);     /* 2 MiB segment, stays */
+  char* d = alloc(&f, 30 * MIB, SB); /* 30 MiB segment */
+  release(&f, b);
+  release(&f, d);
+  CHECK(reserved(&f) == (int64_t)(68 * MIB));
+  gpumem_stats_t s0 = stats(&f);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  gpumem_stats_t s1 = stats(&f);
+  CHECK_MSG(s1.reserved_bytes[0].current == (int64_t)(22 * MIB),
+            "after empty_cache reserved %lld, want the 22 MiB live blocks need",
+            (long long)s1.reserved_bytes[0].current);
+  CHECK(dev(&f).bytes_in_use == 22 * MIB && dev(&f).plain_live == 2);
+  CHECK(s1.segment[0].current == 2);
+  CHECK(s1.num_device_free == s0.num_device_free + 2);
+  release(&f, a);
+  release(&f, c);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK(reserved(&f) == 0 && dev(&f).bytes_in_use == 0 && stats(&f).segment[0].current == 0);
+  fx_done(&f);
+
+  /* default: free pages are unmapped and released; pages still under live
+   * blocks stay. */
+  f = fx_new("policy:default", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  a = alloc(&f, 6 * MIB, SA);
+  b = alloc(&f, 6 * MIB, SA);
+  release(&f, a);
+  CHECK(dev(&f).pages_live == 6 && reserved(&f) == (int64_t)(12 * MIB));
+  s0 = stats(&f);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  s1 = stats(&f);
+  gpumem_sim_counters_t c1 = dev(&f);
+  CHECK_MSG(c1.pages_live == 3 && c1.pages_mapped == 3 && c1.bytes_in_use == 6 * MIB,
+            "default empty_cache: %llu pages live, %llu mapped", (unsigned long long)c1.pages_live,
+            (unsigned long long)c1.pages_mapped);
+  CHECK(s1.reserved_bytes[0].current == (int64_t)(6 * MIB));
+  CHECK(s1.num_pages_unmapped == s0.num_pages_unmapped + 3);
+  /* The unmapped range maps again on demand. */
+  CHECK(alloc(&f, 6 * MIB, SA) == a);
+  CHECK(dev(&f).pages_mapped == 6);
+  fx_done(&f);
+}
+
+static void test_limit_fraction(const char* conf) {
+  fx_t f = fx_new(conf, 1 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  CHECK_STATUS(gpumem_set_limit_fraction(f.gm, 0.25), GPUMEM_OK);
+  CHECK(gpumem_get_limit(f.gm) == 256 * MIB);
+  CHECK(stats(&f).limit_bytes == 256 * MIB);
+  alloc(&f, 200 * MIB, SA);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, 100 * MIB, SA, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK(reserved(&f) <= (int64_t)(256 * MIB));
+  CHECK_STATUS(gpumem_set_limit_fraction(f.gm, 1.0), GPUMEM_OK);
+  CHECK(gpumem_get_limit(f.gm) == GIB);
+  alloc(&f, 100 * MIB, SA);
+  fx_done(&f);
+
+  /* At creation: the fraction, and with a byte limit too the smaller. */
+  char buf[128];
+  snprintf(buf, sizeof buf, "%s,fraction:0.5", conf);
+  f = fx_new(buf, 1 * GIB, 0);
+  if (f.gm) CHECK(gpumem_get_limit(f.gm) == 512 * MIB);
+  fx_done(&f);
+  snprintf(buf, sizeof buf, "%s,fraction:0.5,limit:100M", conf);
+  f = fx_new(buf, 1 * GIB, 0);
+  if (f.gm) CHECK(gpumem_get_limit(f.gm) == 100 * MIB);
+  fx_done(&f);
+  snprintf(buf, sizeof buf, "%s,fraction:0.05,limit:100M", conf);
+  f = fx_new(buf, 1 * GIB, 0);
+  if (f.gm) CHECK(gpumem_get_limit(f.gm) == (size_t)(0.05 * (double)GIB));
+  fx_done(&f);
+}
+
+/* max_split_size_mb:20: a cached 40 MiB block is not split for a 5 MiB
+ * request (a new segment is made instead), and a request of at least 20
+ * MiB takes it only whole and only when it is less than 20 MiB too big. */
+static void test_max_split_size(void) {
+  /* The simplest case first: a 5 MiB request takes a new 20 MiB segment,
+   * which is itself at least max_split_size. PyTorch hands out the block
+   * of a segment it just made without searching again, so this works. */
+  fx_t f0 = fx_new("policy:pytorch,max_split_size_mb:20", 8 * GIB, 0);
+  if (f0.gm) {
+    void* p = NULL;
+    CHECK_STATUS(gpumem_malloc(f0.gm, 5 * MIB, SA, &p), GPUMEM_OK);
+    CHECK(reserved(&f0) == (int64_t)(20 * MIB));
+  }
+  fx_done(&f0);
+  for (int limited = 0; limited < 2; limited++) {
+    fx_t f = fx_new(limited ? "policy:pytorch,max_split_size_mb:20" : "policy:pytorch", 8 * GIB, 0);
+    if (!f.gm) return fx_done(&f);
+    char* big = alloc(&f, 40 * MIB, SA);
+    release(&f, big);
+    char* small = alloc(&f, 5 * MIB, SA);
+    if (limited) {
+      CHECK_MSG(small != big && reserved(&f) == (int64_t)(60 * MIB),
+                "max_split_size: the 40 MiB block was split for 5 MiB (reserved %lld)",
+                (long long)reserved(&f));
+    } else {
+      CHECK(small == big && reserved(&f) == (int64_t)(40 * MIB));
+    }
+    char* mid = alloc(&f, 25 * MIB, SA);
+    gpumem_stats_t s = stats(&f);
+    if (limited) {
+      /* 40 < 25 + 20: the oversize block serves, unsplit */
+      CHECK(mid == big);
+      CHECK_MSG(s.allocated_bytes[GPUMEM_POOL_LARGE].current == (int64_t)(45 * MIB),
+                "allocated %lld, want 40 MiB whole + 5 MiB",
+                (long long)s.allocated_bytes[GPUMEM_POOL_LARGE].current);
+      release(&f, mid);
+      /* 40 >= 19 + 20: too big to waste on this one: a new segment */
+      char* m2 = alloc(&f, 19 * MIB, SA);
+      CHECK(m2 != big);
+    }
+    fx_done(&f);
+  }
+}
+
+/* ---- default policy ---- */
+
+static void test_pages_on_demand(void) {
+  fx_t f = fx_new("policy:default", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  gpumem_stats_t s = stats(&f);
+  CHECK(s.virtual_memory == 1 && s.page_size == 2 * MIB);
+  CHECK(s.reserved_bytes[0].current == 0 && s.num_pages_mapped == 0);
+  alloc(&f, 5 * MIB, SA); /* pages 0..2 of the large arena */
+  s = stats(&f);
+  CHECK_MSG(s.num_pages_mapped == 3 && dev(&f).pages_mapped == 3,
+            "5 MiB mapped %lld pages, want 3 (not the whole arena)", (long long)s.num_pages_mapped);
+  CHECK(s.reserved_bytes[0].current == (int64_t)(6 * MIB));
+  char* x = alloc(&f, 1000, SA); /* the small arena: one page */
+  CHECK(stats(&f).num_pages_mapped == 4);
+  char* y = alloc(&f, 1000, SA); /* the same page */
+  CHECK(y == x + 1024);
+  CHECK(stats(&f).num_pages_mapped == 4 && dev(&f).pages_live == 4);
+  CHECK(stats(&f).reserved_bytes[GPUMEM_POOL_SMALL].current == (int64_t)(2 * MIB));
+  fx_done(&f);
+}
+
+/* Reserved memory follows live bytes, not history: 100 x 3 MiB, every
+ * other one freed, then 50 x 3 MiB again (into the holes), then 50 x 4 MiB
+ * (which fit no hole, so pages move from the holes). */
+static void test_reserved_tracks_live(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  const int64_t page = 2 * MIB;
+  char* p[100];
+  for (int i = 0; i < 100; i++) p[i] = alloc(&f, 3 * MIB, SA);
+  for (int i = 0; i < 100; i += 2) release(&f, p[i]);
+  for (int i = 0; i < 100; i += 2) p[i] = alloc(&f, 3 * MIB, SA);
+  gpumem_stats_t s = stats(&f);
+  int64_t live = s.allocated_bytes[0].current;
+  CHECK(live == (int64_t)(300 * MIB));
+  CHECK_MSG(s.reserved_bytes[0].current <= live + 2 * page,
+            "%s: reserved %lld for %lld live after refilling the holes", conf,
+            (long long)s.reserved_bytes[0].current, (long long)live);
+  for (int i = 0; i < 100; i += 2) release(&f, p[i]);
+  for (int i = 0; i < 50; i++) alloc(&f, 4 * MIB, SA);
+  s = stats(&f);
+  live = s.allocated_bytes[0].current;
+  CHECK(live == (int64_t)(350 * MIB));
+  if (strstr(conf, "pressure")) {
+    /* Pressure reclaims only when the device or a limit refuses: without
+     * one the history stays (300 MiB + 200 MiB), until a limit asks. */
+    CHECK_MSG(s.reserved_bytes[0].current == (int64_t)(500 * MIB),
+              "%s: reserved %lld without pressure, want the 500 MiB of history", conf,
+              (long long)s.reserved_bytes[0].current);
+    CHECK_STATUS(gpumem_set_limit(f.gm, 420 * MIB), GPUMEM_OK);
+    s = stats(&f);
+  }
+  /* Each 3 MiB hole holds one whole page (reclaimable) and 1 MiB sharing
+   * pages with live neighbours (not): 50 MiB of slack at most. Keeping the
+   * history would hold 500 MiB. */
+  CHECK_MSG(s.reserved_bytes[0].current <= live + 50 * (int64_t)MIB + 2 * page,
+            "%s: reserved %lld for %lld live: pages did not move", conf,
+            (long long)s.reserved_bytes[0].current, (long long)live);
+  printf("%s: 100 x 3 MiB, half freed, +50 x 4 MiB: %lld MiB reserved for %lld MiB live\n", conf,
+         (long long)(s.reserved_bytes[0].current / (int64_t)MIB), (long long)(live / (int64_t)MIB));
+  fx_done(&f);
+}
+
+/* A limit just above the live bytes: new requests that fit no hole still
+ * succeed, with pages reclaimed from the holes. */
+static void test_limit_moves_pages(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  CHECK_STATUS(gpumem_set_limit(f.gm, 64 * MIB), GPUMEM_OK);
+  char* p[10];
+  for (int i = 0; i < 10; i++) p[i] = alloc(&f, 6 * MIB, SA); /* 60 MiB */
+  /* (eager unmaps the holes' pages as they are freed; the others when the
+   * limit presses) */
+  gpumem_stats_t s0 = stats(&f);
+  for (int i = 0; i < 10; i += 2) release(&f, p[i]); /* 30 MiB in 6 MiB holes */
+  for (int i = 0; i < 4; i++) {
+    void* q = NULL;
+    gpumem_status_t st = gpumem_malloc(f.gm, 7 * MIB, SA, &q);
+    CHECK_MSG(st == GPUMEM_OK, "%s: 7 MiB #%d under a 64 MiB limit with 58 MiB live: %s", conf, i,
+              gpumem_last_error());
+  }
+  gpumem_stats_t s1 = stats(&f);
+  CHECK(s1.allocated_bytes[0].current == (int64_t)(58 * MIB));
+  CHECK(s1.reserved_bytes[0].current <= (int64_t)(64 * MIB));
+  CHECK(s1.num_pages_unmapped > s0.num_pages_unmapped);
+  CHECK(s1.num_ooms == 0);
+  fx_done(&f);
+}
+
+/* Memory freed on stream A serves stream B under a limit, also while A's
+ * block is still waiting for an event of a third stream. */
+static void test_streams_share_pages(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 5);
+  if (!f.gm) return fx_done(&f);
+  CHECK_STATUS(gpumem_set_limit(f.gm, 32 * MIB), GPUMEM_OK);
+  char* a = alloc(&f, 24 * MIB, SA);
+  release(&f, a);
+  char* b = alloc(&f, 24 * MIB, SB);
+  CHECK(reserved(&f) <= (int64_t)(32 * MIB));
+  release(&f, b);
+  /* B's block used on C: freed, pending; A needs its pages. */
+  b = alloc(&f, 24 * MIB, SB);
+  CHECK_STATUS(gpumem_record_stream(f.gm, b, SC), GPUMEM_OK);
+  release(&f, b);
+  gpumem_stats_t s0 = stats(&f);
+  void* q = NULL;
+  gpumem_status_t st = gpumem_malloc(f.gm, 24 * MIB, SA, &q);
+  CHECK_MSG(st == GPUMEM_OK, "%s: stream A could not use B's freed pages: %s", conf,
+            gpumem_last_error());
+  gpumem_stats_t s1 = stats(&f);
+  CHECK(s1.reserved_bytes[0].current <= (int64_t)(32 * MIB));
+  CHECK(s1.num_sync_all_streams > s0.num_sync_all_streams);
+  fx_done(&f);
+}
+
+/* ---- throughput ---- */
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ~10^6 small live allocations, every other one freed (so ~5*10^5 cached
+ * free blocks that cannot merge), then 10^5 malloc/free pairs of mixed
+ * small sizes. The time is printed, not judged; correctness is checked
+ * once at the end (gpumem_check is O(blocks)). */
+static void test_throughput(const char* conf, long n) {
+  fx_t f = fx_new(conf, 80 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  void** p = malloc((size_t)n * sizeof *p);
+  if (!p) return fx_done(&f);
+  long failures = 0;
+  double t0 = now_s();
+  for (long i = 0; i < n; i++) failures += gpumem_malloc(f.gm, 512, SA, &p[i]) != GPUMEM_OK;
+  for (long i = 0; i < n; i += 2) failures += gpumem_free(f.gm, p[i]) != GPUMEM_OK;
+  double t1 = now_s();
+  gpumem_stats_t s = stats(&f);
+  CHECK(s.allocation[0].current == n / 2);
+  static const size_t sizes[] = {512, 1024, 512, 1536, 4096, 512, 2048, 65536};
+  long pairs = n / 10;
+  double t2 = now_s();
+  for (long i = 0; i < pairs; i++) {
+    void* q = NULL;
+    failures += gpumem_malloc(f.gm, sizes[i & 7], SA, &q) != GPUMEM_OK;
+    failures += gpumem_free(f.gm, q) != GPUMEM_OK;
+  }
+  double t3 = now_s();
+  CHECK(failures == 0);
+  size_t v = gpumem_check(f.gm);
+  CHECK_MSG(v == 0, "%s after the throughput run: %s", conf, gpumem_last_error());
+  printf(
+      "%s: %ld live + %ld cached free blocks (setup %.0f ns/op); %ld malloc/free pairs: %.1f "
+      "ns per pair, %.1f ns/op\n",
+      conf, n / 2, n / 2, (t1 - t0) * 1e9 / (double)(n + n / 2), pairs,
+      (t3 - t2) * 1e9 / (double)pairs, (t3 - t2) * 1e9 / (double)(2 * pairs));
+  free(p);
+  fx_done(&f);
+}
+
+int main(int argc, char** argv) {
+  long blocks = 1000000;
+  const char* env = getenv("GPUMEM_ENGINE_BLOCKS");
+  if (env) blocks = strtol(env, NULL, 10);
+  if (argc > 1) blocks = strtol(argv[1], NULL, 10);
+
+  test_rounding();
+  test_segment_sizes();
+  test_splitting();
+  test_merging("policy:pytorch");
+  test_merging("policy:default");
+  test_best_fit("policy:pytorch");
+  test_best_fit("policy:default");
+  test_stream_ownership();
+  test_record_stream("policy:pytorch");
+  test_record_stream("policy:default");
+  test_retry_ladder();
+  test_empty_cache();
+  test_limit_fraction("policy:pytorch");
+  test_limit_fraction("policy:default");
+  test_max_split_size();
+
+  test_pages_on_demand();
+  static const char* const reclaim[] = {"policy:default,reclaim:lazy",
+                                        "policy:default,reclaim:eager",
+                                        "policy:default,reclaim:pressure"};
+  for (int i = 0; i < 3; i++) {
+    test_reserved_tracks_live(reclaim[i]);
+    test_limit_moves_pages(reclaim[i]);
+    test_streams_share_pages(reclaim[i]);
+  }
+
+  if (blocks > 0) {
+    test_throughput("policy:pytorch", blocks);
+    test_throughput("policy:default", blocks);
+  }
+  return test_finish("test_engine");
+}

@@ -1,0 +1,690 @@
+/* Fault injection: a small deterministic workload (allocations, frees,
+ * record_stream, empty_cache and limits across two streams) runs again and
+ * again while the simulated device fails its N-th call of one kind (or of
+ * any kind), once or from then on, with a device error or out of memory.
+ *
+ * Whatever fails, every operation must answer OK or a status the failure
+ * explains, with a message; the structures must stay consistent
+ * (gpumem_check) and reserved memory must equal what the device holds.
+ * Once the script is cleared the allocator must work normally, and after
+ * gpumem_destroy the device must hold nothing: no range, page, mapping,
+ * plain allocation or event. A spy backend checks that a free whose
+ * deferral failed still never lets memory go while another stream may
+ * use it: the free is deferred, or that stream was synchronized.
+ *
+ * GPUMEM_FAULTS_STRIDE=k tries every k-th N only (default 1: all). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+#include "test_util.h"
+
+#define KIB ((size_t)1 << 10)
+#define MIB ((size_t)1 << 20)
+
+#define S0 ((gpumem_stream_t)0)
+#define S1 ((gpumem_stream_t)0x77)
+
+typedef struct config {
+  const char* name;
+  gpumem_policy_t policy;
+  gpumem_reclaim_t reclaim;
+} config_t;
+
+static const config_t configs[] = {
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY},
+    /* eager unmaps on free: the only policy whose free calls the device */
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER},
+};
+
+/* ---- a spy between the allocator and the device ----
+ *
+ * The allocator talks to the device through this table, which forwards
+ * every call and remembers, per stream, up to which moment its work is
+ * known to be complete: an event recorded on it was seen complete (query
+ * or sync), or the stream or the device was synchronized. Memory freed at
+ * moment T after use on stream X may be handed out again only once X's
+ * work is known complete past T; the spy is the oracle for that. */
+#define SPY_STREAMS 16
+
+typedef struct spy_event {
+  gpumem_stream_t stream;
+  uint64_t recorded; /* moment of the last record, 0 = never */
+} spy_event_t;
+
+typedef struct spy {
+  gpumem_backend_t be; /* first: what the allocator is given */
+  gpumem_backend_t* dev;
+  uint64_t clock; /* one tick per device call */
+  gpumem_stream_t streams[SPY_STREAMS];
+  uint64_t done_upto[SPY_STREAMS];
+  size_t num_streams;
+  uint64_t device_synced;
+  spy_event_t* events; /* by handle */
+  size_t events_cap;
+} spy_t;
+
+static uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
+  for (size_t i = 0; i < s->num_streams; i++) {
+    if (s->streams[i] == stream) return &s->done_upto[i];
+  }
+  if (s->num_streams == SPY_STREAMS) {
+    fprintf(stderr, "spy: more than %d streams\n", SPY_STREAMS);
+    exit(2);
+  }
+  s->streams[s->num_streams] = stream;
+  s->done_upto[s->num_streams] = 0;
+  return &s->done_upto[s->num_streams++];
+}
+
+static void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
+  uint64_t* d = spy_done(s, stream);
+  if (upto > *d) *d = upto;
+}
+
+/* True when stream's work queued up to moment t is known complete. */
+static int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
+  return *spy_done(s, stream) > t || s->device_synced > t;
+}
+
+static spy_event_t* spy_event(spy_t* s, gpumem_event_t h) {
+  if (h >= s->events_cap) {
+    size_t cap = s->events_cap ? s->events_cap : 64;
+    while (cap <= h) cap *= 2;
+    spy_event_t* grown = realloc(s->events, cap * sizeof *grown);
+    if (!grown) {
+      fprintf(stderr, "spy: out of host memory\n");
+      exit(2);
+    }
+    memset(grown + s->events_cap, 0, (cap - s->events_cap) * sizeof *grown);
+    s->events = grown;
+    s->events_cap = cap;
+  }
+  return &s->events[h];
+}
+
+#define SPY_DEV(ctx) (((spy_t*)(ctx))->clock++, ((spy_t*)(ctx))->dev)
+
+static gpumem_status_t spy_reserve(void* ctx, size_t size, uintptr_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->reserve(d->ctx, size, out);
+}
+static gpumem_status_t spy_release_range(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->release_range(d->ctx, addr, size);
+}
+static gpumem_status_t spy_create_page(void* ctx, size_t size, gpumem_phys_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->create_page(d->ctx, size, out);
+}
+static gpumem_status_t spy_release_page(void* ctx, gpumem_phys_t page, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->release_page(d->ctx, page, size);
+}
+static gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->map(d->ctx, addr, size, page);
+}
+static gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->unmap(d->ctx, addr, size);
+}
+static gpumem_status_t spy_alloc(void* ctx, size_t size, uintptr_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->alloc(d->ctx, size, out);
+}
+static gpumem_status_t spy_free(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->free(d->ctx, addr, size);
+}
+static gpumem_status_t spy_mem_info(void* ctx, size_t* free_bytes, size_t* total) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->mem_info(d->ctx, free_bytes, total);
+}
+static gpumem_status_t spy_event_create(void* ctx, gpumem_event_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->event_create(d->ctx, out);
+}
+static gpumem_status_t spy_event_destroy(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->event_destroy(d->ctx, ev);
+}
+static gpumem_status_t spy_event_record(void* ctx, gpumem_event_t ev, gpumem_stream_t stream) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_record(d->ctx, ev, stream);
+  if (st == GPUMEM_OK) {
+    spy_event_t* e = spy_event(s, ev);
+    e->stream = stream;
+    e->recorded = s->clock;
+  }
+  return st;
+}
+static void spy_event_done(spy_t* s, gpumem_event_t ev) {
+  spy_event_t* e = spy_event(s, ev);
+  if (e->recorded) spy_mark_done(s, e->stream, e->recorded);
+}
+static gpumem_status_t spy_event_query(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_query(d->ctx, ev);
+  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
+  return st;
+}
+static gpumem_status_t spy_event_sync(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_sync(d->ctx, ev);
+  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
+  return st;
+}
+static gpumem_status_t spy_stream_sync(void* ctx, gpumem_stream_t stream) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->stream_sync(d->ctx, stream);
+  if (st == GPUMEM_OK) spy_mark_done(s, stream, s->clock);
+  return st;
+}
+static gpumem_status_t spy_device_sync(void* ctx) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->device_sync(d->ctx);
+  if (st == GPUMEM_OK) s->device_synced = s->clock;
+  return st;
+}
+
+/* Wraps dev (a simulated device with every slot). */
+static void spy_init(spy_t* s, gpumem_backend_t* dev) {
+  memset(s, 0, sizeof *s);
+  s->dev = dev;
+  s->be.version = dev->version;
+  s->be.name = "spy";
+  s->be.ctx = s;
+  s->be.page_size = dev->page_size;
+  if (dev->reserve) {
+    s->be.reserve = spy_reserve;
+    s->be.release_range = spy_release_range;
+    s->be.create_page = spy_create_page;
+    s->be.release_page = spy_release_page;
+    s->be.map = spy_map;
+    s->be.unmap = spy_unmap;
+  }
+  if (dev->alloc) {
+    s->be.alloc = spy_alloc;
+    s->be.free = spy_free;
+  }
+  s->be.mem_info = spy_mem_info;
+  s->be.event_create = spy_event_create;
+  s->be.event_destroy = spy_event_destroy;
+  s->be.event_record = spy_event_record;
+  s->be.event_query = spy_event_query;
+  s->be.event_sync = spy_event_sync;
+  s->be.stream_sync = spy_stream_sync;
+  s->be.device_sync = spy_device_sync;
+}
+
+static void spy_fini(spy_t* s) {
+  free(s->events);
+  s->events = NULL;
+}
+
+/* What one run injects. kind -2 means nothing (the baseline). */
+typedef struct script {
+  int kind;
+  long skip;
+  long count;
+  gpumem_status_t status;
+} script_t;
+
+#define SLOTS 10
+
+/* Memory freed at moment t while stream `use` may still touch it. */
+typedef struct quarantine {
+  uintptr_t ptr;
+  size_t size;
+  uint64_t t;
+  gpumem_stream_t use;
+} quarantine_t;
+
+typedef struct run {
+  const config_t* cfg;
+  script_t script;
+  gpumem_backend_t* sim;
+  spy_t spy; /* the allocator's view of the device */
+  gpumem_t* gm;
+  void* slot[SLOTS];
+  size_t size[SLOTS];
+  gpumem_stream_t stream[SLOTS];
+  gpumem_stream_t use[SLOTS]; /* another stream it was recorded on, or 0 */
+  quarantine_t quar[SLOTS];
+  int nquar;
+  int step;
+  int failed; /* first failure ends the run: later ones only echo it */
+  long failures_seen;
+} run_t;
+
+static void run_context(const run_t* r) {
+  const char* kind = r->script.kind == -1   ? "any"
+                     : r->script.kind == -2 ? "none"
+                                            : gpumem_backend_call_name(r->script.kind);
+  fprintf(stderr, "  in %s, failing %s call #%ld %s with %s, workload step %d\n", r->cfg->name,
+          kind, r->script.skip, r->script.count < 0 ? "and every later one" : "once",
+          gpumem_strerror(r->script.status), r->step);
+}
+
+#define RUN_CHECK(r, cond, ...)                                                \
+  do {                                                                         \
+    if (cond) {                                                                \
+      test_checks_passed++;                                                    \
+    } else {                                                                   \
+      test_checks_failed++;                                                    \
+      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fputc('\n', stderr);                                                     \
+      if (!(r)->failed) run_context(r);                                        \
+      (r)->failed = 1;                                                         \
+    }                                                                          \
+  } while (0)
+
+/* Messages persist until the next failure: clear it so that a message
+ * checked after a call is that call's own. */
+static void clear_error(void) {
+  gpumem_set_last_error("%s", "");
+}
+
+static gpumem_sim_counters_t counters(gpumem_backend_t* sim) {
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(sim, &c);
+  return c;
+}
+
+static size_t live_count(const run_t* r) {
+  size_t n = 0;
+  for (int i = 0; i < SLOTS; i++) n += r->slot[i] != NULL;
+  return n;
+}
+
+/* After every step: consistent structures, the allocation count the
+ * workload expects, and reserved memory equal to the device's own count
+ * (a failed call must neither leak device memory nor forget it). */
+static void check_state(run_t* r) {
+  size_t v = gpumem_check(r->gm);
+  RUN_CHECK(r, v == 0, "gpumem_check: %zu violations: %s", v, gpumem_last_error());
+  gpumem_stats_t s;
+  gpumem_get_stats(r->gm, &s);
+  RUN_CHECK(r, s.allocation[GPUMEM_POOL_ALL].current == (int64_t)live_count(r),
+            "%lld allocations, the workload holds %zu",
+            (long long)s.allocation[GPUMEM_POOL_ALL].current, live_count(r));
+  gpumem_sim_counters_t c = counters(r->sim);
+  RUN_CHECK(r, (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == c.bytes_in_use,
+            "reserved %lld, the device holds %llu",
+            (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current,
+            (unsigned long long)c.bytes_in_use);
+  r->step++;
+}
+
+/* A failing status is acceptable when the injected failure explains it:
+ * the injected status itself, or out of memory (a failed release can leave
+ * memory held that a later allocation under the limit then misses). */
+static int explained(const run_t* r, gpumem_status_t st, int may_oom) {
+  if (r->script.kind == -2) return 0; /* the baseline must not fail */
+  return st == r->script.status || (may_oom && st == GPUMEM_ERR_OUT_OF_MEMORY);
+}
+
+static void do_malloc(run_t* r, int i, size_t size, gpumem_stream_t stream) {
+  if (r->failed) return;
+  void* p = (void*)1;
+  clear_error();
+  gpumem_status_t st = gpumem_malloc(r->gm, size, stream, &p);
+  if (st == GPUMEM_OK) {
+    RUN_CHECK(r, size == 0 ? p == NULL : p != NULL, "malloc(%zu) = %p", size, p);
+    r->slot[i] = p;
+    r->size[i] = size;
+    r->stream[i] = stream;
+    r->use[i] = 0;
+    /* Never memory another stream may still be using. */
+    uintptr_t a = (uintptr_t)p;
+    for (int q = 0; q < r->nquar; q++) {
+      const quarantine_t* e = &r->quar[q];
+      if (spy_safe(&r->spy, e->use, e->t)) continue;
+      RUN_CHECK(r, a + size <= e->ptr || e->ptr + e->size <= a,
+                "malloc(%zu) = %p reuses memory freed while stream 0x%lx may still use it", size, p,
+                (unsigned long)e->use);
+    }
+  } else {
+    r->failures_seen++;
+    RUN_CHECK(r, explained(r, st, 1), "malloc(%zu): unexplained %s: %s", size, gpumem_strerror(st),
+              gpumem_last_error());
+    RUN_CHECK(r, p == NULL, "failed malloc left *out = %p", p);
+    RUN_CHECK(r, gpumem_last_error()[0] != '\0', "malloc(%zu) failed with %s and no message", size,
+              gpumem_strerror(st));
+    r->slot[i] = NULL;
+  }
+  check_state(r);
+}
+
+/* A free that fails may still have freed (eager reclaim reports the unmap
+ * error after the pointer is gone) or not (no event and no sync could make
+ * it safe): the allocation count says which, and allocation_size must
+ * agree with it. */
+static void do_free(run_t* r, int i) {
+  if (r->failed || !r->slot[i]) return;
+  gpumem_stats_t before;
+  gpumem_get_stats(r->gm, &before);
+  uint64_t t = r->spy.clock;
+  clear_error();
+  gpumem_status_t st = gpumem_free(r->gm, r->slot[i]);
+  if (st == GPUMEM_OK && r->use[i]) {
+    /* Used on another stream: deferred (pending, still active), or that
+     * stream was synchronized by the free itself. Anything else lets the
+     * memory go while the stream may still be at work. */
+    gpumem_stats_t after;
+    gpumem_get_stats(r->gm, &after);
+    int64_t pending_before = before.active_bytes[0].current - before.allocated_bytes[0].current;
+    int64_t pending_after = after.active_bytes[0].current - after.allocated_bytes[0].current;
+    int deferred = pending_after - pending_before >= (int64_t)r->size[i];
+    RUN_CHECK(r, deferred || spy_safe(&r->spy, r->use[i], t),
+              "free(%p) used on stream 0x%lx returned OK, neither deferred nor synchronized",
+              r->slot[i], (unsigned long)r->use[i]);
+    if (deferred && r->nquar < SLOTS) {
+      quarantine_t e = {(uintptr_t)r->slot[i], r->size[i], t, r->use[i]};
+      r->quar[r->nquar++] = e;
+    }
+  }
+  if (st == GPUMEM_OK) {
+    r->slot[i] = NULL;
+  } else {
+    r->failures_seen++;
+    RUN_CHECK(r, explained(r, st, 0), "free(%p): unexplained %s: %s", r->slot[i],
+              gpumem_strerror(st), gpumem_last_error());
+    RUN_CHECK(r, gpumem_last_error()[0] != '\0', "free failed with %s and no message",
+              gpumem_strerror(st));
+    gpumem_stats_t after;
+    gpumem_get_stats(r->gm, &after);
+    int64_t gone = before.allocation[0].current - after.allocation[0].current;
+    RUN_CHECK(r, gone == 0 || gone == 1, "a failed free changed the allocation count by %lld",
+              (long long)gone);
+    size_t known = gpumem_allocation_size(r->gm, r->slot[i]);
+    RUN_CHECK(r, gone ? known == 0 : known == r->size[i],
+              "free failed, %s, yet allocation_size is %zu", gone ? "freed" : "kept", known);
+    if (gone) r->slot[i] = NULL;
+  }
+  check_state(r);
+}
+
+static void do_record(run_t* r, int i, gpumem_stream_t stream) {
+  if (r->failed || !r->slot[i]) return;
+  clear_error();
+  gpumem_status_t st = gpumem_record_stream(r->gm, r->slot[i], stream);
+  /* record_stream only notes the stream: no device call that could fail. */
+  RUN_CHECK(r, st == GPUMEM_OK, "record_stream: %s: %s", gpumem_strerror(st), gpumem_last_error());
+  if (stream != r->stream[i]) r->use[i] = stream;
+  check_state(r);
+}
+
+static void expect_ok_or_injected(run_t* r, const char* what, gpumem_status_t st) {
+  if (st == GPUMEM_OK) return;
+  r->failures_seen++;
+  RUN_CHECK(r, explained(r, st, 0), "%s: unexplained %s: %s", what, gpumem_strerror(st),
+            gpumem_last_error());
+  RUN_CHECK(r, gpumem_last_error()[0] != '\0', "%s failed with %s and no message", what,
+            gpumem_strerror(st));
+}
+
+static void do_empty_cache(run_t* r) {
+  if (r->failed) return;
+  clear_error();
+  expect_ok_or_injected(r, "empty_cache", gpumem_empty_cache(r->gm));
+  check_state(r);
+}
+
+static void do_set_limit(run_t* r, size_t bytes) {
+  if (r->failed) return;
+  clear_error();
+  gpumem_status_t st = gpumem_set_limit(r->gm, bytes);
+  expect_ok_or_injected(r, "set_limit", st);
+  /* The cap holds even when releasing cached memory above it failed. */
+  RUN_CHECK(r, gpumem_get_limit(r->gm) == bytes, "limit %zu after set_limit(%zu)",
+            gpumem_get_limit(r->gm), bytes);
+  check_state(r);
+}
+
+/* The workload: two streams, small and large pools, frees in another order
+ * than allocation, frees deferred by record_stream (events stay pending for
+ * two queries), empty_cache, and a limit that makes the retry ladder
+ * release another stream's cache. Without failures every step succeeds. */
+static void workload(run_t* r) {
+  do_malloc(r, 0, 1000, S0);
+  do_malloc(r, 1, 3 * MIB, S0);
+  do_malloc(r, 2, 700 * KIB, S1);
+  do_record(r, 1, S1);
+  do_malloc(r, 3, 12 * MIB, S1);
+  do_free(r, 1); /* pending on S1's event */
+  do_malloc(r, 4, 5 * MIB, S0);
+  do_record(r, 2, S0);
+  do_free(r, 2);
+  do_free(r, 0);
+  do_malloc(r, 5, 2 * MIB, S0);
+  do_empty_cache(r);
+  do_set_limit(r, 64 * MIB);
+  do_malloc(r, 6, 30 * MIB, S0);
+  do_free(r, 6);                 /* cached on S0 */
+  do_malloc(r, 7, 20 * MIB, S1); /* over the limit: the ladder frees S0's cache */
+  do_free(r, 3);
+  do_record(r, 4, S1);
+  do_free(r, 4);
+  do_set_limit(r, 1024 * MIB);
+  do_malloc(r, 8, MIB + 1, S1);
+  do_malloc(r, 9, 0, S0);
+  do_free(r, 7);
+  do_free(r, 5);
+  do_empty_cache(r);
+}
+
+static gpumem_backend_t* make_sim(void) {
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = 256 * MIB;
+  so.event_delay_queries = 2;
+  return gpumem_sim_create(&so);
+}
+
+static gpumem_t* make_gm(const config_t* cfg, gpumem_backend_t* sim) {
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.policy = cfg->policy;
+  o.reclaim = cfg->reclaim;
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_t* gm = gpumem_create(sim, &o, &st);
+  CHECK_MSG(gm != NULL, "create: %s: %s", gpumem_strerror(st), gpumem_last_error());
+  return gm;
+}
+
+/* Runs the workload under one script; returns the device's call counts of
+ * the workload (for the baseline). */
+static long runs_with_failures, failures_total;
+
+static gpumem_sim_counters_t run_script(const config_t* cfg, script_t sc) {
+  run_t run;
+  memset(&run, 0, sizeof run);
+  run_t* r = &run;
+  r->cfg = cfg;
+  r->script = sc;
+  gpumem_sim_counters_t calls;
+  memset(&calls, 0, sizeof calls);
+  r->sim = make_sim();
+  if (!r->sim) {
+    CHECK_MSG(0, "sim_create: %s", gpumem_last_error());
+    return calls;
+  }
+  spy_init(&r->spy, r->sim);
+  r->gm = make_gm(cfg, &r->spy.be);
+  if (!r->gm) {
+    gpumem_sim_destroy(r->sim);
+    spy_fini(&r->spy);
+    return calls;
+  }
+  gpumem_sim_counters_t at_start = counters(r->sim);
+  if (sc.kind != -2) gpumem_sim_fail(r->sim, sc.kind, sc.skip, sc.count, sc.status);
+  workload(r);
+  gpumem_sim_fail_clear(r->sim);
+  runs_with_failures += r->failures_seen > 0;
+  failures_total += r->failures_seen;
+  calls = counters(r->sim);
+  for (int k = 0; k < GPUMEM_CALL_COUNT; k++) calls.calls[k] -= at_start.calls[k];
+
+  /* With the device healthy again, the allocator works: new allocations,
+   * and frees of whatever a failed free left live. */
+  r->step = 100;
+  if (!r->failed) {
+    r->script.kind = -2; /* from here on nothing may fail */
+    void* a = NULL;
+    void* b = NULL;
+    RUN_CHECK(r, gpumem_malloc(r->gm, 4 * MIB, S0, &a) == GPUMEM_OK && a,
+              "malloc after recovery: %s", gpumem_last_error());
+    RUN_CHECK(r, gpumem_malloc(r->gm, 100, S1, &b) == GPUMEM_OK && b, "malloc after recovery: %s",
+              gpumem_last_error());
+    RUN_CHECK(r, gpumem_free(r->gm, a) == GPUMEM_OK && gpumem_free(r->gm, b) == GPUMEM_OK,
+              "free after recovery: %s", gpumem_last_error());
+    for (int i = 0; i < SLOTS; i++) do_free(r, i);
+    do_empty_cache(r);
+    gpumem_stats_t s;
+    gpumem_get_stats(r->gm, &s);
+    gpumem_sim_counters_t c = counters(r->sim);
+    /* Everything is free and the cache emptied: nothing may be held. */
+    RUN_CHECK(
+        r,
+        s.reserved_bytes[0].current == 0 && s.active_bytes[0].current == 0 && c.bytes_in_use == 0,
+        "after recovery and empty_cache: reserved %lld, active %lld, device %llu",
+        (long long)s.reserved_bytes[0].current, (long long)s.active_bytes[0].current,
+        (unsigned long long)c.bytes_in_use);
+  }
+  gpumem_destroy(r->gm);
+  gpumem_sim_counters_t c = counters(r->sim);
+  RUN_CHECK(r,
+            c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
+                c.pages_mapped == 0 && c.plain_live == 0 && c.events_live == 0,
+            "leak after destroy: %llu bytes, %llu ranges, %llu pages (%llu mapped), %llu plain, "
+            "%llu events",
+            (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
+            (unsigned long long)c.pages_live, (unsigned long long)c.pages_mapped,
+            (unsigned long long)c.plain_live, (unsigned long long)c.events_live);
+  gpumem_sim_destroy(r->sim);
+  spy_fini(&r->spy);
+  return calls;
+}
+
+/* gpumem_create asks the device for its size first; a failure there must
+ * come back as a NULL allocator with the device's status. */
+static void test_create_fails(void) {
+  static const gpumem_status_t statuses[] = {GPUMEM_ERR_BACKEND, GPUMEM_ERR_OUT_OF_MEMORY};
+  for (int p = 0; p < 2; p++) {
+    for (int s = 0; s < 2; s++) {
+      gpumem_backend_t* sim = make_sim();
+      if (!sim) return;
+      gpumem_sim_fail(sim, GPUMEM_CALL_mem_info, 0, 1, statuses[s]);
+      gpumem_options_t o;
+      gpumem_options_init(&o);
+      o.policy = p ? GPUMEM_POLICY_PYTORCH : GPUMEM_POLICY_DEFAULT;
+      gpumem_status_t st = GPUMEM_OK;
+      clear_error();
+      gpumem_t* gm = gpumem_create(sim, &o, &st);
+      CHECK(gm == NULL);
+      CHECK_MSG(st == statuses[s], "create with mem_info failing: %s", gpumem_strerror(st));
+      CHECK_MSG(strstr(gpumem_last_error(), "mem_info") != NULL, "message: %s",
+                gpumem_last_error());
+      gpumem_destroy(gm);
+      /* The failure was one call: the next create works. */
+      gm = gpumem_create(sim, &o, &st);
+      CHECK_MSG(gm != NULL && st == GPUMEM_OK, "create after the failure: %s", gpumem_last_error());
+      gpumem_destroy(gm);
+      gpumem_sim_counters_t c = counters(sim);
+      CHECK(c.ranges_reserved == 0 && c.bytes_in_use == 0 && c.events_live == 0);
+      gpumem_sim_destroy(sim);
+    }
+  }
+}
+
+/* Destroy with the device still failing every call must not crash or
+ * touch freed memory (AddressSanitizer watches); what the device then
+ * still holds goes with the device. */
+static void test_destroy_while_failing(const config_t* cfg) {
+  for (long n = 0; n < 40; n += 3) {
+    gpumem_backend_t* sim = make_sim();
+    if (!sim) return;
+    gpumem_t* gm = make_gm(cfg, sim);
+    if (!gm) {
+      gpumem_sim_destroy(sim);
+      return;
+    }
+    void* p[4] = {NULL, NULL, NULL, NULL};
+    gpumem_malloc(gm, 3 * MIB, S0, &p[0]);
+    gpumem_malloc(gm, 100, S1, &p[1]);
+    gpumem_record_stream(gm, p[0], S1);
+    gpumem_free(gm, p[0]);
+    gpumem_malloc(gm, 40 * MIB, S1, &p[2]);
+    gpumem_sim_fail(sim, -1, n, -1, GPUMEM_ERR_BACKEND);
+    gpumem_malloc(gm, 7 * MIB, S0, &p[3]);
+    gpumem_free(gm, p[1]);
+    size_t v = gpumem_check(gm);
+    CHECK_MSG(v == 0, "%s, failing from call %ld: %s", cfg->name, n, gpumem_last_error());
+    gpumem_destroy(gm);
+    gpumem_sim_destroy(sim);
+  }
+}
+
+int main(void) {
+  const char* stride_env = getenv("GPUMEM_FAULTS_STRIDE");
+  long stride = stride_env ? strtol(stride_env, NULL, 10) : 1;
+  if (stride < 1) stride = 1;
+  static const gpumem_status_t statuses[] = {GPUMEM_ERR_BACKEND, GPUMEM_ERR_OUT_OF_MEMORY};
+  static const long counts[] = {1, -1};
+
+  test_create_fails();
+  long runs = 0;
+  for (size_t ci = 0; ci < sizeof configs / sizeof configs[0]; ci++) {
+    const config_t* cfg = &configs[ci];
+    script_t none = {-2, 0, 0, GPUMEM_OK};
+    long before_failed = test_checks_failed;
+    gpumem_sim_counters_t base = run_script(cfg, none);
+    CHECK_MSG(test_checks_failed == before_failed, "%s: the workload fails without injection",
+              cfg->name);
+    uint64_t total = 0;
+    for (int k = 0; k < GPUMEM_CALL_COUNT; k++) total += base.calls[k];
+    printf("%s: the workload makes %llu device calls:", cfg->name, (unsigned long long)total);
+    for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
+      if (base.calls[k]) {
+        printf(" %s %llu", gpumem_backend_call_name(k), (unsigned long long)base.calls[k]);
+      }
+    }
+    printf("\n");
+    for (int kind = -1; kind < GPUMEM_CALL_COUNT; kind++) {
+      uint64_t n_calls = kind < 0 ? total : base.calls[kind];
+      /* n_calls itself is one past the last call: a script that never
+       * fires, which must change nothing either. */
+      for (long n = 0; n <= (long)n_calls; n += stride) {
+        for (int s = 0; s < 2; s++) {
+          for (int c = 0; c < 2; c++) {
+            script_t sc = {kind, n, counts[c], statuses[s]};
+            long failed_before = test_checks_failed;
+            run_script(cfg, sc);
+            runs++;
+            /* One report per failing configuration is enough to act on. */
+            if (test_checks_failed != failed_before && test_checks_failed > 20) {
+              return test_finish("test_faults");
+            }
+          }
+        }
+      }
+    }
+    test_destroy_while_failing(cfg);
+  }
+  /* Most scripts must reach the caller: otherwise the workload would not
+   * exercise the failure paths at all. */
+  printf("%ld fault-injection runs, %ld of them saw %ld failed operations\n", runs,
+         runs_with_failures, failures_total);
+  CHECK(runs_with_failures > runs / 4);
+  return test_finish("test_faults");
+}
