@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build test sanitize demo bench format format-check clean
+.PHONY: all build test sanitize demo bench python-test gpu-torch bench-torch gpu-bench format format-check clean
 
 all: build
 
@@ -28,6 +28,19 @@ demo: build
 
 bench: build
 	@$(BUILD)/gpumem replay --compare --passes 5 traces/*.trace.gz
+
+python-test: build
+	bash tests/test_python.sh $(BUILD)
+
+# On a machine with an NVIDIA GPU (see BENCHMARKS.md for the figures).
+gpu-torch: build
+	bash tests/gpu/torch/run.sh $(BUILD)
+
+bench-torch: build
+	bash bench/torch/run_all.sh $(BUILD)
+
+gpu-bench:
+	bash bench/gpu/run_gpu_bench.sh
 
 format:
 	clang-format -i include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c bench/*.c

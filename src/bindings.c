@@ -32,56 +32,7 @@
 
 #include "internal.h"
 
-/* ---- the entry points (declared here: include/ belongs to the API) ---- */
-
-/* Which allocator serves device's requests through these bindings; created
- * (gpumem_default) on first use. NULL with gpumem_last_error() on failure. */
-GPUMEM_API gpumem_t* gpumem_binding_allocator(int device);
-/* Like gpumem_binding_allocator, but never creates one: NULL when nothing
- * has been allocated on device through the bindings yet. */
-GPUMEM_API gpumem_t* gpumem_binding_peek(int device);
-/* Serves device from gm instead (NULL: back to gpumem_default). Refused
- * while the allocator serving device now has live allocations. gm is not
- * owned: keep it alive while it serves. */
-GPUMEM_API gpumem_status_t gpumem_binding_set_allocator(int device, gpumem_t* gm);
-/* gpumem_print_stats_json / gpumem_print_summary into buf (always
- * NUL-terminated when cap > 0). Returns the full length the text needs
- * (excluding the NUL): call again with a larger buffer when it is >= cap.
- * gm NULL formats all-zero statistics (an allocator that never ran). */
-GPUMEM_API size_t gpumem_binding_stats_json(gpumem_t* gm, char* buf, size_t cap);
-GPUMEM_API size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap);
-
-/* PyTorch CUDAPluggableAllocator: alloc_fn and free_fn. The stream is the
- * cudaStream_t, taken as void* so no CUDA header is needed. NULL on failure
- * (see gpumem_torch_last_oom). */
-GPUMEM_API void* gpumem_torch_malloc(ssize_t size, int device, void* stream);
-GPUMEM_API void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream);
-/* The optional hooks: set_init_fn, set_reset_fn (torch.cuda.empty_cache),
- * set_memory_fraction_fn, set_base_alloc_fn and set_record_stream_fn. */
-GPUMEM_API void gpumem_torch_init(int device_count);
-GPUMEM_API void gpumem_torch_reset(void);
-GPUMEM_API void gpumem_torch_set_memory_fraction(double fraction, int device);
-GPUMEM_API void* gpumem_torch_base_alloc(void* ptr, size_t* size);
-GPUMEM_API void gpumem_torch_record_stream(void* ptr, void* stream);
-/* Empties the cache of device, or of every device served so far (-1). */
-GPUMEM_API gpumem_status_t gpumem_torch_empty_cache(int device);
-/* The report and status of the last failed allocation through these
- * bindings on this thread ("" and GPUMEM_OK when none). */
-GPUMEM_API const char* gpumem_torch_last_oom(void);
-GPUMEM_API int gpumem_torch_last_status(void);
-/* A function that raises the caller's exception and does not return, given
- * torch's source location convention and the report. */
-typedef void (*gpumem_torch_fail_fn)(const char* func, const char* file, uint32_t line,
-                                     const char* msg);
-/* Installs (or, with NULL, removes) the hook gpumem_torch_malloc calls
- * before it would return NULL. */
-GPUMEM_API void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn);
-
-/* CuPy CFunctionAllocator: malloc and free. param is NULL (the device's
- * binding allocator) or the gpumem_t* to use. Allocations belong to stream
- * 0, the stream CuPy uses unless told otherwise. NULL on failure. */
-GPUMEM_API void* gpumem_cupy_malloc(void* param, size_t size, int device);
-GPUMEM_API void gpumem_cupy_free(void* param, void* ptr, int device);
+/* The entry points are declared in include/gpumem.h ("framework bindings"). */
 
 /* ---- which allocator serves which device ---------------------------- */
 

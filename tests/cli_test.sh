@@ -254,7 +254,7 @@ expect_rc 2 "replay --compare with --policy"
 
 run "$BIN" replay --compare --json --passes 1 "$TINY"
 expect_rc 0 "replay --compare --json"
-expect_true "compare --json: not two lines: $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ]
+expect_true "compare --json: not three lines (pytorch, default, lazy): $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 3 ]
 
 # ---- summary ----
 

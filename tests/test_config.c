@@ -23,7 +23,7 @@ static gpumem_options_t odd_options(void) {
   o.policy = GPUMEM_POLICY_PYTORCH;
   o.limit_bytes = 12345;
   o.limit_fraction = 0.25;
-  o.reclaim = GPUMEM_RECLAIM_PRESSURE;
+  o.reclaim = GPUMEM_RECLAIM_EAGER;
   o.headroom = 0.75;
   o.max_split_size = 3 * GM_MIB;
   o.own_backend = 1;
@@ -69,7 +69,7 @@ static void test_defaults(void) {
   CHECK(o.policy == GPUMEM_POLICY_DEFAULT);
   CHECK(o.limit_bytes == 0);
   CHECK(o.limit_fraction == 0.0);
-  CHECK(o.reclaim == GPUMEM_RECLAIM_LAZY);
+  CHECK(o.reclaim == GPUMEM_RECLAIM_PRESSURE);
   CHECK(o.headroom == 0.002);
   CHECK(o.max_split_size == 0);
   CHECK(o.own_backend == 0);

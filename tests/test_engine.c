@@ -325,10 +325,10 @@ static void test_stream_ownership(void) {
   CHECK(reserved(&f) == (int64_t)(40 * MIB));
   fx_done(&f);
 
-  /* default: B never gets A's address either; A's free pages may move to
-   * B, but only after A was synchronized (its queued work may still touch
-   * them). */
-  f = fx_new("policy:default", 8 * GIB, 0);
+  /* default: B never gets A's address either; with lazy reclaim A's free
+   * pages move to B, but only after A was synchronized (its queued work may
+   * still touch them). */
+  f = fx_new("policy:default,reclaim:lazy", 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   a = alloc(&f, 6 * MIB, SA);
   release(&f, a);

@@ -77,7 +77,8 @@ static const char usage_replay[] =
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --min-limit               also bisect the smallest limit that replays the trace\n"
     "  --json                    one JSON object per trace (and policy) per line\n"
-    "  --compare                 both policies side by side, beside measured H200 figures\n"
+    "  --compare                 pytorch, default and default with reclaim:lazy side by side,\n"
+    "                            beside measured H200 figures\n"
     "  -h, --help                this text\n";
 
 static const char usage_summary[] =
@@ -719,12 +720,18 @@ static void row_print(row_t* r) {
  * for the peers, computed here for gpumem, with the measured H200 figures
  * beside it. Rows are printed as each trace finishes. */
 static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
-  static const gpumem_policy_t policies[2] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT};
+  /* pytorch, default (reclaim under pressure), default with lazy reclaim */
+  enum { NCOL = 3 };
+  static const gpumem_policy_t policies[NCOL] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT,
+                                                 GPUMEM_POLICY_DEFAULT};
+  char lazy_conf[512];
+  snprintf(lazy_conf, sizeof lazy_conf, "%s%sreclaim:lazy", cli->config.conf ? cli->config.conf : "",
+           cli->config.conf && cli->config.conf[0] ? "," : "");
   const int mins = cli->min_limit;
   int failed = 0;
   int name_w = 5; /* "trace" */
   row_t row = {{0}, 0};
-  replay_result_t* r = malloc(2 * sizeof *r);
+  replay_result_t* r = malloc(NCOL * sizeof *r);
   if (!r) return error("out of host memory");
   for (int i = 0; i < cli->num_traces; i++) {
     int n = (int)strlen(traces[i]->name);
@@ -743,20 +750,23 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
       limit_note = limit_buf;
     }
     printf(
-        "Peak reserved / peak live: gpumem's two policies replayed here (%s device, %s),\n"
-        "beside figures MEASURED on an NVIDIA H200 and quoted from ANCHORS.md.\n\n",
+        "Peak reserved / peak live: gpumem replayed here (%s device, %s), beside figures\n"
+        "MEASURED on an NVIDIA H200 and quoted from ANCHORS.md. Columns: pytorch = the pytorch\n"
+        "policy; default = the default policy (virtual memory, pages reclaimed under pressure);\n"
+        "lazy = the default policy with reclaim:lazy (pages moved to keep reserved near live).\n\n",
         cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit_note);
-    row_add(&row, "%-*s %10s | %-16s | %-22s | %-16s | %-16s", name_w, "", "", "replayed here",
-            "H200, from ANCHORS.md", "warm ns/op", "calls/1k ops");
-    if (mins) row_add(&row, " | %-16s | %-22s", "min limit", "H200 min cap (ANCHORS)");
+    row_add(&row, "%-*s %10s | %-25s | %-22s | %-25s | %-25s", name_w, "", "", "replayed here",
+            "H200, from ANCHORS.md", "warm ns/op", "calls/1k ops (cold)");
+    if (mins) row_add(&row, " | %-25s | %-22s", "min limit", "H200 min cap (ANCHORS)");
     row_print(&row);
-    row_add(&row, "%-*s %10s | %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, "trace",
-            "peak live", "pytorch", "default", "PyTorch", "best peer", "pytorch", "default",
-            "pytorch", "default");
+    row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s  %7s", name_w,
+            "trace", "peak live", "pytorch", "default", "lazy", "PyTorch", "best peer", "pytorch",
+            "default", "lazy", "pytorch", "default", "lazy");
     if (mins)
-      row_add(&row, " | %7s  %7s | %-8s  %-12s", "pytorch", "default", "PyTorch", "best peer");
+      row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", "pytorch", "default", "lazy", "PyTorch",
+              "best peer");
     row_print(&row);
-    int width = name_w + 1 + 10 + 3 + 16 + 3 + 22 + 3 + 16 + 3 + 16 + (mins ? 3 + 16 + 3 + 22 : 0);
+    int width = name_w + 1 + 10 + 3 + 25 + 3 + 22 + 3 + 25 + 3 + 25 + (mins ? 3 + 25 + 3 + 22 : 0);
     for (int i = 0; i < width && row.len < sizeof row.text - 1; i++) row.text[row.len++] = '-';
     row_print(&row);
   }
@@ -764,25 +774,25 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
   for (int i = 0; i < cli->num_traces; i++) {
     const trace_t* t = traces[i];
     const anchor_t* anchor = find_anchor(t->name);
-    int ok[2];
-    for (int p = 0; p < 2; p++) {
+    int ok[NCOL];
+    for (int p = 0; p < NCOL; p++) {
       replay_config_t c = cli->config;
       c.policy = policies[p];
       c.policy_set = 1;
+      if (p == 2) c.conf = lazy_conf;
       ok[p] = run_one(t, &c, mins, progress, &r[p]) == 0;
       if (!ok[p]) failed = 1;
       if (ok[p] && cli->json) print_json(stdout, t, &c, &r[p], anchor);
     }
     if (cli->json) continue;
 
-    char live[32], c0[16], c1[16], a0[32], a1[32], w[2][16], k[2][16];
+    char live[32], c[NCOL][16], a0[32], a1[32], w[NCOL][16], k[NCOL][16];
     snprintf(live, sizeof live, "%.3f GiB", (double)t->peak_live_bytes / GIB);
-    cell_ratio(c0, sizeof c0, &r[0], ok[0]);
-    cell_ratio(c1, sizeof c1, &r[1], ok[1]);
     cell_anchor(a0, sizeof a0, anchor ? anchor->torch_reserved : 0, NULL);
     cell_anchor(a1, sizeof a1, anchor ? anchor->best_reserved : 0,
                 anchor ? anchor->best_peer : NULL);
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < NCOL; p++) {
+      cell_ratio(c[p], sizeof c[p], &r[p], ok[p]);
       if (ok[p] && r[p].ns_per_op_warm >= 0) {
         snprintf(w[p], sizeof w[p], "%.1f", r[p].ns_per_op_warm);
       } else {
@@ -795,16 +805,16 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
         snprintf(k[p], sizeof k[p], "-");
       }
     }
-    row_add(&row, "%-*.*s %10s | %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, name_w,
-            t->name, live, c0, c1, a0, a1, w[0], w[1], k[0], k[1]);
+    row_add(&row, "%-*.*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s  %7s",
+            name_w, name_w, t->name, live, c[0], c[1], c[2], a0, a1, w[0], w[1], w[2], k[0], k[1],
+            k[2]);
     if (mins) {
-      char m0[16], m1[16], x0[32], x1[32];
-      cell_min(m0, sizeof m0, &r[0], ok[0]);
-      cell_min(m1, sizeof m1, &r[1], ok[1]);
+      char m[NCOL][16], x0[32], x1[32];
+      for (int p = 0; p < NCOL; p++) cell_min(m[p], sizeof m[p], &r[p], ok[p]);
       cell_anchor(x0, sizeof x0, anchor ? anchor->torch_min_cap : 0, NULL);
       cell_anchor(x1, sizeof x1, anchor ? anchor->best_min_cap : 0,
                   anchor ? anchor->best_cap_peer : NULL);
-      row_add(&row, " | %7s  %7s | %-8s  %-12s", m0, m1, x0, x1);
+      row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", m[0], m[1], m[2], x0, x1);
     }
     row_print(&row);
   }

@@ -20,7 +20,7 @@
 # and the table says so. Knobs (environment): BUILD (build dir, default
 # build), PASSES (timed passes per replay, default 5), CM_PASSES (cudamalloc,
 # default 2), CLI_PASSES (warm passes for the CLI, default 3), MAX_PROBES
-# (bisection probes per allocator, default 8), BISECT_JOBS (traces bisected at
+# (bisection probes per allocator, default 10), BISECT_JOBS (traces bisected at
 # once, default 4), PEERS, BISECT_PEERS, TRACES (glob), SANITIZE (0 skips
 # step 2), TIMEOUT (per replay, default 150 s).
 #
@@ -39,7 +39,7 @@ WORK=${WORK:-/tmp/gpumem-gpu-bench}
 PASSES=${PASSES:-5}
 CM_PASSES=${CM_PASSES:-2}
 CLI_PASSES=${CLI_PASSES:-3}
-MAX_PROBES=${MAX_PROBES:-8}
+MAX_PROBES=${MAX_PROBES:-10}
 BISECT_JOBS=${BISECT_JOBS:-4}
 PEERS=${PEERS:-"gpumem gpumem_pytorch torch torch_exp async cudamalloc"}
 BISECT_PEERS=${BISECT_PEERS:-"gpumem gpumem_pytorch torch torch_exp async"}
@@ -140,7 +140,11 @@ if [ "$SANITIZE" = 1 ] && [ -n "$CS" ]; then
         --print-limit 50 "$BUILD/tests/$prog" >"$log" 2>&1
       rc=$?
       { echo "== compute-sanitizer --tool $tool $prog (rc $rc)"; cat "$log"; } >>"$TESTLOG"
+      # memcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: H
+      # hazards displayed (E errors, W warnings)".
       total=$(grep -o "ERROR SUMMARY: [0-9]*" "$log" | grep -o "[0-9]*$" | tail -1)
+      [ -n "$total" ] || total=$(grep -o "RACECHECK SUMMARY: .*(\([0-9]*\) errors" "$log" |
+        grep -o "([0-9]*" | tr -d "(" | tail -1)
       api=$(grep -c "Program hit" "$log")
       hazards=$(grep -o "RACECHECK SUMMARY: [0-9]* hazard" "$log" | grep -o "[0-9]*" | head -1)
       result=$(grep -E "passed, [0-9]+ failed|^SKIP" "$log" | tail -1)

@@ -20,7 +20,7 @@ per-device allocators that PyTorch and CuPy use once enabled.
 from . import errors
 from ._lib import load as load_library
 from ._lib import path as library_path
-from .allocator import (
+from ._core import (
     Allocator,
     allocator,
     check_conf,

@@ -381,8 +381,12 @@ static void test_limit(int policy) {
   CHECK(reserved_now(gm) <= 2 * GIB);
   CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(gm, a), GPUMEM_OK);
-  /* Lifted: the same request passes. */
-  CHECK_STATUS(gpumem_set_limit(gm, 0), GPUMEM_OK);
+  /* A limit of 0 is refused (it would refuse everything); lifted, the
+   * same request passes. */
+  CHECK_STATUS(gpumem_set_limit(gm, 0), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(gpumem_get_limit(gm) == 2 * GIB);
+  gpumem_remove_limit(gm);
+  CHECK(gpumem_get_limit(gm) == 0);
   CHECK_STATUS(gpumem_malloc(gm, 3 * GIB, 0, &b), GPUMEM_OK);
   if (b) DRV_OK(drv.MemsetD8((drv_ptr)(uintptr_t)b, 0x21, 3 * GIB));
   CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
@@ -536,7 +540,7 @@ static void test_streams(int policy) {
     CHECK_STATUS(gpumem_free(gm, y), GPUMEM_OK);
     CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
   }
-  CHECK_STATUS(gpumem_set_limit(gm, 0), GPUMEM_OK);
+  gpumem_remove_limit(gm);
 
   /* empty_cache while freed blocks are still being written on their own
    * stream and on another: nothing may be unmapped or freed under them. */

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
@@ -276,17 +277,76 @@ static void test_vmm_lifecycle(gpumem_backend_t* be) {
   CHECK_STATUS(be->mem_info(be->ctx, &free2, &tot), GPUMEM_OK);
   CHECK_MSG(free2 + 64 * MIB >= free0, "memory came back: free %zu -> %zu", free0, free2);
 
-  /* A large range and a large page, as the default policy uses them. */
+  /* A large range and a large page, as the default policy uses them (the
+   * allocator reserves twice the device, rounded to pages: the driver
+   * refuses sizes that are not multiples of the granularity). */
+  const size_t span = (2 * tot + ps - 1) / ps * ps;
+  const size_t mid = tot / ps * ps;
   uintptr_t big = 0;
   gpumem_phys_t p = 0;
-  CHECK_STATUS(be->reserve(be->ctx, 2 * tot, &big), GPUMEM_OK);
+  CHECK_STATUS(be->reserve(be->ctx, span, &big), GPUMEM_OK);
+  if (!big) return;
   CHECK_STATUS(be->create_page(be->ctx, 512 * MIB, &p), GPUMEM_OK);
-  CHECK_STATUS(be->map(be->ctx, big + tot, 512 * MIB, p), GPUMEM_OK);
-  DRV_OK(drv.MemsetD8((drv_ptr)(big + tot), 0x3C, 512 * MIB));
-  CHECK(check_value(big + tot + 511 * MIB, MIB, 0x3C) == 0);
-  CHECK_STATUS(be->unmap(be->ctx, big + tot, 512 * MIB), GPUMEM_OK);
+  CHECK_STATUS(be->map(be->ctx, big + mid, 512 * MIB, p), GPUMEM_OK);
+  DRV_OK(drv.MemsetD8((drv_ptr)(big + mid), 0x3C, 512 * MIB));
+  CHECK(check_value(big + mid + 511 * MIB, MIB, 0x3C) == 0);
+  CHECK_STATUS(be->unmap(be->ctx, big + mid, 512 * MIB), GPUMEM_OK);
   CHECK_STATUS(be->release_page(be->ctx, p, 512 * MIB), GPUMEM_OK);
-  CHECK_STATUS(be->release_range(be->ctx, big, 2 * tot), GPUMEM_OK);
+  CHECK_STATUS(be->release_range(be->ctx, big, span), GPUMEM_OK);
+}
+
+/* What each primitive costs, for the engine's design (printed, not
+ * checked): the default policy maps pages on misses and under pressure. */
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
+}
+
+static void time_primitives(gpumem_backend_t* be) {
+  enum { N = 256 };
+  const size_t ps = be->page_size;
+  static gpumem_phys_t pages[N];
+  uintptr_t base = 0;
+  CHECK_STATUS(be->reserve(be->ctx, N * ps, &base), GPUMEM_OK);
+  if (!base) return;
+  double t0 = now_us();
+  for (int i = 0; i < N; i++) CHECK_STATUS(be->create_page(be->ctx, ps, &pages[i]), GPUMEM_OK);
+  double t1 = now_us();
+  for (int i = 0; i < N; i++)
+    CHECK_STATUS(be->map(be->ctx, base + i * ps, ps, pages[i]), GPUMEM_OK);
+  double t2 = now_us();
+  CHECK_STATUS(be->unmap(be->ctx, base, N * ps), GPUMEM_OK); /* one call, N mappings */
+  double t3 = now_us();
+  for (int i = 0; i < N; i++)
+    CHECK_STATUS(be->map(be->ctx, base + i * ps, ps, pages[i]), GPUMEM_OK);
+  double t4 = now_us();
+  for (int i = 0; i < N; i++) CHECK_STATUS(be->unmap(be->ctx, base + i * ps, ps), GPUMEM_OK);
+  double t5 = now_us();
+  for (int i = 0; i < N; i++) CHECK_STATUS(be->release_page(be->ctx, pages[i], ps), GPUMEM_OK);
+  double t6 = now_us();
+  gpumem_phys_t one = 0;
+  CHECK_STATUS(be->create_page(be->ctx, N * ps, &one), GPUMEM_OK);
+  double t7 = now_us();
+  CHECK_STATUS(be->map(be->ctx, base, N * ps, one), GPUMEM_OK);
+  double t8 = now_us();
+  CHECK_STATUS(be->unmap(be->ctx, base, N * ps), GPUMEM_OK);
+  double t9 = now_us();
+  CHECK_STATUS(be->release_page(be->ctx, one, N * ps), GPUMEM_OK);
+  CHECK_STATUS(be->release_range(be->ctx, base, N * ps), GPUMEM_OK);
+  uintptr_t a = 0;
+  double t10 = now_us();
+  for (int i = 0; i < N; i++) {
+    CHECK_STATUS(be->alloc(be->ctx, ps, &a), GPUMEM_OK);
+    CHECK_STATUS(be->free(be->ctx, a, ps), GPUMEM_OK);
+  }
+  double t11 = now_us();
+  printf(
+      "primitive cost per %zu-byte page (us): create %.1f, map+access %.1f (again %.1f), "
+      "unmap %.1f (batched %.1f), release %.1f; one %d-page allocation: create %.1f, "
+      "map+access %.1f, unmap %.1f; cuMemAlloc+cuMemFree %.1f\n",
+      ps, (t1 - t0) / N, (t2 - t1) / N, (t4 - t3) / N, (t5 - t4) / N, (t3 - t2) / N, (t6 - t5) / N,
+      N, t7 - t6, t8 - t7, t9 - t8, (t11 - t10) / N);
 }
 
 static void test_plain(gpumem_backend_t* be) {
@@ -394,12 +454,19 @@ static void test_errors(gpumem_backend_t* be) {
   CHECK_MSG(strstr(msg, "cuMemMap(") != NULL && strstr(msg, "CUDA_ERROR_") != NULL, "%s", msg);
   CHECK_STATUS(be->release_page(be->ctx, p, ps), GPUMEM_OK);
 
-  /* Unmapping what is not mapped. */
+  /* Unmapping what is reserved but not mapped: the driver (580) accepts
+   * it; either answer is fine as long as a failure names the call. */
   CHECK_STATUS(be->reserve(be->ctx, 4 * ps, &r), GPUMEM_OK);
   st = be->unmap(be->ctx, r, ps);
-  CHECK_MSG(st == GPUMEM_ERR_BACKEND, "unmap of an unmapped range -> %s", gpumem_strerror(st));
-  CHECK_MSG(strstr(gpumem_last_error(), "cuMemUnmap(") != NULL, "%s", gpumem_last_error());
+  CHECK_MSG(st == GPUMEM_OK ||
+                (st == GPUMEM_ERR_BACKEND && strstr(gpumem_last_error(), "cuMemUnmap(") != NULL),
+            "unmap of an unmapped range -> %s (%s)", gpumem_strerror(st), gpumem_last_error());
   CHECK_STATUS(be->release_range(be->ctx, r, 4 * ps), GPUMEM_OK);
+
+  /* A plain free of an address never allocated. */
+  st = be->free(be->ctx, (uintptr_t)0x1000, 1);
+  CHECK_MSG(st == GPUMEM_ERR_BACKEND && strstr(gpumem_last_error(), "cuMemFree(0x1000"),
+            "free of a bad address -> %s (%s)", gpumem_strerror(st), gpumem_last_error());
 
   /* Out of memory: twice the device's memory in one physical allocation. */
   size_t huge = (2 * tot + ps - 1) / ps * ps;
@@ -562,6 +629,7 @@ int main(void) {
   } else {
     test_granularity(be);
     test_vmm_lifecycle(be);
+    time_primitives(be);
     test_errors(be);
     test_thread(be);
   }

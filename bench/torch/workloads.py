@@ -1,0 +1,333 @@
+"""The four workloads of traces/README.md as the project's own programs,
+run under one allocator per process.
+
+    python3 bench/torch/workloads.py WORKLOAD --allocator native|expandable|gpumem
+            [--steps N] [--warmup W] [--fraction F] [--conf C] [--bisect PROBES]
+
+WORKLOAD is gpt2_train, resnet50_train, llama_ckpt_train or
+t5_varlen_prefetch. Prints one JSON line: the median step time (ms, the
+GPU synchronized around each step, after the warm-up steps), peak reserved
+and peak allocated bytes (torch.cuda.max_memory_reserved/allocated, which
+report gpumem's figures when gpumem is the allocator) and whether the run
+ran out of memory.
+
+--fraction caps the process at F of the device's memory
+(torch.cuda.set_per_process_memory_fraction) for the whole run.
+--bisect P, after the timed run, looks for the smallest fraction under which
+the workload still trains (the same steps again, same batch shapes) with P probes between peak
+allocated (cannot fit below) and peak reserved (fits), in this same process:
+between probes the optimizer state, gradients and activations are dropped
+and the cache emptied, so each probe starts from the weights alone, as a
+fresh process would after building its model.
+
+Allocators: native is PyTorch's caching allocator; expandable the same with
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; gpumem installs gpumem
+through gpumem.torch.enable (GPUMEM_CONF or --conf configures it).
+"""
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def install_allocator(args):
+    """Before torch touches CUDA."""
+    if args.allocator == "expandable":
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (conf, "expandable_segments:True") if x)
+    elif args.allocator == "gpumem":
+        sys.path.insert(0, os.path.join(REPO, "python"))
+        import gpumem.torch
+
+        gpumem.torch.enable(args.conf)
+    import torch
+
+    return torch
+
+
+def is_oom(torch, exc):
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    gt = sys.modules.get("gpumem.torch")
+    return gt is not None and gt.is_oom(exc)
+
+
+# ---- the workloads: build() returns (state, step); step(state, i) trains once
+
+
+def gpt2_train(torch, args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config()  # GPT-2 small, 124M
+    with torch.device("cuda"):
+        model = GPT2LMHeadModel(cfg)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+
+    def step(state, i):
+        ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+def resnet50_train(torch, args):
+    import torchvision
+
+    with torch.device("cuda"):
+        model = torchvision.models.resnet50(weights=None)
+    model = model.to(memory_format=torch.channels_last)
+    lossf = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make_state():
+        return {"opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+    def step(state, i):
+        x = torch.randn(128, 3, 224, 224, device="cuda", generator=gen).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (128,), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lossf(model(x), y)
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+def llama_ckpt_train(torch, args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5504,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=2048,
+        use_cache=False,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    model.train()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+
+    def step(state, i):
+        ids = torch.randint(0, cfg.vocab_size, (4, 2048), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+def t5_varlen_prefetch(torch, args):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(
+        vocab_size=32128,
+        d_model=768,
+        d_kv=64,
+        d_ff=3072,
+        num_layers=6,
+        num_decoder_layers=6,
+        num_heads=12,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,  # T5's convention; labels are shifted right from it
+    )
+    with torch.device("cuda"):
+        model = T5ForConditionalGeneration(cfg)
+    model.train()
+    # Batches vary in size and both lengths every step; they are made on the
+    # host (pinned) and the next one is copied on a side stream while the
+    # current one trains, then handed to the compute stream with
+    # record_stream: the two-stream pattern of a real input pipeline.
+    import random
+
+    rnd = random.Random(0)
+    total = args.warmup + args.steps + 2
+    host = []
+    for _ in range(total):
+        b, s, t = rnd.choice((8, 16, 24, 32)), rnd.randrange(64, 513, 64), rnd.randrange(16, 257, 16)
+        host.append(
+            {
+                "input_ids": torch.randint(0, cfg.vocab_size, (b, s)).pin_memory(),
+                "attention_mask": torch.ones(b, s, dtype=torch.long).pin_memory(),
+                "labels": torch.randint(0, cfg.vocab_size, (b, t)).pin_memory(),
+            }
+        )
+    side = torch.cuda.Stream()
+
+    def stage(i):
+        with torch.cuda.stream(side):
+            return {k: v.to("cuda", non_blocking=True) for k, v in host[i % len(host)].items()}
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=1e-4), "next": None}
+
+    def step(state, i):
+        main = torch.cuda.current_stream()
+        batch = state["next"] if state["next"] is not None else stage(i)
+        main.wait_stream(side)
+        for v in batch.values():
+            v.record_stream(main)
+        state["next"] = stage(i + 1)  # overlaps with this step's compute
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        del batch
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+WORKLOADS = {
+    "gpt2_train": gpt2_train,
+    "resnet50_train": resnet50_train,
+    "llama_ckpt_train": llama_ckpt_train,
+    "t5_varlen_prefetch": t5_varlen_prefetch,
+}
+
+
+def run_steps(torch, make_state, step, steps, warmup=0, start=0):
+    """Trains warmup + steps steps; returns (per-step ms of the timed ones,
+    oom message or None)."""
+    state = make_state()
+    times = []
+    oom = None
+    try:
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = step(state, start + i)
+            loss.item()  # a host sync, as a training loop logging its loss has
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+            del loss
+    except Exception as e:  # out of memory is a result, anything else a bug
+        if not is_oom(torch, e):
+            raise
+        oom = str(e).splitlines()[0][:300]
+    # Drop everything the steps made (optimizer state, gradients, staged
+    # batches) outside the except block, so the traceback pins nothing.
+    state.clear()
+    return times, oom
+
+
+def release(torch, model):
+    for p in model.parameters():
+        p.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--allocator", choices=["native", "expandable", "gpumem"], default="native")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--fraction", type=float, default=None)
+    ap.add_argument("--conf", default=None, help="GPUMEM_CONF for --allocator gpumem")
+    ap.add_argument("--bisect", type=int, default=0, metavar="PROBES")
+    ap.add_argument(
+        "--probe-steps", type=int, default=None, help="steps per probe (default: warm-up + steps, the same batches)"
+    )
+    args = ap.parse_args()
+
+    torch = install_allocator(args)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = False
+    torch.manual_seed(0)
+    torch.cuda.init()
+    total = torch.cuda.mem_get_info()[1]
+    if args.fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(args.fraction)
+
+    t0 = time.perf_counter()
+    model, make_state, step = WORKLOADS[args.workload](torch, args)
+    build_s = time.perf_counter() - t0
+    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup)
+    result = {
+        "workload": args.workload,
+        "allocator": args.allocator,
+        "conf": args.conf if args.allocator == "gpumem" else None,
+        "device": torch.cuda.get_device_name(),
+        "device_total": total,
+        "steps": len(times),
+        "median_ms": round(statistics.median(times), 3) if times else None,
+        "peak_reserved": torch.cuda.max_memory_reserved(),
+        "peak_allocated": torch.cuda.max_memory_allocated(),
+        "oom": oom is not None,
+        "oom_message": oom,
+        "fraction": args.fraction,
+        "build_s": round(build_s, 1),
+    }
+
+    if args.allocator == "gpumem":
+        # Where gpumem's time goes: device calls and synchronizations.
+        import gpumem
+
+        st = gpumem.memory_stats()
+        keep = ("num_syncs", "num_sync_all_streams", "num_pages_mapped", "num_pages_unmapped", "num_reclaims",
+                "num_alloc_retries", "num_device_alloc", "num_device_free", "allocation.all.allocated")
+        result["gpumem"] = {k: st.get(k) for k in keep}
+        result["gpumem"].update({k: v for k, v in st.items() if k.startswith("backend_calls.") and v})
+
+    if args.bisect > 0 and oom is None:
+        # The cap lies between peak allocated (no allocator fits below) and
+        # peak reserved (this allocator fitted there without a cap).
+        lo, hi = result["peak_allocated"] / total, result["peak_reserved"] / total
+        probes = []
+        passing = hi
+        probe_steps = args.probe_steps or (args.warmup + args.steps)
+        for _ in range(args.bisect):
+            mid = (lo + hi) / 2
+            release(torch, model)
+            torch.cuda.set_per_process_memory_fraction(mid)
+            _, failed = run_steps(torch, make_state, step, probe_steps, 0)
+            probes.append({"fraction": round(mid, 5), "oom": failed is not None})
+            if failed is None:
+                hi = passing = mid
+            else:
+                lo = mid
+        release(torch, model)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        result["min_fraction"] = round(passing, 5)
+        result["min_cap_bytes"] = int(passing * total)
+        result["probes"] = probes
+
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""Workloads for test_torch_gpumem.py, one per process.
+
+    python3 _child.py WORKLOAD --allocator native|gpumem [--shim|--no-shim] [--conf C]
+
+Each runs in a fresh interpreter because gpumem.torch.enable() must come
+before PyTorch initializes CUDA. The last line printed is one JSON object
+with the results; anything before it is diagnostics.
+"""
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+
+def emit(**result):
+    print(json.dumps(result), flush=True)
+
+
+def setup(args):
+    """Installs the allocator (before any CUDA work), then imports torch
+    with deterministic settings."""
+    # cuBLAS needs a fixed workspace configuration to be deterministic.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.allocator == "gpumem":
+        import gpumem.torch
+
+        info = gpumem.torch.enable(args.conf, shim=args.shim)
+        print("gpumem:", info, file=sys.stderr)
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # warn_only: a few backward kernels (adaptive average pooling) are
+    # flagged although they write each element once; see the test's note.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    warnings.filterwarnings("ignore", message=".*deterministic.*")
+    return torch
+
+
+# ---- training-step equality ------------------------------------------------
+
+
+def gpt2(args):
+    torch = setup(args)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    # Default GPT2Config() is GPT-2 small (124M). Dropout off and eager
+    # attention: the comparison is about memory, not about which attention
+    # kernel or RNG stream runs.
+    cfg = GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    try:
+        cfg._attn_implementation = "eager"
+    except Exception:
+        pass
+    model = GPT2LMHeadModel(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(args.steps):
+        ids = torch.randint(0, cfg.vocab_size, (4, 256), generator=gen).cuda()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    emit(losses=losses, **mem_figures(torch))
+
+
+def resnet50(args):
+    torch = setup(args)
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    lossf = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(args.steps):
+        x = torch.randn(16, 3, 224, 224, generator=gen).cuda()
+        y = torch.randint(0, 1000, (16,), generator=gen).cuda()
+        loss = lossf(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    emit(losses=losses, **mem_figures(torch))
+
+
+def mem_figures(torch):
+    return {
+        "max_allocated": torch.cuda.max_memory_allocated(),
+        "max_reserved": torch.cuda.max_memory_reserved(),
+    }
+
+
+# ---- out of memory and recovery ---------------------------------------------
+
+
+def oom(args):
+    torch = setup(args)
+    import gpumem
+    import gpumem.torch
+
+    torch.manual_seed(0)
+    width = 2048
+    model = torch.nn.Sequential(
+        *[m for _ in range(4) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(batch):
+        x = torch.randn(batch, width, device="cuda")
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step(64)  # optimizer state exists before the baseline is taken
+    baseline = torch.cuda.memory_allocated()
+    batch, caught, report, exc_type = 1024, None, "", ""
+    while batch < (1 << 24):
+        failed = False
+        try:
+            step(batch)
+        except Exception as e:  # which class is what the test checks
+            if not gpumem.torch.is_oom(e):
+                raise
+            failed = True
+            exc_type = type(e).__module__ + "." + type(e).__name__
+            report = str(e)
+            is_torch_oom = isinstance(e, torch.OutOfMemoryError)
+            is_runtime = isinstance(e, RuntimeError)
+        if failed:
+            # Outside the except block: the traceback no longer pins the
+            # step's tensors.
+            caught = batch
+            break
+        batch *= 2
+    if caught is None:
+        emit(error="no out-of-memory up to batch %d" % batch)
+        return
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    after_cleanup = torch.cuda.memory_allocated()
+    losses = [step(caught // 4) for _ in range(3)]
+    emit(
+        oom_batch=caught,
+        exc_type=exc_type,
+        is_torch_oom=is_torch_oom,
+        is_runtime_error=is_runtime,
+        report=report[:2000],
+        baseline=baseline,
+        after_cleanup=after_cleanup,
+        losses=losses,
+        num_ooms=torch.cuda.memory_stats()["num_ooms"],
+        limit_fraction=torch.cuda.get_per_process_memory_fraction()
+        if hasattr(torch.cuda, "get_per_process_memory_fraction")
+        else None,
+    )
+
+
+# ---- the torch.cuda memory functions ----------------------------------------
+
+
+def memfuncs(args):
+    torch = setup(args)
+    import gpumem
+    import gpumem.torch
+
+    checks = {}
+
+    def check(name, cond):
+        checks[name] = bool(cond)
+
+    MIB = 1 << 20
+    x = torch.zeros(10 * MIB, dtype=torch.uint8, device="cuda")
+    a, r = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    check("allocated >= tensor", a >= 10 * MIB)
+    check("allocated <= reserved", a <= r)
+    check("torch == gpumem allocated", a == gpumem.memory_allocated())
+    check("torch.cuda.memory agrees", torch.cuda.memory.memory_allocated() == a)
+    y = torch.empty(50 * MIB, dtype=torch.uint8, device="cuda")
+    del y
+    check("peak covers freed tensor", torch.cuda.max_memory_allocated() >= 60 * MIB)
+    check("max reserved >= reserved", torch.cuda.max_memory_reserved() >= torch.cuda.memory_reserved())
+    torch.cuda.reset_peak_memory_stats()
+    check("reset peak", torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated())
+    stats = torch.cuda.memory_stats()
+    for key in ("allocated_bytes.all.current", "reserved_bytes.large_pool.peak", "num_ooms", "num_device_alloc"):
+        check("stats has " + key, key in stats)
+    check("stats: device allocations counted", stats.get("num_device_alloc", 0) > 0)
+    summary = torch.cuda.memory_summary()
+    check("summary is gpumem's", "gpumem memory summary" in summary)
+    check("summary via torch.cuda.memory", "gpumem" in torch.cuda.memory.memory_summary())
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    check("empty_cache does not grow reserved", torch.cuda.memory_reserved() <= before)
+    free, total = torch.cuda.mem_get_info()
+    check("mem_get_info", 0 < free <= total)
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        check("fraction read back", abs(torch.cuda.get_per_process_memory_fraction() - 0.5) < 1e-3)
+    check("limit applied", gpumem.memory_stats()["limit_bytes"] == int(total * 0.5))
+    try:
+        torch.empty(int(total * 0.6), dtype=torch.uint8, device="cuda")
+        check("fraction enforced", False)
+    except RuntimeError as e:  # torch.OutOfMemoryError, or RuntimeError without the shim
+        check("fraction enforced", gpumem.torch.is_oom(e) and "gpumem: out of memory" in str(e))
+    gpumem.allocator().remove_limit()
+    # A side stream: record_stream goes through gpumem's hook.
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        z = x.float() * 2
+    x.record_stream(s)
+    del x
+    torch.cuda.synchronize()
+    check("side-stream result", float(z[0]) == 0.0 and float(z[-1]) == 0.0)
+    del z
+    check("zero-size tensor", torch.empty(0, device="cuda").numel() == 0)
+    p = torch.cuda.caching_allocator_alloc(4096)
+    check("caching_allocator_alloc", p != 0)
+    torch.cuda.caching_allocator_delete(p)
+    try:
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        check("graph capture refused", False)
+    except RuntimeError as e:
+        check("graph capture refused", "CUDA graph capture is not supported" in str(e))
+    gpumem.torch.enable()  # again, same conf: a no-op
+    try:
+        gpumem.torch.enable("limit:1G")
+        check("reconfigure refused", False)
+    except RuntimeError:
+        check("reconfigure refused", True)
+    check("gpumem check", gpumem.allocator().check() == 0)
+    emit(checks=checks, status=gpumem.torch.status())
+
+
+def too_late(args):
+    import torch
+
+    torch.zeros(1, device="cuda")
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    import gpumem.torch
+
+    try:
+        gpumem.torch.enable()
+        emit(raised=False)
+    except RuntimeError as e:
+        emit(raised=True, message=str(e))
+
+
+def bad_conf(args):
+    import gpumem
+    import gpumem.torch
+
+    try:
+        gpumem.torch.enable("limt:2G")
+        emit(raised=None)
+    except gpumem.ConfigError as e:
+        import torch
+
+        emit(raised="ConfigError", message=str(e), cuda_initialized=torch.cuda.is_initialized())
+
+
+# ---- CuPy --------------------------------------------------------------------
+
+
+def cupy_work(args):
+    import numpy as np
+
+    import gpumem
+    import gpumem.cupy
+
+    gpumem.cupy.enable(args.conf, stream_aware=args.stream_aware)
+    import cupy
+
+    checks = {}
+    n = 1_000_000
+    a = cupy.arange(n, dtype=cupy.float32)
+    b = a * 2 + 1
+    checks["elementwise"] = bool(np.array_equal(cupy.asnumpy(b), np.arange(n, dtype=np.float32) * 2 + 1))
+    rng = np.random.default_rng(0)
+    m1, m2 = rng.standard_normal((256, 128)), rng.standard_normal((128, 64))
+    checks["matmul"] = bool(np.allclose(cupy.asnumpy(cupy.asarray(m1) @ cupy.asarray(m2)), m1 @ m2, rtol=1e-10))
+    # In float64 the sum of 0..n-1 is exact, whatever the reduction order.
+    checks["reduction"] = float(cupy.sum(a, dtype=cupy.float64)) == float(np.arange(n, dtype=np.float64).sum())
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        c = cupy.ones(n, dtype=cupy.float64) + a
+    s.synchronize()
+    checks["side stream"] = float(c[10]) == 11.0
+    checks["gpumem counts it"] = gpumem.memory_allocated(0) >= 3 * n * 4
+    gpumem.allocator(0).set_limit("256M")
+    try:
+        cupy.empty(1 << 30, dtype=cupy.uint8)
+        checks["oom raised"] = False
+    except cupy.cuda.memory.OutOfMemoryError as e:
+        checks["oom raised"] = True
+        checks["oom is gpumem's"] = isinstance(e, gpumem.OutOfMemoryError) and "gpumem: out of memory" in str(e)
+    gpumem.allocator(0).remove_limit()
+    before = gpumem.memory_allocated(0)
+    del a, b, c
+    cupy.cuda.Device().synchronize()
+    checks["freed"] = gpumem.memory_allocated(0) <= before - (2 * n * 4 + n * 8)
+    checks["gpumem check"] = gpumem.allocator(0).check() == 0
+    emit(checks=checks)
+
+
+# ---- data parallel (under torchrun) -----------------------------------------
+
+
+def ddp(args):
+    torch = setup(args)
+    import torch.distributed as dist
+
+    import gpumem
+
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(args.steps):
+        x = torch.randn(64, 512, generator=gen).cuda()
+        y = torch.randint(0, 10, (64,), generator=gen).cuda()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    same = all(torch.equal(gathered[0], g) for g in gathered)
+    allocated = gpumem.memory_allocated(local) if args.allocator == "gpumem" else torch.cuda.memory_allocated()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        emit(world=world, params_equal=same, losses=losses, allocated=allocated)
+
+
+WORKLOADS = {
+    "gpt2": gpt2,
+    "resnet50": resnet50,
+    "oom": oom,
+    "memfuncs": memfuncs,
+    "too_late": too_late,
+    "bad_conf": bad_conf,
+    "cupy": cupy_work,
+    "ddp": ddp,
+}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("workload", choices=sorted(WORKLOADS))
+    p.add_argument("--allocator", choices=["native", "gpumem"], default="gpumem")
+    p.add_argument("--conf", default=None)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-shim", dest="shim", action="store_false")
+    p.add_argument("--no-stream-aware", dest="stream_aware", action="store_false")
+    args = p.parse_args()
+    WORKLOADS[args.workload](args)
+
+
+if __name__ == "__main__":
+    main()

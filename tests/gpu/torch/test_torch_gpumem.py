@@ -1,0 +1,216 @@
+"""gpumem as PyTorch's (and CuPy's) allocator, on a real GPU.
+
+Each test runs its workload in a fresh interpreter (_child.py): gpumem's
+allocator must be installed before PyTorch initializes CUDA. Everything is
+skipped, saying why, where torch, a GPU, CuPy or a second GPU is missing.
+
+Run from the repository root (tests/gpu/torch/run.sh does this):
+    GPUMEM_LIBRARY=build/libgpumem.so python3 -m unittest discover -s tests/gpu/torch -v
+
+Loss equality. With deterministic algorithms on (cuDNN deterministic, no
+TF32, CUBLAS_WORKSPACE_CONFIG=:4096:8, dropout off, eager attention) the
+same kernels run on the same data whatever addresses the allocator hands
+out: gpumem and PyTorch both return blocks aligned to at least 512 bytes, so
+even alignment-dependent kernel choices (cuBLASLt looks at up to 256-byte
+alignment) are the same. Losses are therefore expected to be bitwise equal.
+The tolerance is measured, not guessed: native PyTorch is run twice; if its
+two runs are bitwise equal, gpumem must be too; if not (an op with no
+deterministic kernel), gpumem may differ from native by at most twice the
+native run-to-run spread (plus 1e-6 relative).
+"""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+CHILD = os.path.join(HERE, "_child.py")
+TIMEOUT = int(os.environ.get("GPUMEM_GPU_TEST_TIMEOUT", "900"))
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(REPO, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # models are built from configs; never download
+    return env
+
+
+@functools.lru_cache(maxsize=None)
+def probe():
+    """What this machine has, asked in a child so this process never
+    initializes CUDA: {"torch": bool, "gpus": n, "cupy": bool, ...}."""
+    code = (
+        "import json, importlib.util as u\n"
+        "r = {'torch': False, 'gpus': 0}\n"
+        "try:\n"
+        "    import torch\n"
+        "    r['torch'] = True\n"
+        "    r['gpus'] = torch.cuda.device_count() if torch.cuda.is_available() else 0\n"
+        "    r['version'] = torch.__version__\n"
+        "except Exception as e:\n"
+        "    r['why'] = str(e)\n"
+        "for m in ('cupy', 'transformers', 'torchvision'):\n"
+        "    r[m] = u.find_spec(m) is not None\n"
+        "r['cupy_gpus'] = 0\n"
+        "if r['cupy']:\n"
+        "    try:\n"
+        "        import cupy\n"
+        "        r['cupy_gpus'] = cupy.cuda.runtime.getDeviceCount()\n"
+        "    except Exception as e:\n"
+        "        r['cupy_why'] = str(e)\n"
+        "print(json.dumps(r))\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except Exception as e:
+        return {"torch": False, "gpus": 0, "why": str(e)}
+
+
+def need_cupy():
+    p = probe()
+    if not p.get("cupy"):
+        raise unittest.SkipTest("CuPy is not installed")
+    if p.get("cupy_gpus", 0) < 1:
+        raise unittest.SkipTest("CuPy sees no CUDA GPU (%s)" % p.get("cupy_why", "device count 0"))
+
+
+def need(gpus=1, modules=()):
+    p = probe()
+    if not p.get("torch"):
+        raise unittest.SkipTest("PyTorch is not installed (%s)" % p.get("why", ""))
+    if p.get("gpus", 0) < gpus:
+        raise unittest.SkipTest(
+            "needs %d CUDA GPU%s; torch.cuda.device_count() is %d" % (gpus, "s" if gpus > 1 else "", p.get("gpus", 0))
+        )
+    for m in modules:
+        if not p.get(m):
+            raise unittest.SkipTest("%s is not installed" % m)
+
+
+def run_child(workload, *args, launcher=None):
+    cmd = (launcher or [sys.executable]) + [CHILD, workload] + list(args)
+    proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT)
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            "%s failed (exit %d)\n--- stdout\n%s\n--- stderr\n%s"
+            % (" ".join(cmd), proc.returncode, proc.stdout[-4000:], proc.stderr[-6000:])
+        )
+    result = json.loads(lines[-1])
+    if "error" in result:
+        raise AssertionError("%s: %s" % (workload, result["error"]))
+    return result
+
+
+class LossEqualityTest(unittest.TestCase):
+    def compare(self, workload):
+        native_a = run_child(workload, "--allocator", "native")["losses"]
+        native_b = run_child(workload, "--allocator", "native")["losses"]
+        mine = run_child(workload, "--allocator", "gpumem")
+        got = mine["losses"]
+        self.assertEqual(len(got), len(native_a))
+        if native_a == native_b:
+            self.assertEqual(got, native_a, "native runs are bitwise equal; gpumem's must be too")
+        else:
+            for a, b, g in zip(native_a, native_b, got):
+                tol = 2 * abs(a - b) + 1e-6 * abs(a)
+                self.assertLessEqual(abs(g - a), tol, "native %r / %r, gpumem %r" % (native_a, native_b, got))
+        print(
+            "\n  %s losses: native %s, gpumem %s; peak reserved gpumem %.2f GiB"
+            % (workload, native_a, got, mine["max_reserved"] / 2**30),
+            file=sys.stderr,
+        )
+
+    def test_gpt2_small_losses_match_native(self):
+        need(modules=("transformers",))
+        self.compare("gpt2")
+
+    def test_resnet50_losses_match_native(self):
+        need(modules=("torchvision",))
+        self.compare("resnet50")
+
+
+class OutOfMemoryTest(unittest.TestCase):
+    def check_recovery(self, r):
+        self.assertIn("gpumem: out of memory", r["report"])
+        self.assertIn("Limit: 2.00 GiB", r["report"])
+        self.assertGreaterEqual(r["num_ooms"], 1)
+        # Nothing of the failed step is left once its references are gone.
+        self.assertLessEqual(r["after_cleanup"], r["baseline"] + (1 << 20), r)
+        self.assertEqual(len(r["losses"]), 3)
+        for loss in r["losses"]:
+            self.assertTrue(loss == loss and abs(loss) < 1e30, r["losses"])
+
+    def test_oom_raises_torch_oom_and_training_recovers(self):
+        need()
+        r = run_child("oom", "--conf", "limit:2G")
+        self.assertTrue(r["is_torch_oom"], "got %s, not torch.OutOfMemoryError" % r["exc_type"])
+        self.check_recovery(r)
+
+    def test_oom_without_the_shim_raises_runtime_error(self):
+        # The no-compiler fallback: c10::detail::torchCheckFail as the hook.
+        need()
+        r = run_child("oom", "--conf", "limit:2G", "--no-shim")
+        self.assertTrue(r["is_runtime_error"], r["exc_type"])
+        self.check_recovery(r)
+
+
+class MemoryFunctionsTest(unittest.TestCase):
+    def test_torch_cuda_memory_functions_report_gpumem(self):
+        need()
+        r = run_child("memfuncs")
+        failed = [name for name, ok in r["checks"].items() if not ok]
+        self.assertEqual(failed, [], r)
+        print("\n  gpumem.torch.status(): %s" % r["status"], file=sys.stderr)
+
+    def test_enable_too_late_is_a_clear_error(self):
+        need()
+        r = run_child("too_late")
+        self.assertTrue(r["raised"])
+        self.assertIn("too late", r["message"])
+
+    def test_bad_conf_raises_before_cuda(self):
+        need()
+        r = run_child("bad_conf")
+        self.assertEqual(r["raised"], "ConfigError")
+        self.assertIn("limt", r["message"])
+        self.assertFalse(r["cuda_initialized"])
+
+
+class CupyTest(unittest.TestCase):
+    def run_cupy(self, *args):
+        need_cupy()
+        r = run_child("cupy", *args)
+        failed = [name for name, ok in r["checks"].items() if not ok]
+        self.assertEqual(failed, [], r)
+
+    def test_cupy_arrays_stream_aware(self):
+        self.run_cupy()
+
+    def test_cupy_arrays_cfunction_allocator(self):
+        self.run_cupy("--no-stream-aware")
+
+
+class DataParallelTest(unittest.TestCase):
+    def test_ddp_two_gpus_nccl(self):
+        need(gpus=2)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        r = run_child("ddp", "--steps", "5", launcher=launcher)
+        self.assertEqual(r["world"], 2)
+        self.assertTrue(r["params_equal"], "replicas diverged")
+        self.assertGreater(r["allocated"], 0)
+        native = run_child("ddp", "--steps", "5", "--allocator", "native", launcher=launcher)
+        self.assertEqual(r["losses"], native["losses"])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The Python package's tests (python/tests: standard-library unittest, no
+# GPU) against a build's libgpumem.so.
+#
+#   bash tests/test_python.sh [BUILD_DIR]      (default: build)
+#
+# Same as `GPUMEM_LIBRARY=BUILD_DIR/libgpumem.so python3 -m unittest
+# discover -s python/tests -v`, through a small runner so that the last
+# line is "python: N passed, N failed, N skipped" and the exit status is
+# nonzero when anything failed (or nothing ran).
+set -u
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${1:-$root/build}"
+case "$build" in /*) ;; *) build="$PWD/$build" ;; esac
+lib="$build/libgpumem.so"
+py="${PYTHON:-python3}"
+
+if [ ! -f "$lib" ]; then
+  echo "test_python: $lib not found: build the library first (make build)" >&2
+  echo "python: 0 passed, 1 failed"
+  exit 1
+fi
+if ! command -v "$py" >/dev/null 2>&1; then
+  echo "test_python: $py not found" >&2
+  echo "python: 0 passed, 1 failed"
+  exit 1
+fi
+
+cd "$root"
+GPUMEM_LIBRARY="$lib" PYTHONDONTWRITEBYTECODE=1 "$py" - "$root/python/tests" <<'PY'
+import sys
+import unittest
+
+start = sys.argv[1]
+suite = unittest.defaultTestLoader.discover(start, top_level_dir=start)
+result = unittest.TextTestRunner(verbosity=2).run(suite)
+failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+skipped = len(result.skipped)
+passed = result.testsRun - failed - skipped - len(result.expectedFailures)
+print("python: %d passed, %d failed, %d skipped" % (passed, failed, skipped))
+sys.exit(1 if failed or result.testsRun == 0 else 0)
+PY
