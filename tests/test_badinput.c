@@ -52,10 +52,6 @@ static int has(const char* text) {
   return strstr(gpumem_last_error(), text) != NULL;
 }
 
-static void clear_error(void) {
-  gpumem_set_last_error("%s", "");
-}
-
 static snapshot_t take(fixture_t* f) {
   snapshot_t s;
   memset(&s, 0, sizeof s);

@@ -20,6 +20,7 @@
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
+#include "spy_backend.h"
 #include "test_util.h"
 
 #define KIB ((size_t)1 << 10)
@@ -40,195 +41,6 @@ static const config_t configs[] = {
     /* eager unmaps on free: the only policy whose free calls the device */
     {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER},
 };
-
-/* ---- a spy between the allocator and the device ----
- *
- * The allocator talks to the device through this table, which forwards
- * every call and remembers, per stream, up to which moment its work is
- * known to be complete: an event recorded on it was seen complete (query
- * or sync), or the stream or the device was synchronized. Memory freed at
- * moment T after use on stream X may be handed out again only once X's
- * work is known complete past T; the spy is the oracle for that. */
-#define SPY_STREAMS 16
-
-typedef struct spy_event {
-  gpumem_stream_t stream;
-  uint64_t recorded; /* moment of the last record, 0 = never */
-} spy_event_t;
-
-typedef struct spy {
-  gpumem_backend_t be; /* first: what the allocator is given */
-  gpumem_backend_t* dev;
-  uint64_t clock; /* one tick per device call */
-  gpumem_stream_t streams[SPY_STREAMS];
-  uint64_t done_upto[SPY_STREAMS];
-  size_t num_streams;
-  uint64_t device_synced;
-  spy_event_t* events; /* by handle */
-  size_t events_cap;
-} spy_t;
-
-static uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
-  for (size_t i = 0; i < s->num_streams; i++) {
-    if (s->streams[i] == stream) return &s->done_upto[i];
-  }
-  if (s->num_streams == SPY_STREAMS) {
-    fprintf(stderr, "spy: more than %d streams\n", SPY_STREAMS);
-    exit(2);
-  }
-  s->streams[s->num_streams] = stream;
-  s->done_upto[s->num_streams] = 0;
-  return &s->done_upto[s->num_streams++];
-}
-
-static void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
-  uint64_t* d = spy_done(s, stream);
-  if (upto > *d) *d = upto;
-}
-
-/* True when stream's work queued up to moment t is known complete. */
-static int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
-  return *spy_done(s, stream) > t || s->device_synced > t;
-}
-
-static spy_event_t* spy_event(spy_t* s, gpumem_event_t h) {
-  if (h >= s->events_cap) {
-    size_t cap = s->events_cap ? s->events_cap : 64;
-    while (cap <= h) cap *= 2;
-    spy_event_t* grown = realloc(s->events, cap * sizeof *grown);
-    if (!grown) {
-      fprintf(stderr, "spy: out of host memory\n");
-      exit(2);
-    }
-    memset(grown + s->events_cap, 0, (cap - s->events_cap) * sizeof *grown);
-    s->events = grown;
-    s->events_cap = cap;
-  }
-  return &s->events[h];
-}
-
-#define SPY_DEV(ctx) (((spy_t*)(ctx))->clock++, ((spy_t*)(ctx))->dev)
-
-static gpumem_status_t spy_reserve(void* ctx, size_t size, uintptr_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->reserve(d->ctx, size, out);
-}
-static gpumem_status_t spy_release_range(void* ctx, uintptr_t addr, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->release_range(d->ctx, addr, size);
-}
-static gpumem_status_t spy_create_page(void* ctx, size_t size, gpumem_phys_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->create_page(d->ctx, size, out);
-}
-static gpumem_status_t spy_release_page(void* ctx, gpumem_phys_t page, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->release_page(d->ctx, page, size);
-}
-static gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->map(d->ctx, addr, size, page);
-}
-static gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->unmap(d->ctx, addr, size);
-}
-static gpumem_status_t spy_alloc(void* ctx, size_t size, uintptr_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->alloc(d->ctx, size, out);
-}
-static gpumem_status_t spy_free(void* ctx, uintptr_t addr, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->free(d->ctx, addr, size);
-}
-static gpumem_status_t spy_mem_info(void* ctx, size_t* free_bytes, size_t* total) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->mem_info(d->ctx, free_bytes, total);
-}
-static gpumem_status_t spy_event_create(void* ctx, gpumem_event_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->event_create(d->ctx, out);
-}
-static gpumem_status_t spy_event_destroy(void* ctx, gpumem_event_t ev) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->event_destroy(d->ctx, ev);
-}
-static gpumem_status_t spy_event_record(void* ctx, gpumem_event_t ev, gpumem_stream_t stream) {
-  spy_t* s = ctx;
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->event_record(d->ctx, ev, stream);
-  if (st == GPUMEM_OK) {
-    spy_event_t* e = spy_event(s, ev);
-    e->stream = stream;
-    e->recorded = s->clock;
-  }
-  return st;
-}
-static void spy_event_done(spy_t* s, gpumem_event_t ev) {
-  spy_event_t* e = spy_event(s, ev);
-  if (e->recorded) spy_mark_done(s, e->stream, e->recorded);
-}
-static gpumem_status_t spy_event_query(void* ctx, gpumem_event_t ev) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->event_query(d->ctx, ev);
-  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
-  return st;
-}
-static gpumem_status_t spy_event_sync(void* ctx, gpumem_event_t ev) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->event_sync(d->ctx, ev);
-  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
-  return st;
-}
-static gpumem_status_t spy_stream_sync(void* ctx, gpumem_stream_t stream) {
-  spy_t* s = ctx;
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->stream_sync(d->ctx, stream);
-  if (st == GPUMEM_OK) spy_mark_done(s, stream, s->clock);
-  return st;
-}
-static gpumem_status_t spy_device_sync(void* ctx) {
-  spy_t* s = ctx;
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->device_sync(d->ctx);
-  if (st == GPUMEM_OK) s->device_synced = s->clock;
-  return st;
-}
-
-/* Wraps dev (a simulated device with every slot). */
-static void spy_init(spy_t* s, gpumem_backend_t* dev) {
-  memset(s, 0, sizeof *s);
-  s->dev = dev;
-  s->be.version = dev->version;
-  s->be.name = "spy";
-  s->be.ctx = s;
-  s->be.page_size = dev->page_size;
-  if (dev->reserve) {
-    s->be.reserve = spy_reserve;
-    s->be.release_range = spy_release_range;
-    s->be.create_page = spy_create_page;
-    s->be.release_page = spy_release_page;
-    s->be.map = spy_map;
-    s->be.unmap = spy_unmap;
-  }
-  if (dev->alloc) {
-    s->be.alloc = spy_alloc;
-    s->be.free = spy_free;
-  }
-  s->be.mem_info = spy_mem_info;
-  s->be.event_create = spy_event_create;
-  s->be.event_destroy = spy_event_destroy;
-  s->be.event_record = spy_event_record;
-  s->be.event_query = spy_event_query;
-  s->be.event_sync = spy_event_sync;
-  s->be.stream_sync = spy_stream_sync;
-  s->be.device_sync = spy_device_sync;
-}
-
-static void spy_fini(spy_t* s) {
-  free(s->events);
-  s->events = NULL;
-}
 
 /* What one run injects. kind -2 means nothing (the baseline). */
 typedef struct script {
@@ -274,31 +86,13 @@ static void run_context(const run_t* r) {
           gpumem_strerror(r->script.status), r->step);
 }
 
-#define RUN_CHECK(r, cond, ...)                                                \
-  do {                                                                         \
-    if (cond) {                                                                \
-      test_checks_passed++;                                                    \
-    } else {                                                                   \
-      test_checks_failed++;                                                    \
-      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                            \
-      fputc('\n', stderr);                                                     \
-      if (!(r)->failed) run_context(r);                                        \
-      (r)->failed = 1;                                                         \
-    }                                                                          \
-  } while (0)
-
-/* Messages persist until the next failure: clear it so that a message
- * checked after a call is that call's own. */
-static void clear_error(void) {
-  gpumem_set_last_error("%s", "");
+/* The first failure ends the run; its context is printed once. */
+static void run_failed(run_t* r) {
+  if (!r->failed) run_context(r);
+  r->failed = 1;
 }
 
-static gpumem_sim_counters_t counters(gpumem_backend_t* sim) {
-  gpumem_sim_counters_t c;
-  gpumem_sim_get_counters(sim, &c);
-  return c;
-}
+#define RUN_CHECK(r, cond, ...) CHECK_MSG_THEN_(cond, #cond, run_failed(r), __VA_ARGS__)
 
 static size_t live_count(const run_t* r) {
   size_t n = 0;
@@ -317,7 +111,7 @@ static void check_state(run_t* r) {
   RUN_CHECK(r, s.allocation[GPUMEM_POOL_ALL].current == (int64_t)live_count(r),
             "%lld allocations, the workload holds %zu",
             (long long)s.allocation[GPUMEM_POOL_ALL].current, live_count(r));
-  gpumem_sim_counters_t c = counters(r->sim);
+  gpumem_sim_counters_t c = sim_counters(r->sim);
   RUN_CHECK(r, (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == c.bytes_in_use,
             "reserved %lld, the device holds %llu",
             (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current,
@@ -526,13 +320,13 @@ static gpumem_sim_counters_t run_script(const config_t* cfg, script_t sc) {
     spy_fini(&r->spy);
     return calls;
   }
-  gpumem_sim_counters_t at_start = counters(r->sim);
+  gpumem_sim_counters_t at_start = sim_counters(r->sim);
   if (sc.kind != -2) gpumem_sim_fail(r->sim, sc.kind, sc.skip, sc.count, sc.status);
   workload(r);
   gpumem_sim_fail_clear(r->sim);
   runs_with_failures += r->failures_seen > 0;
   failures_total += r->failures_seen;
-  calls = counters(r->sim);
+  calls = sim_counters(r->sim);
   for (int k = 0; k < GPUMEM_CALL_COUNT; k++) calls.calls[k] -= at_start.calls[k];
 
   /* With the device healthy again, the allocator works: new allocations,
@@ -552,7 +346,7 @@ static gpumem_sim_counters_t run_script(const config_t* cfg, script_t sc) {
     do_empty_cache(r);
     gpumem_stats_t s;
     gpumem_get_stats(r->gm, &s);
-    gpumem_sim_counters_t c = counters(r->sim);
+    gpumem_sim_counters_t c = sim_counters(r->sim);
     /* Everything is free and the cache emptied: nothing may be held. */
     RUN_CHECK(
         r,
@@ -562,7 +356,7 @@ static gpumem_sim_counters_t run_script(const config_t* cfg, script_t sc) {
         (unsigned long long)c.bytes_in_use);
   }
   gpumem_destroy(r->gm);
-  gpumem_sim_counters_t c = counters(r->sim);
+  gpumem_sim_counters_t c = sim_counters(r->sim);
   RUN_CHECK(r,
             c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
                 c.pages_mapped == 0 && c.plain_live == 0 && c.events_live == 0,
@@ -600,7 +394,7 @@ static void test_create_fails(void) {
       gm = gpumem_create(sim, &o, &st);
       CHECK_MSG(gm != NULL && st == GPUMEM_OK, "create after the failure: %s", gpumem_last_error());
       gpumem_destroy(gm);
-      gpumem_sim_counters_t c = counters(sim);
+      gpumem_sim_counters_t c = sim_counters(sim);
       CHECK(c.ranges_reserved == 0 && c.bytes_in_use == 0 && c.events_live == 0);
       gpumem_sim_destroy(sim);
     }

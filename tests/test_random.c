@@ -32,6 +32,7 @@
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
+#include "spy_backend.h"
 #include "test_util.h"
 
 #define MIB ((size_t)1 << 20)
@@ -73,200 +74,6 @@ static const config_t configs[] = {
  * that never allocates, as a side stream of copies would. */
 static const gpumem_stream_t alloc_streams[] = {0, 0x100, 0x200};
 static const gpumem_stream_t use_streams[] = {0, 0x100, 0x200, 0x300};
-
-/* ---- a spy between the allocator and the device ----
- *
- * The allocator talks to the device through this table, which forwards
- * every call and remembers, per stream, up to which moment its work is
- * known to be complete: an event recorded on it was seen complete (query
- * or sync), or the stream or the device was synchronized. Memory freed at
- * moment T after use on stream X may be handed out again only once X's
- * work is known complete past T; the spy is the oracle for that. */
-#define SPY_STREAMS 16
-
-typedef struct spy_event {
-  gpumem_stream_t stream;
-  uint64_t recorded; /* moment of the last record, 0 = never */
-} spy_event_t;
-
-typedef struct spy {
-  gpumem_backend_t be; /* first: what the allocator is given */
-  gpumem_backend_t* dev;
-  uint64_t clock; /* one tick per device call */
-  gpumem_stream_t streams[SPY_STREAMS];
-  uint64_t done_upto[SPY_STREAMS];
-  size_t num_streams;
-  uint64_t device_synced;
-  spy_event_t* events; /* by handle */
-  size_t events_cap;
-  /* called before every unmap: physical pages leave their address */
-  void (*on_unmap)(void* arg, uintptr_t addr, size_t size);
-  void* on_unmap_arg;
-} spy_t;
-
-static uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
-  for (size_t i = 0; i < s->num_streams; i++) {
-    if (s->streams[i] == stream) return &s->done_upto[i];
-  }
-  if (s->num_streams == SPY_STREAMS) {
-    fprintf(stderr, "spy: more than %d streams\n", SPY_STREAMS);
-    exit(2);
-  }
-  s->streams[s->num_streams] = stream;
-  s->done_upto[s->num_streams] = 0;
-  return &s->done_upto[s->num_streams++];
-}
-
-static void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
-  uint64_t* d = spy_done(s, stream);
-  if (upto > *d) *d = upto;
-}
-
-/* True when stream's work queued up to moment t is known complete. */
-static int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
-  return *spy_done(s, stream) > t || s->device_synced > t;
-}
-
-static spy_event_t* spy_event(spy_t* s, gpumem_event_t h) {
-  if (h >= s->events_cap) {
-    size_t cap = s->events_cap ? s->events_cap : 64;
-    while (cap <= h) cap *= 2;
-    spy_event_t* grown = realloc(s->events, cap * sizeof *grown);
-    if (!grown) {
-      fprintf(stderr, "spy: out of host memory\n");
-      exit(2);
-    }
-    memset(grown + s->events_cap, 0, (cap - s->events_cap) * sizeof *grown);
-    s->events = grown;
-    s->events_cap = cap;
-  }
-  return &s->events[h];
-}
-
-#define SPY_DEV(ctx) (((spy_t*)(ctx))->clock++, ((spy_t*)(ctx))->dev)
-
-static gpumem_status_t spy_reserve(void* ctx, size_t size, uintptr_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->reserve(d->ctx, size, out);
-}
-static gpumem_status_t spy_release_range(void* ctx, uintptr_t addr, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->release_range(d->ctx, addr, size);
-}
-static gpumem_status_t spy_create_page(void* ctx, size_t size, gpumem_phys_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->create_page(d->ctx, size, out);
-}
-static gpumem_status_t spy_release_page(void* ctx, gpumem_phys_t page, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->release_page(d->ctx, page, size);
-}
-static gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->map(d->ctx, addr, size, page);
-}
-static gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {
-  spy_t* s = ctx;
-  if (s->on_unmap) s->on_unmap(s->on_unmap_arg, addr, size);
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->unmap(d->ctx, addr, size);
-}
-static gpumem_status_t spy_alloc(void* ctx, size_t size, uintptr_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->alloc(d->ctx, size, out);
-}
-static gpumem_status_t spy_free(void* ctx, uintptr_t addr, size_t size) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->free(d->ctx, addr, size);
-}
-static gpumem_status_t spy_mem_info(void* ctx, size_t* free_bytes, size_t* total) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->mem_info(d->ctx, free_bytes, total);
-}
-static gpumem_status_t spy_event_create(void* ctx, gpumem_event_t* out) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->event_create(d->ctx, out);
-}
-static gpumem_status_t spy_event_destroy(void* ctx, gpumem_event_t ev) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->event_destroy(d->ctx, ev);
-}
-static gpumem_status_t spy_event_record(void* ctx, gpumem_event_t ev, gpumem_stream_t stream) {
-  spy_t* s = ctx;
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->event_record(d->ctx, ev, stream);
-  if (st == GPUMEM_OK) {
-    spy_event_t* e = spy_event(s, ev);
-    e->stream = stream;
-    e->recorded = s->clock;
-  }
-  return st;
-}
-static void spy_event_done(spy_t* s, gpumem_event_t ev) {
-  spy_event_t* e = spy_event(s, ev);
-  if (e->recorded) spy_mark_done(s, e->stream, e->recorded);
-}
-static gpumem_status_t spy_event_query(void* ctx, gpumem_event_t ev) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->event_query(d->ctx, ev);
-  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
-  return st;
-}
-static gpumem_status_t spy_event_sync(void* ctx, gpumem_event_t ev) {
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->event_sync(d->ctx, ev);
-  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
-  return st;
-}
-static gpumem_status_t spy_stream_sync(void* ctx, gpumem_stream_t stream) {
-  spy_t* s = ctx;
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->stream_sync(d->ctx, stream);
-  if (st == GPUMEM_OK) spy_mark_done(s, stream, s->clock);
-  return st;
-}
-static gpumem_status_t spy_device_sync(void* ctx) {
-  spy_t* s = ctx;
-  gpumem_backend_t* d = SPY_DEV(ctx);
-  gpumem_status_t st = d->device_sync(d->ctx);
-  if (st == GPUMEM_OK) s->device_synced = s->clock;
-  return st;
-}
-
-/* Wraps dev (a simulated device with every slot). */
-static void spy_init(spy_t* s, gpumem_backend_t* dev) {
-  memset(s, 0, sizeof *s);
-  s->dev = dev;
-  s->be.version = dev->version;
-  s->be.name = "spy";
-  s->be.ctx = s;
-  s->be.page_size = dev->page_size;
-  if (dev->reserve) {
-    s->be.reserve = spy_reserve;
-    s->be.release_range = spy_release_range;
-    s->be.create_page = spy_create_page;
-    s->be.release_page = spy_release_page;
-    s->be.map = spy_map;
-    s->be.unmap = spy_unmap;
-  }
-  if (dev->alloc) {
-    s->be.alloc = spy_alloc;
-    s->be.free = spy_free;
-  }
-  s->be.mem_info = spy_mem_info;
-  s->be.event_create = spy_event_create;
-  s->be.event_destroy = spy_event_destroy;
-  s->be.event_record = spy_event_record;
-  s->be.event_query = spy_event_query;
-  s->be.event_sync = spy_event_sync;
-  s->be.stream_sync = spy_stream_sync;
-  s->be.device_sync = spy_device_sync;
-}
-
-static void spy_fini(spy_t* s) {
-  free(s->events);
-  s->events = NULL;
-}
 
 /* ---- the model ---- */
 
@@ -341,19 +148,12 @@ static void run_context(const run_t* r) {
 
 /* A check that stops the run on failure: everything after it would only
  * repeat the first symptom. */
-#define RUN_CHECK(r, cond, ...)                                                \
-  do {                                                                         \
-    if (cond) {                                                                \
-      test_checks_passed++;                                                    \
-    } else {                                                                   \
-      test_checks_failed++;                                                    \
-      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                            \
-      fputc('\n', stderr);                                                     \
-      run_context(r);                                                          \
-      (r)->failed = 1;                                                         \
-    }                                                                          \
-  } while (0)
+static void run_failed(run_t* r) {
+  run_context(r);
+  r->failed = 1;
+}
+
+#define RUN_CHECK(r, cond, ...) CHECK_MSG_THEN_(cond, #cond, run_failed(r), __VA_ARGS__)
 
 static size_t round512(size_t size) {
   return size < 512 ? 512 : (size + 511) / 512 * 512;
@@ -365,18 +165,6 @@ static size_t pytorch_segment(size_t size) {
   if (r <= MIB) return 2 * MIB;
   if (r < 10 * MIB) return 20 * MIB;
   return (r + 2 * MIB - 1) / (2 * MIB) * (2 * MIB);
-}
-
-/* Messages persist until the next failure: clear it so that a message
- * checked after a call is that call's own. */
-static void clear_error(void) {
-  gpumem_set_last_error("%s", "");
-}
-
-static gpumem_sim_counters_t sim_counters(gpumem_backend_t* sim) {
-  gpumem_sim_counters_t c;
-  gpumem_sim_get_counters(sim, &c);
-  return c;
 }
 
 /* ---- device bytes through the host: one page at a time ---- */

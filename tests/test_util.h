@@ -8,38 +8,53 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpumem.h"
+
 static long test_checks_passed;
 static long test_checks_failed;
 
-#define CHECK(cond)                                                                  \
-  do {                                                                               \
-    if (cond) {                                                                      \
-      test_checks_passed++;                                                          \
-    } else {                                                                         \
-      test_checks_failed++;                                                          \
-      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);       \
-    }                                                                                \
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (cond) {                                                                \
+      test_checks_passed++;                                                    \
+    } else {                                                                   \
+      test_checks_failed++;                                                    \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                          \
   } while (0)
 
-#define CHECK_MSG(cond, ...)                                                         \
-  do {                                                                               \
-    if (cond) {                                                                      \
-      test_checks_passed++;                                                          \
-    } else {                                                                         \
-      test_checks_failed++;                                                          \
-      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #cond);       \
-      fprintf(stderr, __VA_ARGS__);                                                  \
-      fputc('\n', stderr);                                                           \
-    }                                                                                \
+/* CHECK_MSG with `text` (the condition as written) in the report and the
+ * statement `on_fail` run after it: for checks of one's own, such as a
+ * RUN_CHECK that also stops a run. Take #cond in the outer macro, so that
+ * the report shows the condition unexpanded. */
+#define CHECK_MSG_THEN_(cond, text, on_fail, ...)                             \
+  do {                                                                        \
+    if (cond) {                                                               \
+      test_checks_passed++;                                                   \
+    } else {                                                                  \
+      test_checks_failed++;                                                   \
+      fprintf(stderr, "%s:%d: CHECK failed: %s: ", __FILE__, __LINE__, text); \
+      fprintf(stderr, __VA_ARGS__);                                           \
+      fputc('\n', stderr);                                                    \
+      on_fail;                                                                \
+    }                                                                         \
   } while (0)
+
+#define CHECK_MSG(cond, ...) CHECK_MSG_THEN_(cond, #cond, (void)0, __VA_ARGS__)
 
 /* Status equality with the detail message printed on mismatch. */
-#define CHECK_STATUS(expr, want)                                                     \
-  do {                                                                               \
-    gpumem_status_t got_status_ = (expr);                                            \
-    CHECK_MSG(got_status_ == (want), "got %s, want %s (%s)",                         \
-              gpumem_strerror(got_status_), gpumem_strerror(want), gpumem_last_error()); \
+#define CHECK_STATUS(expr, want)                                                           \
+  do {                                                                                     \
+    gpumem_status_t got_status_ = (expr);                                                  \
+    CHECK_MSG(got_status_ == (want), "got %s, want %s (%s)", gpumem_strerror(got_status_), \
+              gpumem_strerror(want), gpumem_last_error());                                 \
   } while (0)
+
+/* Messages persist until the next failure: clear it so that a message
+ * checked after a call is that call's own. */
+static inline void clear_error(void) {
+  gpumem_set_last_error("%s", "");
+}
 
 static inline int test_finish(const char* name) {
   printf("%s: %ld passed, %ld failed\n", name, test_checks_passed, test_checks_failed);

@@ -9,16 +9,14 @@
  *
  * The GPU work (memsets, copies, streams) goes through the driver API,
  * opened with dlopen as the backend does; the test links with neither the
- * CUDA runtime nor cuda.h, so the few types it needs are declared here
- * with their ABI (CUresult is an int, handles are pointers, CUdeviceptr a
- * 64-bit integer).
+ * CUDA runtime nor cuda.h: the binding (cuda_driver.h) declares the few
+ * types it needs with their ABI.
  *
  * Environment: GPUMEM_TEST_MEMINFO_TOL_MIB widens the tolerance between the
  * driver's and the allocator's counts (compute-sanitizer holds device
  * memory of its own; the tolerance widens by itself when it is detected);
  * GPUMEM_TEST_QUICK=1 runs fewer random operations (for slow tools). */
 #include <ctype.h>
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,92 +25,10 @@
 #include "gpumem.h"
 #include "gpumem_backend.h"
 #include "test_util.h"
+#include "cuda_driver.h"
 
 #define MIB ((size_t)1 << 20)
 #define GIB ((size_t)1 << 30)
-
-/* ---- a minimal driver binding for the test's own GPU work ------------- */
-
-typedef int drv_result;
-typedef unsigned long long drv_ptr;
-typedef void* drv_stream;
-typedef void* drv_ctx;
-enum { DRV_SUCCESS = 0, DRV_STREAM_NON_BLOCKING = 1 };
-
-static struct {
-  void* lib;
-  drv_ctx primary;
-  int device;
-  drv_result (*Init)(unsigned);
-  drv_result (*DeviceGet)(int*, int);
-  drv_result (*PrimaryCtxRetain)(drv_ctx*, int);
-  drv_result (*PrimaryCtxRelease)(int);
-  drv_result (*CtxSetCurrent)(drv_ctx);
-  drv_result (*CtxSynchronize)(void);
-  drv_result (*MemsetD8)(drv_ptr, unsigned char, size_t);
-  drv_result (*MemsetD8Async)(drv_ptr, unsigned char, size_t, drv_stream);
-  drv_result (*MemcpyHtoD)(drv_ptr, const void*, size_t);
-  drv_result (*MemcpyDtoH)(void*, drv_ptr, size_t);
-  drv_result (*StreamCreate)(drv_stream*, unsigned);
-  drv_result (*StreamDestroy)(drv_stream);
-  drv_result (*StreamSynchronize)(drv_stream);
-  drv_result (*MemGetInfo)(size_t*, size_t*);
-  drv_result (*GetErrorName)(drv_result, const char**);
-} drv;
-
-static const char* drv_name(drv_result r) {
-  const char* s = NULL;
-  if (!drv.GetErrorName || drv.GetErrorName(r, &s) != DRV_SUCCESS || !s) return "?";
-  return s;
-}
-
-#define DRV_OK(expr)                                                      \
-  do {                                                                    \
-    drv_result r_ = (expr);                                               \
-    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_)); \
-  } while (0)
-
-static int drv_sym(void* fnptr, const char* name) {
-  void* p = dlsym(drv.lib, name);
-  if (!p) fprintf(stderr, "libcuda.so.1 lacks %s\n", name);
-  memcpy(fnptr, &p, sizeof p);
-  return p != NULL;
-}
-
-/* Opens the driver and makes the primary context current, as an
- * application using the runtime (PyTorch) would have. */
-static int drv_open(int device) {
-  drv.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!drv.lib) return 0;
-  int ok = 1;
-  ok &= drv_sym(&drv.Init, "cuInit");
-  ok &= drv_sym(&drv.DeviceGet, "cuDeviceGet");
-  ok &= drv_sym(&drv.PrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-  ok &= drv_sym(&drv.PrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
-  ok &= drv_sym(&drv.CtxSetCurrent, "cuCtxSetCurrent");
-  ok &= drv_sym(&drv.CtxSynchronize, "cuCtxSynchronize");
-  ok &= drv_sym(&drv.MemsetD8, "cuMemsetD8_v2");
-  ok &= drv_sym(&drv.MemsetD8Async, "cuMemsetD8Async");
-  ok &= drv_sym(&drv.MemcpyHtoD, "cuMemcpyHtoD_v2");
-  ok &= drv_sym(&drv.MemcpyDtoH, "cuMemcpyDtoH_v2");
-  ok &= drv_sym(&drv.StreamCreate, "cuStreamCreate");
-  ok &= drv_sym(&drv.StreamDestroy, "cuStreamDestroy_v2");
-  ok &= drv_sym(&drv.StreamSynchronize, "cuStreamSynchronize");
-  ok &= drv_sym(&drv.MemGetInfo, "cuMemGetInfo_v2");
-  ok &= drv_sym(&drv.GetErrorName, "cuGetErrorName");
-  if (!ok) return 0;
-  int dev = 0;
-  if (drv.Init(0) != DRV_SUCCESS || drv.DeviceGet(&dev, device) != DRV_SUCCESS) return 0;
-  drv.device = dev;
-  if (drv.PrimaryCtxRetain(&drv.primary, dev) != DRV_SUCCESS) return 0;
-  return drv.CtxSetCurrent(drv.primary) == DRV_SUCCESS;
-}
-
-static void drv_close(void) {
-  if (drv.primary) drv.PrimaryCtxRelease(drv.device);
-  if (drv.lib) dlclose(drv.lib);
-  memset(&drv, 0, sizeof drv);
-}
 
 static size_t device_free(void) {
   size_t fr = 0, tot = 0;
@@ -147,11 +63,6 @@ static int contains_nocase(const char* hay, const char* needle) {
   return n == 0;
 }
 
-/* Position-dependent bytes: a page mapped at the wrong place shows. */
-static unsigned char pattern_byte(size_t i, unsigned seed) {
-  return (unsigned char)((i >> 12) * 31u + i * 7u + seed * 101u);
-}
-
 static unsigned char* scratch; /* 8 MiB host staging buffer */
 #define SCRATCH (8 * MIB)
 
@@ -181,13 +92,6 @@ static size_t check_value(uintptr_t addr, size_t len, unsigned char value) {
     for (size_t i = 0; i < n; i++) bad += scratch[i] != value;
   }
   return bad;
-}
-
-/* Device work on stream s that keeps buf busy for a while: reps memsets
- * of len bytes (256 MiB x 100 is about 10 ms on an H100). The last value
- * written is reps & 0xff. */
-static void queue_busy_work(uintptr_t buf, size_t len, drv_stream s, int reps) {
-  for (int i = 1; i <= reps; i++) DRV_OK(drv.MemsetD8Async((drv_ptr)buf, (unsigned char)i, len, s));
 }
 
 static const char* policy_name(int policy) {
@@ -586,7 +490,7 @@ int main(void) {
   have_vmm = probe->map != NULL;
   printf("backend \"%s\", page size %zu\n", probe->name, probe->page_size);
   scratch = malloc(SCRATCH);
-  if (!scratch || !drv_open(0)) {
+  if (!scratch || !drv_open(0, 1)) {
     CHECK_MSG(0, "the test's own driver binding failed");
     gpumem_cuda_destroy(probe);
     return test_finish(name);

@@ -7,10 +7,8 @@
  *
  * The test drives the GPU itself (memset, copies, streams) through the
  * driver API, opened with dlopen like the backend does: it is linked with
- * neither the CUDA runtime nor cuda.h, so the few types it needs are
- * declared here with their ABI (CUresult and CUdevice are ints, handles
- * are pointers, CUdeviceptr is a 64-bit integer). */
-#include <dlfcn.h>
+ * neither the CUDA runtime nor cuda.h: the binding (cuda_driver.h)
+ * declares the few types it needs with their ABI. */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -21,119 +19,13 @@
 #include "gpumem.h"
 #include "gpumem_backend.h"
 #include "test_util.h"
+#include "cuda_driver.h"
 
 #define MIB ((size_t)1 << 20)
 #define GIB ((size_t)1 << 30)
 
-/* ---- a minimal driver binding for the test's own GPU work ------------- */
-
-typedef int drv_result;
-typedef unsigned long long drv_ptr;
-typedef void* drv_stream;
-typedef void* drv_ctx;
-enum { DRV_SUCCESS = 0, DRV_NOT_READY = 600, DRV_STREAM_NON_BLOCKING = 1 };
-
-static struct {
-  void* lib;
-  drv_ctx primary; /* the device's primary context, retained */
-  int device;
-  drv_result (*Init)(unsigned);
-  drv_result (*DeviceGet)(int*, int);
-  drv_result (*DeviceGetCount)(int*);
-  drv_result (*PrimaryCtxRetain)(drv_ctx*, int);
-  drv_result (*PrimaryCtxRelease)(int);
-  drv_result (*CtxGetCurrent)(drv_ctx*);
-  drv_result (*CtxSetCurrent)(drv_ctx);
-  drv_result (*CtxPushCurrent)(drv_ctx);
-  drv_result (*CtxPopCurrent)(drv_ctx*);
-  drv_result (*CtxCreate)(drv_ctx*, unsigned, int); /* optional: cuCtxCreate_v2 */
-  drv_result (*CtxDestroy)(drv_ctx);
-  drv_result (*CtxSynchronize)(void);
-  drv_result (*MemsetD8)(drv_ptr, unsigned char, size_t);
-  drv_result (*MemsetD8Async)(drv_ptr, unsigned char, size_t, drv_stream);
-  drv_result (*MemcpyHtoD)(drv_ptr, const void*, size_t);
-  drv_result (*MemcpyDtoH)(void*, drv_ptr, size_t);
-  drv_result (*StreamCreate)(drv_stream*, unsigned);
-  drv_result (*StreamDestroy)(drv_stream);
-  drv_result (*StreamSynchronize)(drv_stream);
-  drv_result (*StreamQuery)(drv_stream);
-  drv_result (*MemGetInfo)(size_t*, size_t*);
-  drv_result (*GetErrorName)(drv_result, const char**);
-} drv;
-
-static const char* drv_name(drv_result r) {
-  const char* s = NULL;
-  if (!drv.GetErrorName || drv.GetErrorName(r, &s) != DRV_SUCCESS || !s) return "?";
-  return s;
-}
-
-#define DRV_OK(expr)                                                      \
-  do {                                                                    \
-    drv_result r_ = (expr);                                               \
-    CHECK_MSG(r_ == DRV_SUCCESS, "%s -> %d %s", #expr, r_, drv_name(r_)); \
-  } while (0)
-
-static int drv_sym(void* fnptr, const char* name, int required) {
-  void* p = dlsym(drv.lib, name);
-  if (!p && required) fprintf(stderr, "libcuda.so.1 lacks %s\n", name);
-  memcpy(fnptr, &p, sizeof p);
-  return p != NULL || !required;
-}
-
-/* Opens the driver for the test's own calls after the backend proved it is
- * there; retains the primary context but leaves the thread's current
- * context alone (the test checks what the backend does with it). */
-static int drv_open(int device) {
-  drv.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (!drv.lib) return 0;
-  int ok = 1;
-  ok &= drv_sym(&drv.Init, "cuInit", 1);
-  ok &= drv_sym(&drv.DeviceGet, "cuDeviceGet", 1);
-  ok &= drv_sym(&drv.DeviceGetCount, "cuDeviceGetCount", 1);
-  ok &= drv_sym(&drv.PrimaryCtxRetain, "cuDevicePrimaryCtxRetain", 1);
-  ok &= drv_sym(&drv.PrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2", 1);
-  ok &= drv_sym(&drv.CtxGetCurrent, "cuCtxGetCurrent", 1);
-  ok &= drv_sym(&drv.CtxSetCurrent, "cuCtxSetCurrent", 1);
-  ok &= drv_sym(&drv.CtxPushCurrent, "cuCtxPushCurrent_v2", 1);
-  ok &= drv_sym(&drv.CtxPopCurrent, "cuCtxPopCurrent_v2", 1);
-  ok &= drv_sym(&drv.CtxCreate, "cuCtxCreate_v2", 0);
-  ok &= drv_sym(&drv.CtxDestroy, "cuCtxDestroy_v2", 1);
-  ok &= drv_sym(&drv.CtxSynchronize, "cuCtxSynchronize", 1);
-  ok &= drv_sym(&drv.MemsetD8, "cuMemsetD8_v2", 1);
-  ok &= drv_sym(&drv.MemsetD8Async, "cuMemsetD8Async", 1);
-  ok &= drv_sym(&drv.MemcpyHtoD, "cuMemcpyHtoD_v2", 1);
-  ok &= drv_sym(&drv.MemcpyDtoH, "cuMemcpyDtoH_v2", 1);
-  ok &= drv_sym(&drv.StreamCreate, "cuStreamCreate", 1);
-  ok &= drv_sym(&drv.StreamDestroy, "cuStreamDestroy_v2", 1);
-  ok &= drv_sym(&drv.StreamSynchronize, "cuStreamSynchronize", 1);
-  ok &= drv_sym(&drv.StreamQuery, "cuStreamQuery", 1);
-  ok &= drv_sym(&drv.MemGetInfo, "cuMemGetInfo_v2", 1);
-  ok &= drv_sym(&drv.GetErrorName, "cuGetErrorName", 1);
-  if (!ok) return 0;
-  int dev = 0;
-  if (drv.Init(0) != DRV_SUCCESS || drv.DeviceGet(&dev, device) != DRV_SUCCESS) return 0;
-  drv.device = dev;
-  return drv.PrimaryCtxRetain(&drv.primary, dev) == DRV_SUCCESS;
-}
-
-static void drv_close(void) {
-  if (drv.primary) drv.PrimaryCtxRelease(drv.device);
-  if (drv.lib) dlclose(drv.lib);
-  memset(&drv, 0, sizeof drv);
-}
-
-static drv_ctx drv_current(void) {
-  drv_ctx c = NULL;
-  drv.CtxGetCurrent(&c);
-  return c;
-}
-
 /* Fills [addr, addr+len) on the device with a position-dependent pattern
  * (so a page mapped at the wrong place shows), from a host buffer. */
-static unsigned char pattern_byte(size_t i, unsigned seed) {
-  return (unsigned char)((i >> 12) * 31u + i * 7u + seed * 101u);
-}
-
 static void fill_pattern(uintptr_t addr, size_t len, unsigned seed) {
   size_t chunk = len < 8 * MIB ? len : 8 * MIB;
   unsigned char* h = malloc(chunk);
@@ -381,13 +273,6 @@ static void test_plain(gpumem_backend_t* be) {
   CHECK_STATUS(be->mem_info(be->ctx, &fr, &tot), GPUMEM_OK);
 }
 
-/* Queues enough work on stream that an event recorded after it is very
- * likely still pending when the host asks (about 20 GB of writes). */
-static void queue_busy_work(uintptr_t buf, size_t len, drv_stream s, int reps) {
-  for (int i = 0; i < reps; i++)
-    DRV_OK(drv.MemsetD8Async((drv_ptr)buf, (unsigned char)(i + 1), len, s));
-}
-
 static void test_events(gpumem_backend_t* be) {
   drv_stream s = NULL;
   DRV_OK(drv.StreamCreate(&s, DRV_STREAM_NON_BLOCKING));
@@ -615,7 +500,7 @@ int main(void) {
   }
   CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
   if (!be) return test_finish(name);
-  if (!drv_open(0)) {
+  if (!drv_open(0, 0)) {
     CHECK_MSG(0, "the backend loaded the driver, but the test's own binding failed");
     gpumem_cuda_destroy(be);
     return test_finish(name);

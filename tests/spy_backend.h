@@ -1,0 +1,219 @@
+/* A spy between the allocator and the device, shared by the tests that
+ * need an oracle for stream safety (test_faults, test_random).
+ *
+ * The allocator talks to the device through this table, which forwards
+ * every call and remembers, per stream, up to which moment its work is
+ * known to be complete: an event recorded on it was seen complete (query
+ * or sync), or the stream or the device was synchronized. Memory freed at
+ * moment T after use on stream X may be handed out again only once X's
+ * work is known complete past T; the spy is the oracle for that.
+ *
+ * Hooks are optional (NULL: none): on_unmap is called before every unmap
+ * is forwarded. Functions are static inline so that a test that uses only
+ * part of the header compiles without unused-function warnings. */
+#ifndef GPUMEM_TEST_SPY_BACKEND_H
+#define GPUMEM_TEST_SPY_BACKEND_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+
+#define SPY_STREAMS 16
+
+typedef struct spy_event {
+  gpumem_stream_t stream;
+  uint64_t recorded; /* moment of the last record, 0 = never */
+} spy_event_t;
+
+typedef struct spy {
+  gpumem_backend_t be; /* first: what the allocator is given */
+  gpumem_backend_t* dev;
+  uint64_t clock; /* one tick per device call */
+  gpumem_stream_t streams[SPY_STREAMS];
+  uint64_t done_upto[SPY_STREAMS];
+  size_t num_streams;
+  uint64_t device_synced;
+  spy_event_t* events; /* by handle */
+  size_t events_cap;
+  /* called before every unmap: physical pages leave their address */
+  void (*on_unmap)(void* arg, uintptr_t addr, size_t size);
+  void* on_unmap_arg;
+} spy_t;
+
+static inline uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
+  for (size_t i = 0; i < s->num_streams; i++) {
+    if (s->streams[i] == stream) return &s->done_upto[i];
+  }
+  if (s->num_streams == SPY_STREAMS) {
+    fprintf(stderr, "spy: more than %d streams\n", SPY_STREAMS);
+    exit(2);
+  }
+  s->streams[s->num_streams] = stream;
+  s->done_upto[s->num_streams] = 0;
+  return &s->done_upto[s->num_streams++];
+}
+
+static inline void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
+  uint64_t* d = spy_done(s, stream);
+  if (upto > *d) *d = upto;
+}
+
+/* True when stream's work queued up to moment t is known complete. */
+static inline int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
+  return *spy_done(s, stream) > t || s->device_synced > t;
+}
+
+static inline spy_event_t* spy_event(spy_t* s, gpumem_event_t h) {
+  if (h >= s->events_cap) {
+    size_t cap = s->events_cap ? s->events_cap : 64;
+    while (cap <= h) cap *= 2;
+    spy_event_t* grown = realloc(s->events, cap * sizeof *grown);
+    if (!grown) {
+      fprintf(stderr, "spy: out of host memory\n");
+      exit(2);
+    }
+    memset(grown + s->events_cap, 0, (cap - s->events_cap) * sizeof *grown);
+    s->events = grown;
+    s->events_cap = cap;
+  }
+  return &s->events[h];
+}
+
+#define SPY_DEV(ctx) (((spy_t*)(ctx))->clock++, ((spy_t*)(ctx))->dev)
+
+static inline gpumem_status_t spy_reserve(void* ctx, size_t size, uintptr_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->reserve(d->ctx, size, out);
+}
+static inline gpumem_status_t spy_release_range(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->release_range(d->ctx, addr, size);
+}
+static inline gpumem_status_t spy_create_page(void* ctx, size_t size, gpumem_phys_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->create_page(d->ctx, size, out);
+}
+static inline gpumem_status_t spy_release_page(void* ctx, gpumem_phys_t page, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->release_page(d->ctx, page, size);
+}
+static inline gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->map(d->ctx, addr, size, page);
+}
+static inline gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {
+  spy_t* s = ctx;
+  if (s->on_unmap) s->on_unmap(s->on_unmap_arg, addr, size);
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->unmap(d->ctx, addr, size);
+}
+static inline gpumem_status_t spy_alloc(void* ctx, size_t size, uintptr_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->alloc(d->ctx, size, out);
+}
+static inline gpumem_status_t spy_free(void* ctx, uintptr_t addr, size_t size) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->free(d->ctx, addr, size);
+}
+static inline gpumem_status_t spy_mem_info(void* ctx, size_t* free_bytes, size_t* total) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->mem_info(d->ctx, free_bytes, total);
+}
+static inline gpumem_status_t spy_event_create(void* ctx, gpumem_event_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->event_create(d->ctx, out);
+}
+static inline gpumem_status_t spy_event_destroy(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->event_destroy(d->ctx, ev);
+}
+static inline gpumem_status_t spy_event_record(void* ctx, gpumem_event_t ev,
+                                               gpumem_stream_t stream) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_record(d->ctx, ev, stream);
+  if (st == GPUMEM_OK) {
+    spy_event_t* e = spy_event(s, ev);
+    e->stream = stream;
+    e->recorded = s->clock;
+  }
+  return st;
+}
+static inline void spy_event_done(spy_t* s, gpumem_event_t ev) {
+  spy_event_t* e = spy_event(s, ev);
+  if (e->recorded) spy_mark_done(s, e->stream, e->recorded);
+}
+static inline gpumem_status_t spy_event_query(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_query(d->ctx, ev);
+  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
+  return st;
+}
+static inline gpumem_status_t spy_event_sync(void* ctx, gpumem_event_t ev) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->event_sync(d->ctx, ev);
+  if (st == GPUMEM_OK) spy_event_done(ctx, ev);
+  return st;
+}
+static inline gpumem_status_t spy_stream_sync(void* ctx, gpumem_stream_t stream) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->stream_sync(d->ctx, stream);
+  if (st == GPUMEM_OK) spy_mark_done(s, stream, s->clock);
+  return st;
+}
+static inline gpumem_status_t spy_device_sync(void* ctx) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->device_sync(d->ctx);
+  if (st == GPUMEM_OK) s->device_synced = s->clock;
+  return st;
+}
+
+/* Wraps dev (a simulated device with every slot). */
+static inline void spy_init(spy_t* s, gpumem_backend_t* dev) {
+  memset(s, 0, sizeof *s);
+  s->dev = dev;
+  s->be.version = dev->version;
+  s->be.name = "spy";
+  s->be.ctx = s;
+  s->be.page_size = dev->page_size;
+  if (dev->reserve) {
+    s->be.reserve = spy_reserve;
+    s->be.release_range = spy_release_range;
+    s->be.create_page = spy_create_page;
+    s->be.release_page = spy_release_page;
+    s->be.map = spy_map;
+    s->be.unmap = spy_unmap;
+  }
+  if (dev->alloc) {
+    s->be.alloc = spy_alloc;
+    s->be.free = spy_free;
+  }
+  s->be.mem_info = spy_mem_info;
+  s->be.event_create = spy_event_create;
+  s->be.event_destroy = spy_event_destroy;
+  s->be.event_record = spy_event_record;
+  s->be.event_query = spy_event_query;
+  s->be.event_sync = spy_event_sync;
+  s->be.stream_sync = spy_stream_sync;
+  s->be.device_sync = spy_device_sync;
+}
+
+static inline void spy_fini(spy_t* s) {
+  free(s->events);
+  s->events = NULL;
+}
+
+/* The simulated device's counters, by value. */
+static inline gpumem_sim_counters_t sim_counters(gpumem_backend_t* sim) {
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(sim, &c);
+  return c;
+}
+
+#endif
