@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build test sanitize demo bench python-test gpu-torch bench-torch gpu-bench format format-check clean
+.PHONY: all build test sanitize demo bench synth python-test gpu-torch bench-torch gpu-bench format format-check clean
 
 all: build
 
@@ -28,6 +28,11 @@ demo: build
 
 bench: build
 	@$(BUILD)/gpumem replay --compare --passes 5 traces/*.trace.gz
+
+# Synthetic workloads (bench/bench_synth.c) beyond the bundled traces.
+synth: build
+	@mkdir -p $(BUILD)/synth && $(BUILD)/bench/bench_synth $(BUILD)/synth >/dev/null
+	@$(BUILD)/gpumem replay --compare --min-limit $(BUILD)/synth/*.trace
 
 python-test: build
 	bash tests/test_python.sh $(BUILD)
