@@ -1,0 +1,143 @@
+/* Several threads on one allocator: the lock must keep every structure
+ * consistent. Each thread allocates on its own stream and on a shared one,
+ * frees its own blocks and blocks other threads handed over through a
+ * shared mailbox, and marks some blocks used on other streams. At the end
+ * gpumem_check finds nothing, every byte is accounted for and the
+ * simulated device holds exactly what the allocator says it reserves. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "gpumem.h"
+#include "gpumem_backend.h"
+#include "test_util.h"
+
+enum { THREADS = 4, OPS = 20000, LIVE = 64, MAILBOX = 256 };
+
+typedef struct shared {
+  gpumem_t* gm;
+  pthread_mutex_t mailbox_lock;
+  void* mailbox[MAILBOX]; /* blocks one thread allocates and another frees */
+  int mailbox_count;
+  atomic_long failures;
+} shared_t;
+
+typedef struct worker {
+  shared_t* sh;
+  int index;
+} worker_t;
+
+static uint64_t next_rand(uint64_t* s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return *s;
+}
+
+static void* worker_main(void* arg) {
+  worker_t* w = arg;
+  shared_t* sh = w->sh;
+  uint64_t rng = 0x9E3779B97F4A7C15ull * (uint64_t)(w->index + 1);
+  void* live[LIVE] = {0};
+  gpumem_stream_t own = 0x1000u * (gpumem_stream_t)(w->index + 1);
+  for (int op = 0; op < OPS; op++) {
+    uint64_t r = next_rand(&rng);
+    int slot = (int)(r % LIVE);
+    if (!live[slot]) {
+      size_t size = (size_t)1 << (9 + (r >> 8) % 16); /* 512 B .. 16 MiB */
+      size += (r >> 20) % 4096;
+      gpumem_stream_t stream = (r >> 32) % 4 == 0 ? 0 : own;
+      if (gpumem_malloc(sh->gm, size, stream, &live[slot]) != GPUMEM_OK) {
+        atomic_fetch_add(&sh->failures, 1);
+        live[slot] = NULL;
+        continue;
+      }
+      if ((r >> 40) % 8 == 0) gpumem_record_stream(sh->gm, live[slot], own + 1);
+    } else if ((r >> 44) % 5 == 0) {
+      /* hand the block to whichever thread empties the mailbox */
+      pthread_mutex_lock(&sh->mailbox_lock);
+      if (sh->mailbox_count < MAILBOX) {
+        sh->mailbox[sh->mailbox_count++] = live[slot];
+        live[slot] = NULL;
+      }
+      pthread_mutex_unlock(&sh->mailbox_lock);
+    } else {
+      if (gpumem_free(sh->gm, live[slot]) != GPUMEM_OK) atomic_fetch_add(&sh->failures, 1);
+      live[slot] = NULL;
+    }
+    if (op % 97 == 0) {
+      void* taken = NULL;
+      pthread_mutex_lock(&sh->mailbox_lock);
+      if (sh->mailbox_count) taken = sh->mailbox[--sh->mailbox_count];
+      pthread_mutex_unlock(&sh->mailbox_lock);
+      if (taken && gpumem_free(sh->gm, taken) != GPUMEM_OK) atomic_fetch_add(&sh->failures, 1);
+    }
+    if (op % 5000 == 4999) gpumem_empty_cache(sh->gm);
+  }
+  for (int i = 0; i < LIVE; i++) {
+    if (live[i] && gpumem_free(sh->gm, live[i]) != GPUMEM_OK) atomic_fetch_add(&sh->failures, 1);
+  }
+  return NULL;
+}
+
+static void run(const char* conf) {
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = (size_t)64 << 30;
+  so.event_delay_queries = 2;
+  gpumem_backend_t* sim = gpumem_sim_create(&so);
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
+  shared_t sh = {0};
+  sh.gm = gpumem_create(sim, &o, NULL);
+  CHECK(sh.gm != NULL);
+  if (!sh.gm) {
+    gpumem_sim_destroy(sim);
+    return;
+  }
+  pthread_mutex_init(&sh.mailbox_lock, NULL);
+  pthread_t threads[THREADS];
+  worker_t workers[THREADS];
+  for (int i = 0; i < THREADS; i++) {
+    workers[i].sh = &sh;
+    workers[i].index = i;
+    CHECK(pthread_create(&threads[i], NULL, worker_main, &workers[i]) == 0);
+  }
+  for (int i = 0; i < THREADS; i++) pthread_join(threads[i], NULL);
+  for (int i = 0; i < sh.mailbox_count; i++) CHECK_STATUS(gpumem_free(sh.gm, sh.mailbox[i]), GPUMEM_OK);
+  CHECK_MSG(atomic_load(&sh.failures) == 0, "%s: %ld operations failed: %s", conf,
+            atomic_load(&sh.failures), gpumem_last_error());
+  size_t violations = gpumem_check(sh.gm);
+  CHECK_MSG(violations == 0, "%s: %zu violations: %s", conf, violations, gpumem_last_error());
+  gpumem_stats_t st;
+  gpumem_get_stats(sh.gm, &st);
+  CHECK_MSG(st.allocated_bytes[GPUMEM_POOL_ALL].current == 0 && st.allocation[GPUMEM_POOL_ALL].current == 0,
+            "%s: %lld bytes still allocated after every free", conf,
+            (long long)st.allocated_bytes[GPUMEM_POOL_ALL].current);
+  printf("%-30s %d threads: %lld mallocs, %lld deferred by other streams' events, peak reserved %lld MiB\n",
+         conf, THREADS, (long long)st.allocation[GPUMEM_POOL_ALL].allocated,
+         (long long)st.backend_calls[GPUMEM_CALL_event_record],
+         (long long)(st.reserved_bytes[GPUMEM_POOL_ALL].peak >> 20));
+  CHECK(st.allocation[GPUMEM_POOL_ALL].allocated > THREADS * OPS / 4);
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(sim, &c);
+  CHECK_MSG((int64_t)c.bytes_in_use == st.reserved_bytes[GPUMEM_POOL_ALL].current,
+            "%s: device holds %llu bytes, allocator reserves %lld", conf, (unsigned long long)c.bytes_in_use,
+            (long long)st.reserved_bytes[GPUMEM_POOL_ALL].current);
+  gpumem_destroy(sh.gm);
+  gpumem_sim_get_counters(sim, &c);
+  CHECK_MSG(c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.events_live == 0,
+            "%s: leaked after destroy: %llu bytes, %llu ranges, %llu events", conf,
+            (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
+            (unsigned long long)c.events_live);
+  gpumem_sim_destroy(sim);
+  pthread_mutex_destroy(&sh.mailbox_lock);
+}
+
+int main(void) {
+  run("policy:pytorch");
+  run("policy:default");
+  run("policy:default,reclaim:lazy");
+  return test_finish("test_threads");
+}
