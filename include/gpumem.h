@@ -85,6 +85,17 @@ typedef enum gpumem_reclaim {
   GPUMEM_RECLAIM_PRESSURE = 2,
 } gpumem_reclaim_t;
 
+/* Where the default policy places blocks. */
+typedef enum gpumem_placement {
+  /* Online best fit in one arena per stream and pool. */
+  GPUMEM_PLACEMENT_BESTFIT = 0,
+  /* Best fit, plus: when the request sequence repeats a period (a training
+   * step), one period is planned offline (lifetimes known) and later
+   * periods are placed by the plan in a plan arena per stream; requests
+   * off the plan fall back to best fit. */
+  GPUMEM_PLACEMENT_PLANNED = 1,
+} gpumem_placement_t;
+
 typedef struct gpumem_options {
   uint32_t struct_size;  /* sizeof(gpumem_options_t), set by options_init */
   gpumem_policy_t policy;
@@ -98,6 +109,8 @@ typedef struct gpumem_options {
   /* PyTorch's max_split_size_mb: blocks at least this large are never
    * split for smaller requests; 0 = unlimited (the default). */
   size_t max_split_size;
+  /* Default policy only; the pytorch policy always places by best fit. */
+  gpumem_placement_t placement;
   /* Take ownership of the backend and destroy it with the allocator. */
   int own_backend;
 } gpumem_options_t;
@@ -107,7 +120,8 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
- * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb.
+ * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
+ * placement (planned|bestfit).
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -193,7 +207,10 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_pages_mapped, "Pages mapped")                                                              \
   X(num_pages_unmapped, "Pages unmapped")                                                          \
   X(num_reclaims, "Page reclaim passes")                                                           \
-  X(num_oom_callbacks, "OOM callbacks called")
+  X(num_oom_callbacks, "OOM callbacks called")                                                     \
+  X(num_plans, "Placement plans built")                                                            \
+  X(num_plan_drops, "Placement plans dropped")                                                     \
+  X(num_planned_allocs, "Allocations placed by a plan")
 
 /* Backend primitives, counted per call by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X)                                                                    \

@@ -149,6 +149,16 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   /* An arena spans the whole device twice over: holes are unmapped, so the
    * address space a pool walks can exceed its physical memory. */
   if (use_vm) gm->arena_size = gm_round_up(total ? total * 2 : GM_GIB, gm->page_size);
+  if (use_vm && o.placement == GPUMEM_PLACEMENT_PLANNED) {
+    gpumem_status_t pst = gm_plan_init(gm);
+    if (pst != GPUMEM_OK) {
+      gm_ptr_map_destroy(&gm->ptrs);
+      pthread_mutex_destroy(&gm->lock);
+      free(gm);
+      *err = pst;
+      return NULL;
+    }
+  }
   *err = GPUMEM_OK;
   return gm;
 }
@@ -186,6 +196,7 @@ void gpumem_destroy(gpumem_t* gm) {
   gm_streams_destroy(gm);
   gm_ptr_map_destroy(&gm->ptrs);
   gm_slab_destroy(&gm->slab);
+  gm_plan_destroy(gm);
   free(gm->callbacks);
   pthread_mutex_unlock(&gm->lock);
   pthread_mutex_destroy(&gm->lock);
@@ -437,7 +448,10 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   gm_pool* pool = &s->pools[pool_index(gm, rsize)];
   gm_block* b = NULL;
   size_t spare_before = gm->num_spare_pages;
-  st = try_alloc(gm, pool, rsize, &b);
+  st = GPUMEM_OK;
+  if (gm->planner.enabled && rsize <= gm->device_total) b = gm_plan_malloc(gm, s, rsize);
+  if (b) small = gm_block_stat_small(b);
+  else st = try_alloc(gm, pool, rsize, &b);
   if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY)) {
     /* The ladder: cached memory first (PyTorch's order), then a retry. */
     if (release_available(gm, pool, rsize)) st = try_alloc(gm, pool, rsize, &b);
@@ -470,6 +484,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     return st;
   }
   b->requested = size;
+  b->seq = gm->planner.enabled ? gm->planner.n : 0;
   gm_stat_pool_add(gm, gm->stats.allocation, small, 1);
   gm_stat_pool_add(gm, gm->stats.allocated_bytes, small, (int64_t)b->size);
   gm_stat_pool_add(gm, gm->stats.active, small, 1);
@@ -557,9 +572,10 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
     pthread_mutex_unlock(&gm->lock);
     return st;
   }
-  bool small = b->pool->is_small;
+  bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
   if (b->seg->is_arena) b->pool->stream->frees_since_sync++;
+  if (gm->planner.enabled) gm_plan_note_free(gm, b);
   if (GM_UNLIKELY(b->num_uses)) {
     gpumem_status_t st = gm_defer_free(gm, b);
     if (st != GPUMEM_OK) {
@@ -603,6 +619,9 @@ size_t gpumem_allocation_size(gpumem_t* gm, const void* ptr) {
 gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_empty_cache: NULL allocator");
   pthread_mutex_lock(&gm->lock);
+  /* The plan goes too: a caller emptying the cache wants the memory back,
+   * and a plan would map its arena again at once. */
+  gm_plan_drop(gm);
   gpumem_status_t st = free_cached_memory(gm);
   pthread_mutex_unlock(&gm->lock);
   return st;

@@ -365,7 +365,7 @@ static void absorb_neighbour(gpumem_t* gm, gm_block* b, gm_block* n, int64_t* sp
 }
 
 gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
-  bool small = b->pool->is_small;
+  bool small = gm_block_stat_small(b); /* before merging: the live block's size */
   size_t original_size = b->size;
   int64_t split_count = 0, split_bytes = 0;
   b->state = GM_FREE;

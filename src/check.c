@@ -65,17 +65,17 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       case GM_ALLOCATED:
         if (gm_ptr_map_find(&gm->ptrs, b->addr) != b) violation(c, "allocated block 0x%lx missing from the pointer map", (unsigned long)b->addr);
         if (b->requested > b->size) violation(c, "block 0x%lx: requested %zu > size %zu", (unsigned long)b->addr, b->requested, b->size);
-        add(s->allocated, small, 1);
-        add(s->allocated_bytes, small, (int64_t)b->size);
-        add(s->requested_bytes, small, (int64_t)b->requested);
-        add(s->active, small, 1);
-        add(s->active_bytes, small, (int64_t)b->size);
+        add(s->allocated, gm_block_stat_small(b), 1);
+        add(s->allocated_bytes, gm_block_stat_small(b), (int64_t)b->size);
+        add(s->requested_bytes, gm_block_stat_small(b), (int64_t)b->requested);
+        add(s->active, gm_block_stat_small(b), 1);
+        add(s->active_bytes, gm_block_stat_small(b), (int64_t)b->size);
         break;
       case GM_PENDING:
         if (!b->pending_events) violation(c, "pending block 0x%lx waits for no event", (unsigned long)b->addr);
         s->pending_refs += b->pending_events;
-        add(s->active, small, 1);
-        add(s->active_bytes, small, (int64_t)b->size);
+        add(s->active, gm_block_stat_small(b), 1);
+        add(s->active_bytes, gm_block_stat_small(b), (int64_t)b->size);
         break;
       default:
         violation(c, "block 0x%lx: bad state %d", (unsigned long)b->addr, b->state);
@@ -162,6 +162,12 @@ size_t gpumem_check(gpumem_t* gm) {
   int64_t act = st->active_bytes[0].current, res = st->reserved_bytes[0].current;
   if (!(req <= alloc && alloc <= act && act <= res)) {
     violation(&c, "requested %lld <= allocated %lld <= active %lld <= reserved %lld does not hold", (long long)req, (long long)alloc, (long long)act, (long long)res);
+  }
+  char plan_msg[256] = "";
+  size_t plan_errors = gm_plan_check(gm, plan_msg, sizeof plan_msg);
+  if (plan_errors) {
+    violation(&c, "%s", plan_msg);
+    c.errors += plan_errors - 1;
   }
   if (gm->slab.live != s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]) {
     violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live, s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]);

@@ -14,7 +14,7 @@
 
 #include "internal.h"
 
-#define VALID_KEYS "policy, limit, fraction, reclaim, headroom, max_split_size_mb"
+#define VALID_KEYS "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -35,6 +35,7 @@ void gpumem_options_init(gpumem_options_t* opts) {
   opts->reclaim = GPUMEM_RECLAIM_PRESSURE;
   opts->headroom = 0.002;
   opts->max_split_size = 0;
+  opts->placement = GPUMEM_PLACEMENT_BESTFIT;
   opts->own_backend = 0;
 }
 
@@ -264,16 +265,18 @@ enum {
   KEY_RECLAIM,
   KEY_HEADROOM,
   KEY_MAX_SPLIT_SIZE_MB,
+  KEY_PLACEMENT,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
-    "policy", "limit", "fraction", "reclaim", "headroom", "max_split_size_mb",
+    "policy", "limit", "fraction", "reclaim", "headroom", "max_split_size_mb", "placement",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
 static const char* const reclaim_names[] = {"lazy", "eager", "pressure", NULL};
+static const char* const placement_names[] = {"planned", "bestfit", NULL};
 
 /* Levenshtein distance between a (short) typed key and a valid key, capped
  * so an absurdly long key costs nothing; used only to suggest a spelling. */
@@ -340,6 +343,12 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       if (c < 0) return bad_value(value, name, "one of: lazy, eager, pressure");
       o->reclaim =
           c == 0 ? GPUMEM_RECLAIM_LAZY : (c == 1 ? GPUMEM_RECLAIM_EAGER : GPUMEM_RECLAIM_PRESSURE);
+      return GPUMEM_OK;
+    }
+    case KEY_PLACEMENT: {
+      int c = parse_choice(value, placement_names);
+      if (c < 0) return bad_value(value, name, "one of: planned, bestfit");
+      o->placement = c == 0 ? GPUMEM_PLACEMENT_PLANNED : GPUMEM_PLACEMENT_BESTFIT;
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

@@ -14,7 +14,10 @@
  *  - requested <= allocated <= active <= reserved (bytes), and every stat's
  *    current equals the sum over the structures.
  *  - Virtual memory arenas: every page overlapped by an ALLOCATED or PENDING
- *    block is mapped; mapped_pages equals the bitmap's population. */
+ *    block is mapped; mapped_pages equals the bitmap's population.
+ *  - Plan arenas (placement:planned) belong to a stream's plan pool, whose
+ *    index is never searched by best fit: only the planner carves blocks
+ *    out of them, at planned offsets. */
 #ifndef GPUMEM_ENGINE_H
 #define GPUMEM_ENGINE_H
 
@@ -64,6 +67,7 @@ struct gm_block {
   gpumem_stream_t inline_uses[GM_INLINE_USES];
   gpumem_stream_t* extra_uses; /* num_uses > GM_INLINE_USES */
   uint32_t extra_capacity;
+  uint64_t seq; /* planner: 1 + the request's sequence number, 0 = none */
 };
 
 /* A segment is either a plain device allocation (pytorch policy: blocks
@@ -77,6 +81,9 @@ struct gm_segment {
   gm_segment* prev_seg; /* all segments of the allocator */
   gm_segment* next_seg;
   bool is_arena;
+  /* A plan serves from this arena now: reclaim spares its free pages, which
+   * the plan wants again within a period (unless the device refuses). */
+  bool plan_serving;
   /* arenas only */
   size_t num_pages;
   size_t mapped_pages;
@@ -95,6 +102,7 @@ typedef struct gm_free_index {
 struct gm_pool {
   gm_stream* stream;
   bool is_small;
+  bool is_plan; /* the stream's plan pool (placement:planned) */
   gm_free_index index;
   gm_block* dirty_head; /* FIFO: oldest freed first */
   gm_block* dirty_tail;
@@ -105,7 +113,10 @@ struct gm_pool {
  * address space walked by the bundled traces 5-40% larger, not smaller.) */
 #define GM_POOL_SMALL 0
 #define GM_POOL_LARGE 1
-#define GM_NUM_POOLS 2
+/* Plan arenas (placement:planned): small and large requests together, as
+ * the plan placed them; counted as large in the statistics. */
+#define GM_POOL_PLAN 2
+#define GM_NUM_POOLS 3
 
 struct gm_stream {
   gpumem_stream_t handle;
@@ -126,6 +137,62 @@ typedef struct gm_ptr_map {
   size_t mask; /* capacity - 1 */
   size_t count;
 } gm_ptr_map;
+
+/* ---- planned placement (plan.c) ---- */
+
+#define GM_PLAN_RING 8192       /* requests remembered: two of the longest period */
+#define GM_PLAN_MAX_PERIOD 4096
+#define GM_PLAN_MIN_PERIOD 16
+#define GM_PLAN_TABLE 16384     /* context hash -> latest request index */
+#define GM_PLAN_MAX_STREAMS 4
+
+typedef struct gm_plan_req {
+  uint64_t key;     /* hash of (rounded size, stream) */
+  size_t rsize;
+  gpumem_stream_t stream;
+  uint64_t free_at; /* 1 + index of the first request after its free; 0 = live */
+  uint64_t live;    /* allocated bytes when it was requested */
+  int32_t item;     /* dormant plan: the item it followed, -1 none */
+} gm_plan_req;
+
+typedef struct gm_plan_item {
+  size_t rsize;
+  size_t off;      /* in its stream's plan arena */
+  gpumem_stream_t stream;
+  int32_t anchor;  /* planned item just below it, live when it is requested; -1 none */
+  uint32_t life;   /* planned lifetime in requests */
+  uint8_t planned; /* freed within a period: placed by the plan */
+  uint8_t arena;   /* index into gm_planner.arenas */
+} gm_plan_item;
+
+enum { GM_PLAN_NONE = 0, GM_PLAN_ACTIVE = 1, GM_PLAN_DORMANT = 2 };
+
+typedef struct gm_planner {
+  bool enabled;
+  uint64_t n; /* requests seen */
+  gm_plan_req* ring;
+  uint64_t* table; /* 1 + request index, 0 = empty */
+  /* detection */
+  uint64_t cand, matched, min_period;
+  /* the plan */
+  int state;
+  size_t period;
+  gm_plan_item* items;
+  uint64_t* ctx_keys; /* resynchronisation: context hash -> item */
+  int32_t* ctx_items;
+  size_t ctx_mask;
+  size_t num_arenas;
+  gm_segment* arenas[GM_PLAN_MAX_STREAMS];
+  gpumem_stream_t arena_streams[GM_PLAN_MAX_STREAMS];
+  size_t extents[GM_PLAN_MAX_STREAMS];
+  uint64_t dormant_since; /* request index */
+  size_t cursor;
+  size_t window_reqs, window_misses; /* over the current period */
+  size_t shadow, shadow_run;         /* dormant: following the plan without serving */
+  uint64_t verify, verified;         /* dormant: next request whose lifetime to check; checked */
+  uint64_t active_since;             /* request index */
+  bool trimmed;                      /* pressure: cache trimmed after the first planned period */
+} gm_planner;
 
 typedef struct gm_oom_callback {
   gpumem_oom_callback_t fn;
@@ -167,6 +234,7 @@ struct gpumem {
   size_t num_spare_pages, spare_pages_capacity;
   size_t arena_size;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
+  gm_planner planner;
 
   gm_oom_callback* callbacks;
   size_t num_callbacks;
@@ -232,6 +300,27 @@ bool gm_arena_page_mapped(const gm_segment* seg, size_t page);
 /* True when every page under [addr, addr+size) of the arena is mapped. */
 bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size);
 
+/* Reclaim from every arena, from all but those a plan serves from now, or
+ * only from plan arenas no plan serves from (dormant or retired). */
+enum { GM_RECLAIM_ALL = 0, GM_RECLAIM_SPARE_SERVING = 1, GM_RECLAIM_IDLE_PLANS = 2 };
+gpumem_status_t gm_reclaim_from(gpumem_t* gm, int which, size_t want, size_t* reclaimed);
+
+/* ---- plan.c: planned placement ---- */
+gpumem_status_t gm_plan_init(gpumem_t* gm);
+void gm_plan_destroy(gpumem_t* gm);
+/* Records the request and, when a plan is active and the request is on
+ * it, returns its block carved at the planned offset (ALLOCATED, mapped);
+ * NULL means: place it by best fit. */
+gm_block* gm_plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize);
+static inline void gm_plan_note_free(gpumem_t* gm, const gm_block* b) {
+  gm_planner* p = &gm->planner;
+  if (b->seq && p->n - (b->seq - 1) < GM_PLAN_RING) p->ring[(b->seq - 1) % GM_PLAN_RING].free_at = p->n + 1;
+}
+/* Forgets the plan (gpumem_empty_cache); idle plan arenas are released. */
+void gm_plan_drop(gpumem_t* gm);
+/* gpumem_check's part: counts violations of the planner's invariants. */
+size_t gm_plan_check(gpumem_t* gm, char* msg, size_t len);
+
 /* ---- alloc.c helpers used across files ---- */
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);
 void gm_stat_add(gpumem_stat_t* s, int64_t delta);
@@ -247,6 +336,12 @@ void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
    gm_backend_status((gm), GPUMEM_CALL_##kind, (expr)))
 
 static inline bool gm_block_is_split(const gm_block* b) { return b->prev || b->next; }
+/* Which pool's statistics a live block counts in: its pool's, except in a
+ * plan arena (small and large requests together), where its size says, as
+ * for the request (PyTorch's small_pool / large_pool split). */
+static inline bool gm_block_stat_small(const gm_block* b) {
+  return b->pool->is_plan ? b->size <= GM_SMALL_SIZE : b->pool->is_small;
+}
 static inline size_t gm_round_up(size_t x, size_t unit) { return (x + unit - 1) / unit * unit; }
 
 #endif

@@ -277,14 +277,20 @@ static int by_addr_desc(const void* a, const void* b) {
   return x->addr > y->addr ? -1 : 1;
 }
 
-static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, size_t want, size_t* got) {
+static inline bool reclaim_skips(int which, const gm_segment* seg) {
+  return which != GM_RECLAIM_ALL && seg->plan_serving;
+}
+
+static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size_t want, size_t* got) {
   size_t n = 0;
-  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) n++;
+  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) n += !reclaim_skips(which, b->seg);
   if (!n) return GPUMEM_OK;
   gm_block** order = malloc(n * sizeof *order);
   if (!order) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory reclaiming pages");
   n = 0;
-  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) order[n++] = b;
+  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) {
+    if (!reclaim_skips(which, b->seg)) order[n++] = b;
+  }
   /* Highest addresses first: best fit refills low holes soonest, so pages
    * at the top of an arena are the ones least likely to be wanted back. In
    * replays this halves page moves against oldest-freed-first. */
@@ -315,12 +321,20 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, size_t want, si
 }
 
 gpumem_status_t gm_reclaim(gpumem_t* gm, size_t want, size_t* reclaimed) {
+  return gm_reclaim_from(gm, GM_RECLAIM_ALL, want, reclaimed);
+}
+
+gpumem_status_t gm_reclaim_from(gpumem_t* gm, int which, size_t want, size_t* reclaimed) {
   size_t got = 0;
   gpumem_status_t st = GPUMEM_OK;
-  /* Large pools first: their free pages come in runs, one unmap each. */
+  /* Large pools first: their free pages come in runs, one unmap each (the
+   * plan pools, last in the array, come first: idle plan arenas are
+   * large runs too). */
   for (int i = GM_NUM_POOLS; i-- > 0 && st == GPUMEM_OK;) {
     for (gm_stream* s = gm->streams; s && st == GPUMEM_OK && (!want || got < want); s = s->next) {
-      st = reclaim_pool(gm, &s->pools[i], want, &got);
+      gm_pool* pool = &s->pools[i];
+      if (which == GM_RECLAIM_IDLE_PLANS && !pool->is_plan) continue;
+      st = reclaim_pool(gm, pool, which, want, &got);
     }
   }
   if (got) gm->stats.num_reclaims++;
@@ -361,9 +375,29 @@ static gpumem_status_t create_page(gpumem_t* gm) {
   return GPUMEM_OK;
 }
 
-/* Makes `need` spare pages available for a request of `size` bytes. */
-static gpumem_status_t provide_pages(gpumem_t* gm, size_t need, size_t size) {
+/* Makes `need` spare pages available for a request of `size` bytes in
+ * arena seg. */
+static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need, size_t size) {
   if (gm->num_spare_pages >= need) return GPUMEM_OK;
+  /* Planned placement: pages move when the workload changes phase, not as
+   * it runs. In the first period after a plan starts serving, its arena
+   * fills up while the regular arenas drain of the step's blocks (the plan
+   * holds them now), so it takes free pages from every arena no plan
+   * serves, instead of the footprint growing by the plan's extent; the
+   * rest goes back to the device at the end of that period (plan.c,
+   * trim). A regular arena takes the free pages of plan arenas no plan
+   * serves (the steps stopped: a dormant or retired plan) first. An arena
+   * a plan serves is robbed only when the device refuses: its free pages
+   * are wanted again within a period; and after its first period it
+   * robs the regular arenas no more, or pages would move both ways at
+   * every fallback. */
+  if (gm->planner.enabled && gm->opts.reclaim != GPUMEM_RECLAIM_EAGER) {
+    bool migrating = seg->plan_serving && !gm->planner.trimmed;
+    int from = migrating ? GM_RECLAIM_SPARE_SERVING : GM_RECLAIM_IDLE_PLANS;
+    gpumem_status_t st = gm_reclaim_from(gm, from, need - gm->num_spare_pages, NULL);
+    if (st != GPUMEM_OK) return st;
+    if (gm->num_spare_pages >= need) return GPUMEM_OK;
+  }
   size_t ps = gm->page_size;
   size_t missing = need - gm->num_spare_pages;
   uint64_t reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
@@ -378,15 +412,18 @@ static gpumem_status_t provide_pages(gpumem_t* gm, size_t need, size_t size) {
     reclaim_first = (double)grown > (double)hw * (1.0 + gm->opts.headroom);
   }
   if (gm->limit && grown > gm->limit) reclaim_first = true;
+  /* Without a plan serving, this reclaims from every pool. */
+  bool all_tried = false;
   if (reclaim_first) {
-    gpumem_status_t st = gm_reclaim(gm, missing, NULL);
+    gpumem_status_t st = gm_reclaim_from(gm, GM_RECLAIM_SPARE_SERVING, missing, NULL);
     if (st != GPUMEM_OK) return st;
   }
   while (gm->num_spare_pages < need) {
     gpumem_status_t st = create_page(gm);
-    if (st == GPUMEM_ERR_OUT_OF_MEMORY && !reclaim_first) {
-      /* The device or the limit refused: free pages elsewhere may do. */
-      reclaim_first = true;
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && !all_tried) {
+      /* The device or the limit refused: free pages elsewhere may do,
+       * those of a serving plan arena included. */
+      all_tried = true;
       size_t got = 0;
       st = gm_reclaim(gm, need - gm->num_spare_pages, &got);
       if (st == GPUMEM_OK && !got) st = GPUMEM_ERR_OUT_OF_MEMORY;
@@ -404,7 +441,7 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
   if (GM_LIKELY(range_mapped(seg, first, last))) return GPUMEM_OK;
   size_t need = 0;
   for (size_t p = first; p <= last; p++) need += !gm_arena_page_mapped(seg, p);
-  gpumem_status_t st = provide_pages(gm, need, size);
+  gpumem_status_t st = provide_pages(gm, seg, need, size);
   if (st != GPUMEM_OK) return st;
   bool small = seg->pool->is_small;
   for (size_t p = first; p <= last; p++) {

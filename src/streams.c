@@ -24,6 +24,7 @@ gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle) {
   for (int i = 0; i < GM_NUM_POOLS; i++) {
     s->pools[i].stream = s;
     s->pools[i].is_small = i == GM_POOL_SMALL;
+    s->pools[i].is_plan = i == GM_POOL_PLAN;
   }
   s->next = gm->streams;
   gm->streams = s;

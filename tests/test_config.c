@@ -12,7 +12,8 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
   return a->struct_size == b->struct_size && a->policy == b->policy &&
          a->limit_bytes == b->limit_bytes && a->limit_fraction == b->limit_fraction &&
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
-         a->max_split_size == b->max_split_size && a->own_backend == b->own_backend;
+         a->max_split_size == b->max_split_size && a->placement == b->placement &&
+         a->own_backend == b->own_backend;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -26,6 +27,7 @@ static gpumem_options_t odd_options(void) {
   o.reclaim = GPUMEM_RECLAIM_EAGER;
   o.headroom = 0.75;
   o.max_split_size = 3 * GM_MIB;
+  o.placement = GPUMEM_PLACEMENT_PLANNED;
   o.own_backend = 1;
   return o;
 }
@@ -72,6 +74,7 @@ static void test_defaults(void) {
   CHECK(o.reclaim == GPUMEM_RECLAIM_PRESSURE);
   CHECK(o.headroom == 0.002);
   CHECK(o.max_split_size == 0);
+  CHECK(o.placement == GPUMEM_PLACEMENT_BESTFIT);
   CHECK(o.own_backend == 0);
   gpumem_options_init(NULL); /* must not crash */
 }
@@ -111,6 +114,15 @@ static void test_reclaim(void) {
   CHECK(parse_ok("reclaim:EAGER").reclaim == GPUMEM_RECLAIM_EAGER);
   parse_fails("reclaim:sometimes", "bad value \"sometimes\" for key \"reclaim\"",
               "lazy, eager, pressure", NULL);
+}
+
+static void test_placement(void) {
+  CHECK(parse_ok("placement:planned").placement == GPUMEM_PLACEMENT_PLANNED);
+  CHECK(parse_ok("placement:bestfit").placement == GPUMEM_PLACEMENT_BESTFIT);
+  CHECK(parse_ok("placement:PLANNED").placement == GPUMEM_PLACEMENT_PLANNED);
+  parse_fails("placement:first_fit", "bad value \"first_fit\" for key \"placement\"",
+              "planned, bestfit", NULL);
+  parse_fails("placment:planned", "unknown key \"placment\"", "did you mean \"placement\"", NULL);
 }
 
 static void test_limit(void) {
@@ -191,13 +203,15 @@ static void test_max_split_size(void) {
 
 static void test_combined(void) {
   gpumem_options_t o = parse_ok(
-      "policy:pytorch,limit:4G,fraction:0.5,reclaim:eager,headroom:0.1,max_split_size_mb:256");
+      "policy:pytorch,limit:4G,fraction:0.5,reclaim:eager,headroom:0.1,max_split_size_mb:256,"
+      "placement:planned");
   CHECK(o.policy == GPUMEM_POLICY_PYTORCH);
   CHECK(o.limit_bytes == 4 * GM_GIB);
   CHECK(o.limit_fraction == 0.5);
   CHECK(o.reclaim == GPUMEM_RECLAIM_EAGER);
   CHECK(o.headroom == 0.1);
   CHECK(o.max_split_size == 256 * GM_MIB);
+  CHECK(o.placement == GPUMEM_PLACEMENT_PLANNED);
   CHECK(o.struct_size == sizeof(gpumem_options_t));
   CHECK(o.own_backend == 0);
 
@@ -220,7 +234,7 @@ static void test_structure_errors(void) {
   /* The brief's exact example, with the spelling hint after it. */
   parse_fails("polcy:pytorch",
               "gpumem config: unknown key \"polcy\" in \"polcy:pytorch\"; valid keys: policy, "
-              "limit, fraction, reclaim, headroom, max_split_size_mb",
+              "limit, fraction, reclaim, headroom, max_split_size_mb, placement",
               "did you mean \"policy\"", NULL);
   parse_fails("Policy:pytorch", "unknown key \"Policy\"", "did you mean \"policy\"", NULL);
   parse_fails("max_split_size:512", "unknown key \"max_split_size\"",
@@ -330,6 +344,7 @@ int main(void) {
   test_empty_and_null();
   test_policy();
   test_reclaim();
+  test_placement();
   test_limit();
   test_fraction();
   test_headroom();

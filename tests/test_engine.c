@@ -731,6 +731,106 @@ static void test_streams_share_pages(const char* conf) {
 
 /* ---- throughput ---- */
 
+/* ---- planned placement ---- */
+
+typedef struct live_set {
+  char* p[64];
+  size_t size[64];
+} live_set_t;
+
+/* No two live blocks share a byte. */
+static void check_disjoint(const live_set_t* l, const char* conf) {
+  for (int i = 0; i < 64; i++) {
+    for (int j = i + 1; j < 64 && l->p[i]; j++) {
+      if (!l->p[j]) continue;
+      int apart = l->p[i] + l->size[i] <= l->p[j] || l->p[j] + l->size[j] <= l->p[i];
+      CHECK_MSG(apart, "%s: live blocks %d and %d overlap", conf, i, j);
+    }
+  }
+}
+
+/* One step of a training-like loop: a forward pass that keeps activations
+ * for a backward pass freeing them in reverse, temporaries freed at once,
+ * small and large requests mixed; `shift` changes the pattern. */
+static void loop_step(fx_t* f, live_set_t* l, int shift, const char* conf) {
+  static const size_t sizes[] = {3 * MIB,   40 * MIB, 512,     MIB + 512, 24 * MIB, 6 * MIB,
+                                 700 * KIB, 9 * MIB,  2 * KIB, 17 * MIB,  5 * MIB,  64 * KIB};
+  const int n = 12;
+  for (int k = 0; k < n; k++) {
+    size_t act = sizes[(k + shift) % n] + (size_t)shift * 4096;
+    l->size[k] = act;
+    l->p[k] = alloc(f, act, SA);
+    l->size[32 + k] = sizes[(k * 5 + 3) % n];
+    l->p[32 + k] = alloc(f, l->size[32 + k], SA); /* temporary */
+    check_disjoint(l, conf);
+    release(f, l->p[32 + k]);
+    l->p[32 + k] = NULL;
+  }
+  for (int k = n; k-- > 0;) {
+    l->size[16 + k] = sizes[(k + 7) % n] / 2 + 512; /* gradient, freed below */
+    l->p[16 + k] = alloc(f, l->size[16 + k], SA);
+    check_disjoint(l, conf);
+    release(f, l->p[k]);
+    l->p[k] = NULL;
+  }
+  for (int k = 0; k < n; k++) {
+    release(f, l->p[16 + k]);
+    l->p[16 + k] = NULL;
+  }
+}
+
+static void test_planned_loop(const char* conf) {
+  int planned = strstr(conf, "placement:planned") != NULL;
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  live_set_t l;
+  memset(&l, 0, sizeof l);
+  char* weights[8];
+  for (int i = 0; i < 8; i++) weights[i] = alloc(&f, 7 * MIB + (size_t)i * 512, SA);
+  for (int it = 0; it < 50; it++) {
+    loop_step(&f, &l, 0, conf);
+    if (it % 10 == 9) CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
+  }
+  gpumem_stats_t s = stats(&f);
+  CHECK_MSG(!planned || (s.num_plans >= 1 && s.num_planned_allocs > 0),
+            "%s: the loop was not planned (%lld plans)", conf, (long long)s.num_plans);
+  /* Served by the plan for most of the run. */
+  CHECK_MSG(!planned || s.num_planned_allocs > 30 * 36, "%s: only %lld allocations planned", conf,
+            (long long)s.num_planned_allocs);
+  /* Reserved memory after the loop: the pages under the weights and the
+   * plan's extent, which packs a step into little more than its peak. */
+  gpumem_reset_peak_stats(f.gm);
+  for (int it = 0; it < 5; it++) loop_step(&f, &l, 0, conf);
+  s = stats(&f);
+  int64_t peak_live = s.allocated_bytes[GPUMEM_POOL_ALL].peak;
+  int64_t res = s.reserved_bytes[GPUMEM_POOL_ALL].peak;
+  printf(
+      "%s: planned loop: %lld planned allocations, reserved %.1f MiB for %.1f MiB peak live (%.4f "
+      "x)\n",
+      conf, (long long)s.num_planned_allocs, (double)res / (double)MIB,
+      (double)peak_live / (double)MIB, (double)res / (double)peak_live);
+  /* Pages are 2 MiB: the plan's extent and the weights' last page round
+   * up, and a few pages sit at the edges of small blocks. */
+  CHECK_MSG(!planned || res <= peak_live + 6 * 2 * (int64_t)MIB,
+            "%s: reserved %lld for peak live %lld", conf, (long long)res, (long long)peak_live);
+  /* The pattern changes: the plan falls off, the new loop stays correct
+   * and is planned in turn. */
+  int64_t drops = s.num_plan_drops, plans = s.num_plans;
+  for (int it = 0; it < 40; it++) {
+    loop_step(&f, &l, 1 + it / 20, conf);
+    if (it % 5 == 4) CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
+  }
+  s = stats(&f);
+  CHECK_MSG(!planned || s.num_plan_drops > drops,
+            "%s: the plan was not dropped when the pattern changed", conf);
+  CHECK_MSG(!planned || s.num_plans > plans, "%s: the new pattern was not planned", conf);
+  /* empty_cache forgets the plan and gives back what is free. */
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
+  for (int i = 0; i < 8; i++) release(&f, weights[i]);
+  fx_done(&f);
+}
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -805,6 +905,10 @@ int main(int argc, char** argv) {
     test_limit_moves_pages(reclaim[i]);
     test_streams_share_pages(reclaim[i]);
   }
+
+  test_planned_loop("policy:default,reclaim:pressure,placement:bestfit"); /* for comparison */
+  test_planned_loop("policy:default,reclaim:pressure,placement:planned");
+  test_planned_loop("policy:default,reclaim:lazy,placement:planned");
 
   if (blocks > 0) {
     test_throughput("policy:pytorch", blocks);

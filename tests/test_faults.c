@@ -33,13 +33,17 @@ typedef struct config {
   const char* name;
   gpumem_policy_t policy;
   gpumem_reclaim_t reclaim;
+  gpumem_placement_t placement;
 } config_t;
 
 static const config_t configs[] = {
-    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY},
-    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY},
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
     /* eager unmaps on free: the only policy whose free calls the device */
-    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT},
+    /* planned placement maps plan arenas and moves pages when a plan starts */
+    {"default/pressure/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
+     GPUMEM_PLACEMENT_PLANNED},
 };
 
 /* What one run injects. kind -2 means nothing (the baseline). */
@@ -249,6 +253,11 @@ static void do_set_limit(run_t* r, size_t bytes) {
  * than allocation, frees deferred by record_stream (events stay pending for
  * two queries), empty_cache, and a limit that makes the retry ladder
  * release another stream's cache. Without failures every step succeeds. */
+/* A slot whose free failed still holds its block: it is not reused. */
+static void loop_malloc(run_t* r, int i, size_t size) {
+  if (!r->slot[i]) do_malloc(r, i, size, S0);
+}
+
 static void workload(run_t* r) {
   do_malloc(r, 0, 1000, S0);
   do_malloc(r, 1, 3 * MIB, S0);
@@ -275,6 +284,22 @@ static void workload(run_t* r) {
   do_free(r, 7);
   do_free(r, 5);
   do_empty_cache(r);
+  /* A training-like loop: under placement:planned it is planned after a
+   * few iterations, so plan arenas are created and mapped (and pages move
+   * to them) while calls fail. */
+  for (int it = 0; it < 24 && !r->failed; it++) {
+    loop_malloc(r, 0, 3 * MIB);
+    loop_malloc(r, 1, 700 * KIB);
+    loop_malloc(r, 2, 5 * MIB);
+    do_free(r, 1);
+    loop_malloc(r, 3, 2 * KIB);
+    do_free(r, 0);
+    loop_malloc(r, 4, 9 * MIB);
+    do_free(r, 2);
+    do_free(r, 3);
+    do_free(r, 4);
+  }
+  do_empty_cache(r);
 }
 
 static gpumem_backend_t* make_sim(void) {
@@ -290,6 +315,7 @@ static gpumem_t* make_gm(const config_t* cfg, gpumem_backend_t* sim) {
   gpumem_options_init(&o);
   o.policy = cfg->policy;
   o.reclaim = cfg->reclaim;
+  o.placement = cfg->placement;
   gpumem_status_t st = GPUMEM_OK;
   gpumem_t* gm = gpumem_create(sim, &o, &st);
   CHECK_MSG(gm != NULL, "create: %s: %s", gpumem_strerror(st), gpumem_last_error());

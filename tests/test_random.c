@@ -61,13 +61,19 @@ typedef struct config {
   const char* name;
   gpumem_policy_t policy;
   gpumem_reclaim_t reclaim;
+  gpumem_placement_t placement;
 } config_t;
 
 static const config_t configs[] = {
-    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY},
-    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY},
-    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER},
-    {"default/pressure", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE},
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT},
+    {"default/pressure", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE, GPUMEM_PLACEMENT_BESTFIT},
+    /* Planned placement: the random phase rarely repeats, so these runs
+     * also replay a loop (loop_phase) that does, and then changes. */
+    {"default/lazy/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_PLANNED},
+    {"default/pressure/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
+     GPUMEM_PLACEMENT_PLANNED},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
@@ -729,6 +735,48 @@ static int enough_pages_for(run_t* r, size_t size) {
   return need <= cap;
 }
 
+/* Planned placement: a training-like loop. Each iteration replays the same
+ * random requests (sizes, streams, which of its own allocations to free),
+ * so a plan is built and serves; halfway through the pattern changes, and
+ * now and then a stray request or record_stream perturbs an iteration. */
+static void loop_phase(run_t* r, int iters, int len) {
+  r->phase = "loop";
+  size_t base = r->n;
+  rng_t pattern = r->rng;
+  rng_t stray = {r->rng.state ^ 0xabcdefull};
+  for (int it = 0; it < iters && !r->failed; it++) {
+    if (it == iters / 2) pattern.state ^= 0x5555;
+    r->rng = pattern;
+    for (int k = 0; k < len && !r->failed; k++) {
+      if (r->n > base && rng_below(&r->rng, 3) == 0) {
+        op_free(r, base + (size_t)rng_below(&r->rng, r->n - base));
+      } else {
+        size_t size = pick_size(r);
+        if (size > r->max_size / 4) size = r->max_size / 4; /* room for the loop */
+        op_malloc(r, size, alloc_streams[rng_below(&r->rng, 2)]);
+      }
+      uint64_t c = rng_below(&stray, 1000);
+      if (c < 3 && r->n > base) {
+        rng_t keep = r->rng; /* op_record draws from r->rng: keep the pattern's */
+        op_record(r);
+        r->rng = keep;
+      } else if (c < 6)
+        op_malloc(r, 512 * (1 + rng_below(&stray, 64)), alloc_streams[0]);
+      check_state(r);
+    }
+    /* The iteration's survivors go in a fixed order (strays included). */
+    while (r->n > base && !r->failed) {
+      op_free(r, r->n - 1);
+      check_state(r);
+    }
+  }
+  r->rng = stray;
+  gpumem_stats_t st;
+  gpumem_get_stats(r->gm, &st);
+  if (iters >= 40)
+    RUN_CHECK(r, st.num_plans > 0 && st.num_planned_allocs > 0, "the loop was never planned");
+}
+
 /* The limit phase: OOMs are expected; each must change nothing, and the
  * refused request must succeed once enough is freed. */
 static void limit_phase(run_t* r, long ops) {
@@ -835,6 +883,7 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   gpumem_options_init(&o);
   o.policy = cfg->policy;
   o.reclaim = cfg->reclaim;
+  o.placement = cfg->placement;
   gpumem_status_t st = GPUMEM_OK;
   r->gm = gpumem_create(&r->spy.be, &o, &st);
   RUN_CHECK(r, r->gm != NULL && st == GPUMEM_OK, "create: %s: %s", gpumem_strerror(st),
@@ -852,6 +901,10 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     check_state(r);
     if (r->op % 1024 == 1023 && !r->failed) check_no_overlap_sorted(r);
     if (r->host_backed && r->op % 20000 == 19999 && !r->failed) verify_all(r, "periodic sweep");
+  }
+  if (!r->failed && cfg->placement == GPUMEM_PLACEMENT_PLANNED) {
+    long iters = ops / 2000;
+    loop_phase(r, (int)(iters < 20 ? 20 : iters > 80 ? 80 : iters), 60);
   }
   if (!r->failed) limit_phase(r, ops / 5);
 

@@ -503,6 +503,14 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
           (long long)r->num_syncs_warm);
   fprintf(f, ",\"num_alloc_retries\":%lld,\"num_alloc_retries_warm\":%lld",
           (long long)r->num_alloc_retries_cold, (long long)r->num_alloc_retries_warm);
+  if (r->warm_passes) {
+    fprintf(f, ",\"warm_peak_reserved_bytes\":%llu,\"warm_reserved_ratio\":%.4f",
+            (unsigned long long)r->warm_peak_reserved_bytes,
+            t->peak_live_bytes ? (double)r->warm_peak_reserved_bytes / (double)t->peak_live_bytes : 0);
+  }
+  fprintf(f, ",\"num_plans\":%lld,\"num_plan_drops\":%lld,\"num_planned_allocs\":%lld",
+          (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
+          (long long)r->stats_final.num_planned_allocs);
   if (r->min_limit_done) {
     if (r->min_limit_found) {
       fprintf(f, ",\"min_limit_bytes\":%zu,\"min_limit_ratio\":%.4f", r->min_limit_bytes,
@@ -568,6 +576,16 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   fprintf(f, "  %-16s%.3f GiB (%llu bytes), %.4f x peak live%s\n", "peak reserved",
           (double)r->peak_reserved_bytes / GIB, (unsigned long long)r->peak_reserved_bytes,
           r->reserved_ratio, r->oom && r->oom_pass == 0 ? " (up to the failure)" : "");
+  if (r->warm_passes && t->peak_live_bytes) {
+    fprintf(f, "  %-16s%.3f GiB, %.4f x peak live\n", "reserved (warm)",
+            (double)r->warm_peak_reserved_bytes / GIB,
+            (double)r->warm_peak_reserved_bytes / (double)t->peak_live_bytes);
+  }
+  if (r->stats_final.num_plans) {
+    fprintf(f, "  %-16s%lld built, %lld dropped, %lld allocations placed by a plan\n", "plans",
+            (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
+            (long long)r->stats_final.num_planned_allocs);
+  }
   fprintf(f, "  %-16scold %.1f", "ns/op", r->ns_per_op_cold);
   if (r->ns_per_op_warm >= 0) {
     fprintf(f, ", warm %.1f (median of %d pass%s)\n", r->ns_per_op_warm, r->warm_passes,

@@ -508,6 +508,9 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, rep
   r->peak_reserved_bytes = (uint64_t)r->stats_cold.reserved_bytes[GPUMEM_POOL_ALL].peak;
   r->reserved_ratio =
       trace->peak_live_bytes ? (double)r->peak_reserved_bytes / (double)trace->peak_live_bytes : 0;
+  /* From here peaks are the warm passes' own: the steady state, which a
+   * cold pass's first steps (before any plan) do not show. */
+  gpumem_reset_peak_stats(gm);
 
   for (int k = 1; k <= c->warm_passes && !r->oom; k++) {
     snprintf(label, sizeof label, "warm pass %d/%d", k, c->warm_passes);
@@ -521,6 +524,7 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* c, rep
     r->warm_passes++;
   }
   gpumem_get_stats(gm, &r->stats_final);
+  r->warm_peak_reserved_bytes = (uint64_t)r->stats_final.reserved_bytes[GPUMEM_POOL_ALL].peak;
 
 done:
   r->progress_what = NULL;

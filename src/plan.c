@@ -1,0 +1,648 @@
+/* Planned placement (placement:planned, default policy): training loops
+ * repeat one step's allocations exactly, and an offline placement of one
+ * step with its lifetimes known packs it into ~1.0003 x its peak live bytes
+ * where online best fit walks 1.004-1.15 x (bench/plan). So:
+ *
+ * 1. Detection, O(1) per request: a ring of recent requests (rounded size,
+ *    stream) and a table from the hash of (request, 8 previous requests) to
+ *    the latest request index with that context give a candidate period P;
+ *    it is confirmed once P consecutive requests equal the request P back.
+ * 2. Recording: the ring also holds when each request was freed, so the
+ *    first of the two matching periods is a complete record: requests
+ *    freed within P requests of their allocation are planned, the others
+ *    (weights, optimizer state) stay with best fit.
+ * 3. Planning, once, at the confirming request (a few ms): greedy by size,
+ *    each at the lowest offset free during its lifetime (circular, modulo
+ *    P), one plan arena per stream for small and large requests alike.
+ * 4. Serving: a cursor walks the plan; a request equal to the item under
+ *    the cursor gets the block at its planned offset when that range is
+ *    free (found through the item planned just below it, or a walk), else
+ *    best fit. Off the plan, the context hash resynchronises the cursor;
+ *    with more than ~1% misses in a period the plan goes dormant (its arena
+ *    drains; its free pages are reclaimable) and comes back after 16
+ *    requests follow it again. A longer period confirmed meanwhile replaces
+ *    it (a loop inside a step can be confirmed first: replacing it by the
+ *    longer period is how the step is found).
+ *
+ * Plan arenas are ordinary arenas (pages mapped on demand, reclaim, stats,
+ * gpumem_check) in the stream's plan pool, whose index best fit never
+ * searches. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+#define SHADOW_RUN 16 /* requests on the plan before a dormant plan serves again */
+
+static inline uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+static inline uint64_t req_key(size_t rsize, gpumem_stream_t stream) {
+  return mix64((uint64_t)rsize * 0x9e3779b97f4a7c15ull ^ (uint64_t)stream);
+}
+
+static inline gm_plan_req* req_at(gm_planner* p, uint64_t i) {
+  return &p->ring[i % GM_PLAN_RING];
+}
+
+/* Hash of request i and the 8 before it (i >= 8). */
+static uint64_t context_hash(gm_planner* p, uint64_t i) {
+  uint64_t h = 0;
+  for (uint64_t k = 8; k > 0; k--) h = mix64(h ^ req_at(p, i - k)->key);
+  return mix64(h + req_at(p, i)->key);
+}
+
+gpumem_status_t gm_plan_init(gpumem_t* gm) {
+  gm_planner* p = &gm->planner;
+  p->ring = calloc(GM_PLAN_RING, sizeof *p->ring);
+  p->table = calloc(GM_PLAN_TABLE, sizeof *p->table);
+  if (!p->ring || !p->table) {
+    gm_plan_destroy(gm);
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: out of host memory for the planner");
+  }
+  p->min_period = GM_PLAN_MIN_PERIOD;
+  p->enabled = true;
+  return GPUMEM_OK;
+}
+
+static void set_state(gm_planner* p, int state) {
+  p->state = state;
+  for (size_t a = 0; a < p->num_arenas; a++) {
+    if (p->arenas[a]) p->arenas[a]->plan_serving = state == GM_PLAN_ACTIVE;
+  }
+}
+
+static void free_plan(gm_planner* p) {
+  set_state(p, GM_PLAN_NONE);
+  free(p->items);
+  free(p->ctx_keys);
+  free(p->ctx_items);
+  p->items = NULL;
+  p->ctx_keys = NULL;
+  p->ctx_items = NULL;
+  p->period = 0;
+  p->num_arenas = 0;
+  memset(p->arenas, 0, sizeof p->arenas);
+}
+
+void gm_plan_destroy(gpumem_t* gm) {
+  gm_planner* p = &gm->planner;
+  p->num_arenas = 0; /* the segments are gone already (allocator teardown) */
+  free_plan(p);
+  free(p->ring);
+  free(p->table);
+  p->ring = NULL;
+  p->table = NULL;
+  p->enabled = false;
+}
+
+/* The arena at its one free block, nothing allocated in it. */
+static bool arena_idle(const gm_segment* seg) {
+  return seg->first && !seg->first->next && seg->first->state == GM_FREE;
+}
+
+void gm_plan_drop(gpumem_t* gm) {
+  gm_planner* p = &gm->planner;
+  if (!p->enabled) return;
+  if (p->period) gm->stats.num_plan_drops++;
+  free_plan(p);
+  p->cand = p->matched = 0;
+  p->min_period = GM_PLAN_MIN_PERIOD;
+  /* Idle plan arenas go back whole (their pages become spare). */
+  gm_segment* seg = gm->segments;
+  while (seg) {
+    gm_segment* next = seg->next_seg;
+    if (seg->is_arena && seg->pool->is_plan && arena_idle(seg)) gm_arena_release_if_unused(gm, seg);
+    seg = next;
+  }
+}
+
+/* ---- planning ---- */
+
+typedef struct build_item {
+  uint64_t start, len; /* phase of the allocation, lifetime in requests (<= P) */
+  size_t size, off;
+  uint32_t idx;
+  uint8_t arena;
+} build_item;
+
+/* Do two circular lifetimes (modulo P) share a request? x is shifted to
+ * [P, 3P) and compared with y at three shifts, all without negatives. */
+static inline bool overlap(const build_item* x, const build_item* y, uint64_t P) {
+  uint64_t xa = x->start + P, xb = xa + x->len;
+  for (uint64_t k = 0; k < 3; k++) {
+    uint64_t ya = y->start + k * P, yb = ya + y->len;
+    if (xa < yb && ya < xb) return true;
+  }
+  return false;
+}
+
+/* Is request phase t (0 <= t < P) within x's circular lifetime? */
+static inline bool live_at(const build_item* x, uint64_t t, uint64_t P) {
+  uint64_t d = t >= x->start ? t - x->start : t + P - x->start;
+  return d < x->len;
+}
+
+static int by_size_desc(const void* a, const void* b) {
+  const build_item* x = *(build_item* const*)a;
+  const build_item* y = *(build_item* const*)b;
+  if (x->size != y->size) return x->size < y->size ? 1 : -1;
+  return x->idx < y->idx ? -1 : 1;
+}
+
+/* Finds or makes the plan arena of a stream: an idle one is reused, so a
+ * plan that comes back finds its pages still mapped. */
+static gpumem_status_t plan_arena(gpumem_t* gm, gpumem_stream_t stream, size_t extent,
+                                  gm_segment** out) {
+  gm_stream* s = gm_stream_get(gm, stream);
+  if (!s) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for a stream");
+  gm_pool* pool = &s->pools[GM_POOL_PLAN];
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool == pool && seg->size >= extent && arena_idle(seg)) {
+      *out = seg;
+      return GPUMEM_OK;
+    }
+  }
+  gm_block* b = NULL;
+  gpumem_status_t st = gm_arena_new(gm, pool, extent, &b);
+  if (st != GPUMEM_OK) return st;
+  *out = b->seg;
+  return GPUMEM_OK;
+}
+
+/* Builds the plan from requests [s, s + P) of the ring (all lifetimes of
+ * at most P requests are known by now). Returns false when the period does
+ * not look like a step (or host memory is short): nothing changes then. */
+static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
+  gm_planner* p = &gm->planner;
+  build_item* items = calloc(P, sizeof *items);
+  build_item** order = calloc(P, sizeof *order);
+  build_item** placed = calloc(P, sizeof *placed);
+  gm_plan_item* plan = calloc(P, sizeof *plan);
+  size_t ctx_cap = 1;
+  while (ctx_cap < 2 * P) ctx_cap *= 2;
+  uint64_t* ctx_keys = calloc(ctx_cap, sizeof *ctx_keys);
+  int32_t* ctx_items = calloc(ctx_cap, sizeof *ctx_items);
+  bool ok = false;
+  if (!items || !order || !placed || !plan || !ctx_keys || !ctx_items) goto done;
+
+  gpumem_stream_t streams[GM_PLAN_MAX_STREAMS];
+  size_t num_streams = 0, n_planned = 0;
+  uint64_t bytes_all = 0, bytes_planned = 0, live_min = UINT64_MAX, live_max = 0;
+  for (uint64_t j = 0; j < P; j++) {
+    const gm_plan_req* r = req_at(p, s + j);
+    size_t a = 0;
+    while (a < num_streams && streams[a] != r->stream) a++;
+    if (a == num_streams) {
+      if (num_streams == GM_PLAN_MAX_STREAMS) goto done;
+      streams[num_streams++] = r->stream;
+    }
+    plan[j].rsize = r->rsize;
+    plan[j].stream = r->stream;
+    plan[j].arena = (uint8_t)a;
+    plan[j].anchor = -1;
+    bytes_all += r->rsize;
+    if (r->live < live_min) live_min = r->live;
+    if (r->live > live_max) live_max = r->live;
+    uint64_t life = r->free_at ? r->free_at - 1 - (s + j) : UINT64_MAX;
+    if (life >= 1 && life <= P) {
+      build_item* it = &items[n_planned];
+      it->start = j;
+      it->len = life;
+      it->size = r->rsize;
+      it->idx = (uint32_t)j;
+      it->arena = (uint8_t)a;
+      order[n_planned++] = it;
+      plan[j].planned = 1;
+      plan[j].life = (uint32_t)life;
+      bytes_planned += r->rsize;
+    }
+  }
+  /* A step frees nearly all it allocates within the step; a loop inside a
+   * step (layer after layer) keeps what each iteration made. */
+  if (bytes_planned < bytes_all / 10 * 9) goto done;
+
+  /* Greedy by size, each at the lowest offset free during its lifetime:
+   * placed items are kept sorted by offset, so one scan finds the gap. */
+  qsort(order, n_planned, sizeof *order, by_size_desc);
+  size_t extent[GM_PLAN_MAX_STREAMS] = {0};
+  size_t n_placed = 0;
+  for (size_t i = 0; i < n_planned; i++) {
+    build_item* it = order[i];
+    size_t off = 0, k = 0;
+    for (; k < n_placed && placed[k]->off < off + it->size; k++) {
+      const build_item* o = placed[k];
+      if (o->arena == it->arena && o->off + o->size > off && overlap(it, o, P))
+        off = o->off + o->size;
+    }
+    it->off = off;
+    if (off + it->size > extent[it->arena]) extent[it->arena] = off + it->size;
+    /* insert after the items at lower or equal offsets (those the scan
+     * passed may lie above off: they did not overlap in time) */
+    size_t lo = 0, hi = n_placed;
+    while (lo < hi) {
+      size_t mid = lo + (hi - lo) / 2;
+      if (placed[mid]->off <= off)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    k = lo;
+    memmove(&placed[k + 1], &placed[k], (n_placed - k) * sizeof *placed);
+    placed[k] = it;
+    n_placed++;
+  }
+  /* The plan's peak must be a good part of the swing of live bytes over
+   * the period, or the period is not the step (most of it is elsewhere). */
+  {
+    uint64_t peak = 0;
+    for (size_t a = 0; a < num_streams; a++) peak += extent[a];
+    if (peak < (live_max - live_min) / 2) goto done;
+  }
+  for (size_t i = 0; i < n_planned; i++) plan[order[i]->idx].off = order[i]->off;
+
+  /* Anchors: for each planned item, the planned item that ends highest
+   * below its offset among those live when it is requested. When the plan
+   * is followed, the block after the anchor's is the free block to carve. */
+  for (size_t i = 0; i < n_planned; i++) {
+    const build_item* it = &items[i];
+    size_t best_end = 0;
+    for (size_t k = 0; k < n_planned; k++) {
+      const build_item* o = &items[k];
+      if (k == i || o->arena != it->arena || !live_at(o, it->start, P)) continue;
+      size_t end = o->off + o->size;
+      if (end <= it->off && end > best_end) {
+        best_end = end;
+        plan[it->idx].anchor = (int32_t)o->idx;
+      }
+    }
+  }
+  /* Resynchronisation table: context hash of each item -> item. */
+  for (uint64_t j = 0; j < P; j++) {
+    uint64_t h = context_hash(p, s + j) | 1; /* 0 marks an empty slot */
+    size_t slot = h & (ctx_cap - 1);
+    while (ctx_keys[slot] && ctx_keys[slot] != h) slot = (slot + 1) & (ctx_cap - 1);
+    if (!ctx_keys[slot]) {
+      ctx_keys[slot] = h;
+      ctx_items[slot] = (int32_t)j;
+    }
+  }
+  gm_segment* arenas[GM_PLAN_MAX_STREAMS] = {0};
+  for (size_t a = 0; a < num_streams; a++) {
+    size_t ext = gm_round_up(extent[a] ? extent[a] : gm->page_size, gm->page_size);
+    if (ext > gm->arena_size) goto done;
+    /* An arena of the old plan is idle or not; it is reused only if idle. */
+    if (plan_arena(gm, streams[a], ext, &arenas[a]) != GPUMEM_OK) goto done;
+    for (size_t b = 0; b < a; b++) {
+      if (arenas[b] == arenas[a]) goto done; /* cannot happen: one per stream */
+    }
+  }
+  free_plan(p);
+  p->items = plan;
+  p->ctx_keys = ctx_keys;
+  p->ctx_items = ctx_items;
+  p->ctx_mask = ctx_cap - 1;
+  p->period = P;
+  p->num_arenas = num_streams;
+  memcpy(p->arenas, arenas, sizeof arenas);
+  memcpy(p->arena_streams, streams, num_streams * sizeof *streams);
+  for (size_t a = 0; a < num_streams; a++)
+    p->extents[a] = gm_round_up(extent[a] ? extent[a] : 1, gm->page_size);
+  p->cursor = 0;
+  p->window_reqs = p->window_misses = 0;
+  p->trimmed = false;
+  p->active_since = s + 2 * P;
+  set_state(p, GM_PLAN_ACTIVE);
+  gm->stats.num_plans++;
+  plan = NULL;
+  ctx_keys = NULL;
+  ctx_items = NULL;
+  ok = true;
+done:
+  free(items);
+  free(order);
+  free(placed);
+  free(plan);
+  free(ctx_keys);
+  free(ctx_items);
+  return ok;
+}
+
+/* ---- detection ---- */
+
+static int32_t resync(gm_planner* p, uint64_t i);
+
+/* Is requests [s, s + P) the current plan repeated (a multiple of its
+ * period, any phase)? Then there is nothing to build. */
+static bool same_as_plan(gm_planner* p, uint64_t s, uint64_t P) {
+  if (!p->period || P % p->period) return false;
+  int32_t j0 = resync(p, s);
+  if (j0 < 0) return false;
+  for (uint64_t k = 0; k < P; k++) {
+    const gm_plan_item* it = &p->items[(j0 + k) % p->period];
+    if (req_at(p, s + k)->key != req_key(it->rsize, it->stream)) return false;
+  }
+  return true;
+}
+
+static void detect(gpumem_t* gm, uint64_t i) {
+  gm_planner* p = &gm->planner;
+  if (i < 8) return;
+  uint64_t key = req_at(p, i)->key;
+  if (p->cand) {
+    if (req_at(p, i - p->cand)->key == key)
+      p->matched++;
+    else
+      p->cand = p->matched = 0;
+  }
+  uint64_t h = context_hash(p, i);
+  uint64_t* slot = &p->table[h % GM_PLAN_TABLE];
+  uint64_t last = *slot;
+  if (!p->cand && last) {
+    uint64_t P = i - (last - 1);
+    if (P >= p->min_period && P <= GM_PLAN_MAX_PERIOD && req_at(p, i - P)->key == key) {
+      p->cand = P;
+      p->matched = 1;
+    }
+  }
+  /* Keep an occurrence at least min_period old: once a period was found
+   * wanting, only longer ones are looked for. */
+  if (!last || i - (last - 1) >= p->min_period) *slot = i + 1;
+  if (p->cand && p->matched >= p->cand && i + 1 >= 2 * p->cand + 8) {
+    uint64_t P = p->cand;
+    p->cand = p->matched = 0;
+    /* Built or found wanting, only longer periods are looked for now: a
+     * plan of a loop inside the step falls off the plan between the loops
+     * and is replaced by the step's period when that is confirmed. The
+     * first of the two equal periods is [i + 1 - 2P, i + 1 - P); the next
+     * request is at phase 0 of the new plan. */
+    p->min_period = P + 1;
+    if (!same_as_plan(p, i + 1 - 2 * P, P)) build_plan(gm, i + 1 - 2 * P, P);
+  }
+}
+
+/* ---- serving ---- */
+
+static gm_block* cover_by_walk(gm_segment* seg, uintptr_t addr) {
+  gm_block* b = seg->first;
+  while (b && b->addr + b->size <= addr) b = b->next;
+  return b;
+}
+
+/* Carves [addr, addr + rsize) out of the free block f that covers it. */
+static gm_block* carve(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t rsize) {
+  gm_pool* pool = f->pool;
+  size_t ps = gm->page_size;
+  gm_index_remove(&pool->index, f);
+  if (f->in_dirty) gm_dirty_remove(pool, f);
+  if (f->addr < addr) {
+    size_t front = addr - f->addr;
+    gm_split_block(gm, f, front, true);
+    /* No block struct (host memory): the front stays as it was. */
+    bool split = f->size == front;
+    gm_index_insert(&pool->index, f);
+    if (f->size >= ps) gm_dirty_add(pool, f);
+    if (!split) return NULL;
+    f = f->next;
+    gm_index_remove(&pool->index, f);
+    if (f->in_dirty) gm_dirty_remove(pool, f);
+  }
+  gm_split_block(gm, f, rsize, f->size - rsize >= GM_MIN_BLOCK);
+  f->state = GM_ALLOCATED;
+  if (gm_arena_map_range(gm, f->seg, f->addr, f->size) != GPUMEM_OK) {
+    /* Undo as try_alloc does: counted active so that freeing balances. */
+    gm_stat_pool_add(gm, gm->stats.active, gm_block_stat_small(f), 1);
+    gm_stat_pool_add(gm, gm->stats.active_bytes, gm_block_stat_small(f), (int64_t)f->size);
+    gm_free_block(gm, f);
+    return NULL;
+  }
+  return f;
+}
+
+/* The block at item j's planned range, or NULL when the range is busy. */
+static gm_block* serve(gpumem_t* gm, size_t j) {
+  gm_planner* p = &gm->planner;
+  const gm_plan_item* it = &p->items[j];
+  gm_segment* seg = p->arenas[it->arena];
+  uintptr_t addr = seg->addr + it->off;
+  gm_block* f = NULL;
+  if (it->anchor >= 0) {
+    const gm_plan_item* an = &p->items[it->anchor];
+    gm_block* ab = gm_ptr_map_find(&gm->ptrs, seg->addr + an->off);
+    if (ab && ab->seg == seg && ab->addr + ab->size <= addr) f = ab->next;
+  } else {
+    f = seg->first;
+  }
+  /* The anchor is missing (it was placed elsewhere: the plan's first
+   * period, or a miss) or not adjacent: find the block the slow way. */
+  if (!f || f->addr > addr || f->addr + f->size <= addr) f = cover_by_walk(seg, addr);
+  if (!f || f->state != GM_FREE || f->addr > addr || f->addr + f->size < addr + it->rsize)
+    return NULL;
+  return carve(gm, f, addr, it->rsize);
+}
+
+/* The plan item with request i's context, or -1. */
+static int32_t resync(gm_planner* p, uint64_t i) {
+  if (i < 8) return -1;
+  uint64_t h = context_hash(p, i) | 1;
+  size_t slot = h & p->ctx_mask;
+  while (p->ctx_keys[slot]) {
+    if (p->ctx_keys[slot] == h) return p->ctx_items[slot];
+    slot = (slot + 1) & p->ctx_mask;
+  }
+  return -1;
+}
+
+/* A dormant plan serves again from idle arenas only: what is left in its
+ * arena may sit where the plan places others (a block that matched the
+ * plan but outlived it). The arena drains within a period; one that still
+ * holds blocks two periods on is left to drain alone (retired: its free
+ * pages are reclaimed first), and an idle or new arena takes its place. */
+static bool arenas_ready(gpumem_t* gm) {
+  gm_planner* p = &gm->planner;
+  bool idle = true;
+  for (size_t a = 0; a < p->num_arenas; a++) idle &= arena_idle(p->arenas[a]);
+  if (idle) return true;
+  if (p->n - p->dormant_since < 2 * (uint64_t)p->period) return false;
+  for (size_t a = 0; a < p->num_arenas; a++) {
+    if (arena_idle(p->arenas[a])) continue;
+    gm_segment* seg = NULL;
+    if (plan_arena(gm, p->arena_streams[a], p->extents[a], &seg) != GPUMEM_OK) return false;
+    p->arenas[a] = seg;
+  }
+  return true;
+}
+
+/* Pressure: after the first period a plan serves (from its start or its
+ * return), the pages the regular arenas no longer need (their step blocks
+ * moved to the plan) go back to the device. */
+static void trim(gpumem_t* gm) {
+  gm_planner* p = &gm->planner;
+  p->trimmed = true;
+  if (gm->opts.reclaim != GPUMEM_RECLAIM_PRESSURE) return;
+  if (gm_reclaim_from(gm, GM_RECLAIM_SPARE_SERVING, 0, NULL) == GPUMEM_OK)
+    gm_release_spare_pages(gm, 0);
+}
+
+static void go_dormant(gpumem_t* gm, uint64_t i, size_t shadow) {
+  gm_planner* p = &gm->planner;
+  gm->stats.num_plan_drops++;
+  p->shadow = shadow;
+  p->shadow_run = p->verified = 0;
+  p->verify = i;
+  p->dormant_since = i;
+  set_state(p, GM_PLAN_DORMANT);
+}
+
+/* Dormant: follow the plan without serving, and check that what followed
+ * it also lived as planned (freed within its planned lifetime, plus a
+ * little). A sequence can repeat a step's sizes with other lifetimes
+ * (weights allocated in the order an optimizer step allocates its
+ * temporaries): served by the plan, such blocks would squat on ranges the
+ * plan gives to others. */
+static void shadow_step(gpumem_t* gm, uint64_t i, size_t rsize, gpumem_stream_t stream) {
+  gm_planner* p = &gm->planner;
+  const gm_plan_item* it = &p->items[p->shadow];
+  if (it->rsize != rsize || it->stream != stream) {
+    int32_t j = resync(p, i);
+    p->shadow_run = p->verified = 0;
+    p->verify = i;
+    if (j < 0) {
+      req_at(p, i)->item = -1;
+      return;
+    }
+    p->shadow = (size_t)j;
+  }
+  req_at(p, i)->item = (int32_t)p->shadow;
+  p->shadow = (p->shadow + 1) % p->period;
+  p->shadow_run++;
+  uint64_t slack = p->period / 64 + 1;
+  while (p->verify < i) {
+    const gm_plan_req* r = req_at(p, p->verify);
+    const gm_plan_item* v = r->item >= 0 ? &p->items[r->item] : NULL;
+    if (!v || !v->planned) {
+      p->verify++;
+      continue;
+    }
+    uint64_t due = p->verify + v->life + slack;
+    if (r->free_at && r->free_at - 1 <= due) {
+      p->verify++;
+      p->verified++;
+      continue;
+    }
+    if (i < due) break; /* not yet due */
+    /* Outlived its plan: start over from here. */
+    p->shadow_run = p->verified = 0;
+    p->verify = i;
+    break;
+  }
+  if (p->shadow_run >= SHADOW_RUN && p->verified >= SHADOW_RUN && arenas_ready(gm)) {
+    p->cursor = p->shadow;
+    p->window_reqs = p->window_misses = 0;
+    p->active_since = i;
+    p->trimmed = false; /* a phase change: pages move once more */
+    set_state(p, GM_PLAN_ACTIVE);
+  }
+}
+
+static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t i) {
+  gm_planner* p = &gm->planner;
+  if (p->state == GM_PLAN_DORMANT) {
+    /* This request was shadowed; a plan that comes back serves the next. */
+    shadow_step(gm, i, rsize, s->handle);
+    return NULL;
+  }
+  if (p->state != GM_PLAN_ACTIVE) return NULL;
+  const gm_plan_item* it = &p->items[p->cursor];
+  if (it->rsize != rsize || it->stream != s->handle) {
+    /* Off the plan: never serve on a guess (see shadow_step). */
+    go_dormant(gm, i, p->cursor);
+    shadow_step(gm, i, rsize, s->handle);
+    return NULL;
+  }
+  size_t j = p->cursor;
+  p->cursor = (j + 1) % p->period;
+  gm_block* b = NULL;
+  if (it->planned) {
+    b = serve(gm, j);
+    if (b)
+      gm->stats.num_planned_allocs++;
+    else
+      p->window_misses++;
+  }
+  if (++p->window_reqs >= p->period) {
+    bool bad = p->window_misses > p->period / 100 + 1;
+    p->window_reqs = p->window_misses = 0;
+    if (bad)
+      go_dormant(gm, i + 1, p->cursor);
+    else if (!p->trimmed)
+      trim(gm);
+  }
+  return b;
+}
+
+gm_block* gm_plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize) {
+  gm_planner* p = &gm->planner;
+  uint64_t i = p->n++;
+  gm_plan_req* r = req_at(p, i);
+  r->key = req_key(rsize, s->handle);
+  r->rsize = rsize;
+  r->stream = s->handle;
+  r->free_at = 0;
+  r->item = -1;
+  r->live = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
+  gm_block* b = p->period ? plan_malloc(gm, s, rsize, i) : NULL;
+  /* Detection runs until a plan has served two periods in a row: a plan
+   * of a loop inside the step falls off between loops, and the step's
+   * longer period then replaces it. */
+  if (p->state != GM_PLAN_ACTIVE || i - p->active_since < 2 * (uint64_t)p->period) detect(gm, i);
+  return b;
+}
+
+/* ---- checks ---- */
+
+size_t gm_plan_check(gpumem_t* gm, char* msg, size_t len) {
+  gm_planner* p = &gm->planner;
+  size_t errors = 0;
+  if (!p->enabled) return 0;
+  for (size_t a = 0; a < p->num_arenas; a++) {
+    gm_segment* seg = p->arenas[a];
+    bool found = false;
+    for (gm_segment* x = gm->segments; x && !found; x = x->next_seg) found = x == seg;
+    if (!found || !seg->is_arena || !seg->pool->is_plan) {
+      if (!errors++) snprintf(msg, len, "plan arena %zu is not a plan pool's arena", a);
+    } else if (seg->plan_serving != (p->state == GM_PLAN_ACTIVE)) {
+      if (!errors++)
+        snprintf(msg, len, "plan arena %zu: plan_serving disagrees with the planner", a);
+    }
+  }
+  for (size_t j = 0; j < p->period; j++) {
+    const gm_plan_item* it = &p->items[j];
+    if (!it->planned) continue;
+    const gm_segment* seg = p->arenas[it->arena];
+    if (it->off + it->rsize > seg->size || it->rsize % GM_MIN_BLOCK) {
+      if (!errors++) snprintf(msg, len, "plan item %zu lies outside its arena", j);
+    }
+  }
+  /* Plan pools hold arenas only, and only the current plan's may serve. */
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool->is_plan && !seg->is_arena) {
+      if (!errors++) snprintf(msg, len, "plain segment in a plan pool");
+    }
+    bool current = false;
+    for (size_t a = 0; a < p->num_arenas; a++) current |= p->arenas[a] == seg;
+    if (seg->plan_serving && !current) {
+      if (!errors++)
+        snprintf(msg, len, "arena 0x%lx serves no plan but is marked serving",
+                 (unsigned long)seg->addr);
+    }
+  }
+  return errors;
+}
