@@ -34,8 +34,12 @@ static uint64_t rng(void) {
   rng_state ^= rng_state >> 27;
   return rng_state * 0x2545F4914F6CDD1Dull;
 }
-static uint64_t rng_range(uint64_t lo, uint64_t hi) { return lo + rng() % (hi - lo + 1); }
-static double rng_unit(void) { return (double)(rng() >> 11) / 9007199254740992.0; }
+static uint64_t rng_range(uint64_t lo, uint64_t hi) {
+  return lo + rng() % (hi - lo + 1);
+}
+static double rng_unit(void) {
+  return (double)(rng() >> 11) / 9007199254740992.0;
+}
 
 typedef struct writer {
   FILE* f;
@@ -48,7 +52,9 @@ static uint64_t w_alloc(writer_t* w, uint64_t size, uint64_t stream) {
           (unsigned long long)stream);
   return id;
 }
-static void w_free(writer_t* w, uint64_t id) { fprintf(w->f, "f %llu\n", (unsigned long long)id); }
+static void w_free(writer_t* w, uint64_t id) {
+  fprintf(w->f, "f %llu\n", (unsigned long long)id);
+}
 static void w_use(writer_t* w, uint64_t id, uint64_t stream) {
   fprintf(w->f, "r %llu %llu\n", (unsigned long long)id, (unsigned long long)stream);
 }
@@ -83,10 +89,10 @@ static void gen_varlen(writer_t* w) {
     uint64_t acts[LAYERS][4];
     uint64_t input = w_alloc(w, tokens * 8, 0);
     for (int l = 0; l < LAYERS; l++) {
-      acts[l][0] = w_alloc(w, tokens * hidden * 2, 0);           /* layer input */
+      acts[l][0] = w_alloc(w, tokens * hidden * 2, 0);              /* layer input */
       acts[l][1] = w_alloc(w, batch * 16 * seq * seq / 8 + 512, 0); /* attention scores */
-      acts[l][2] = w_alloc(w, tokens * hidden * 4 * 2, 0);       /* mlp hidden */
-      uint64_t tmp = w_alloc(w, tokens * hidden * 2, 0);         /* transient */
+      acts[l][2] = w_alloc(w, tokens * hidden * 4 * 2, 0);          /* mlp hidden */
+      uint64_t tmp = w_alloc(w, tokens * hidden * 2, 0);            /* transient */
       w_free(w, tmp);
       acts[l][3] = w_alloc(w, tokens * 4, 0); /* norm stats */
     }
@@ -104,7 +110,8 @@ static void gen_varlen(writer_t* w) {
     w_free(w, input);
     if (!have_state) { /* optimizer state appears at the first step */
       for (int l = 0; l < LAYERS; l++) {
-        for (int k = 0; k < 4; k++) adam[l][k] = w_alloc(w, hidden * hidden * (k < 2 ? 4 : 8) * 4, 0);
+        for (int k = 0; k < 4; k++)
+          adam[l][k] = w_alloc(w, hidden * hidden * (k < 2 ? 4 : 8) * 4, 0);
       }
       have_state = 1;
     }
@@ -120,7 +127,7 @@ static void gen_varlen(writer_t* w) {
 /* Generation with key/value caches grown by reallocation. */
 static void gen_kvcache(writer_t* w) {
   enum { LAYERS = 16, REQUESTS = 24 };
-  const uint64_t kv_per_token = 2 * 8 * 128 * 2; /* k and v, 8 heads x 128, bf16 */
+  const uint64_t kv_per_token = 2 * 8 * 128 * 2;            /* k and v, 8 heads x 128, bf16 */
   for (int l = 0; l < LAYERS; l++) w_alloc(w, 64 * MIB, 0); /* weights */
   for (int r = 0; r < REQUESTS; r++) {
     uint64_t batch = rng_range(1, 8);
@@ -160,7 +167,8 @@ static void gen_random(writer_t* w) {
   uint64_t live_bytes = 0;
   const uint64_t target = 8 * GIB;
   for (int op = 0; op < OPS; op++) {
-    int do_alloc = n == 0 || (n < MAX_LIVE && (live_bytes < target ? rng_unit() < 0.6 : rng_unit() < 0.4));
+    int do_alloc =
+        n == 0 || (n < MAX_LIVE && (live_bytes < target ? rng_unit() < 0.6 : rng_unit() < 0.4));
     if (do_alloc) {
       /* log-uniform between 1 KiB and 1 GiB */
       double e = 10.0 + rng_unit() * 20.0;
@@ -216,10 +224,14 @@ int main(int argc, char** argv) {
     const char* what;
     void (*gen)(writer_t*);
   } gens[] = {
-      {"synth_varlen", "12-layer stack, batch 2-16 x sequence 64-2048 changing every step", gen_varlen},
-      {"synth_kvcache", "16-layer generation, per-layer KV caches grown by reallocation", gen_kvcache},
-      {"synth_random", "sizes log-uniform 1 KiB - 1 GiB, random lifetimes around 8 GiB live", gen_random},
-      {"synth_streams", "3 streams: staged inputs used on another stream (record_stream)", gen_streams},
+      {"synth_varlen", "12-layer stack, batch 2-16 x sequence 64-2048 changing every step",
+       gen_varlen},
+      {"synth_kvcache", "16-layer generation, per-layer KV caches grown by reallocation",
+       gen_kvcache},
+      {"synth_random", "sizes log-uniform 1 KiB - 1 GiB, random lifetimes around 8 GiB live",
+       gen_random},
+      {"synth_streams", "3 streams: staged inputs used on another stream (record_stream)",
+       gen_streams},
   };
   for (size_t i = 0; i < sizeof gens / sizeof gens[0]; i++) {
     rng_state = seed * 0x9E3779B97F4A7C15ull + i + 1;

@@ -97,7 +97,7 @@ typedef enum gpumem_placement {
 } gpumem_placement_t;
 
 typedef struct gpumem_options {
-  uint32_t struct_size;  /* sizeof(gpumem_options_t), set by options_init */
+  uint32_t struct_size; /* sizeof(gpumem_options_t), set by options_init */
   gpumem_policy_t policy;
   size_t limit_bytes;    /* hard cap on reserved memory; 0 = none */
   double limit_fraction; /* cap as a fraction of device total; 0 = none.
@@ -185,50 +185,50 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
 /* Statistic arrays, PyTorch's names: each has all/small/large pools and
  * current/peak/allocated/freed. One list drives the struct, the summary
  * table and the JSON. */
-#define GPUMEM_STAT_ARRAYS(X)                                                                      \
-  X(allocation, "Allocations", 0)                                                                  \
-  X(segment, "GPU reserved segments", 0)                                                           \
-  X(active, "Active allocs", 0)                                                                    \
-  X(inactive_split, "Non-releasable allocs", 0)                                                    \
-  X(allocated_bytes, "Allocated memory", 1)                                                        \
-  X(reserved_bytes, "GPU reserved memory", 1)                                                      \
-  X(active_bytes, "Active memory", 1)                                                              \
-  X(inactive_split_bytes, "Non-releasable memory", 1)                                              \
+#define GPUMEM_STAT_ARRAYS(X)                         \
+  X(allocation, "Allocations", 0)                     \
+  X(segment, "GPU reserved segments", 0)              \
+  X(active, "Active allocs", 0)                       \
+  X(inactive_split, "Non-releasable allocs", 0)       \
+  X(allocated_bytes, "Allocated memory", 1)           \
+  X(reserved_bytes, "GPU reserved memory", 1)         \
+  X(active_bytes, "Active memory", 1)                 \
+  X(inactive_split_bytes, "Non-releasable memory", 1) \
   X(requested_bytes, "Requested memory", 1)
 
 /* Plain counters: PyTorch's and gpumem's own. */
-#define GPUMEM_STAT_COUNTERS(X)                                                                    \
-  X(num_alloc_retries, "cudaMalloc retries")                                                       \
-  X(num_ooms, "CUDA OOMs")                                                                         \
-  X(num_sync_all_streams, "Synchronizations of all streams")                                       \
-  X(num_device_alloc, "Device allocations")                                                        \
-  X(num_device_free, "Device frees")                                                               \
-  X(num_syncs, "Stream or event synchronizations")                                                 \
-  X(num_pages_mapped, "Pages mapped")                                                              \
-  X(num_pages_unmapped, "Pages unmapped")                                                          \
-  X(num_reclaims, "Page reclaim passes")                                                           \
-  X(num_oom_callbacks, "OOM callbacks called")                                                     \
-  X(num_plans, "Placement plans built")                                                            \
-  X(num_plan_drops, "Placement plans dropped")                                                     \
+#define GPUMEM_STAT_COUNTERS(X)                              \
+  X(num_alloc_retries, "cudaMalloc retries")                 \
+  X(num_ooms, "CUDA OOMs")                                   \
+  X(num_sync_all_streams, "Synchronizations of all streams") \
+  X(num_device_alloc, "Device allocations")                  \
+  X(num_device_free, "Device frees")                         \
+  X(num_syncs, "Stream or event synchronizations")           \
+  X(num_pages_mapped, "Pages mapped")                        \
+  X(num_pages_unmapped, "Pages unmapped")                    \
+  X(num_reclaims, "Page reclaim passes")                     \
+  X(num_oom_callbacks, "OOM callbacks called")               \
+  X(num_plans, "Placement plans built")                      \
+  X(num_plan_drops, "Placement plans dropped")               \
   X(num_planned_allocs, "Allocations placed by a plan")
 
 /* Backend primitives, counted per call by the allocator. */
-#define GPUMEM_BACKEND_CALLS(X)                                                                    \
-  X(reserve)                                                                                       \
-  X(release_range)                                                                                 \
-  X(create_page)                                                                                   \
-  X(release_page)                                                                                  \
-  X(map)                                                                                           \
-  X(unmap)                                                                                         \
-  X(alloc)                                                                                         \
-  X(free)                                                                                          \
-  X(mem_info)                                                                                      \
-  X(event_create)                                                                                  \
-  X(event_destroy)                                                                                 \
-  X(event_record)                                                                                  \
-  X(event_query)                                                                                   \
-  X(event_sync)                                                                                    \
-  X(stream_sync)                                                                                   \
+#define GPUMEM_BACKEND_CALLS(X) \
+  X(reserve)                    \
+  X(release_range)              \
+  X(create_page)                \
+  X(release_page)               \
+  X(map)                        \
+  X(unmap)                      \
+  X(alloc)                      \
+  X(free)                       \
+  X(mem_info)                   \
+  X(event_create)               \
+  X(event_destroy)              \
+  X(event_record)               \
+  X(event_query)                \
+  X(event_sync)                 \
+  X(stream_sync)                \
   X(device_sync)
 
 typedef enum gpumem_backend_call {
@@ -302,9 +302,9 @@ GPUMEM_API int gpumem_write_to_file(const char* text, size_t len, void* file);
 typedef struct gpumem_explain {
   uint32_t struct_size;
   uint64_t reserved;
-  uint64_t requested;       /* what live allocations asked for */
-  uint64_t rounding;        /* allocated minus requested: 512 B rounding, unsplit tails */
-  uint64_t other_streams;   /* freed, waiting for work on other streams (record_stream) */
+  uint64_t requested;     /* what live allocations asked for */
+  uint64_t rounding;      /* allocated minus requested: 512 B rounding, unsplit tails */
+  uint64_t other_streams; /* freed, waiting for work on other streams (record_stream) */
   /* Free bytes in pages (or segments) that also hold live blocks: the
    * edges of holes, where a page cannot be reclaimed. */
   uint64_t partial_pages_large;
@@ -312,7 +312,7 @@ typedef struct gpumem_explain {
   /* Free bytes the cache could give back now: whole free pages still
    * mapped, whole free segments (pytorch policy). */
   uint64_t cached_reclaimable;
-  uint64_t spare_pages;     /* physical pages held, unmapped */
+  uint64_t spare_pages; /* physical pages held, unmapped */
   size_t live_blocks;
   size_t free_blocks;
 } gpumem_explain_t;
@@ -328,7 +328,6 @@ GPUMEM_API gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out);
 GPUMEM_API size_t gpumem_check(gpumem_t* gm);
 
 /* ---- framework bindings (src/bindings.c) ------------------------------ */
-
 
 /* Which allocator serves device's requests through these bindings; created
  * (gpumem_default) on first use. NULL with gpumem_last_error() on failure. */

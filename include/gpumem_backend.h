@@ -114,12 +114,12 @@ GPUMEM_API void gpumem_sim_fail_clear(gpumem_backend_t* sim);
 typedef struct gpumem_sim_counters {
   uint64_t calls[GPUMEM_CALL_COUNT]; /* every call, by kind */
   uint64_t failures_injected;
-  uint64_t bytes_in_use;        /* physical + plain bytes held */
+  uint64_t bytes_in_use; /* physical + plain bytes held */
   uint64_t peak_bytes_in_use;
-  uint64_t ranges_reserved;     /* live reserved ranges */
-  uint64_t pages_live;          /* live physical allocations */
-  uint64_t pages_mapped;        /* live mappings */
-  uint64_t plain_live;          /* live plain allocations */
+  uint64_t ranges_reserved; /* live reserved ranges */
+  uint64_t pages_live;      /* live physical allocations */
+  uint64_t pages_mapped;    /* live mappings */
+  uint64_t plain_live;      /* live plain allocations */
   uint64_t events_live;
 } gpumem_sim_counters_t;
 

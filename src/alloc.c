@@ -39,7 +39,8 @@ void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delt
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s) {
   (void)gm;
   if (GM_UNLIKELY(s != GPUMEM_OK && s != GPUMEM_NOT_READY && gpumem_last_error()[0] == '\0')) {
-    gpumem_set_last_error("backend %s call failed: %s", gpumem_backend_call_name(call), gpumem_strerror(s));
+    gpumem_set_last_error("backend %s call failed: %s", gpumem_backend_call_name(call),
+                          gpumem_strerror(s));
   }
   return s;
 }
@@ -52,16 +53,18 @@ void gm_segment_link(gpumem_t* gm, gm_segment* seg) {
 }
 
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg) {
-  if (seg->prev_seg) seg->prev_seg->next_seg = seg->next_seg;
-  else gm->segments = seg->next_seg;
+  if (seg->prev_seg)
+    seg->prev_seg->next_seg = seg->next_seg;
+  else
+    gm->segments = seg->next_seg;
   if (seg->next_seg) seg->next_seg->prev_seg = seg->prev_seg;
 }
 
 /* ---- creation ---- */
 
 static bool backend_has_vm(const gpumem_backend_t* be) {
-  return be->page_size && be->reserve && be->release_range && be->create_page && be->release_page && be->map &&
-         be->unmap;
+  return be->page_size && be->reserve && be->release_range && be->create_page && be->release_page &&
+         be->map && be->unmap;
 }
 
 static size_t limit_from(const gpumem_options_t* o, size_t total) {
@@ -73,16 +76,18 @@ static size_t limit_from(const gpumem_options_t* o, size_t total) {
   return limit;
 }
 
-gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts, gpumem_status_t* err) {
+gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
+                        gpumem_status_t* err) {
   gpumem_status_t dummy;
   if (!err) err = &dummy;
   gpumem_options_t o;
   gpumem_options_init(&o);
   if (opts) {
     if (opts->struct_size != sizeof(gpumem_options_t)) {
-      *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
-                     "gpumem_create: options.struct_size is %u, expected %zu (call gpumem_options_init)",
-                     opts->struct_size, sizeof(gpumem_options_t));
+      *err = gm_fail(
+          GPUMEM_ERR_INVALID_ARGUMENT,
+          "gpumem_create: options.struct_size is %u, expected %zu (call gpumem_options_init)",
+          opts->struct_size, sizeof(gpumem_options_t));
       return NULL;
     }
     o = *opts;
@@ -92,7 +97,8 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     return NULL;
   }
   if (backend->version != GPUMEM_BACKEND_VERSION) {
-    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: backend \"%s\" has version %u, expected %d",
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_create: backend \"%s\" has version %u, expected %d",
                    backend->name ? backend->name : "?", backend->version, GPUMEM_BACKEND_VERSION);
     return NULL;
   }
@@ -100,13 +106,15 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   bool has_vm = backend_has_vm(backend);
   if ((!has_plain && !has_vm) || !backend->mem_info) {
     *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
-                   "gpumem_create: backend \"%s\" lacks mem_info or both the plain and the virtual memory slots",
+                   "gpumem_create: backend \"%s\" lacks mem_info or both the plain and the virtual "
+                   "memory slots",
                    backend->name ? backend->name : "?");
     return NULL;
   }
   if (has_vm && (backend->page_size & (backend->page_size - 1))) {
-    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: backend page_size %zu is not a power of two",
-                   backend->page_size);
+    *err =
+        gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                "gpumem_create: backend page_size %zu is not a power of two", backend->page_size);
     return NULL;
   }
   if (o.policy != GPUMEM_POLICY_DEFAULT && o.policy != GPUMEM_POLICY_PYTORCH) {
@@ -114,12 +122,14 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     return NULL;
   }
   if (!(o.limit_fraction >= 0 && o.limit_fraction <= 1) || !(o.headroom >= 0 && o.headroom <= 1)) {
-    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: limit_fraction and headroom must be in [0, 1]");
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_create: limit_fraction and headroom must be in [0, 1]");
     return NULL;
   }
   bool use_vm = o.policy == GPUMEM_POLICY_DEFAULT && has_vm;
   if (!use_vm && !has_plain) {
-    *err = gm_fail(GPUMEM_ERR_UNSUPPORTED, "gpumem_create: the pytorch policy needs the backend's alloc/free slots");
+    *err = gm_fail(GPUMEM_ERR_UNSUPPORTED,
+                   "gpumem_create: the pytorch policy needs the backend's alloc/free slots");
     return NULL;
   }
   size_t free_bytes = 0, total = 0;
@@ -137,7 +147,8 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   gm->stats.backend_calls[GPUMEM_CALL_mem_info] = 1;
   if (pthread_mutex_init(&gm->lock, NULL) != 0 || gm_ptr_map_init(&gm->ptrs) != GPUMEM_OK) {
     free(gm);
-    *err = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: cannot initialize the lock or pointer map");
+    *err =
+        gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: cannot initialize the lock or pointer map");
     return NULL;
   }
   gm->backend = backend;
@@ -240,10 +251,11 @@ static bool over_limit(const gpumem_t* gm, size_t extra) {
 }
 
 /* A new plain segment for the pytorch rules; its one block is indexed. */
-static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size, gm_block** out) {
+static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size,
+                                         gm_block** out) {
   if (over_limit(gm, seg_size)) {
-    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "a new %zu-byte segment would pass the limit of %zu bytes",
-                   seg_size, gm->limit);
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "a new %zu-byte segment would pass the limit of %zu bytes", seg_size, gm->limit);
   }
   gm_segment* seg = calloc(1, sizeof *seg);
   gm_block* b = gm_block_new(gm);
@@ -303,15 +315,18 @@ static void release_if_whole(gm_block* b, void* arg) {
   if (rs->status != GPUMEM_OK || gm_block_is_split(b) || b->seg->is_arena) return;
   size_t size = b->size;
   gpumem_status_t st = release_plain_segment(rs->gm, b);
-  if (st == GPUMEM_OK) rs->released += size;
-  else rs->status = st;
+  if (st == GPUMEM_OK)
+    rs->released += size;
+  else
+    rs->status = st;
 }
 
 /* Frees every cached plain segment that holds no allocation. */
 static gpumem_status_t release_plain_cache(gpumem_t* gm, size_t* released) {
   release_state rs = {gm, GPUMEM_OK, 0};
   for (gm_stream* s = gm->streams; s; s = s->next) {
-    for (int i = 0; i < GM_NUM_POOLS; i++) gm_index_visit(&s->pools[i].index, release_if_whole, &rs);
+    for (int i = 0; i < GM_NUM_POOLS; i++)
+      gm_index_visit(&s->pools[i].index, release_if_whole, &rs);
   }
   if (released) *released = rs.released;
   return rs.status;
@@ -380,8 +395,9 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     /* A new segment's block serves the request directly, as PyTorch's
      * alloc_block does: the max_split_size rules of find_free are for
      * cached blocks only. */
-    gpumem_status_t st = gm->virtual_memory ? gm_arena_new(gm, pool, rsize, &b)
-                                            : new_plain_segment(gm, pool, segment_size_for(rsize), &b);
+    gpumem_status_t st = gm->virtual_memory
+                             ? gm_arena_new(gm, pool, rsize, &b)
+                             : new_plain_segment(gm, pool, segment_size_for(rsize), &b);
     if (st != GPUMEM_OK) return st;
     fresh = b->seg;
   }
@@ -442,7 +458,8 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     if (st != GPUMEM_OK) return st;
   }
   gm_stream* s = gm_stream_get(gm, stream);
-  if (GM_UNLIKELY(!s)) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_malloc: out of host memory for a stream");
+  if (GM_UNLIKELY(!s))
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_malloc: out of host memory for a stream");
   size_t rsize = round_request(size);
   bool small = rsize <= GM_SMALL_SIZE;
   gm_pool* pool = &s->pools[pool_index(gm, rsize)];
@@ -450,8 +467,10 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   size_t spare_before = gm->num_spare_pages;
   st = GPUMEM_OK;
   if (gm->planner.enabled && rsize <= gm->device_total) b = gm_plan_malloc(gm, s, rsize);
-  if (b) small = gm_block_stat_small(b);
-  else st = try_alloc(gm, pool, rsize, &b);
+  if (b)
+    small = gm_block_stat_small(b);
+  else
+    st = try_alloc(gm, pool, rsize, &b);
   if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY)) {
     /* The ladder: cached memory first (PyTorch's order), then a retry. */
     if (release_available(gm, pool, rsize)) st = try_alloc(gm, pool, rsize, &b);
@@ -498,7 +517,8 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
 }
 
 gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream, void** out) {
-  if (GM_UNLIKELY(!gm || !out)) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_malloc: NULL allocator or out");
+  if (GM_UNLIKELY(!gm || !out))
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_malloc: NULL allocator or out");
   *out = NULL;
   if (GM_UNLIKELY(size == 0)) return GPUMEM_OK;
   /* Far beyond any device; also keeps the rounding below from wrapping. */
@@ -507,7 +527,8 @@ gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream,
     gm->stats.num_ooms++;
     pthread_mutex_unlock(&gm->lock);
     return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
-                   "gpumem: out of memory: tried to allocate %zu bytes, more than any device holds", size);
+                   "gpumem: out of memory: tried to allocate %zu bytes, more than any device holds",
+                   size);
   }
   pthread_mutex_lock(&gm->lock);
   bool has_callbacks = gm->num_callbacks > 0;
@@ -544,21 +565,23 @@ static gpumem_status_t diagnose_bad_free(gpumem_t* gm, uintptr_t addr, const cha
   for (size_t i = 0; i <= gm->ptrs.mask; i++) {
     gm_block* b = gm->ptrs.slots[i];
     if (b && addr > b->addr && addr < b->addr + b->size) {
-      return gm_fail(GPUMEM_ERR_INVALID_POINTER,
-                     "%s: 0x%lx points %lu bytes into the allocation at 0x%lx (%zu bytes); pass the pointer "
-                     "the allocation returned",
-                     what, (unsigned long)addr, (unsigned long)(addr - b->addr), (unsigned long)b->addr,
-                     b->requested);
+      return gm_fail(
+          GPUMEM_ERR_INVALID_POINTER,
+          "%s: 0x%lx points %lu bytes into the allocation at 0x%lx (%zu bytes); pass the pointer "
+          "the allocation returned",
+          what, (unsigned long)addr, (unsigned long)(addr - b->addr), (unsigned long)b->addr,
+          b->requested);
     }
   }
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
     if (addr >= seg->addr && addr < seg->addr + seg->size) {
       return gm_fail(GPUMEM_ERR_INVALID_POINTER,
-                     "%s: 0x%lx is not a live allocation (freed already? double free)", what, (unsigned long)addr);
+                     "%s: 0x%lx is not a live allocation (freed already? double free)", what,
+                     (unsigned long)addr);
     }
   }
-  return gm_fail(GPUMEM_ERR_INVALID_POINTER, "%s: 0x%lx was never allocated by this allocator", what,
-                 (unsigned long)addr);
+  return gm_fail(GPUMEM_ERR_INVALID_POINTER, "%s: 0x%lx was never allocated by this allocator",
+                 what, (unsigned long)addr);
 }
 
 gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
@@ -599,10 +622,12 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
 }
 
 gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream) {
-  if (!gm || !ptr) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: NULL allocator or pointer");
+  if (!gm || !ptr)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: NULL allocator or pointer");
   pthread_mutex_lock(&gm->lock);
   gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
-  gpumem_status_t st = b ? gm_block_add_use(b, stream) : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
+  gpumem_status_t st = b ? gm_block_add_use(b, stream)
+                         : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
   pthread_mutex_unlock(&gm->lock);
   return st;
 }
@@ -643,7 +668,8 @@ gpumem_status_t gpumem_set_limit(gpumem_t* gm, size_t bytes) {
   if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit: NULL allocator");
   if (bytes == 0) {
     return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
-                   "gpumem_set_limit: a limit of 0 bytes would refuse every allocation; use gpumem_remove_limit "
+                   "gpumem_set_limit: a limit of 0 bytes would refuse every allocation; use "
+                   "gpumem_remove_limit "
                    "to lift the cap");
   }
   return apply_limit(gm, bytes);
@@ -652,10 +678,13 @@ gpumem_status_t gpumem_set_limit(gpumem_t* gm, size_t bytes) {
 gpumem_status_t gpumem_set_limit_fraction(gpumem_t* gm, double fraction) {
   if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit_fraction: NULL allocator");
   if (!(fraction > 0 && fraction <= 1)) {
-    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit_fraction: fraction %g is not in (0, 1]", fraction);
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_set_limit_fraction: fraction %g is not in (0, 1]", fraction);
   }
   size_t bytes = (size_t)((double)gm->device_total * fraction);
-  if (!bytes) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_set_limit_fraction: %g of the device is 0 bytes", fraction);
+  if (!bytes)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_set_limit_fraction: %g of the device is 0 bytes", fraction);
   return apply_limit(gm, bytes);
 }
 
@@ -675,7 +704,9 @@ size_t gpumem_get_limit(gpumem_t* gm) {
 }
 
 gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_callback_t fn, void* arg) {
-  if (!gm || !fn) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_add_oom_callback: NULL allocator or function");
+  if (!gm || !fn)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_add_oom_callback: NULL allocator or function");
   pthread_mutex_lock(&gm->lock);
   gpumem_status_t st = GPUMEM_OK;
   if (gm->num_callbacks >= 16) {
@@ -738,7 +769,8 @@ void gpumem_get_stats(gpumem_t* gm, gpumem_stats_t* out) {
   fill_derived(gm, out);
   size_t free_bytes = 0, total = 0;
   gm->stats.backend_calls[GPUMEM_CALL_mem_info]++;
-  if (gm->backend->mem_info(gm->backend->ctx, &free_bytes, &total) == GPUMEM_OK) out->device_free = free_bytes;
+  if (gm->backend->mem_info(gm->backend->ctx, &free_bytes, &total) == GPUMEM_OK)
+    out->device_free = free_bytes;
   out->backend_calls[GPUMEM_CALL_mem_info] = gm->stats.backend_calls[GPUMEM_CALL_mem_info];
   pthread_mutex_unlock(&gm->lock);
 }
@@ -756,8 +788,8 @@ void gpumem_reset_peak_stats(gpumem_t* gm) {
 void gpumem_reset_accumulated_stats(gpumem_t* gm) {
   if (!gm) return;
   pthread_mutex_lock(&gm->lock);
-#define GM_X_RESET_ACC(name, title, is_bytes)        \
-  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {      \
+#define GM_X_RESET_ACC(name, title, is_bytes)                  \
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {                \
     gm->stats.name[p].allocated = gm->stats.name[p].freed = 0; \
   }
   GPUMEM_STAT_ARRAYS(GM_X_RESET_ACC)
@@ -807,31 +839,40 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
   const char* advice;
   char advice_buf[400];
   if (cause != GPUMEM_ERR_OUT_OF_MEMORY) {
-    advice = "the device reported an error other than out of memory (the cause above); nothing was allocated and "
-             "the allocator is consistent";
+    advice =
+        "the device reported an error other than out of memory (the cause above); nothing was "
+        "allocated and "
+        "the allocator is consistent";
   } else if (st.cached_free_bytes >= rsize && st.largest_free_block < rsize) {
-    snprintf(advice_buf, sizeof advice_buf,
-             "fragmentation: %s is cached free but the largest piece is %s. %s", cached, largest,
-             gm->virtual_memory ? "Free memory sits in partly used pages."
-                                : "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
-                                  "policy, max_split_size_mb limits splitting of large blocks.");
+    snprintf(
+        advice_buf, sizeof advice_buf,
+        "fragmentation: %s is cached free but the largest piece is %s. %s", cached, largest,
+        gm->virtual_memory
+            ? "Free memory sits in partly used pages."
+            : "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
+              "policy, max_split_size_mb limits splitting of large blocks.");
     advice = advice_buf;
   } else if (active - allocated >= (int64_t)rsize) {
-    advice = "freed memory is still waiting for work on other streams (record_stream); synchronize those streams "
-             "before allocating";
+    advice =
+        "freed memory is still waiting for work on other streams (record_stream); synchronize "
+        "those streams "
+        "before allocating";
   } else if (gm->limit && (uint64_t)reserved + rsize > gm->limit && dev_free >= rsize) {
     advice = "the limit, not the device, refused: raise the limit or lower the batch size";
   } else {
-    advice = "live allocations fill the memory: free tensors, lower the batch size, or use activation "
-             "checkpointing";
+    advice =
+        "live allocations fill the memory: free tensors, lower the batch size, or use activation "
+        "checkpointing";
   }
   gpumem_set_last_error(
       "gpumem: %s: tried to allocate %s (%zu bytes) on stream 0x%lx. Device: %s total, %s free. "
-      "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, %s cached "
+      "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, "
+      "%s cached "
       "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.",
       cause == GPUMEM_ERR_OUT_OF_MEMORY ? "out of memory" : "allocation failed", req, size,
-      (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached, largest,
-      st.fragmentation * 100.0, gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
+      (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached,
+      largest, st.fragmentation * 100.0,
+      gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
       cause_text[0] ? cause_text : gpumem_strerror(cause), advice);
 }
 
@@ -843,7 +884,8 @@ static pthread_mutex_t default_lock = PTHREAD_MUTEX_INITIALIZER;
 
 gpumem_t* gpumem_default(int device) {
   if (device < 0 || device >= GM_MAX_DEVICES) {
-    gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_default: device %d out of range [0, %d)", device, GM_MAX_DEVICES);
+    gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_default: device %d out of range [0, %d)", device,
+            GM_MAX_DEVICES);
     return NULL;
   }
   pthread_mutex_lock(&default_lock);

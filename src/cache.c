@@ -120,7 +120,8 @@ void gm_index_insert(gm_free_index* ix, gm_block* b) {
   unsigned cls = size_class(b->size);
   b->prio = addr_priority(b->addr);
   gm_block** link = &ix->roots[cls];
-  while (*link && (*link)->prio >= b->prio) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
+  while (*link && (*link)->prio >= b->prio)
+    link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
   treap_split(*link, b, &b->left, &b->right);
   *link = b;
   ix->nonempty[cls / 64] |= 1ull << (cls % 64);
@@ -228,14 +229,18 @@ typedef struct index_check_state {
   size_t errors;
 } index_check_state;
 
-static void check_treap(gm_block* t, const gm_block* lo, const gm_block* hi, index_check_state* st) {
+static void check_treap(gm_block* t, const gm_block* lo, const gm_block* hi,
+                        index_check_state* st) {
   if (!t) return;
   if ((lo && !block_less(lo, t)) || (hi && !block_less(t, hi))) {
-    if (!st->errors) gpumem_set_last_error("check: free index out of order at block 0x%lx", (unsigned long)t->addr);
+    if (!st->errors)
+      gpumem_set_last_error("check: free index out of order at block 0x%lx",
+                            (unsigned long)t->addr);
     st->errors++;
   }
   if ((t->left && t->left->prio > t->prio) || (t->right && t->right->prio > t->prio)) {
-    if (!st->errors) gpumem_set_last_error("check: treap heap order broken at 0x%lx", (unsigned long)t->addr);
+    if (!st->errors)
+      gpumem_set_last_error("check: treap heap order broken at 0x%lx", (unsigned long)t->addr);
     st->errors++;
   }
   if (t->state != GM_FREE || t->pool != st->pool || size_class(t->size) != st->cls) {
@@ -262,8 +267,9 @@ size_t gm_index_check(const gm_free_index* ix, const gm_pool* pool) {
     check_treap(ix->roots[cls], NULL, NULL, &st);
   }
   if (st.count != ix->count || st.bytes != ix->bytes) {
-    if (!st.errors) gpumem_set_last_error("check: free index counts %zu blocks/%zu bytes, holds %zu/%zu",
-                                          ix->count, ix->bytes, st.count, st.bytes);
+    if (!st.errors)
+      gpumem_set_last_error("check: free index counts %zu blocks/%zu bytes, holds %zu/%zu",
+                            ix->count, ix->bytes, st.count, st.bytes);
     st.errors++;
   }
   return st.errors;
@@ -279,7 +285,9 @@ gpumem_status_t gm_ptr_map_init(gm_ptr_map* m) {
   m->mask = 1023;
   m->count = 0;
   m->slots = calloc(m->mask + 1, sizeof *m->slots);
-  return m->slots ? GPUMEM_OK : gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the pointer map");
+  return m->slots
+             ? GPUMEM_OK
+             : gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the pointer map");
 }
 
 void gm_ptr_map_destroy(gm_ptr_map* m) {
@@ -297,7 +305,8 @@ gpumem_status_t gm_ptr_map_insert(gm_ptr_map* m, gm_block* b) {
   if (GM_UNLIKELY((m->count + 1) * 2 > m->mask + 1)) {
     size_t new_mask = m->mask * 2 + 1;
     gm_block** slots = calloc(new_mask + 1, sizeof *slots);
-    if (!slots) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory growing the pointer map");
+    if (!slots)
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory growing the pointer map");
     for (size_t i = 0; i <= m->mask; i++) {
       if (m->slots[i]) ptr_map_put(slots, new_mask, m->slots[i]);
     }
@@ -369,8 +378,10 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
   size_t original_size = b->size;
   int64_t split_count = 0, split_bytes = 0;
   b->state = GM_FREE;
-  if (b->prev && b->prev->state == GM_FREE) absorb_neighbour(gm, b, b->prev, &split_count, &split_bytes);
-  if (b->next && b->next->state == GM_FREE) absorb_neighbour(gm, b, b->next, &split_count, &split_bytes);
+  if (b->prev && b->prev->state == GM_FREE)
+    absorb_neighbour(gm, b, b->prev, &split_count, &split_bytes);
+  if (b->next && b->next->state == GM_FREE)
+    absorb_neighbour(gm, b, b->next, &split_count, &split_bytes);
   gm_index_insert(&b->pool->index, b);
   if (gm_block_is_split(b)) {
     split_count += 1;

@@ -48,23 +48,32 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
   for (const gm_block* b = seg->first; b; prev = b, b = b->next) {
     if (b->prev != prev) violation(c, "block 0x%lx: prev link broken", (unsigned long)b->addr);
     if (b->addr != expect) {
-      violation(c, "block 0x%lx: expected at 0x%lx (gap or overlap)", (unsigned long)b->addr, (unsigned long)expect);
+      violation(c, "block 0x%lx: expected at 0x%lx (gap or overlap)", (unsigned long)b->addr,
+                (unsigned long)expect);
     }
-    if (b->seg != seg || b->pool != seg->pool) violation(c, "block 0x%lx: wrong segment or pool", (unsigned long)b->addr);
-    if (b->size == 0 || b->size % GM_MIN_BLOCK) violation(c, "block 0x%lx: size %zu", (unsigned long)b->addr, b->size);
+    if (b->seg != seg || b->pool != seg->pool)
+      violation(c, "block 0x%lx: wrong segment or pool", (unsigned long)b->addr);
+    if (b->size == 0 || b->size % GM_MIN_BLOCK)
+      violation(c, "block 0x%lx: size %zu", (unsigned long)b->addr, b->size);
     expect = b->addr + b->size;
     switch (b->state) {
       case GM_FREE:
         s->free_blocks++;
-        if (prev && prev->state == GM_FREE) violation(c, "free neighbours 0x%lx and 0x%lx unmerged", (unsigned long)prev->addr, (unsigned long)b->addr);
+        if (prev && prev->state == GM_FREE)
+          violation(c, "free neighbours 0x%lx and 0x%lx unmerged", (unsigned long)prev->addr,
+                    (unsigned long)b->addr);
         if (gm_block_is_split(b) && !seg->is_arena) {
           add(s->split, small, 1);
           add(s->split_bytes, small, (int64_t)b->size);
         }
         break;
       case GM_ALLOCATED:
-        if (gm_ptr_map_find(&gm->ptrs, b->addr) != b) violation(c, "allocated block 0x%lx missing from the pointer map", (unsigned long)b->addr);
-        if (b->requested > b->size) violation(c, "block 0x%lx: requested %zu > size %zu", (unsigned long)b->addr, b->requested, b->size);
+        if (gm_ptr_map_find(&gm->ptrs, b->addr) != b)
+          violation(c, "allocated block 0x%lx missing from the pointer map",
+                    (unsigned long)b->addr);
+        if (b->requested > b->size)
+          violation(c, "block 0x%lx: requested %zu > size %zu", (unsigned long)b->addr,
+                    b->requested, b->size);
         add(s->allocated, gm_block_stat_small(b), 1);
         add(s->allocated_bytes, gm_block_stat_small(b), (int64_t)b->size);
         add(s->requested_bytes, gm_block_stat_small(b), (int64_t)b->requested);
@@ -72,7 +81,8 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
         add(s->active_bytes, gm_block_stat_small(b), (int64_t)b->size);
         break;
       case GM_PENDING:
-        if (!b->pending_events) violation(c, "pending block 0x%lx waits for no event", (unsigned long)b->addr);
+        if (!b->pending_events)
+          violation(c, "pending block 0x%lx waits for no event", (unsigned long)b->addr);
         s->pending_refs += b->pending_events;
         add(s->active, gm_block_stat_small(b), 1);
         add(s->active_bytes, gm_block_stat_small(b), (int64_t)b->size);
@@ -80,7 +90,8 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       default:
         violation(c, "block 0x%lx: bad state %d", (unsigned long)b->addr, b->state);
     }
-    if (b->state != GM_FREE && b->in_dirty) violation(c, "non-free block 0x%lx in a dirty list", (unsigned long)b->addr);
+    if (b->state != GM_FREE && b->in_dirty)
+      violation(c, "non-free block 0x%lx in a dirty list", (unsigned long)b->addr);
     if (seg->is_arena && b->state != GM_FREE) {
       size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
       for (size_t p = first; p <= last; p++) {
@@ -91,15 +102,21 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       }
     }
   }
-  if (expect != seg->addr + seg->size) violation(c, "segment 0x%lx: blocks cover %lu of %zu bytes", (unsigned long)seg->addr, (unsigned long)(expect - seg->addr), seg->size);
+  if (expect != seg->addr + seg->size)
+    violation(c, "segment 0x%lx: blocks cover %lu of %zu bytes", (unsigned long)seg->addr,
+              (unsigned long)(expect - seg->addr), seg->size);
   if (seg->is_arena) {
     size_t mapped = 0;
     for (size_t p = 0; p < seg->num_pages; p++) {
       bool bit = gm_arena_page_mapped(seg, p);
       mapped += bit;
-      if (bit != (seg->handles[p] != 0)) violation(c, "arena 0x%lx page %zu: bitmap and handle disagree", (unsigned long)seg->addr, p);
+      if (bit != (seg->handles[p] != 0))
+        violation(c, "arena 0x%lx page %zu: bitmap and handle disagree", (unsigned long)seg->addr,
+                  p);
     }
-    if (mapped != seg->mapped_pages) violation(c, "arena 0x%lx: %zu pages mapped, counter says %zu", (unsigned long)seg->addr, mapped, seg->mapped_pages);
+    if (mapped != seg->mapped_pages)
+      violation(c, "arena 0x%lx: %zu pages mapped, counter says %zu", (unsigned long)seg->addr,
+                mapped, seg->mapped_pages);
     s->mapped_pages += mapped;
     if (small) s->reserved[GPUMEM_POOL_SMALL] += (int64_t)(mapped * ps);
   }
@@ -109,9 +126,12 @@ static void compare(check_ctx* c, const char* name, const gpumem_stat_t* stat, c
   static const char* const pools[] = {"all", "small_pool", "large_pool"};
   for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {
     if (stat[p].current != sum[p]) {
-      violation(c, "%s.%s.current is %lld, the structures hold %lld", name, pools[p], (long long)stat[p].current, (long long)sum[p]);
+      violation(c, "%s.%s.current is %lld, the structures hold %lld", name, pools[p],
+                (long long)stat[p].current, (long long)sum[p]);
     }
-    if (stat[p].current > stat[p].peak || stat[p].current < 0) violation(c, "%s.%s: current %lld outside [0, peak %lld]", name, pools[p], (long long)stat[p].current, (long long)stat[p].peak);
+    if (stat[p].current > stat[p].peak || stat[p].current < 0)
+      violation(c, "%s.%s: current %lld outside [0, peak %lld]", name, pools[p],
+                (long long)stat[p].current, (long long)stat[p].peak);
   }
 }
 
@@ -135,14 +155,20 @@ size_t gpumem_check(gpumem_t* gm) {
       indexed += pool->index.count;
       const gm_block* prev = NULL;
       for (const gm_block* b = pool->dirty_head; b; prev = b, b = b->dirty_next) {
-        if (!b->in_dirty || b->dirty_prev != prev || b->pool != pool) violation(&c, "dirty list of stream 0x%lx broken", (unsigned long)st->handle);
+        if (!b->in_dirty || b->dirty_prev != prev || b->pool != pool)
+          violation(&c, "dirty list of stream 0x%lx broken", (unsigned long)st->handle);
       }
-      if (pool->dirty_tail != prev) violation(&c, "dirty list tail of stream 0x%lx wrong", (unsigned long)st->handle);
+      if (pool->dirty_tail != prev)
+        violation(&c, "dirty list tail of stream 0x%lx wrong", (unsigned long)st->handle);
     }
   }
-  if (indexed != s.free_blocks) violation(&c, "%zu free blocks in segments, %zu in the index", s.free_blocks, indexed);
-  if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL]) violation(&c, "pointer map holds %zu, %lld blocks allocated", gm->ptrs.count, (long long)s.allocated[GPUMEM_POOL_ALL]);
-  if (s.pending_refs != gm->pending_count) violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
+  if (indexed != s.free_blocks)
+    violation(&c, "%zu free blocks in segments, %zu in the index", s.free_blocks, indexed);
+  if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL])
+    violation(&c, "pointer map holds %zu, %lld blocks allocated", gm->ptrs.count,
+              (long long)s.allocated[GPUMEM_POOL_ALL]);
+  if (s.pending_refs != gm->pending_count)
+    violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
   if (gm->virtual_memory) {
     int64_t all = (int64_t)((s.mapped_pages + gm->num_spare_pages) * gm->page_size);
     s.reserved[GPUMEM_POOL_ALL] = all;
@@ -161,7 +187,8 @@ size_t gpumem_check(gpumem_t* gm) {
   int64_t req = st->requested_bytes[0].current, alloc = st->allocated_bytes[0].current;
   int64_t act = st->active_bytes[0].current, res = st->reserved_bytes[0].current;
   if (!(req <= alloc && alloc <= act && act <= res)) {
-    violation(&c, "requested %lld <= allocated %lld <= active %lld <= reserved %lld does not hold", (long long)req, (long long)alloc, (long long)act, (long long)res);
+    violation(&c, "requested %lld <= allocated %lld <= active %lld <= reserved %lld does not hold",
+              (long long)req, (long long)alloc, (long long)act, (long long)res);
   }
   char plan_msg[256] = "";
   size_t plan_errors = gm_plan_check(gm, plan_msg, sizeof plan_msg);
@@ -170,7 +197,8 @@ size_t gpumem_check(gpumem_t* gm) {
     c.errors += plan_errors - 1;
   }
   if (gm->slab.live != s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]) {
-    violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live, s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]);
+    violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live,
+              s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]);
   }
   pthread_mutex_unlock(&gm->lock);
   return c.errors;
@@ -192,9 +220,12 @@ static void explain_arena_free(const gpumem_t* gm, const gm_block* b, gpumem_exp
     uintptr_t page_lo = p * ps, page_hi = page_lo + ps;
     uintptr_t a = lo > page_lo ? lo : page_lo, z = hi < page_hi ? hi : page_hi;
     uint64_t bytes = z - a;
-    if (a == page_lo && z == page_hi) out->cached_reclaimable += bytes;
-    else if (seg->pool->is_small) out->partial_pages_small += bytes;
-    else out->partial_pages_large += bytes;
+    if (a == page_lo && z == page_hi)
+      out->cached_reclaimable += bytes;
+    else if (seg->pool->is_small)
+      out->partial_pages_small += bytes;
+    else
+      out->partial_pages_large += bytes;
   }
 }
 
@@ -216,10 +247,14 @@ gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
         out->other_streams += b->size;
       } else {
         out->free_blocks++;
-        if (seg->is_arena) explain_arena_free(gm, b, out);
-        else if (whole_free) out->cached_reclaimable += b->size;
-        else if (seg->pool->is_small) out->partial_pages_small += b->size;
-        else out->partial_pages_large += b->size;
+        if (seg->is_arena)
+          explain_arena_free(gm, b, out);
+        else if (whole_free)
+          out->cached_reclaimable += b->size;
+        else if (seg->pool->is_small)
+          out->partial_pages_small += b->size;
+        else
+          out->partial_pages_large += b->size;
       }
     }
   }

@@ -361,10 +361,11 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
                        SHOWN(value.n), value.p, why);
       }
       if (bytes == 0) {
-        return gm_fail(GPUMEM_ERR_CONFIG,
-                       "gpumem config: bad value \"%.*s\" for key \"limit\": a limit of 0 bytes would "
-                       "refuse every allocation; leave the key out for no limit",
-                       SHOWN(value.n), value.p);
+        return gm_fail(
+            GPUMEM_ERR_CONFIG,
+            "gpumem config: bad value \"%.*s\" for key \"limit\": a limit of 0 bytes would "
+            "refuse every allocation; leave the key out for no limit",
+            SHOWN(value.n), value.p);
       }
       o->limit_bytes = bytes;
       return GPUMEM_OK;

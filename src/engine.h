@@ -26,10 +26,10 @@
 
 #include "internal.h"
 
-#define GM_MIN_BLOCK ((size_t)512)     /* rounding unit (PyTorch's kMinBlockSize) */
-#define GM_SMALL_SIZE (GM_MIB)         /* requests up to this go to the small pool */
-#define GM_SMALL_BUFFER (2 * GM_MIB)   /* pytorch: small pool segment size */
-#define GM_LARGE_BUFFER (20 * GM_MIB)  /* pytorch: segment for 1..10 MiB requests */
+#define GM_MIN_BLOCK ((size_t)512)    /* rounding unit (PyTorch's kMinBlockSize) */
+#define GM_SMALL_SIZE (GM_MIB)        /* requests up to this go to the small pool */
+#define GM_SMALL_BUFFER (2 * GM_MIB)  /* pytorch: small pool segment size */
+#define GM_LARGE_BUFFER (20 * GM_MIB) /* pytorch: segment for 1..10 MiB requests */
 #define GM_MIN_LARGE_ALLOC (10 * GM_MIB)
 #define GM_ROUND_LARGE (2 * GM_MIB)
 
@@ -50,19 +50,19 @@ typedef struct gm_stream gm_stream;
 struct gm_block {
   uintptr_t addr;
   size_t size;
-  size_t requested;      /* the caller's size while allocated */
-  gm_block* prev;        /* address neighbours inside the segment */
+  size_t requested; /* the caller's size while allocated */
+  gm_block* prev;   /* address neighbours inside the segment */
   gm_block* next;
   gm_segment* seg;
   gm_pool* pool;
-  gm_block* left;        /* free index treap links */
+  gm_block* left; /* free index treap links */
   gm_block* right;
-  gm_block* dirty_prev;  /* arena blocks that may hold mapped free pages */
+  gm_block* dirty_prev; /* arena blocks that may hold mapped free pages */
   gm_block* dirty_next;
-  uint32_t prio;         /* treap priority, a hash of the address */
-  uint8_t state;         /* gm_block_state */
+  uint32_t prio; /* treap priority, a hash of the address */
+  uint8_t state; /* gm_block_state */
   uint8_t in_dirty;
-  uint16_t num_uses;     /* streams other than the owner's it was used on */
+  uint16_t num_uses; /* streams other than the owner's it was used on */
   uint32_t pending_events;
   gpumem_stream_t inline_uses[GM_INLINE_USES];
   gpumem_stream_t* extra_uses; /* num_uses > GM_INLINE_USES */
@@ -77,7 +77,7 @@ struct gm_segment {
   uintptr_t addr;
   size_t size;
   gm_pool* pool;
-  gm_block* first; /* lowest block; walks of the tiling start here */
+  gm_block* first;      /* lowest block; walks of the tiling start here */
   gm_segment* prev_seg; /* all segments of the allocator */
   gm_segment* next_seg;
   bool is_arena;
@@ -140,14 +140,14 @@ typedef struct gm_ptr_map {
 
 /* ---- planned placement (plan.c) ---- */
 
-#define GM_PLAN_RING 8192       /* requests remembered: two of the longest period */
+#define GM_PLAN_RING 8192 /* requests remembered: two of the longest period */
 #define GM_PLAN_MAX_PERIOD 4096
 #define GM_PLAN_MIN_PERIOD 16
-#define GM_PLAN_TABLE 16384     /* context hash -> latest request index */
+#define GM_PLAN_TABLE 16384 /* context hash -> latest request index */
 #define GM_PLAN_MAX_STREAMS 4
 
 typedef struct gm_plan_req {
-  uint64_t key;     /* hash of (rounded size, stream) */
+  uint64_t key; /* hash of (rounded size, stream) */
   size_t rsize;
   gpumem_stream_t stream;
   uint64_t free_at; /* 1 + index of the first request after its free; 0 = live */
@@ -157,7 +157,7 @@ typedef struct gm_plan_req {
 
 typedef struct gm_plan_item {
   size_t rsize;
-  size_t off;      /* in its stream's plan arena */
+  size_t off; /* in its stream's plan arena */
   gpumem_stream_t stream;
   int32_t anchor;  /* planned item just below it, live when it is requested; -1 none */
   uint32_t life;   /* planned lifetime in requests */
@@ -314,7 +314,8 @@ void gm_plan_destroy(gpumem_t* gm);
 gm_block* gm_plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize);
 static inline void gm_plan_note_free(gpumem_t* gm, const gm_block* b) {
   gm_planner* p = &gm->planner;
-  if (b->seq && p->n - (b->seq - 1) < GM_PLAN_RING) p->ring[(b->seq - 1) % GM_PLAN_RING].free_at = p->n + 1;
+  if (b->seq && p->n - (b->seq - 1) < GM_PLAN_RING)
+    p->ring[(b->seq - 1) % GM_PLAN_RING].free_at = p->n + 1;
 }
 /* Forgets the plan (gpumem_empty_cache); idle plan arenas are released. */
 void gm_plan_drop(gpumem_t* gm);
@@ -331,17 +332,21 @@ void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
 /* Counts a backend call and makes sure a failure carries a message: the
  * detail is cleared first, so a backend that fails silently is named
  * rather than leaving an older, unrelated message in place. */
-#define GM_CALL(gm, kind, expr)                                        \
+#define GM_CALL(gm, kind, expr)                                       \
   (gm_clear_error(), (gm)->stats.backend_calls[GPUMEM_CALL_##kind]++, \
    gm_backend_status((gm), GPUMEM_CALL_##kind, (expr)))
 
-static inline bool gm_block_is_split(const gm_block* b) { return b->prev || b->next; }
+static inline bool gm_block_is_split(const gm_block* b) {
+  return b->prev || b->next;
+}
 /* Which pool's statistics a live block counts in: its pool's, except in a
  * plan arena (small and large requests together), where its size says, as
  * for the request (PyTorch's small_pool / large_pool split). */
 static inline bool gm_block_stat_small(const gm_block* b) {
   return b->pool->is_plan ? b->size <= GM_SMALL_SIZE : b->pool->is_small;
 }
-static inline size_t gm_round_up(size_t x, size_t unit) { return (x + unit - 1) / unit * unit; }
+static inline size_t gm_round_up(size_t x, size_t unit) {
+  return (x + unit - 1) / unit * unit;
+}
 
 #endif

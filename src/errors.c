@@ -9,23 +9,37 @@ static _Thread_local char last_error[4096];
 
 const char* gpumem_strerror(gpumem_status_t status) {
   switch (status) {
-    case GPUMEM_OK: return "success";
-    case GPUMEM_ERR_INVALID_ARGUMENT: return "invalid argument";
-    case GPUMEM_ERR_INVALID_POINTER: return "invalid pointer";
-    case GPUMEM_ERR_OUT_OF_MEMORY: return "out of memory";
-    case GPUMEM_ERR_BACKEND: return "device error";
-    case GPUMEM_ERR_CONFIG: return "bad configuration";
-    case GPUMEM_ERR_HOST_MEMORY: return "out of host memory";
-    case GPUMEM_ERR_UNSUPPORTED: return "unsupported";
-    case GPUMEM_NOT_READY: return "not ready";
-    case GPUMEM_ERR_IO: return "input/output error";
+    case GPUMEM_OK:
+      return "success";
+    case GPUMEM_ERR_INVALID_ARGUMENT:
+      return "invalid argument";
+    case GPUMEM_ERR_INVALID_POINTER:
+      return "invalid pointer";
+    case GPUMEM_ERR_OUT_OF_MEMORY:
+      return "out of memory";
+    case GPUMEM_ERR_BACKEND:
+      return "device error";
+    case GPUMEM_ERR_CONFIG:
+      return "bad configuration";
+    case GPUMEM_ERR_HOST_MEMORY:
+      return "out of host memory";
+    case GPUMEM_ERR_UNSUPPORTED:
+      return "unsupported";
+    case GPUMEM_NOT_READY:
+      return "not ready";
+    case GPUMEM_ERR_IO:
+      return "input/output error";
   }
   return "unknown status";
 }
 
-const char* gpumem_last_error(void) { return last_error; }
+const char* gpumem_last_error(void) {
+  return last_error;
+}
 
-void gm_clear_error(void) { last_error[0] = '\0'; }
+void gm_clear_error(void) {
+  last_error[0] = '\0';
+}
 
 void gpumem_set_last_error(const char* fmt, ...) {
   va_list ap;

@@ -53,7 +53,8 @@ static bool range_mapped(const gm_segment* seg, size_t first, size_t last) {
 }
 
 bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size) {
-  return range_mapped(seg, (addr - seg->addr) / page_size, (addr + size - 1 - seg->addr) / page_size);
+  return range_mapped(seg, (addr - seg->addr) / page_size,
+                      (addr + size - 1 - seg->addr) / page_size);
 }
 
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out) {
@@ -72,7 +73,8 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
     free(bits);
     free(handles);
     if (b) gm_block_delete(gm, b);
-    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an arena of %zu pages", num_pages);
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an arena of %zu pages",
+                   num_pages);
   }
   uintptr_t addr = 0;
   gpumem_status_t st = GM_CALL(gm, reserve, gm->backend->reserve(gm->backend->ctx, size, &addr));
@@ -125,7 +127,8 @@ void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg) {
     if (sync_stream_for_reclaim(gm, seg->pool->stream) != GPUMEM_OK) return;
     if (reclaim_block(gm, b, &budget, &got) != GPUMEM_OK || seg->mapped_pages) return;
   }
-  if (GM_CALL(gm, release_range, gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size)) != GPUMEM_OK) {
+  if (GM_CALL(gm, release_range,
+              gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size)) != GPUMEM_OK) {
     return;
   }
   gm_index_remove(&seg->pool->index, b);
@@ -145,17 +148,23 @@ void gm_dirty_add(gm_pool* pool, gm_block* b) {
   b->in_dirty = 1;
   b->dirty_next = NULL;
   b->dirty_prev = pool->dirty_tail;
-  if (pool->dirty_tail) pool->dirty_tail->dirty_next = b;
-  else pool->dirty_head = b;
+  if (pool->dirty_tail)
+    pool->dirty_tail->dirty_next = b;
+  else
+    pool->dirty_head = b;
   pool->dirty_tail = b;
 }
 
 void gm_dirty_remove(gm_pool* pool, gm_block* b) {
   if (!b->in_dirty) return;
-  if (b->dirty_prev) b->dirty_prev->dirty_next = b->dirty_next;
-  else pool->dirty_head = b->dirty_next;
-  if (b->dirty_next) b->dirty_next->dirty_prev = b->dirty_prev;
-  else pool->dirty_tail = b->dirty_prev;
+  if (b->dirty_prev)
+    b->dirty_prev->dirty_next = b->dirty_next;
+  else
+    pool->dirty_head = b->dirty_next;
+  if (b->dirty_next)
+    b->dirty_next->dirty_prev = b->dirty_prev;
+  else
+    pool->dirty_tail = b->dirty_prev;
   b->dirty_prev = b->dirty_next = NULL;
   b->in_dirty = 0;
 }
@@ -193,7 +202,8 @@ static gpumem_status_t spare_push(gpumem_t* gm, gpumem_phys_t h) {
   if (gm->num_spare_pages == gm->spare_pages_capacity) {
     size_t cap = gm->spare_pages_capacity ? gm->spare_pages_capacity * 2 : 64;
     gpumem_phys_t* grown = realloc(gm->spare_pages, cap * sizeof *grown);
-    if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
+    if (!grown)
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
     gm->spare_pages = grown;
     gm->spare_pages_capacity = cap;
   }
@@ -205,7 +215,8 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
   size_t ps = gm->page_size;
   while (gm->num_spare_pages > keep) {
     gpumem_phys_t h = gm->spare_pages[gm->num_spare_pages - 1];
-    gpumem_status_t st = GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
+    gpumem_status_t st =
+        GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
     if (st != GPUMEM_OK) return st;
     gm->num_spare_pages--;
     gm->stats.num_device_free++;
@@ -219,7 +230,8 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
 static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s) {
   if (!s->frees_since_sync || !gm->backend->stream_sync) return GPUMEM_OK;
   gm->stats.num_syncs++;
-  gpumem_status_t st = GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
+  gpumem_status_t st =
+      GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
   if (st == GPUMEM_OK) s->frees_since_sync = 0;
   return st;
 }
@@ -236,12 +248,15 @@ static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, 
   while (p < end && (!*budget || *got < *budget)) {
     /* skip unmapped pages a word at a time */
     if (!gm_arena_page_mapped(seg, p)) {
-      if (p % 64 == 0 && seg->mapped_bits[p / 64] == 0) p += 64;
-      else p++;
+      if (p % 64 == 0 && seg->mapped_bits[p / 64] == 0)
+        p += 64;
+      else
+        p++;
       continue;
     }
     size_t run_end = p;
-    while (run_end < end && gm_arena_page_mapped(seg, run_end) && (!*budget || *got + (run_end - p) < *budget)) {
+    while (run_end < end && gm_arena_page_mapped(seg, run_end) &&
+           (!*budget || *got + (run_end - p) < *budget)) {
       run_end++;
     }
     size_t n = run_end - p;
@@ -250,11 +265,14 @@ static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, 
       size_t cap = gm->spare_pages_capacity ? gm->spare_pages_capacity : 64;
       while (cap < gm->num_spare_pages + n) cap *= 2;
       gpumem_phys_t* grown = realloc(gm->spare_pages, cap * sizeof *grown);
-      if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
+      if (!grown)
+        return gm_fail(GPUMEM_ERR_HOST_MEMORY,
+                       "gpumem: out of host memory for the spare page list");
       gm->spare_pages = grown;
       gm->spare_pages_capacity = cap;
     }
-    gpumem_status_t st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, n * ps));
+    gpumem_status_t st =
+        GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, n * ps));
     if (st != GPUMEM_OK) return st;
     for (size_t q = p; q < run_end; q++) {
       gm->spare_pages[gm->num_spare_pages++] = seg->handles[q];
@@ -281,7 +299,8 @@ static inline bool reclaim_skips(int which, const gm_segment* seg) {
   return which != GM_RECLAIM_ALL && seg->plan_serving;
 }
 
-static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size_t want, size_t* got) {
+static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size_t want,
+                                    size_t* got) {
   size_t n = 0;
   for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) n += !reclaim_skips(which, b->seg);
   if (!n) return GPUMEM_OK;
@@ -302,13 +321,19 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
     bool has_pages = interior_pages(gm, b, &first, &end) && !range_mapped_none(b->seg, first, end);
     if (has_pages && !synced) {
       gpumem_status_t st = sync_stream_for_reclaim(gm, pool->stream);
-      if (st != GPUMEM_OK) { free(order); return st; }
+      if (st != GPUMEM_OK) {
+        free(order);
+        return st;
+      }
       synced = true;
     }
     if (has_pages) {
       size_t budget = want;
       gpumem_status_t st = reclaim_block(gm, b, &budget, got);
-      if (st != GPUMEM_OK) { free(order); return st; }
+      if (st != GPUMEM_OK) {
+        free(order);
+        return st;
+      }
       if (want && *got >= want) {
         if (range_mapped_none(b->seg, first, end)) gm_dirty_remove(pool, b);
         break;

@@ -149,7 +149,8 @@ static void size_cell(char* out, size_t len, int64_t v, int64_t pref) {
   double p = (double)pref;
   /* The pool's value may be larger than "all" (reserved pages moving
    * between pools count in both totals): never overflow the column. */
-  while (u + 1 < sizeof units / sizeof units[0] && (p >= 768.0 * 1024.0 || v > 999999 || v < -99999)) {
+  while (u + 1 < sizeof units / sizeof units[0] &&
+         (p >= 768.0 * 1024.0 || v > 999999 || v < -99999)) {
     v = floor_div(v, 1024);
     p /= 1024.0;
     u++;

@@ -58,7 +58,8 @@ gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream) {
     return GPUMEM_OK;
   }
   if (b->num_uses == UINT16_MAX) {
-    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: block 0x%lx is used on too many streams",
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_record_stream: block 0x%lx is used on too many streams",
                    (unsigned long)b->addr);
   }
   if (b->num_uses == GM_INLINE_USES || b->num_uses == b->extra_capacity) {
@@ -100,7 +101,8 @@ static gpumem_status_t pending_reserve(gpumem_t* gm, size_t extra) {
   size_t cap = gm->pending_capacity ? gm->pending_capacity : 64;
   while (cap < gm->pending_count + extra) cap *= 2;
   gm_pending_event* grown = malloc(cap * sizeof *grown);
-  if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_free: out of host memory for deferred frees");
+  if (!grown)
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_free: out of host memory for deferred frees");
   for (size_t i = 0; i < gm->pending_count; i++) {
     grown[i] = gm->pending[(gm->pending_head + i) % gm->pending_capacity];
   }
@@ -113,7 +115,8 @@ static gpumem_status_t pending_reserve(gpumem_t* gm, size_t extra) {
 
 static bool backend_has_events(const gpumem_t* gm) {
   const gpumem_backend_t* be = gm->backend;
-  return be->event_create && be->event_destroy && be->event_record && be->event_query && be->event_sync;
+  return be->event_create && be->event_destroy && be->event_record && be->event_query &&
+         be->event_sync;
 }
 
 gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
@@ -135,7 +138,8 @@ gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
   for (; taken < n; taken++) {
     st = take_event(gm, &events[taken]);
     if (st != GPUMEM_OK) break;
-    st = GM_CALL(gm, event_record, gm->backend->event_record(gm->backend->ctx, events[taken], uses[taken]));
+    st = GM_CALL(gm, event_record,
+                 gm->backend->event_record(gm->backend->ctx, events[taken], uses[taken]));
     if (st != GPUMEM_OK) {
       give_back_event(gm, events[taken]);
       break;

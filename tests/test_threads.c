@@ -105,25 +105,30 @@ static void run(const char* conf) {
     CHECK(pthread_create(&threads[i], NULL, worker_main, &workers[i]) == 0);
   }
   for (int i = 0; i < THREADS; i++) pthread_join(threads[i], NULL);
-  for (int i = 0; i < sh.mailbox_count; i++) CHECK_STATUS(gpumem_free(sh.gm, sh.mailbox[i]), GPUMEM_OK);
+  for (int i = 0; i < sh.mailbox_count; i++)
+    CHECK_STATUS(gpumem_free(sh.gm, sh.mailbox[i]), GPUMEM_OK);
   CHECK_MSG(atomic_load(&sh.failures) == 0, "%s: %ld operations failed: %s", conf,
             atomic_load(&sh.failures), gpumem_last_error());
   size_t violations = gpumem_check(sh.gm);
   CHECK_MSG(violations == 0, "%s: %zu violations: %s", conf, violations, gpumem_last_error());
   gpumem_stats_t st;
   gpumem_get_stats(sh.gm, &st);
-  CHECK_MSG(st.allocated_bytes[GPUMEM_POOL_ALL].current == 0 && st.allocation[GPUMEM_POOL_ALL].current == 0,
+  CHECK_MSG(st.allocated_bytes[GPUMEM_POOL_ALL].current == 0 &&
+                st.allocation[GPUMEM_POOL_ALL].current == 0,
             "%s: %lld bytes still allocated after every free", conf,
             (long long)st.allocated_bytes[GPUMEM_POOL_ALL].current);
-  printf("%-30s %d threads: %lld mallocs, %lld deferred by other streams' events, peak reserved %lld MiB\n",
-         conf, THREADS, (long long)st.allocation[GPUMEM_POOL_ALL].allocated,
-         (long long)st.backend_calls[GPUMEM_CALL_event_record],
-         (long long)(st.reserved_bytes[GPUMEM_POOL_ALL].peak >> 20));
+  printf(
+      "%-30s %d threads: %lld mallocs, %lld deferred by other streams' events, peak reserved %lld "
+      "MiB\n",
+      conf, THREADS, (long long)st.allocation[GPUMEM_POOL_ALL].allocated,
+      (long long)st.backend_calls[GPUMEM_CALL_event_record],
+      (long long)(st.reserved_bytes[GPUMEM_POOL_ALL].peak >> 20));
   CHECK(st.allocation[GPUMEM_POOL_ALL].allocated > THREADS * OPS / 4);
   gpumem_sim_counters_t c;
   gpumem_sim_get_counters(sim, &c);
   CHECK_MSG((int64_t)c.bytes_in_use == st.reserved_bytes[GPUMEM_POOL_ALL].current,
-            "%s: device holds %llu bytes, allocator reserves %lld", conf, (unsigned long long)c.bytes_in_use,
+            "%s: device holds %llu bytes, allocator reserves %lld", conf,
+            (unsigned long long)c.bytes_in_use,
             (long long)st.reserved_bytes[GPUMEM_POOL_ALL].current);
   gpumem_destroy(sh.gm);
   gpumem_sim_get_counters(sim, &c);

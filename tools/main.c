@@ -504,9 +504,10 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   fprintf(f, ",\"num_alloc_retries\":%lld,\"num_alloc_retries_warm\":%lld",
           (long long)r->num_alloc_retries_cold, (long long)r->num_alloc_retries_warm);
   if (r->warm_passes) {
-    fprintf(f, ",\"warm_peak_reserved_bytes\":%llu,\"warm_reserved_ratio\":%.4f",
-            (unsigned long long)r->warm_peak_reserved_bytes,
-            t->peak_live_bytes ? (double)r->warm_peak_reserved_bytes / (double)t->peak_live_bytes : 0);
+    fprintf(
+        f, ",\"warm_peak_reserved_bytes\":%llu,\"warm_reserved_ratio\":%.4f",
+        (unsigned long long)r->warm_peak_reserved_bytes,
+        t->peak_live_bytes ? (double)r->warm_peak_reserved_bytes / (double)t->peak_live_bytes : 0);
   }
   fprintf(f, ",\"num_plans\":%lld,\"num_plan_drops\":%lld,\"num_planned_allocs\":%lld",
           (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
@@ -743,7 +744,8 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
   static const gpumem_policy_t policies[NCOL] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT,
                                                  GPUMEM_POLICY_DEFAULT};
   char lazy_conf[512];
-  snprintf(lazy_conf, sizeof lazy_conf, "%s%sreclaim:lazy", cli->config.conf ? cli->config.conf : "",
+  snprintf(lazy_conf, sizeof lazy_conf, "%s%sreclaim:lazy",
+           cli->config.conf ? cli->config.conf : "",
            cli->config.conf && cli->config.conf[0] ? "," : "");
   const int mins = cli->min_limit;
   int failed = 0;
@@ -1067,7 +1069,8 @@ static int cmd_explain(int argc, char** argv) {
    * deterministic, so both see the same state at that event. */
   size_t peak_event = SIZE_MAX;
   for (int run = 0; run < 2; run++) {
-    if (replay_options(&cli.config, t, &opts) != GPUMEM_OK || replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
+    if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
+        replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
       rc = error("%s", detail(gpumem_last_error()));
       goto done;
     }

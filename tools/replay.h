@@ -122,8 +122,8 @@ typedef struct replay_result {
   int warm_passes;   /* warm passes that ran */
   int64_t num_syncs_cold, num_syncs_warm;
   int64_t num_alloc_retries_cold, num_alloc_retries_warm;
-  gpumem_stats_t stats_cold;  /* right after the cold pass */
-  gpumem_stats_t stats_final; /* after every pass (peaks: of the warm passes) */
+  gpumem_stats_t stats_cold;         /* right after the cold pass */
+  gpumem_stats_t stats_final;        /* after every pass (peaks: of the warm passes) */
   uint64_t warm_peak_reserved_bytes; /* peak reserved over the warm passes */
 
   /* -- filled by replay_min_limit -- */
