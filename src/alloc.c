@@ -52,6 +52,22 @@ void gm_segment_link(gpumem_t* gm, gm_segment* seg) {
   gm->segments = seg;
 }
 
+void gm_segment_install(gpumem_t* gm, gm_segment* seg, gm_block* b, gm_pool* pool, uintptr_t addr,
+                        size_t size) {
+  seg->addr = addr;
+  seg->size = size;
+  seg->pool = pool;
+  seg->first = b;
+  gm_segment_link(gm, seg);
+  b->addr = addr;
+  b->size = size;
+  b->seg = seg;
+  b->pool = pool;
+  b->state = GM_FREE;
+  gm_index_insert(&pool->index, b);
+  gm_stat_pool_add(gm, gm->stats.segment, pool->is_small, 1);
+}
+
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg) {
   if (seg->prev_seg)
     seg->prev_seg->next_seg = seg->next_seg;
@@ -272,18 +288,7 @@ static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg
     return st;
   }
   gm->stats.num_device_alloc++;
-  seg->addr = addr;
-  seg->size = seg_size;
-  seg->pool = pool;
-  seg->first = b;
-  gm_segment_link(gm, seg);
-  b->addr = addr;
-  b->size = seg_size;
-  b->seg = seg;
-  b->pool = pool;
-  b->state = GM_FREE;
-  gm_index_insert(&pool->index, b);
-  gm_stat_pool_add(gm, gm->stats.segment, pool->is_small, 1);
+  gm_segment_install(gm, seg, b, pool, addr, seg_size);
   gm_stat_pool_add(gm, gm->stats.reserved_bytes, pool->is_small, (int64_t)seg_size);
   *out = b;
   return GPUMEM_OK;

@@ -328,6 +328,10 @@ void gm_stat_add(gpumem_stat_t* s, int64_t delta);
 void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta);
 void gm_segment_link(gpumem_t* gm, gm_segment* seg);
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
+/* Links a new segment [addr, addr+size) whose one block b is free and
+ * indexed in pool. */
+void gm_segment_install(gpumem_t* gm, gm_segment* seg, gm_block* b, gm_pool* pool, uintptr_t addr,
+                        size_t size);
 
 /* Counts a backend call and makes sure a failure carries a message: the
  * detail is cleared first, so a backend that fails silently is named

@@ -85,22 +85,11 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
     gm_block_delete(gm, b);
     return st;
   }
-  seg->addr = addr;
-  seg->size = size;
-  seg->pool = pool;
-  seg->first = b;
   seg->is_arena = true;
   seg->num_pages = num_pages;
   seg->mapped_bits = bits;
   seg->handles = handles;
-  gm_segment_link(gm, seg);
-  b->addr = addr;
-  b->size = size;
-  b->seg = seg;
-  b->pool = pool;
-  b->state = GM_FREE;
-  gm_index_insert(&pool->index, b);
-  gm_stat_pool_add(gm, gm->stats.segment, pool->is_small, 1);
+  gm_segment_install(gm, seg, b, pool, addr, size);
   *out = b;
   return GPUMEM_OK;
 }
