@@ -149,7 +149,6 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     return NULL;
   }
   size_t free_bytes = 0, total = 0;
-  gpumem_last_error(); /* keep any earlier message until a call fails */
   gpumem_status_t st = backend->mem_info(backend->ctx, &free_bytes, &total);
   if (st != GPUMEM_OK) {
     *err = st;
