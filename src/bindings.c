@@ -206,11 +206,12 @@ void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   return NULL;
 }
 
-void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
-  (void)size;   /* gpumem knows every block's size */
-  (void)stream; /* and the stream it was allocated on */
+/* Frees ptr through gm, or the device's binding allocator, or whichever
+ * allocator owns it; frees run in destructors, so failures are reported on
+ * stderr rather than returned. */
+static void binding_free(gpumem_t* gm, void* ptr, int device) {
   if (!ptr) return;
-  gpumem_t* gm = gpumem_binding_peek(device);
+  if (!gm) gm = gpumem_binding_peek(device);
   if (!gm) gm = owner_of(ptr, NULL);
   if (!gm) {
     gpumem_set_last_error("no gpumem allocator serves this device");
@@ -218,6 +219,12 @@ void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
     return;
   }
   if (gpumem_free(gm, ptr) != GPUMEM_OK) warn_failure("free", ptr, device);
+}
+
+void gpumem_torch_free(void* ptr, ssize_t size, int device, void* stream) {
+  (void)size;   /* gpumem knows every block's size */
+  (void)stream; /* and the stream it was allocated on */
+  binding_free(NULL, ptr, device);
 }
 
 void gpumem_torch_init(int device_count) {
@@ -290,13 +297,5 @@ void* gpumem_cupy_malloc(void* param, size_t size, int device) {
 }
 
 void gpumem_cupy_free(void* param, void* ptr, int device) {
-  if (!ptr) return;
-  gpumem_t* gm = param ? (gpumem_t*)param : gpumem_binding_peek(device);
-  if (!gm) gm = owner_of(ptr, NULL);
-  if (!gm) {
-    gpumem_set_last_error("no gpumem allocator serves this device");
-    warn_failure("free", ptr, device);
-    return;
-  }
-  if (gpumem_free(gm, ptr) != GPUMEM_OK) warn_failure("free", ptr, device);
+  binding_free(param, ptr, device);
 }
