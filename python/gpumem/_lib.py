@@ -227,6 +227,16 @@ def has(name):
     return hasattr(load(), name)
 
 
+def require(entry, caller, what):
+    """The loaded library, after checking it exports `entry` (an older build may not)."""
+    lib = load()
+    if not hasattr(lib, entry):
+        raise RuntimeError(
+            "%s: %s lacks the %s entry points (src/bindings.c); rebuild it" % (caller, path(), what)
+        )
+    return lib
+
+
 def last_error():
     msg = load().gpumem_last_error()
     return msg.decode("utf-8", "replace") if msg else ""

@@ -93,12 +93,7 @@ def enable(conf=None, stream_aware=True):
     global _state
     cupy = _cupy()
     with _lock:
-        lib = _lib.load()
-        if not hasattr(lib, "gpumem_cupy_malloc"):
-            raise RuntimeError(
-                "gpumem.cupy.enable: %s lacks the CuPy entry points (src/bindings.c); rebuild it"
-                % _lib.path()
-            )
+        lib = _lib.require("gpumem_cupy_malloc", "gpumem.cupy.enable", "CuPy")
         effective = conf if conf is not None else os.environ.get("GPUMEM_CONF")
         _alloc.check_conf(effective)
         if conf is not None:

@@ -448,12 +448,7 @@ def enable(conf=None, shim=True):
                 "and its native allocator. Call it before the first CUDA tensor (at the top of the "
                 "program, before torch.cuda.init(), .cuda(), .to('cuda') or model loading)."
             )
-        lib = _lib.load()
-        if not hasattr(lib, "gpumem_torch_malloc"):
-            raise RuntimeError(
-                "gpumem.torch.enable: %s lacks the torch entry points (src/bindings.c); rebuild it"
-                % _lib.path()
-            )
+        lib = _lib.require("gpumem_torch_malloc", "gpumem.torch.enable", "torch")
         effective = conf if conf is not None else os.environ.get("GPUMEM_CONF")
         _alloc.check_conf(effective)  # ConfigError now, not at the first allocation
         state = _Enabled()
