@@ -113,6 +113,16 @@ typedef struct gpumem_options {
   gpumem_placement_t placement;
   /* Take ownership of the backend and destroy it with the allocator. */
   int own_backend;
+  /* Default policy: the largest piece of physical memory created and
+   * mapped in one go when an arena grows (rounded down to whole pages;
+   * 0 or less than a page: one page). A run of unmapped pages under a new
+   * block gets one physical allocation instead of one per page: on an H100
+   * creating, mapping and granting access cost ~50 us per mapping whatever
+   * its size. A mapping is reclaimed only whole, so large ones trade reclaim
+   * granularity for growth speed: they are made only under
+   * reclaim:pressure with no limit, until the device first refuses memory.
+   * Default 1 GiB. */
+  size_t map_max_bytes;
 } gpumem_options_t;
 
 /* Fills defaults (policy default, no limit, reclaim under pressure). */
@@ -121,7 +131,7 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
- * placement (planned|bestfit).
+ * placement (planned|bestfit), map_max (a size, as limit).
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);

@@ -175,6 +175,8 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   /* An arena spans the whole device twice over: holes are unmapped, so the
    * address space a pool walks can exceed its physical memory. */
   if (use_vm) gm->arena_size = gm_round_up(total ? total * 2 : GM_GIB, gm->page_size);
+  gm->map_max_pages =
+      use_vm && o.map_max_bytes > gm->page_size ? o.map_max_bytes / gm->page_size : 1;
   if (use_vm && o.placement == GPUMEM_PLACEMENT_PLANNED) {
     gpumem_status_t pst = gm_plan_init(gm);
     if (pst != GPUMEM_OK) {
@@ -219,6 +221,7 @@ void gpumem_destroy(gpumem_t* gm) {
   release_all_segments(gm);
   gm_release_spare_pages(gm, 0);
   free(gm->spare_pages);
+  free(gm->spare_runs);
   gm_streams_destroy(gm);
   gm_ptr_map_destroy(&gm->ptrs);
   gm_slab_destroy(&gm->slab);
@@ -749,7 +752,8 @@ static void fill_derived(gpumem_t* gm, gpumem_stats_t* out) {
   if (gm->virtual_memory) {
     /* Whole free pages can be remapped anywhere: together they are one
      * block as far as the next allocation is concerned. */
-    largest = gm_reclaimable_bytes(gm) + (uint64_t)gm->num_spare_pages * gm->page_size;
+    largest = gm_reclaimable_bytes(gm) +
+              (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
     free_total = out->cached_free_bytes;
   }
   out->largest_free_block = largest;

@@ -113,6 +113,19 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       if (bit != (seg->handles[p] != 0))
         violation(c, "arena 0x%lx page %zu: bitmap and handle disagree", (unsigned long)seg->addr,
                   p);
+      /* a mapping is a run of pages with one handle, each naming its first */
+      size_t start = seg->run_start[p];
+      if (bit && (start > p || !gm_arena_page_mapped(seg, start) ||
+                  seg->run_start[start] != start || seg->handles[start] != seg->handles[p] ||
+                  (p > start && seg->run_start[p - 1] != start))) {
+        violation(c, "arena 0x%lx page %zu: not part of a run of its mapping (starts at %zu)",
+                  (unsigned long)seg->addr, p, start);
+      }
+      if (bit && p > 0 && start == p && gm_arena_page_mapped(seg, p - 1) &&
+          seg->handles[p - 1] == seg->handles[p]) {
+        violation(c, "arena 0x%lx page %zu: one handle mapped as two runs",
+                  (unsigned long)seg->addr, p);
+      }
     }
     if (mapped != seg->mapped_pages)
       violation(c, "arena 0x%lx: %zu pages mapped, counter says %zu", (unsigned long)seg->addr,
@@ -170,7 +183,8 @@ size_t gpumem_check(gpumem_t* gm) {
   if (s.pending_refs != gm->pending_count)
     violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
   if (gm->virtual_memory) {
-    int64_t all = (int64_t)((s.mapped_pages + gm->num_spare_pages) * gm->page_size);
+    int64_t all =
+        (int64_t)((s.mapped_pages + gm->num_spare_pages + gm->spare_run_pages) * gm->page_size);
     s.reserved[GPUMEM_POOL_ALL] = all;
     s.reserved[GPUMEM_POOL_LARGE] = all - s.reserved[GPUMEM_POOL_SMALL];
   }
@@ -235,7 +249,7 @@ gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
   out->struct_size = sizeof *out;
   pthread_mutex_lock(&gm->lock);
   out->reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
-  out->spare_pages = (uint64_t)gm->num_spare_pages * gm->page_size;
+  out->spare_pages = (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
     bool whole_free = seg->first && !seg->first->next && seg->first->state == GM_FREE;
     for (const gm_block* b = seg->first; b; b = b->next) {

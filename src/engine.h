@@ -73,6 +73,11 @@ struct gm_block {
 /* A segment is either a plain device allocation (pytorch policy: blocks
  * tile it, it is freed whole) or an arena: a reserved address range whose
  * pages are mapped on demand (default policy). */
+typedef struct gm_spare_run {
+  gpumem_phys_t handle;
+  size_t pages;
+} gm_spare_run;
+
 struct gm_segment {
   uintptr_t addr;
   size_t size;
@@ -89,7 +94,11 @@ struct gm_segment {
   size_t mapped_pages;
   size_t mapped_end;      /* 1 + the highest page ever mapped: scans stop here */
   uint64_t* mapped_bits;  /* one bit per page */
-  gpumem_phys_t* handles; /* physical page mapped at each page, 0 if none */
+  gpumem_phys_t* handles; /* physical allocation mapped at each page, 0 if none */
+  /* First page of the mapping each mapped page belongs to: one physical
+   * allocation may back a run of pages (map_max), and it is unmapped and
+   * released only whole. */
+  uint32_t* run_start;
 };
 
 typedef struct gm_free_index {
@@ -232,7 +241,13 @@ struct gpumem {
   /* virtual memory */
   gpumem_phys_t* spare_pages; /* unmapped physical pages held */
   size_t num_spare_pages, spare_pages_capacity;
+  /* Unmapped mappings of several pages whose release failed (normally
+   * empty: they go back to the device as they are unmapped). */
+  gm_spare_run* spare_runs;
+  size_t num_spare_runs, spare_runs_capacity, spare_run_pages;
   size_t arena_size;
+  size_t map_max_pages;          /* pages per physical allocation at most (>= 1) */
+  bool fine_mappings;            /* the device or limit refused once: one page per mapping */
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;
 

@@ -9,8 +9,8 @@
  * work is known complete past T; the spy is the oracle for that.
  *
  * Hooks are optional (NULL: none): on_unmap is called before every unmap
- * is forwarded. Functions are static inline so that a test that uses only
- * part of the header compiles without unused-function warnings. */
+ * is forwarded, on_map after every successful map. Functions are static inline so that a test that
+ * uses only part of the header compiles without unused-function warnings. */
 #ifndef GPUMEM_TEST_SPY_BACKEND_H
 #define GPUMEM_TEST_SPY_BACKEND_H
 
@@ -42,6 +42,8 @@ typedef struct spy {
   /* called before every unmap: physical pages leave their address */
   void (*on_unmap)(void* arg, uintptr_t addr, size_t size);
   void* on_unmap_arg;
+  /* after every successful map (its argument is on_unmap_arg) */
+  void (*on_map)(void* arg, uintptr_t addr, size_t size);
 } spy_t;
 
 static inline uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
@@ -102,8 +104,11 @@ static inline gpumem_status_t spy_release_page(void* ctx, gpumem_phys_t page, si
   return d->release_page(d->ctx, page, size);
 }
 static inline gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gpumem_phys_t page) {
+  spy_t* s = ctx;
   gpumem_backend_t* d = SPY_DEV(ctx);
-  return d->map(d->ctx, addr, size, page);
+  gpumem_status_t st = d->map(d->ctx, addr, size, page);
+  if (st == GPUMEM_OK && s->on_map) s->on_map(s->on_unmap_arg, addr, size);
+  return st;
 }
 static inline gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {
   spy_t* s = ctx;

@@ -13,7 +13,7 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->limit_bytes == b->limit_bytes && a->limit_fraction == b->limit_fraction &&
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
-         a->own_backend == b->own_backend;
+         a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -29,6 +29,7 @@ static gpumem_options_t odd_options(void) {
   o.max_split_size = 3 * GM_MIB;
   o.placement = GPUMEM_PLACEMENT_PLANNED;
   o.own_backend = 1;
+  o.map_max_bytes = 6 * GM_MIB;
   return o;
 }
 
@@ -76,6 +77,7 @@ static void test_defaults(void) {
   CHECK(o.max_split_size == 0);
   CHECK(o.placement == GPUMEM_PLACEMENT_BESTFIT);
   CHECK(o.own_backend == 0);
+  CHECK(o.map_max_bytes == GM_GIB);
   gpumem_options_init(NULL); /* must not crash */
 }
 
@@ -180,6 +182,14 @@ static void test_headroom(void) {
   parse_fails("headroom:1.5", "bad value \"1.5\" for key \"headroom\"", "[0, 1]", NULL);
   parse_fails("headroom:-0.1", "\"-0.1\"", "[0, 1]", NULL);
   parse_fails("headroom:abc", "\"abc\"", "headroom", NULL);
+}
+
+static void test_map_max(void) {
+  CHECK(parse_ok("map_max:2M").map_max_bytes == 2 * GM_MIB);
+  CHECK(parse_ok("map_max:1G").map_max_bytes == GM_GIB);
+  CHECK(parse_ok("map_max:0").map_max_bytes == 0);
+  parse_fails("map_max:lots", "bad value \"lots\" for key \"map_max\"", "1.5G", NULL);
+  parse_fails("map_max:-1M", "\"-1M\"", "map_max", NULL);
 }
 
 static void test_max_split_size(void) {
@@ -348,6 +358,7 @@ int main(void) {
   test_limit();
   test_fraction();
   test_headroom();
+  test_map_max();
   test_max_split_size();
   test_combined();
   test_structure_errors();

@@ -515,9 +515,10 @@ static void test_empty_cache(void) {
   CHECK(reserved(&f) == 0 && dev(&f).bytes_in_use == 0 && stats(&f).segment[0].current == 0);
   fx_done(&f);
 
-  /* default: free pages are unmapped and released; pages still under live
-   * blocks stay. */
-  f = fx_new("policy:default", 8 * GIB, 0);
+  /* default, one page per mapping: free pages are unmapped and released;
+   * pages still under live blocks stay. (Larger mappings:
+   * test_mappings.) */
+  f = fx_new("policy:default,map_max:2M", 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   a = alloc(&f, 6 * MIB, SA);
   b = alloc(&f, 6 * MIB, SA);
@@ -616,7 +617,7 @@ static void test_max_split_size(void) {
 /* ---- default policy ---- */
 
 static void test_pages_on_demand(void) {
-  fx_t f = fx_new("policy:default", 8 * GIB, 0);
+  fx_t f = fx_new("policy:default,map_max:2M", 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   gpumem_stats_t s = stats(&f);
   CHECK(s.virtual_memory == 1 && s.page_size == 2 * MIB);
@@ -632,6 +633,58 @@ static void test_pages_on_demand(void) {
   CHECK(y == x + 1024);
   CHECK(stats(&f).num_pages_mapped == 4 && dev(&f).pages_live == 4);
   CHECK(stats(&f).reserved_bytes[GPUMEM_POOL_SMALL].current == (int64_t)(2 * MIB));
+  fx_done(&f);
+}
+
+/* Growth under a block maps one physical allocation per run of unmapped
+ * pages (up to map_max), which goes back only whole; a limit or a refusal
+ * by the device turns growth to single pages. */
+static void test_mappings(void) {
+  fx_t f = fx_new("policy:default,map_max:8M", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 5 * MIB, SA); /* pages 0..2: one mapping */
+  gpumem_stats_t s = stats(&f);
+  CHECK_MSG(s.num_pages_mapped == 3 && dev(&f).pages_mapped == 1 && dev(&f).pages_live == 1 &&
+                s.num_device_alloc == 1,
+            "5 MiB: %lld pages in %llu mappings, want 3 in 1", (long long)s.num_pages_mapped,
+            (unsigned long long)dev(&f).pages_mapped);
+  char* b = alloc(&f, 20 * MIB, SA); /* page 2 shared; 3..12: 10 pages = 4 + 4 + 2 */
+  s = stats(&f);
+  CHECK_MSG(s.num_pages_mapped == 13 && dev(&f).pages_mapped == 4,
+            "then 20 MiB: %lld pages in %llu mappings, want 13 in 4", (long long)s.num_pages_mapped,
+            (unsigned long long)dev(&f).pages_mapped);
+  CHECK(s.reserved_bytes[0].current == (int64_t)(26 * MIB));
+  /* a's free pages 0..1 share a mapping with page 2 under b: none goes */
+  release(&f, a);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK_MSG(reserved(&f) == (int64_t)(26 * MIB) && dev(&f).pages_mapped == 4,
+            "empty_cache with a mapping partly under a live block: reserved %lld",
+            (long long)reserved(&f));
+  CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
+  /* b freed too: everything goes, one unmap call for the run of mappings */
+  uint64_t unmaps = dev(&f).calls[GPUMEM_CALL_unmap];
+  release(&f, b);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK(reserved(&f) == 0 && dev(&f).pages_live == 0 && dev(&f).bytes_in_use == 0);
+  CHECK(dev(&f).calls[GPUMEM_CALL_unmap] == unmaps + 1);
+  /* under a limit, single pages */
+  CHECK_STATUS(gpumem_set_limit(f.gm, 1 * GIB), GPUMEM_OK);
+  alloc(&f, 9 * MIB, SA);
+  CHECK_MSG(dev(&f).pages_mapped == 5, "9 MiB under a limit: %llu mappings, want 5 pages",
+            (unsigned long long)dev(&f).pages_mapped);
+  CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
+  fx_done(&f);
+
+  /* the device refuses a large piece: single pages from then on */
+  f = fx_new("policy:default,map_max:64M", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  gpumem_sim_fail(f.sim, GPUMEM_CALL_create_page, 0, 1, GPUMEM_ERR_OUT_OF_MEMORY);
+  char* c = alloc(&f, 16 * MIB, SA); /* 8 pages in one piece: refused; then 8 single pages */
+  CHECK(c != NULL);
+  CHECK_MSG(dev(&f).pages_mapped == 8 && stats(&f).num_alloc_retries == 0,
+            "after one refusal: %llu mappings for 8 pages, want 8 single pages",
+            (unsigned long long)dev(&f).pages_mapped);
+  CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
   fx_done(&f);
 }
 
@@ -897,9 +950,12 @@ int main(int argc, char** argv) {
   test_max_split_size();
 
   test_pages_on_demand();
+  test_mappings();
+  /* pressure with one page per mapping: what a limit set later can reclaim
+   * (with larger mappings, only the wholly free ones) */
   static const char* const reclaim[] = {"policy:default,reclaim:lazy",
                                         "policy:default,reclaim:eager",
-                                        "policy:default,reclaim:pressure"};
+                                        "policy:default,reclaim:pressure,map_max:2M"};
   for (int i = 0; i < 3; i++) {
     test_reserved_tracks_live(reclaim[i]);
     test_limit_moves_pages(reclaim[i]);

@@ -34,16 +34,20 @@ typedef struct config {
   gpumem_policy_t policy;
   gpumem_reclaim_t reclaim;
   gpumem_placement_t placement;
+  size_t map_pages; /* pages per physical allocation at most (0: default) */
 } config_t;
 
 static const config_t configs[] = {
-    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
-    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
     /* eager unmaps on free: the only policy whose free calls the device */
-    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT, 0},
     /* planned placement maps plan arenas and moves pages when a plan starts */
     {"default/pressure/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_PLANNED},
+     GPUMEM_PLACEMENT_PLANNED, 0},
+    /* several pages per physical allocation (map_max) */
+    {"default/pressure/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
+     GPUMEM_PLACEMENT_BESTFIT, 8},
 };
 
 /* What one run injects. kind -2 means nothing (the baseline). */
@@ -316,6 +320,7 @@ static gpumem_t* make_gm(const config_t* cfg, gpumem_backend_t* sim) {
   o.policy = cfg->policy;
   o.reclaim = cfg->reclaim;
   o.placement = cfg->placement;
+  o.map_max_bytes = cfg->map_pages * sim->page_size;
   gpumem_status_t st = GPUMEM_OK;
   gpumem_t* gm = gpumem_create(sim, &o, &st);
   CHECK_MSG(gm != NULL, "create: %s: %s", gpumem_strerror(st), gpumem_last_error());

@@ -62,18 +62,26 @@ typedef struct config {
   gpumem_policy_t policy;
   gpumem_reclaim_t reclaim;
   gpumem_placement_t placement;
+  size_t map_pages; /* pages per physical allocation at most (0: default) */
 } config_t;
 
 static const config_t configs[] = {
-    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
-    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT},
-    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT},
-    {"default/pressure", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE, GPUMEM_PLACEMENT_BESTFIT},
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"default/pressure", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE, GPUMEM_PLACEMENT_BESTFIT,
+     0},
     /* Planned placement: the random phase rarely repeats, so these runs
      * also replay a loop (loop_phase) that does, and then changes. */
-    {"default/lazy/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_PLANNED},
+    {"default/lazy/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_PLANNED,
+     0},
     {"default/pressure/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_PLANNED},
+     GPUMEM_PLACEMENT_PLANNED, 0},
+    /* Several pages per mapping (until a limit or refusal): reclaimed only whole. */
+    {"default/pressure/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
+     GPUMEM_PLACEMENT_BESTFIT, 8},
+    {"default/pressure/planned/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
+     GPUMEM_PLACEMENT_PLANNED, 8},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
@@ -132,6 +140,11 @@ typedef struct run {
   uint64_t (*page_freed)[4];
   size_t page_mask, page_count;
   long unmaps_checked;
+  /* the device's mappings as the spy saw them: [addr, addr+size) each */
+  uintptr_t* map_addr;
+  size_t* map_size;
+  size_t nmaps, maps_cap;
+  long multi_page_maps; /* mappings of more than one page */
   uint64_t next_id;
   /* sums over live allocations, kept as the model changes */
   uint64_t sum_size, sum_round;
@@ -547,8 +560,85 @@ static void pages_freed(run_t* r, const live_t* a, uint64_t t) {
 /* The spy's unmap hook: a page leaving its address (to be mapped
  * elsewhere, for any stream) must not still be in use by a stream that
  * worked on it before it was freed. */
+static void note_map(void* arg, uintptr_t addr, size_t size) {
+  run_t* r = arg;
+  if (r->nmaps == r->maps_cap) {
+    size_t cap = r->maps_cap ? r->maps_cap * 2 : 256;
+    uintptr_t* a = realloc(r->map_addr, cap * sizeof *a);
+    if (a) r->map_addr = a;
+    size_t* z = realloc(r->map_size, cap * sizeof *z);
+    if (z) r->map_size = z;
+    RUN_CHECK(r, a && z, "out of host memory for the mapping model");
+    if (!a || !z) return;
+    r->maps_cap = cap;
+  }
+  r->map_addr[r->nmaps] = addr;
+  r->map_size[r->nmaps++] = size;
+  r->multi_page_maps += size > r->page_size;
+}
+
+/* Mappings inside an unmapped range leave the model (the sim refuses an
+ * unmap that cuts one, so none is cut here). */
+static void forget_maps(run_t* r, uintptr_t addr, size_t size) {
+  for (size_t i = 0; i < r->nmaps;) {
+    if (r->map_addr[i] >= addr && r->map_addr[i] < addr + size) {
+      r->map_addr[i] = r->map_addr[--r->nmaps];
+      r->map_size[i] = r->map_size[r->nmaps];
+    } else {
+      i++;
+    }
+  }
+}
+
+static int cmp_u64(const void* x, const void* y) {
+  uint64_t a = *(const uint64_t*)x, b = *(const uint64_t*)y;
+  return a < b ? -1 : a > b;
+}
+
+/* Bytes of the mappings that hold at least one page under a live block:
+ * after empty_cache exactly these stay (a mapping goes back only whole). */
+static uint64_t live_mapping_bytes(run_t* r) {
+  size_t n = 0, cap = 0;
+  uint64_t* pages = NULL;
+  for (size_t i = 0; i < r->n; i++) {
+    uint64_t first = r->live[i].ptr / r->page_size;
+    uint64_t end = (r->live[i].ptr + round512(r->live[i].size) - 1) / r->page_size;
+    for (uint64_t p = first; p <= end; p++) {
+      if (n == cap) {
+        cap = cap ? cap * 2 : 256;
+        uint64_t* grown = realloc(pages, cap * sizeof *grown);
+        RUN_CHECK(r, grown != NULL, "out of host memory");
+        if (!grown) {
+          free(pages);
+          return 0;
+        }
+        pages = grown;
+      }
+      pages[n++] = p;
+    }
+  }
+  if (n) qsort(pages, n, sizeof *pages, cmp_u64);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < r->nmaps; i++) {
+    uint64_t lo = r->map_addr[i] / r->page_size;
+    uint64_t hi = lo + r->map_size[i] / r->page_size; /* exclusive */
+    size_t a = 0, b = n;                              /* first live page >= lo */
+    while (a < b) {
+      size_t m = a + (b - a) / 2;
+      if (pages[m] < lo)
+        a = m + 1;
+      else
+        b = m;
+    }
+    if (a < n && pages[a] < hi) bytes += r->map_size[i];
+  }
+  free(pages);
+  return bytes;
+}
+
 static void check_unmap(void* arg, uintptr_t addr, size_t size) {
   run_t* r = arg;
+  forget_maps(r, addr, size);
   for (uintptr_t at = addr; at < addr + size && !r->failed; at += r->page_size) {
     uint64_t* e = page_entry(r, at / r->page_size);
     for (unsigned k = 0; k < 4; k++) {
@@ -665,9 +755,17 @@ static void op_empty_cache(run_t* r) {
             (long long)s.allocated_bytes[GPUMEM_POOL_ALL].current);
   if (r->cfg->policy == GPUMEM_POLICY_DEFAULT) {
     uint64_t want = live_pages(r) * r->page_size;
-    RUN_CHECK(r, (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == want,
-              "after empty_cache reserved %lld, live blocks cover %llu bytes of pages",
-              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current, (unsigned long long)want);
+    uint64_t held = live_mapping_bytes(r);
+    /* with one page per mapping the two agree; the model of mappings is
+     * checked against the model of pages there */
+    RUN_CHECK(r, r->cfg->map_pages > 1 || held == want,
+              "mapping model: %llu bytes of mappings under live blocks, %llu of pages",
+              (unsigned long long)held, (unsigned long long)want);
+    RUN_CHECK(r, (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == held,
+              "after empty_cache reserved %lld, mappings holding live pages %llu bytes (live "
+              "pages alone: %llu)",
+              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current, (unsigned long long)held,
+              (unsigned long long)want);
   } else if (r->n == 0) {
     RUN_CHECK(r, s.reserved_bytes[GPUMEM_POOL_ALL].current == 0 && s.segment[0].current == 0,
               "after empty_cache with nothing live: reserved %lld in %lld segments",
@@ -730,7 +828,9 @@ static int enough_below_bytes(run_t* r, size_t bytes) {
  * touch fit under the limit and the device. */
 static int enough_pages_for(run_t* r, size_t size) {
   uint64_t ps = r->page_size;
-  uint64_t need = (live_pages(r) + (round512(size) + ps - 1) / ps + 1) * ps;
+  /* A mapping goes back only whole: one holding any live page stays. */
+  uint64_t held = r->cfg->map_pages > 1 ? live_mapping_bytes(r) : live_pages(r) * ps;
+  uint64_t need = held + ((round512(size) + ps - 1) / ps + 1) * ps;
   uint64_t cap = r->limit && r->limit < r->capacity ? r->limit : r->capacity;
   return need <= cap;
 }
@@ -878,12 +978,14 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   spy_init(&r->spy, r->sim);
   r->spy.on_unmap = check_unmap;
   r->spy.on_unmap_arg = r;
+  r->spy.on_map = note_map;
 
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
   o.reclaim = cfg->reclaim;
   o.placement = cfg->placement;
+  o.map_max_bytes = cfg->map_pages * so.page_size;
   gpumem_status_t st = GPUMEM_OK;
   r->gm = gpumem_create(&r->spy.be, &o, &st);
   RUN_CHECK(r, r->gm != NULL && st == GPUMEM_OK, "create: %s: %s", gpumem_strerror(st),
@@ -902,6 +1004,8 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     if (r->op % 1024 == 1023 && !r->failed) check_no_overlap_sorted(r);
     if (r->host_backed && r->op % 20000 == 19999 && !r->failed) verify_all(r, "periodic sweep");
   }
+  RUN_CHECK(r, r->failed || cfg->map_pages <= 1 || r->multi_page_maps > 0,
+            "map_max of %zu pages, yet no mapping of more than one page was made", cfg->map_pages);
   if (!r->failed && cfg->placement == GPUMEM_PLACEMENT_PLANNED) {
     long iters = ops / 2000;
     loop_phase(r, (int)(iters < 20 ? 20 : iters > 80 ? 80 : iters), 60);
@@ -954,6 +1058,8 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
       (double)c.peak_bytes_in_use / (double)MIB, (long long)fin.segment[0].peak, now_s() - t0);
   fflush(stdout);
   free(r->live);
+  free(r->map_addr);
+  free(r->map_size);
   free(r->quar);
   free(r->page_keys);
   free(r->page_freed);
