@@ -48,10 +48,10 @@ gpu-bench:
 	bash bench/gpu/run_gpu_bench.sh
 
 format:
-	clang-format -i include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c tests/gpu/*.h bench/*.c bench/plan/*.c
+	clang-format -i include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c tests/gpu/*.h bench/*.c bench/plan/*.c bench/gpu/*.c
 
 format-check:
-	clang-format --dry-run --Werror include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c tests/gpu/*.h bench/*.c bench/plan/*.c
+	clang-format --dry-run --Werror include/*.h src/*.c src/*.h tools/*.c tools/*.h tests/*.c tests/*.h tests/gpu/*.c tests/gpu/*.h bench/*.c bench/plan/*.c bench/gpu/*.c
 
 clean:
 	rm -rf $(BUILD) build-asan

@@ -93,8 +93,9 @@ int main(int argc, char **argv) {
   t1 = now_us();
   check(cuMemSetAccess(va, (size_t)pages * page, &access_desc, 1), "access run");
   t2 = now_us();
-  printf("remap per page %.2f us; one cuMemSetAccess over %d mappings: %.2f us (%.3f us per page)\n",
-         (t1 - t0) / pages, pages, t2 - t1, (t2 - t1) / pages);
+  printf(
+      "remap per page %.2f us; one cuMemSetAccess over %d mappings: %.2f us (%.3f us per page)\n",
+      (t1 - t0) / pages, pages, t2 - t1, (t2 - t1) / pages);
   for (int i = 0; i < pages; i++) check(cuMemUnmap(va + (size_t)i * page, page), "unmap");
   t0 = now_us();
   for (int i = 0; i < pages; i++) check(cuMemRelease(h[i]), "release");
@@ -112,11 +113,14 @@ int main(int argc, char **argv) {
     check(cuMemSetAccess(va, sizes[s], &access_desc, 1), "access big");
     t3 = now_us();
     r = cuMemUnmap(va, page);
-    printf("handle of %zu MiB: create %.1f us, map %.1f us, access %.1f us; unmap of its first page "
-           "alone: %s\n",
-           sizes[s] / MIB, t1 - t0, t2 - t1, t3 - t2, result_name(r));
-    if (r != CUDA_SUCCESS) check(cuMemUnmap(va, sizes[s]), "unmap big");
-    else check(cuMemUnmap(va + page, sizes[s] - page), "unmap rest");
+    printf(
+        "handle of %zu MiB: create %.1f us, map %.1f us, access %.1f us; unmap of its first page "
+        "alone: %s\n",
+        sizes[s] / MIB, t1 - t0, t2 - t1, t3 - t2, result_name(r));
+    if (r != CUDA_SUCCESS)
+      check(cuMemUnmap(va, sizes[s]), "unmap big");
+    else
+      check(cuMemUnmap(va + page, sizes[s] - page), "unmap rest");
     /* pieces: map each page of the handle at its own address, offset != 0 */
     r = cuMemMap(va, page, page, big, 0);
     printf("  cuMemMap of one page at offset %zu KiB into it: %s\n", page / 1024, result_name(r));
