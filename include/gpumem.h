@@ -73,14 +73,17 @@ typedef enum gpumem_policy {
  * needed (default policy). docs/design.md has the measured trade-offs. */
 typedef enum gpumem_reclaim {
   /* Reclaim free pages whenever memory would otherwise grow past the
-   * high-water mark of allocated bytes plus headroom: reserved memory
-   * stays within ~0.5% of live bytes, at the price of moving pages (device
-   * calls and stream synchronizations) while the workload runs. */
+   * high-water mark of allocated bytes plus headroom (the default):
+   * reserved memory stays within ~0.5% of live bytes, at the price of
+   * moving pages (device calls and stream synchronizations) while the
+   * layout changes; with planned placement a repeating loop moves none. */
   GPUMEM_RECLAIM_LAZY = 0,
   /* Unmap every whole free page as soon as it becomes free. */
   GPUMEM_RECLAIM_EAGER = 1,
-  /* Reclaim only when the device or the limit refuses (the default): no
-   * device calls on the warm path; under a limit, jobs still fit in
+  /* Reclaim only when the device or the limit refuses: no device calls
+   * on the warm path whatever the workload, and growth in large mappings
+   * (map_max); reserved memory is the address space walked (1.004-1.15 x
+   * live on the bundled traces), but under a limit jobs still fit in
    * ~0.5% over their live bytes. */
   GPUMEM_RECLAIM_PRESSURE = 2,
 } gpumem_reclaim_t;
@@ -89,7 +92,7 @@ typedef enum gpumem_reclaim {
 typedef enum gpumem_placement {
   /* Online best fit in one arena per stream and pool. */
   GPUMEM_PLACEMENT_BESTFIT = 0,
-  /* Best fit, plus: when the request sequence repeats a period (a training
+  /* (the default) Best fit, plus: when the request sequence repeats a period (a training
    * step), one period is planned offline (lifetimes known) and later
    * periods are placed by the plan in a plan arena per stream; requests
    * off the plan fall back to best fit. */
@@ -125,7 +128,8 @@ typedef struct gpumem_options {
   size_t map_max_bytes;
 } gpumem_options_t;
 
-/* Fills defaults (policy default, no limit, reclaim under pressure). */
+/* Fills defaults (policy default with planned placement and lazy reclaim,
+ * no limit, map_max 1 GiB). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),

@@ -202,6 +202,26 @@ static bool interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first,
   return *first < *end;
 }
 
+/* Whether some mapping lies wholly inside [first, end): stops at the
+ * first (reclaim asks this of every dirty block it considers). */
+static bool has_whole_mapping(const gm_segment* seg, size_t first, size_t end) {
+  for (size_t p = first; p < end;) {
+    if (!gm_arena_page_mapped(seg, p)) {
+      p += (p % 64 == 0 && seg->mapped_bits[p / 64] == 0) ? 64 : 1;
+      continue;
+    }
+    size_t start = seg->run_start[p];
+    if (start != p) {
+      p++;
+      continue;
+    }
+    size_t n = run_length(seg, p);
+    if (p + n <= end) return true;
+    p += n;
+  }
+  return false;
+}
+
 /* Pages of the mappings that lie wholly inside [first, end): what
  * reclaiming a free block spanning them would unmap. */
 static size_t whole_mapping_pages(const gm_segment* seg, size_t first, size_t end) {
@@ -394,7 +414,7 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
   for (size_t i = 0; i < n && (!want || *got < want); i++) {
     gm_block* b = order[i];
     size_t first, end;
-    bool has_pages = interior_pages(gm, b, &first, &end) && whole_mapping_pages(b->seg, first, end);
+    bool has_pages = interior_pages(gm, b, &first, &end) && has_whole_mapping(b->seg, first, end);
     if (has_pages && !synced) {
       gpumem_status_t st = sync_stream_for_reclaim(gm, pool->stream);
       if (st != GPUMEM_OK) {
@@ -411,7 +431,7 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
         return st;
       }
       if (want && *got >= want) {
-        if (!whole_mapping_pages(b->seg, first, end)) gm_dirty_remove(pool, b);
+        if (!has_whole_mapping(b->seg, first, end)) gm_dirty_remove(pool, b);
         break;
       }
     }

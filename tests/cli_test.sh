@@ -254,7 +254,25 @@ expect_rc 2 "replay --compare with --policy"
 
 run "$BIN" replay --compare --json --passes 1 "$TINY"
 expect_rc 0 "replay --compare --json"
-expect_true "compare --json: not three lines (pytorch, default, lazy): $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 3 ]
+expect_true "compare --json: not three lines (pytorch, default, pressure): $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 3 ]
+
+# ---- steady state ----
+
+run "$BIN" replay --steady 0 "$TINY"
+expect_rc 1 "replay --steady 0"
+expect_in "bad --steady '0'" "$err" "replay --steady 0"
+
+printf 'a 1 100 0\na 2 200 0\na 3 300 0\nf 1\n' >"$T/ramp.trace"
+run "$BIN" replay --passes 0 --steady 2 "$T/ramp.trace"
+expect_rc 0 "replay --steady on a trace without a period"
+expect_in "does not end in a repeating period" "$err" "replay --steady, no period"
+
+run "$BIN" replay --passes 0 --steady 5 "$SRC/traces/gpt2_train.trace.gz"
+expect_rc 0 "replay --steady"
+expect_in "steady state    5 more steps of 1433 allocations" "$out" "replay --steady"
+
+run "$BIN" replay --passes 0 --steady 3 --json "$SRC/traces/gpt2_train.trace.gz"
+expect_in '"steady_period":1433,"steady_steps":3' "$out" "replay --steady --json"
 
 # ---- summary ----
 

@@ -27,7 +27,7 @@ static gpumem_options_t odd_options(void) {
   o.reclaim = GPUMEM_RECLAIM_EAGER;
   o.headroom = 0.75;
   o.max_split_size = 3 * GM_MIB;
-  o.placement = GPUMEM_PLACEMENT_PLANNED;
+  o.placement = GPUMEM_PLACEMENT_BESTFIT;
   o.own_backend = 1;
   o.map_max_bytes = 6 * GM_MIB;
   return o;
@@ -72,10 +72,10 @@ static void test_defaults(void) {
   CHECK(o.policy == GPUMEM_POLICY_DEFAULT);
   CHECK(o.limit_bytes == 0);
   CHECK(o.limit_fraction == 0.0);
-  CHECK(o.reclaim == GPUMEM_RECLAIM_PRESSURE);
+  CHECK(o.reclaim == GPUMEM_RECLAIM_LAZY);
   CHECK(o.headroom == 0.002);
   CHECK(o.max_split_size == 0);
-  CHECK(o.placement == GPUMEM_PLACEMENT_BESTFIT);
+  CHECK(o.placement == GPUMEM_PLACEMENT_PLANNED);
   CHECK(o.own_backend == 0);
   CHECK(o.map_max_bytes == GM_GIB);
   gpumem_options_init(NULL); /* must not crash */

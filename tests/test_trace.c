@@ -267,6 +267,86 @@ static void test_bundled(void) {
   }
 }
 
+/* trace_repeat_tail: a training loop's last step appended again and again,
+ * IDs renumbered, gradients freed one step later still matched; traces
+ * that end in no such step refused with a message. */
+static void test_repeat_tail(void) {
+  static const char loop[] =
+      "a 1 1000 0\n"    /* weights, never freed */
+      "a 2 50 0\nf 2\n" /* step 0: different */
+      "a 3 100 0\na 4 200 0\nf 3\n"
+      "a 5 100 0\na 6 200 0\nf 4\nf 5\n" /* the previous step's gradient goes */
+      "a 7 100 0\na 8 200 0\nf 6\nf 7\n";
+  trace_t* t = NULL;
+  CHECK_STATUS(trace_parse("loop", loop, strlen(loop), &t), GPUMEM_OK);
+  if (!t) return;
+  trace_t* x = NULL;
+  size_t period = 0;
+  CHECK_STATUS(trace_repeat_tail(t, 3, &x, &period), GPUMEM_OK);
+  if (x) {
+    CHECK_MSG(period == 2 && x->steady_period == 2 && x->steady_reps == 3, "period %zu", period);
+    CHECK(x->steady_from_event == t->num_events);
+    CHECK_MSG(x->num_allocs == t->num_allocs + 6 && x->num_frees == t->num_frees + 6,
+              "%zu allocations, %zu frees", x->num_allocs, x->num_frees);
+    CHECK(x->end_live_allocs == 2 && x->end_live_bytes == 1200);
+    CHECK(x->peak_live_bytes == t->peak_live_bytes);
+    /* the appended events mirror the tail, sizes and all */
+    for (size_t i = x->steady_from_event; i < x->num_events; i++) {
+      size_t j = t->slot_event[t->num_allocs - 2] + (i - x->steady_from_event) % 4;
+      CHECK(x->events[i].op == t->events[j].op && x->events[i].size == t->events[j].size);
+    }
+#ifndef TEST_TRACE_WITHOUT_ENGINE
+    replay_config_t c;
+    replay_config_init(&c);
+    c.warm_passes = 0;
+    replay_result_t r;
+    CHECK_STATUS(replay_trace(x, &c, &r), GPUMEM_OK);
+    CHECK_MSG(r.steady_ops == 12, "steady ops %llu", (unsigned long long)r.steady_ops);
+#endif
+    trace_free(x);
+  }
+  trace_free(t);
+
+  /* the only period whose sizes repeat (1) frees what an allocation two
+   * periods back made: no repetition fits */
+  static const char drift[] = "a 1 100 0\na 2 200 0\na 3 100 0\na 4 100 0\nf 1\n";
+  CHECK_STATUS(trace_parse("drift", drift, strlen(drift), &t), GPUMEM_OK);
+  if (!t) return;
+  x = (trace_t*)1;
+  CHECK_STATUS(trace_repeat_tail(t, 1, &x, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(x == NULL);
+  CHECK(strstr(gpumem_last_error(), "does not end in a repeating period") != NULL);
+  trace_free(t);
+
+  /* the bundled training traces repeat one step; t5's steps all differ */
+  static const struct {
+    const char* name;
+    size_t period;
+  } want[] = {
+      {"gpt2_train", 1433},
+      {"llama_ckpt_train", 1627},
+      {"resnet50_train", 1080},
+      {"t5_varlen_prefetch", 0},
+  };
+  for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/traces/%s.trace.gz", GPUMEM_SOURCE_DIR, want[i].name);
+    CHECK_STATUS(trace_load(path, &t), GPUMEM_OK);
+    if (!t) continue;
+    x = NULL;
+    period = 0;
+    gpumem_status_t st = trace_repeat_tail(t, 2, &x, &period);
+    CHECK_MSG(st == (want[i].period ? GPUMEM_OK : GPUMEM_ERR_INVALID_ARGUMENT) &&
+                  period == want[i].period,
+              "%s: %s, period %zu", want[i].name, gpumem_strerror(st), period);
+    if (x) {
+      CHECK(x->peak_live_bytes == t->peak_live_bytes);
+      trace_free(x);
+    }
+    trace_free(t);
+  }
+}
+
 #ifndef TEST_TRACE_WITHOUT_ENGINE
 /* A few replays of a tiny trace on the simulated device: the replay's
  * bookkeeping (ops counted, leftovers freed between passes, OOM reported
@@ -372,6 +452,7 @@ int main(void) {
   test_parse();
   test_errors();
   test_bundled();
+  test_repeat_tail();
 #ifndef TEST_TRACE_WITHOUT_ENGINE
   test_replay();
 #endif

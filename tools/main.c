@@ -76,8 +76,11 @@ static const char usage_replay[] =
     "  --device sim|cuda         simulated device (default) or the real GPU\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --min-limit               also bisect the smallest limit that replays the trace\n"
+    "  --steady N                append N repetitions of the trace's last period (a\n"
+    "                            training step) and time them apart: a long run's\n"
+    "                            steady state (traces that end in no period: as they are)\n"
     "  --json                    one JSON object per trace (and policy) per line\n"
-    "  --compare                 pytorch, default and default with reclaim:lazy side by side,\n"
+    "  --compare                 pytorch, default and default with reclaim:pressure side by side,\n"
     "                            beside measured H200 figures\n"
     "  -h, --help                this text\n";
 
@@ -163,6 +166,7 @@ enum {
   OPT_DEVICE,
   OPT_CAPACITY,
   OPT_MIN_LIMIT,
+  OPT_STEADY,
   OPT_JSON,
   OPT_COMPARE,
   OPT_HELP,
@@ -175,17 +179,12 @@ typedef struct option_spec {
 } option_spec_t;
 
 static const option_spec_t all_options[] = {
-    {"policy", OPT_POLICY, 1},
-    {"limit", OPT_LIMIT, 1},
-    {"limit-ratio", OPT_LIMIT_RATIO, 1},
-    {"conf", OPT_CONF, 1},
-    {"passes", OPT_PASSES, 1},
-    {"device", OPT_DEVICE, 1},
-    {"capacity", OPT_CAPACITY, 1},
-    {"min-limit", OPT_MIN_LIMIT, 0},
-    {"json", OPT_JSON, 0},
-    {"compare", OPT_COMPARE, 0},
-    {"help", OPT_HELP, 0},
+    {"policy", OPT_POLICY, 1},           {"limit", OPT_LIMIT, 1},
+    {"limit-ratio", OPT_LIMIT_RATIO, 1}, {"conf", OPT_CONF, 1},
+    {"passes", OPT_PASSES, 1},           {"device", OPT_DEVICE, 1},
+    {"capacity", OPT_CAPACITY, 1},       {"min-limit", OPT_MIN_LIMIT, 0},
+    {"steady", OPT_STEADY, 1},           {"json", OPT_JSON, 0},
+    {"compare", OPT_COMPARE, 0},         {"help", OPT_HELP, 0},
 };
 
 typedef struct cli {
@@ -193,6 +192,7 @@ typedef struct cli {
   int json;
   int compare;
   int min_limit;
+  int steady; /* repetitions to append (0: none) */
   int help;
   const char** traces;
   int num_traces;
@@ -279,6 +279,16 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
                        REPLAY_MAX_PASSES - 1);
         }
         c->warm_passes = (int)n;
+        break;
+      }
+      case OPT_STEADY: {
+        char* end;
+        errno = 0;
+        long n = strtol(value, &end, 10);
+        if (errno || end == value || *end || n < 1 || n > 10000) {
+          return error("bad --steady '%s' (a number of repetitions, 1 to 10000)", value);
+        }
+        cli->steady = (int)n;
         break;
       }
       case OPT_DEVICE:
@@ -509,6 +519,13 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
         (unsigned long long)r->warm_peak_reserved_bytes,
         t->peak_live_bytes ? (double)r->warm_peak_reserved_bytes / (double)t->peak_live_bytes : 0);
   }
+  if (r->steady_ops) {
+    fprintf(f, ",\"steady_period\":%zu,\"steady_steps\":%d,\"steady_ops\":%llu", t->steady_period,
+            t->steady_reps, (unsigned long long)r->steady_ops);
+    fprintf(f, ",\"ns_per_op_steady\":%.1f,\"num_syncs_steady\":%lld,\"backend_calls_steady\":",
+            r->steady_ns_per_op, (long long)r->steady_syncs);
+    json_calls(f, r->steady_calls);
+  }
   fprintf(f, ",\"num_plans\":%lld,\"num_plan_drops\":%lld,\"num_planned_allocs\":%lld",
           (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
           (long long)r->stats_final.num_planned_allocs);
@@ -602,6 +619,13 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   } else {
     fprintf(f, "  %-16sno\n", "oom");
   }
+  if (r->steady_ops) {
+    fprintf(f,
+            "  %-16s%d more steps of %zu allocations (in the cold pass): %.1f ns/op, %lld syncs\n",
+            "steady state", t->steady_reps, t->steady_period, r->steady_ns_per_op,
+            (long long)r->steady_syncs);
+    print_calls_line(f, "calls (steady)", r->steady_calls, r->steady_ops);
+  }
   print_calls_line(f, "calls (cold)", r->backend_calls_cold, r->ops_cold);
   if (r->warm_passes) print_calls_line(f, "calls (warm)", r->backend_calls_warm, r->ops_warm);
   fprintf(f, "  %-16scold %lld, warm %lld\n", "syncs", (long long)r->num_syncs_cold,
@@ -633,6 +657,20 @@ static int load_all(const cli_t* cli, trace_t*** out) {
     if (trace_load(cli->traces[i], &traces[i]) != GPUMEM_OK) {
       int rc = error("%s", detail(gpumem_last_error()));
       for (int j = 0; j < i; j++) trace_free(traces[j]);
+      free(traces);
+      return rc;
+    }
+    trace_t* longer = NULL;
+    if (!cli->steady) continue;
+    gpumem_status_t st = trace_repeat_tail(traces[i], cli->steady, &longer, NULL);
+    if (st == GPUMEM_OK) {
+      trace_free(traces[i]);
+      traces[i] = longer;
+    } else if (st == GPUMEM_ERR_INVALID_ARGUMENT) {
+      fprintf(stderr, "gpumem: note: %s; replayed as it is\n", detail(gpumem_last_error()));
+    } else {
+      int rc = error("%s", detail(gpumem_last_error()));
+      for (int j = 0; j <= i; j++) trace_free(traces[j]);
       free(traces);
       return rc;
     }
@@ -739,12 +777,13 @@ static void row_print(row_t* r) {
  * for the peers, computed here for gpumem, with the measured H200 figures
  * beside it. Rows are printed as each trace finishes. */
 static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
-  /* pytorch, default (reclaim under pressure), default with lazy reclaim */
+  /* pytorch, default (planned placement, lazy reclaim), default with
+   * reclaim:pressure and best fit (no page moves while the job runs) */
   enum { NCOL = 3 };
   static const gpumem_policy_t policies[NCOL] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT,
                                                  GPUMEM_POLICY_DEFAULT};
-  char lazy_conf[512];
-  snprintf(lazy_conf, sizeof lazy_conf, "%s%sreclaim:lazy",
+  char pressure_conf[512];
+  snprintf(pressure_conf, sizeof pressure_conf, "%s%sreclaim:pressure,placement:bestfit",
            cli->config.conf ? cli->config.conf : "",
            cli->config.conf && cli->config.conf[0] ? "," : "");
   const int mins = cli->min_limit;
@@ -772,18 +811,19 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
     printf(
         "Peak reserved / peak live: gpumem replayed here (%s device, %s), beside figures\n"
         "MEASURED on an NVIDIA H200 and quoted from ANCHORS.md. Columns: pytorch = the pytorch\n"
-        "policy; default = the default policy (virtual memory, pages reclaimed under pressure);\n"
-        "lazy = the default policy with reclaim:lazy (pages moved to keep reserved near live).\n\n",
+        "policy; default = the default policy (virtual memory, free pages moved to keep reserved\n"
+        "near live, planned placement of repeating steps); pressure = the default policy with\n"
+        "reclaim:pressure,placement:bestfit (pages move only when memory runs short).\n\n",
         cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit_note);
     row_add(&row, "%-*s %10s | %-25s | %-22s | %-25s | %-25s", name_w, "", "", "replayed here",
             "H200, from ANCHORS.md", "warm ns/op", "calls/1k ops (cold)");
     if (mins) row_add(&row, " | %-25s | %-22s", "min limit", "H200 min cap (ANCHORS)");
     row_print(&row);
     row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s  %7s", name_w,
-            "trace", "peak live", "pytorch", "default", "lazy", "PyTorch", "best peer", "pytorch",
-            "default", "lazy", "pytorch", "default", "lazy");
+            "trace", "peak live", "pytorch", "default", "pressur", "PyTorch", "best peer",
+            "pytorch", "default", "pressur", "pytorch", "default", "pressur");
     if (mins)
-      row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", "pytorch", "default", "lazy", "PyTorch",
+      row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", "pytorch", "default", "pressur", "PyTorch",
               "best peer");
     row_print(&row);
     int width = name_w + 1 + 10 + 3 + 25 + 3 + 22 + 3 + 25 + 3 + 25 + (mins ? 3 + 25 + 3 + 22 : 0);
@@ -799,7 +839,7 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
       replay_config_t c = cli->config;
       c.policy = policies[p];
       c.policy_set = 1;
-      if (p == 2) c.conf = lazy_conf;
+      if (p == 2) c.conf = pressure_conf;
       ok[p] = run_one(t, &c, mins, progress, &r[p]) == 0;
       if (!ok[p]) failed = 1;
       if (ok[p] && cli->json) print_json(stdout, t, &c, &r[p], anchor);
@@ -869,8 +909,8 @@ static int cmd_replay(int argc, char** argv) {
   memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_LIMIT_RATIO) |
                      (1u << OPT_CONF) | (1u << OPT_PASSES) | (1u << OPT_DEVICE) |
-                     (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) | (1u << OPT_JSON) |
-                     (1u << OPT_COMPARE) | (1u << OPT_HELP);
+                     (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) | (1u << OPT_STEADY) |
+                     (1u << OPT_JSON) | (1u << OPT_COMPARE) | (1u << OPT_HELP);
   int rc = parse_args(argc, argv, allowed, usage_replay, &cli);
   if (rc == 0 && cli.help) {
     fputs(usage_replay, stdout);

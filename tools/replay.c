@@ -381,9 +381,19 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   gpumem_status_t st = GPUMEM_OK;
   double last_progress = now_s();
 
+  /* The steady state of an extended trace is timed apart, in the cold
+   * pass (the one long run). */
+  size_t split = r->passes_run == 0 && t->steady_from_event ? t->steady_from_event : SIZE_MAX;
+  uint64_t t_split = 0, ops_split = 0;
+  gpumem_stats_t at_split;
   uint64_t t0 = now_ns();
   for (i = 0; i < n; i++) {
     const trace_event_t* e = &ev[i];
+    if (i == split) {
+      t_split = now_ns();
+      ops_split = ops;
+      gpumem_get_stats(gm, &at_split);
+    }
     if (e->op == TRACE_ALLOC) {
       void* p = NULL;
       ops++;
@@ -429,6 +439,13 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   }
 
   gpumem_get_stats(gm, &r->last_pass_end);
+  if (split != SIZE_MAX && i >= split && !failed_alloc && !failed_other) {
+    r->steady_ops = ops - ops_split;
+    r->steady_ns_per_op = r->steady_ops ? (double)(t1 - t_split) / (double)r->steady_ops : 0;
+    for (int k = 0; k < GPUMEM_CALL_COUNT; k++)
+      r->steady_calls[k] = r->last_pass_end.backend_calls[k] - at_split.backend_calls[k];
+    r->steady_syncs = r->last_pass_end.num_syncs - at_split.num_syncs;
+  }
   for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
     r->last_pass_calls[k] = r->last_pass_end.backend_calls[k] - before.backend_calls[k];
   }

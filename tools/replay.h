@@ -112,6 +112,12 @@ typedef struct replay_result {
   gpumem_status_t oom_status; /* usually GPUMEM_ERR_OUT_OF_MEMORY */
   char oom_message[2048];     /* gpumem_last_error() of the failure */
 
+  /* Of the cold pass of a trace made by trace_repeat_tail: the appended
+   * repetitions alone (a long run's steady state). steady_ops 0 = none. */
+  uint64_t steady_ops;
+  double steady_ns_per_op;
+  uint64_t steady_calls[GPUMEM_CALL_COUNT];
+  int64_t steady_syncs;
   /* -- filled by replay_trace -- */
   uint64_t peak_reserved_bytes; /* reserved peak after the cold pass */
   double reserved_ratio;        /* over peak live */

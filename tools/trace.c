@@ -535,3 +535,129 @@ const char* trace_op_name(int op) {
       return "?";
   }
 }
+
+/* ---- a longer run of the same loop ------------------------------------- */
+
+static gpumem_status_t repeat_no_memory(const trace_t* t) {
+  gpumem_set_last_error("%s: out of host memory extending the trace", t->path);
+  return GPUMEM_ERR_HOST_MEMORY;
+}
+
+/* Appends one event as a trace line to buf (grown as needed). */
+static int emit(char** buf, size_t* len, size_t* cap, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int emit(char** buf, size_t* len, size_t* cap, const char* fmt, ...) {
+  if (*cap - *len < 96 && grow((void**)buf, cap, *len + 96, 1) != 0) return 0;
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(*buf + *len, *cap - *len, fmt, ap);
+  va_end(ap);
+  if (n < 0 || (size_t)n >= *cap - *len) return 0;
+  *len += (size_t)n;
+  return 1;
+}
+
+/* Whether the tail from allocation n - period on can follow itself: every
+ * free or record_stream in it names an allocation of the tail itself or of
+ * the period before it that is still live at the end of the trace, and the
+ * last two periods request the same sizes on the same streams. */
+static int tail_repeats(const trace_t* t, size_t period, const unsigned char* live_at_end) {
+  size_t n = t->num_allocs;
+  if (period == 0 || 2 * period > n) return 0;
+  for (size_t k = n - period; k < n; k++) {
+    const trace_event_t* a = &t->events[t->slot_event[k]];
+    const trace_event_t* b = &t->events[t->slot_event[k - period]];
+    if (a->size != b->size || a->stream != b->stream) return 0;
+  }
+  unsigned char* freed = calloc(period, 1); /* previous-period allocations freed */
+  if (!freed) return 0;
+  int ok = 1;
+  for (size_t i = t->slot_event[n - period]; i < t->num_events && ok; i++) {
+    const trace_event_t* e = &t->events[i];
+    if (e->op == TRACE_ALLOC || e->id >= n - period) continue;
+    if (e->id < n - 2 * period) {
+      ok = 0; /* reaches further back than one period */
+    } else {
+      /* in the next repetition this names allocation id + period of the
+       * tail, which must still be live at the end of the trace */
+      size_t j = e->id - (n - 2 * period);
+      if (!live_at_end[e->id + period] || (e->op == TRACE_FREE && freed[j])) ok = 0;
+      if (e->op == TRACE_FREE) freed[j] = 1;
+    }
+  }
+  free(freed);
+  return ok;
+}
+
+gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, size_t* period_out) {
+  *out = NULL;
+  size_t n = t->num_allocs;
+  if (reps < 1 || n < 2) {
+    gpumem_set_last_error("%s: nothing to repeat (%zu allocations)", t->path, n);
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
+  /* Which allocations of the trace are never freed (by slot). */
+  unsigned char* live = malloc(n);
+  if (!live) return repeat_no_memory(t);
+  memset(live, 1, n);
+  for (size_t i = 0; i < t->num_events; i++)
+    if (t->events[i].op == TRACE_FREE) live[t->events[i].id] = 0;
+  size_t period = 0;
+  for (size_t p = 1; 2 * p <= n && !period; p++) {
+    if (tail_repeats(t, p, live)) period = p;
+  }
+  free(live);
+  if (!period) {
+    gpumem_set_last_error(
+        "%s: the trace does not end in a repeating period (a training step whose last two "
+        "occurrences request the same sizes, with frees that stay within one step of it)",
+        t->path);
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
+  /* The extended trace as text, with slot numbers as IDs (unique), parsed
+   * by the one parser so every count and check is the usual one. */
+  size_t cap = 0, len = 0;
+  char* buf = NULL;
+  int ok = emit(&buf, &len, &cap, "# %s and %d more repetitions of its last %zu allocations\n",
+                t->path, reps, period);
+  for (size_t i = 0; i < t->num_events && ok; i++) {
+    const trace_event_t* e = &t->events[i];
+    if (e->op == TRACE_ALLOC)
+      ok = emit(&buf, &len, &cap, "a %u %llu 0x%llx\n", e->id, (unsigned long long)e->size,
+                (unsigned long long)e->stream);
+    else if (e->op == TRACE_FREE)
+      ok = emit(&buf, &len, &cap, "f %u\n", e->id);
+    else
+      ok = emit(&buf, &len, &cap, "r %u 0x%llx\n", e->id, (unsigned long long)e->stream);
+  }
+  size_t first = t->slot_event[n - period];
+  for (int r = 1; r <= reps && ok; r++) {
+    for (size_t i = first; i < t->num_events && ok; i++) {
+      const trace_event_t* e = &t->events[i];
+      /* the allocation this event names, r periods on */
+      uint64_t id = (uint64_t)e->id + (uint64_t)r * period;
+      if (e->op == TRACE_ALLOC)
+        ok = emit(&buf, &len, &cap, "a %llu %llu 0x%llx\n", (unsigned long long)id,
+                  (unsigned long long)e->size, (unsigned long long)e->stream);
+      else if (e->op == TRACE_FREE)
+        ok = emit(&buf, &len, &cap, "f %llu\n", (unsigned long long)id);
+      else
+        ok = emit(&buf, &len, &cap, "r %llu 0x%llx\n", (unsigned long long)id,
+                  (unsigned long long)e->stream);
+    }
+  }
+  if (!ok) {
+    free(buf);
+    return repeat_no_memory(t);
+  }
+  trace_t* ext = NULL;
+  gpumem_status_t st = trace_parse(t->path, buf, len, &ext);
+  free(buf);
+  if (st != GPUMEM_OK) return st;
+  ext->steady_from_event = t->num_events;
+  ext->steady_period = period;
+  ext->steady_reps = reps;
+  *out = ext;
+  if (period_out) *period_out = period;
+  return GPUMEM_OK;
+}

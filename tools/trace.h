@@ -50,6 +50,11 @@ typedef struct trace {
   /* Per slot: the ID the file used and the index of its ALLOC event. */
   uint64_t* slot_trace_id;
   size_t* slot_event;
+  /* Made by trace_repeat_tail: the first appended event (0 = not
+   * extended), the period repeated and how often. */
+  size_t steady_from_event;
+  size_t steady_period;
+  int steady_reps;
 } trace_t;
 
 /* Reads path (gzip or plain) and validates every line. On failure returns
@@ -60,6 +65,15 @@ gpumem_status_t trace_load(const char* path, trace_t** out);
 /* Same from text already in memory; path is used for messages and name. */
 gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trace_t** out);
 void trace_free(trace_t* trace);
+
+/* A longer run of the same loop: the trace followed by reps repetitions of
+ * its last period, the smallest P for which the last P allocations request
+ * what the P before them did and whose frees (and record_streams) name
+ * only allocations of those two periods, the earlier ones still live at
+ * the end of the trace (a training step: its gradients freed in the next
+ * one). IDs become slot numbers. GPUMEM_ERR_INVALID_ARGUMENT when the trace
+ * ends in no such period (t5_varlen_prefetch: every step differs). */
+gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, size_t* period);
 
 /* "alloc", "free", "record_stream". */
 const char* trace_op_name(int op);
