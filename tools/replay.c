@@ -439,6 +439,9 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   }
 
   gpumem_get_stats(gm, &r->last_pass_end);
+  /* gpumem_get_stats counts its own query of the device's free memory:
+   * the pass did not make that call. */
+  r->last_pass_end.backend_calls[GPUMEM_CALL_mem_info]--;
   if (split != SIZE_MAX && i >= split && !failed_alloc && !failed_other) {
     r->steady_ops = ops - ops_split;
     r->steady_ns_per_op = r->steady_ops ? (double)(t1 - t_split) / (double)r->steady_ops : 0;
