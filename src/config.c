@@ -333,6 +333,19 @@ static gpumem_status_t bad_value(span_t value, const char* key, const char* expe
                  SHOWN(value.n), value.p, key, expected);
 }
 
+/* A byte size for key; *out is written only when it parses. */
+static gpumem_status_t size_value(span_t value, const char* key, size_t* out) {
+  size_t bytes = 0;
+  const char* why = "";
+  if (!parse_size_span(value, &bytes, &why)) {
+    return gm_fail(GPUMEM_ERR_CONFIG,
+                   "gpumem config: bad value \"%.*s\" for key \"%s\": expected " SIZE_FORMS " (%s)",
+                   SHOWN(value.n), value.p, key, why);
+  }
+  *out = bytes;
+  return GPUMEM_OK;
+}
+
 /* Applies one key:value to the working copy. */
 static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span_t entry) {
   int k = 0;
@@ -362,13 +375,8 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
     }
     case KEY_LIMIT: {
       size_t bytes = 0;
-      const char* why = "";
-      if (!parse_size_span(value, &bytes, &why)) {
-        return gm_fail(GPUMEM_ERR_CONFIG,
-                       "gpumem config: bad value \"%.*s\" for key \"limit\": expected " SIZE_FORMS
-                       " (%s)",
-                       SHOWN(value.n), value.p, why);
-      }
+      gpumem_status_t st = size_value(value, "limit", &bytes);
+      if (st != GPUMEM_OK) return st;
       if (bytes == 0) {
         return gm_fail(
             GPUMEM_ERR_CONFIG,
@@ -380,15 +388,8 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       return GPUMEM_OK;
     }
     case KEY_MAP_MAX: {
-      size_t bytes = 0;
-      const char* why = "";
-      if (!parse_size_span(value, &bytes, &why)) {
-        return gm_fail(GPUMEM_ERR_CONFIG,
-                       "gpumem config: bad value \"%.*s\" for key \"map_max\": expected " SIZE_FORMS
-                       " (%s)",
-                       SHOWN(value.n), value.p, why);
-      }
-      o->map_max_bytes = bytes;
+      gpumem_status_t st = size_value(value, "map_max", &o->map_max_bytes);
+      if (st != GPUMEM_OK) return st;
       return GPUMEM_OK;
     }
     case KEY_FRACTION: {

@@ -273,18 +273,25 @@ static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s) {
   return st;
 }
 
+/* Grows *arr (of elem-byte entries) to hold need entries. */
+static bool grow_list(void** arr, size_t* cap, size_t need, size_t elem) {
+  if (*cap >= need) return true;
+  size_t n = *cap ? *cap : 16;
+  while (n < need) n *= 2;
+  void* grown = realloc(*arr, n * elem);
+  if (!grown) return false;
+  *arr = grown;
+  *cap = n;
+  return true;
+}
+
 /* Makes room for n more spare pages, so that a successful unmap cannot
  * lose handles. */
 static gpumem_status_t spare_reserve(gpumem_t* gm, size_t n) {
-  if (gm->spare_pages_capacity >= gm->num_spare_pages + n) return GPUMEM_OK;
-  size_t cap = gm->spare_pages_capacity ? gm->spare_pages_capacity : 64;
-  while (cap < gm->num_spare_pages + n) cap *= 2;
-  gpumem_phys_t* grown = realloc(gm->spare_pages, cap * sizeof *grown);
-  if (!grown)
-    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
-  gm->spare_pages = grown;
-  gm->spare_pages_capacity = cap;
-  return GPUMEM_OK;
+  if (grow_list((void**)&gm->spare_pages, &gm->spare_pages_capacity, gm->num_spare_pages + n,
+                sizeof *gm->spare_pages))
+    return GPUMEM_OK;
+  return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for the spare page list");
 }
 
 /* Returns the unmapped mappings of more than one page to the device. One
@@ -306,14 +313,10 @@ static gpumem_status_t release_spare_runs(gpumem_t* gm) {
 }
 
 static gpumem_status_t spare_runs_reserve(gpumem_t* gm, size_t n) {
-  if (gm->spare_runs_capacity >= gm->num_spare_runs + n) return GPUMEM_OK;
-  size_t cap = gm->spare_runs_capacity ? gm->spare_runs_capacity : 16;
-  while (cap < gm->num_spare_runs + n) cap *= 2;
-  gm_spare_run* grown = realloc(gm->spare_runs, cap * sizeof *grown);
-  if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory reclaiming pages");
-  gm->spare_runs = grown;
-  gm->spare_runs_capacity = cap;
-  return GPUMEM_OK;
+  if (grow_list((void**)&gm->spare_runs, &gm->spare_runs_capacity, gm->num_spare_runs + n,
+                sizeof *gm->spare_runs))
+    return GPUMEM_OK;
+  return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory reclaiming pages");
 }
 
 /* Unmaps the mappings that lie wholly inside b, up to *budget pages (0 =
