@@ -123,7 +123,8 @@ typedef struct gpumem_options {
    * creating, mapping and granting access cost ~50 us per mapping whatever
    * its size. A mapping is reclaimed only whole, so large ones trade reclaim
    * granularity for growth speed: they are made only under
-   * reclaim:pressure with no limit, until the device first refuses memory.
+   * reclaim:pressure with best-fit placement and no limit, until the
+   * device first refuses memory.
    * Default 1 GiB. */
   size_t map_max_bytes;
 } gpumem_options_t;

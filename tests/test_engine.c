@@ -636,12 +636,12 @@ static void test_pages_on_demand(void) {
   fx_done(&f);
 }
 
-/* Under reclaim:pressure, growth under a block maps one physical
+/* Under reclaim:pressure with best fit, growth under a block maps one physical
  * allocation per run of unmapped pages (up to map_max), which goes back
  * only whole; a limit or a refusal by the device turns growth to single
  * pages (as lazy reclaim always does: tested in the random tests). */
 static void test_mappings(void) {
-  fx_t f = fx_new("policy:default,reclaim:pressure,map_max:8M", 8 * GIB, 0);
+  fx_t f = fx_new("policy:default,reclaim:pressure,placement:bestfit,map_max:8M", 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   char* a = alloc(&f, 5 * MIB, SA); /* pages 0..2: one mapping */
   gpumem_stats_t s = stats(&f);
@@ -676,8 +676,17 @@ static void test_mappings(void) {
   CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
   fx_done(&f);
 
+  /* planned placement keeps one page per mapping (a plan takes pages one
+   * by one when it starts serving) */
+  f = fx_new("policy:default,reclaim:pressure,placement:planned,map_max:8M", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  alloc(&f, 5 * MIB, SA);
+  CHECK_MSG(dev(&f).pages_mapped == 3, "planned: 5 MiB in %llu mappings, want 3 single pages",
+            (unsigned long long)dev(&f).pages_mapped);
+  fx_done(&f);
+
   /* the device refuses a large piece: single pages from then on */
-  f = fx_new("policy:default,reclaim:pressure,map_max:64M", 8 * GIB, 0);
+  f = fx_new("policy:default,reclaim:pressure,placement:bestfit,map_max:64M", 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   gpumem_sim_fail(f.sim, GPUMEM_CALL_create_page, 0, 1, GPUMEM_ERR_OUT_OF_MEMORY);
   char* c = alloc(&f, 16 * MIB, SA); /* 8 pages in one piece: refused; then 8 single pages */

@@ -80,8 +80,6 @@ static const config_t configs[] = {
     /* Several pages per mapping (until a limit or refusal): reclaimed only whole. */
     {"default/pressure/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
      GPUMEM_PLACEMENT_BESTFIT, 8},
-    {"default/pressure/planned/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_PLANNED, 8},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
