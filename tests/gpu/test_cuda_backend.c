@@ -479,6 +479,25 @@ static void test_devices(void) {
     CHECK_STATUS(be->reserve(be->ctx, be->page_size, &base), GPUMEM_OK);
     CHECK_STATUS(be->create_page(be->ctx, be->page_size, &p), GPUMEM_OK);
     CHECK_STATUS(be->map(be->ctx, base, be->page_size, p), GPUMEM_OK);
+    if (o.peer_access_mask & 1) {
+      /* Device 0 (its primary context is current here) writes the page of
+       * device count-1 through the access granted to it, and the bytes
+       * read back are what it wrote. */
+      DRV_OK(drv.MemsetD8((drv_ptr)base, 0x5a, be->page_size));
+      DRV_OK(drv.CtxSynchronize());
+      unsigned char* back = malloc(be->page_size);
+      CHECK(back != NULL);
+      if (back) {
+        DRV_OK(drv.MemcpyDtoH(back, (drv_ptr)base, be->page_size));
+        size_t bad = 0;
+        for (size_t i = 0; i < be->page_size; i++) bad += back[i] != 0x5a;
+        CHECK_MSG(bad == 0, "peer write from device 0 to device %d: %zu bytes differ", count - 1,
+                  bad);
+        printf("device 0 wrote %zu bytes on device %d through peer access\n", be->page_size,
+               count - 1);
+        free(back);
+      }
+    }
     CHECK_STATUS(be->unmap(be->ctx, base, be->page_size), GPUMEM_OK);
     CHECK_STATUS(be->release_page(be->ctx, p, be->page_size), GPUMEM_OK);
     CHECK_STATUS(be->release_range(be->ctx, base, be->page_size), GPUMEM_OK);
