@@ -52,11 +52,19 @@ static inline gm_plan_req* req_at(gm_planner* p, uint64_t i) {
   return &p->ring[i % GM_PLAN_RING];
 }
 
-/* Hash of request i and the 8 before it (i >= 8). */
+/* Hash of request i and the 8 before it (i >= 8). The keys are already
+ * mixed, so one distinct odd multiplier per position (order matters) and
+ * a final mix suffice: a third of the cost of mixing after every key, paid
+ * on every request (t5, which never repeats: warm 72 -> 66 ns/op). */
 static uint64_t context_hash(gm_planner* p, uint64_t i) {
+  static const uint64_t mult[9] = {
+      0x9e3779b97f4a7c15ull, 0xbf58476d1ce4e5b9ull, 0x94d049bb133111ebull,
+      0xd6e8feb86659fd93ull, 0xa0761d6478bd642full, 0xe7037ed1a0b428dbull,
+      0x8ebc6af09c88c6e3ull, 0x589965cc75374cc3ull, 0x1d8e4e27c47d124full,
+  };
   uint64_t h = 0;
-  for (uint64_t k = 8; k > 0; k--) h = mix64(h ^ req_at(p, i - k)->key);
-  return mix64(h + req_at(p, i)->key);
+  for (uint64_t k = 0; k <= 8; k++) h += req_at(p, i - k)->key * mult[k];
+  return mix64(h);
 }
 
 gpumem_status_t gm_plan_init(gpumem_t* gm) {
