@@ -202,29 +202,11 @@ static bool interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first,
   return *first < *end;
 }
 
-/* Whether some mapping lies wholly inside [first, end): stops at the
- * first (reclaim asks this of every dirty block it considers). */
-static bool has_whole_mapping(const gm_segment* seg, size_t first, size_t end) {
-  for (size_t p = first; p < end;) {
-    if (!gm_arena_page_mapped(seg, p)) {
-      p += (p % 64 == 0 && seg->mapped_bits[p / 64] == 0) ? 64 : 1;
-      continue;
-    }
-    size_t start = seg->run_start[p];
-    if (start != p) {
-      p++;
-      continue;
-    }
-    size_t n = run_length(seg, p);
-    if (p + n <= end) return true;
-    p += n;
-  }
-  return false;
-}
-
 /* Pages of the mappings that lie wholly inside [first, end): what
- * reclaiming a free block spanning them would unmap. */
-static size_t whole_mapping_pages(const gm_segment* seg, size_t first, size_t end) {
+ * reclaiming a free block spanning them would unmap. With any_one, stops at
+ * the first such mapping (reclaim asks only whether there is one, of every
+ * dirty block it considers). */
+static size_t whole_mapping_pages(const gm_segment* seg, size_t first, size_t end, bool any_one) {
   size_t pages = 0;
   for (size_t p = first; p < end;) {
     if (!gm_arena_page_mapped(seg, p)) {
@@ -236,7 +218,10 @@ static size_t whole_mapping_pages(const gm_segment* seg, size_t first, size_t en
       continue;
     }
     size_t n = run_length(seg, p);
-    if (p + n <= end) pages += n;
+    if (p + n <= end) {
+      pages += n;
+      if (any_one) break;
+    }
     p += n;
   }
   return pages;
@@ -417,7 +402,8 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
   for (size_t i = 0; i < n && (!want || *got < want); i++) {
     gm_block* b = order[i];
     size_t first, end;
-    bool has_pages = interior_pages(gm, b, &first, &end) && has_whole_mapping(b->seg, first, end);
+    bool has_pages =
+        interior_pages(gm, b, &first, &end) && whole_mapping_pages(b->seg, first, end, true);
     if (has_pages && !synced) {
       gpumem_status_t st = sync_stream_for_reclaim(gm, pool->stream);
       if (st != GPUMEM_OK) {
@@ -434,7 +420,7 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
         return st;
       }
       if (want && *got >= want) {
-        if (!has_whole_mapping(b->seg, first, end)) gm_dirty_remove(pool, b);
+        if (!whole_mapping_pages(b->seg, first, end, true)) gm_dirty_remove(pool, b);
         break;
       }
     }
@@ -472,7 +458,8 @@ uint64_t gm_reclaimable_bytes(gpumem_t* gm) {
     for (int i = 0; i < GM_NUM_POOLS; i++) {
       for (gm_block* b = s->pools[i].dirty_head; b; b = b->dirty_next) {
         size_t first, end;
-        if (interior_pages(gm, b, &first, &end)) pages += whole_mapping_pages(b->seg, first, end);
+        if (interior_pages(gm, b, &first, &end))
+          pages += whole_mapping_pages(b->seg, first, end, false);
       }
     }
   }
@@ -497,13 +484,14 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
    * are wanted again within a period; and after its first period it
    * robs the regular arenas no more, or pages would move both ways at
    * every fallback. */
-  size_t taken = 0;
   if (gm->planner.enabled && gm->opts.reclaim != GPUMEM_RECLAIM_EAGER) {
+    /* (with a planner every mapping is one page: what is reclaimed here
+     * becomes spare) */
     bool migrating = seg->plan_serving && !gm->planner.trimmed;
     int from = migrating ? GM_RECLAIM_SPARE_SERVING : GM_RECLAIM_IDLE_PLANS;
-    gpumem_status_t st = gm_reclaim_from(gm, from, need - gm->num_spare_pages, &taken);
+    gpumem_status_t st = gm_reclaim_from(gm, from, need - gm->num_spare_pages, NULL);
     if (st != GPUMEM_OK) return st;
-    if (gm->num_spare_pages >= need || taken >= need) return GPUMEM_OK;
+    if (gm->num_spare_pages >= need) return GPUMEM_OK;
   }
   size_t ps = gm->page_size;
   size_t missing = need - (gm->num_spare_pages < need ? gm->num_spare_pages : need);
@@ -621,15 +609,14 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
     size_t n = 1;
     while (n < max_run && p + n <= last && !gm_arena_page_mapped(seg, p + n)) n++;
     st = map_new(gm, seg, p, n);
-    if (st == GPUMEM_ERR_OUT_OF_MEMORY && n > 1) {
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
       /* Memory is short: from now on one page per mapping, which may
        * still fit where the device or the limit has room, and which
        * reclaim can take back one at a time. */
       gm->fine_mappings = true;
       max_run = 1;
-      continue;
+      if (n > 1) continue;
     }
-    if (st == GPUMEM_ERR_OUT_OF_MEMORY) gm->fine_mappings = true;
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && !all_tried) {
       /* The device or the limit refused: free pages elsewhere may do,
        * those of a serving plan arena included. */
@@ -637,10 +624,7 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
       size_t got = 0;
       st = gm_reclaim(gm, last - p + 1, &got);
       if (st == GPUMEM_OK && !got) st = GPUMEM_ERR_OUT_OF_MEMORY;
-      if (st == GPUMEM_OK) {
-        max_run = map_run_limit(gm);
-        continue;
-      }
+      if (st == GPUMEM_OK) continue;
     }
     if (st != GPUMEM_OK) return st;
     p += n;

@@ -9,8 +9,9 @@
  * work is known complete past T; the spy is the oracle for that.
  *
  * Hooks are optional (NULL: none): on_unmap is called before every unmap
- * is forwarded, on_map after every successful map. Functions are static inline so that a test that
- * uses only part of the header compiles without unused-function warnings. */
+ * is forwarded, on_map after every successful map. Functions are static
+ * inline so that a test that uses only part of the header compiles without
+ * unused-function warnings. */
 #ifndef GPUMEM_TEST_SPY_BACKEND_H
 #define GPUMEM_TEST_SPY_BACKEND_H
 
@@ -219,6 +220,21 @@ static inline gpumem_sim_counters_t sim_counters(gpumem_backend_t* sim) {
   gpumem_sim_counters_t c;
   gpumem_sim_get_counters(sim, &c);
   return c;
+}
+
+/* Whether the simulated device holds nothing any more (once an allocator
+ * that did not own it is destroyed); if it does, msg says what. */
+static inline int sim_holds_nothing(gpumem_backend_t* sim, char* msg, size_t cap) {
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(sim, &c);
+  snprintf(msg, cap,
+           "leak after destroy: %llu bytes, %llu ranges, %llu pages (%llu mapped), %llu "
+           "plain, %llu events",
+           (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
+           (unsigned long long)c.pages_live, (unsigned long long)c.pages_mapped,
+           (unsigned long long)c.plain_live, (unsigned long long)c.events_live);
+  return c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
+         c.pages_mapped == 0 && c.plain_live == 0 && c.events_live == 0;
 }
 
 #endif

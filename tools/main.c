@@ -200,6 +200,16 @@ typedef struct cli {
 
 /* Parses argv (after the command) into cli. allowed is a bitmask of OPT_*
  * the command accepts. Returns 0, or the exit code after printing why. */
+/* A whole decimal number in [min, max] into *out; 0 when it is not one. */
+static int parse_count(const char* value, long min, long max, int* out) {
+  char* end;
+  errno = 0;
+  long n = strtol(value, &end, 10);
+  if (errno || end == value || *end || n < min || n > max) return 0;
+  *out = (int)n;
+  return 1;
+}
+
 static int parse_args(int argc, char** argv, unsigned allowed, const char* usage, cli_t* cli) {
   int only_files = 0;
   const char* limit_text = NULL;
@@ -270,27 +280,17 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
       case OPT_CONF:
         c->conf = value;
         break;
-      case OPT_PASSES: {
-        char* end;
-        errno = 0;
-        long n = strtol(value, &end, 10);
-        if (errno || end == value || *end || n < 0 || n > REPLAY_MAX_PASSES - 1) {
+      case OPT_PASSES:
+        if (!parse_count(value, 0, REPLAY_MAX_PASSES - 1, &c->warm_passes)) {
           return error("bad --passes '%s' (a number of warm passes, 0 to %d)", value,
                        REPLAY_MAX_PASSES - 1);
         }
-        c->warm_passes = (int)n;
         break;
-      }
-      case OPT_STEADY: {
-        char* end;
-        errno = 0;
-        long n = strtol(value, &end, 10);
-        if (errno || end == value || *end || n < 1 || n > 10000) {
+      case OPT_STEADY:
+        if (!parse_count(value, 1, 10000, &cli->steady)) {
           return error("bad --steady '%s' (a number of repetitions, 1 to 10000)", value);
         }
-        cli->steady = (int)n;
         break;
-      }
       case OPT_DEVICE:
         if (strcmp(value, "sim") == 0) {
           c->device = REPLAY_DEVICE_SIM;

@@ -557,6 +557,14 @@ static int emit(char** buf, size_t* len, size_t* cap, const char* fmt, ...) {
   return 1;
 }
 
+/* Appends event e as a trace line naming allocation id. */
+static int emit_event(char** buf, size_t* len, size_t* cap, const trace_event_t* e, uint64_t id) {
+  unsigned long long i = id, size = e->size, stream = e->stream;
+  if (e->op == TRACE_ALLOC) return emit(buf, len, cap, "a %llu %llu 0x%llx\n", i, size, stream);
+  if (e->op == TRACE_FREE) return emit(buf, len, cap, "f %llu\n", i);
+  return emit(buf, len, cap, "r %llu 0x%llx\n", i, stream);
+}
+
 /* Whether the tail from allocation n - period on can follow itself: every
  * free or record_stream in it names an allocation of the tail itself or of
  * the period before it that is still live at the end of the trace, and the
@@ -620,31 +628,14 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
   char* buf = NULL;
   int ok = emit(&buf, &len, &cap, "# %s and %d more repetitions of its last %zu allocations\n",
                 t->path, reps, period);
-  for (size_t i = 0; i < t->num_events && ok; i++) {
-    const trace_event_t* e = &t->events[i];
-    if (e->op == TRACE_ALLOC)
-      ok = emit(&buf, &len, &cap, "a %u %llu 0x%llx\n", e->id, (unsigned long long)e->size,
-                (unsigned long long)e->stream);
-    else if (e->op == TRACE_FREE)
-      ok = emit(&buf, &len, &cap, "f %u\n", e->id);
-    else
-      ok = emit(&buf, &len, &cap, "r %u 0x%llx\n", e->id, (unsigned long long)e->stream);
-  }
+  for (size_t i = 0; i < t->num_events && ok; i++)
+    ok = emit_event(&buf, &len, &cap, &t->events[i], t->events[i].id);
   size_t first = t->slot_event[n - period];
   for (int r = 1; r <= reps && ok; r++) {
-    for (size_t i = first; i < t->num_events && ok; i++) {
-      const trace_event_t* e = &t->events[i];
-      /* the allocation this event names, r periods on */
-      uint64_t id = (uint64_t)e->id + (uint64_t)r * period;
-      if (e->op == TRACE_ALLOC)
-        ok = emit(&buf, &len, &cap, "a %llu %llu 0x%llx\n", (unsigned long long)id,
-                  (unsigned long long)e->size, (unsigned long long)e->stream);
-      else if (e->op == TRACE_FREE)
-        ok = emit(&buf, &len, &cap, "f %llu\n", (unsigned long long)id);
-      else
-        ok = emit(&buf, &len, &cap, "r %llu 0x%llx\n", (unsigned long long)id,
-                  (unsigned long long)e->stream);
-    }
+    /* each event names the allocation r periods on */
+    for (size_t i = first; i < t->num_events && ok; i++)
+      ok = emit_event(&buf, &len, &cap, &t->events[i],
+                      (uint64_t)t->events[i].id + (uint64_t)r * period);
   }
   if (!ok) {
     free(buf);

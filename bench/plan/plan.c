@@ -279,6 +279,28 @@ typedef struct {
   uint64_t off;
 } PItem;
 
+/* The lifetime of it within one step of W events starting at T0, as one
+ * segment, or two when it wraps into the next step (freed there, before
+ * its own start time comes round again): the number of segments set in p,
+ * 0 when it outlives that (long-lived: not planned). */
+static int step_lifetime(const Item* it, int64_t T0, int64_t W, int64_t nevents, PItem* p) {
+  int64_t s = it->s - T0, e = it->e - T0;
+  if (e <= W) {
+    p->nseg = 1;
+    p->s[0] = s;
+    p->e[0] = e;
+  } else if (e - W <= s && it->e < nevents) {
+    p->nseg = 2;
+    p->s[0] = s;
+    p->e[0] = W;
+    p->s[1] = 0;
+    p->e[1] = e - W;
+  } else {
+    p->nseg = 0;
+  }
+  return p->nseg;
+}
+
 enum { ORD_SIZE, ORD_DUR, ORD_AREA, ORD_ALLOC, NORD };
 static const char* ord_name[NORD] = {"size", "duration", "area", "alloc-order"};
 
@@ -347,6 +369,30 @@ static int cmp_by_off(const void* a, const void* b) {
   return x < y ? -1 : x > y;
 }
 
+/* Where p goes among the placed items idx[0..n), sorted by offset: the
+ * lowest offset it fits below the next one in time with it (first fit), or
+ * with best_gap the smallest such gap; past them all when none. Items not
+ * overlapping p in time are skipped when check is set (callers that pass
+ * only overlapping ones clear it). */
+static uint64_t choose_offset(const PItem* p, const PItem* v, const int* idx, int n, int check,
+                              int best_gap) {
+  uint64_t cand = 0, best = UINT64_MAX, bestgap = UINT64_MAX;
+  for (int c = 0; c < n; c++) {
+    const PItem* q = &v[idx[c]];
+    if (check && !overlap(p, q)) continue;
+    if (q->off >= cand + p->size) {
+      if (!best_gap) break;
+      uint64_t gap = q->off - cand;
+      if (gap < bestgap) {
+        bestgap = gap;
+        best = cand;
+      }
+    }
+    if (q->off + q->size > cand) cand = q->off + q->size;
+  }
+  return (best_gap && best != UINT64_MAX) ? best : cand;
+}
+
 /* Small inputs (one step): placed items kept in an array sorted by offset and
  * scanned in that order, skipping those disjoint in time: O(n^2) overlap
  * tests, no sorting, what an in-allocator planner would do. */
@@ -356,21 +402,7 @@ static uint64_t greedy_small(PItem* v, int n, int best_gap) {
   uint64_t extent = 0;
   for (int i = 0; i < n; i++) {
     PItem* p = &v[i];
-    uint64_t cand = 0, best = UINT64_MAX, bestgap = UINT64_MAX;
-    for (int c = 0; c < placed; c++) {
-      PItem* q = &v[ord[c]];
-      if (!overlap(p, q)) continue;
-      if (q->off >= cand + p->size) {
-        if (!best_gap) break;
-        uint64_t gap = q->off - cand;
-        if (gap < bestgap) {
-          bestgap = gap;
-          best = cand;
-        }
-      }
-      if (q->off + q->size > cand) cand = q->off + q->size;
-    }
-    p->off = (best_gap && best != UINT64_MAX) ? best : cand;
+    p->off = choose_offset(p, v, ord, placed, 1, best_gap);
     if (p->off + p->size > extent) extent = p->off + p->size;
     int lo = 0, hi = placed;
     while (lo < hi) {
@@ -415,20 +447,7 @@ static uint64_t greedy(PItem* v, int n, int64_t T, int best_gap) {
     }
     g_sort_base = v;
     qsort(conf, nc, sizeof *conf, cmp_by_off);
-    uint64_t cand = 0, best = UINT64_MAX, bestgap = UINT64_MAX;
-    for (int c = 0; c < nc; c++) {
-      PItem* q = &v[conf[c]];
-      if (q->off >= cand + p->size) {
-        if (!best_gap) break;
-        uint64_t gap = q->off - cand;
-        if (gap < bestgap) {
-          bestgap = gap;
-          best = cand;
-        }
-      }
-      if (q->off + q->size > cand) cand = q->off + q->size;
-    }
-    p->off = (best_gap && best != UINT64_MAX) ? best : cand;
+    p->off = choose_offset(p, v, conf, nc, 0, best_gap);
     if (p->off + p->size > extent) extent = p->off + p->size;
     for (int k = 0; k < p->nseg; k++) {
       if (p->e[k] <= p->s[k]) continue;
@@ -539,20 +558,8 @@ static void simulate_planned(int rs, int per, int kmin) {
   int m = 0;
   for (int j = 0; j < per; j++) {
     Item* it = &items[kp + j];
-    int64_t s = it->s - T0, e = it->e - T0;
     PItem p = {.size = it->size, .id = j};
-    if (e <= W) {
-      p.nseg = 1;
-      p.s[0] = s;
-      p.e[0] = e;
-    } else if (e - W <= s && it->e < nevents) {
-      p.nseg = 2;
-      p.s[0] = s;
-      p.e[0] = W;
-      p.s[1] = 0;
-      p.e[1] = e - W;
-    } else
-      continue;
+    if (!step_lifetime(it, T0, W, nevents, &p)) continue;
     gs[m] = it->stream;
     v[m++] = p;
   }
@@ -867,21 +874,12 @@ int main(int argc, char** argv) {
       for (int j = 0; j < per; j++) {
         int i = k + j;
         Item* it = &items[i];
-        int64_t s = it->s - T0, e = it->e - T0;
         PItem p = {.size = it->size, .id = i};
-        if (e <= W) {
-          p.nseg = 1;
-          p.s[0] = s;
-          p.e[0] = e;
-        } else if (e - W <= s && it->e < nevents) {
-          p.nseg = 2;
-          p.s[0] = s;
-          p.e[0] = W;
-          p.s[1] = 0;
-          p.e[1] = e - W;
+        int nseg = step_lifetime(it, T0, W, nevents, &p);
+        if (nseg == 2) {
           wraps[i] = 1;
           nwrap++;
-        } else {
+        } else if (!nseg) {
           base1[it->arena] += it->size;
           base2[it->stream] += it->size;
           npers++;

@@ -1,0 +1,30 @@
+/* An allocator configuration the randomized and the fault-injection tests
+ * run under (each test keeps its own list of them), and the options it
+ * gives. Static inline so that a test using part of it compiles cleanly. */
+#ifndef GPUMEM_TEST_CONFIG_LIST_H
+#define GPUMEM_TEST_CONFIG_LIST_H
+
+#include <stddef.h>
+
+#include "gpumem.h"
+
+typedef struct config {
+  const char* name;
+  gpumem_policy_t policy;
+  gpumem_reclaim_t reclaim;
+  gpumem_placement_t placement;
+  size_t map_pages; /* pages per physical allocation at most (0: one) */
+} config_t;
+
+/* The options of cfg on a device of page_size bytes per page. */
+static inline gpumem_options_t config_options(const config_t* cfg, size_t page_size) {
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.policy = cfg->policy;
+  o.reclaim = cfg->reclaim;
+  o.placement = cfg->placement;
+  o.map_max_bytes = cfg->map_pages * page_size;
+  return o;
+}
+
+#endif
