@@ -225,7 +225,8 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_oom_callbacks, "OOM callbacks called")               \
   X(num_plans, "Placement plans built")                      \
   X(num_plan_drops, "Placement plans dropped")               \
-  X(num_planned_allocs, "Allocations placed by a plan")
+  X(num_planned_allocs, "Allocations placed by a plan")      \
+  X(num_pages_revived, "Pages moved back to a ghost mapping")
 
 /* Backend primitives, counted per call by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \

@@ -170,6 +170,7 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   gm->opts = o;
   gm->virtual_memory = use_vm;
   gm->page_size = use_vm ? backend->page_size : 0;
+  while (use_vm && ((size_t)1 << gm->page_shift) < gm->page_size) gm->page_shift++;
   gm->device_total = total;
   gm->limit = limit_from(&o, total);
   /* An arena spans the whole device twice over: holes are unmapped, so the
@@ -221,6 +222,7 @@ void gpumem_destroy(gpumem_t* gm) {
   release_all_segments(gm);
   gm_release_spare_pages(gm, 0);
   free(gm->spare_pages);
+  free(gm->phys);
   free(gm->spare_runs);
   gm_streams_destroy(gm);
   gm_ptr_map_destroy(&gm->ptrs);
@@ -415,6 +417,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
   gm_split_block(gm, b, rsize, should_split(gm, b, rsize));
   b->state = GM_ALLOCATED;
   if (gm->virtual_memory) {
+    gm_arena_busy(gm, b, 1);
     gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);
     if (st != GPUMEM_OK) {
       /* Undo: count it active so that freeing it balances to nothing. */

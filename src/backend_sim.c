@@ -158,25 +158,28 @@ static void registry_free_all(sim_registry_t* reg) {
 
 typedef struct sim_range sim_range_t;
 
-/* One physical allocation (cuMemCreate). Mapped iff range != NULL; a page is
- * mapped at most once at a time (CUDA would allow aliases, but an allocator
- * that maps a page twice has lost track of it). */
+/* One physical allocation (cuMemCreate). Like CUDA, a page may be mapped at
+ * several addresses at once (aliases of the same memory); it can be
+ * released only when no mapping is left (stricter than CUDA, which defers
+ * the free: an allocator that releases a mapped page has lost track of it). */
 typedef struct sim_page {
   gpumem_phys_t handle;
   size_t size;
   unsigned char* host; /* host_backed only */
-  sim_range_t* range;
-  uintptr_t mapped_at;
+  size_t num_mappings;
+  uintptr_t mapped_at; /* one of its mappings, for messages */
 } sim_page_t;
 
 /* A reserved address range. slots[i] is the page mapped over the i-th
- * page_size unit of the range (a page of n units fills n slots), so map and
- * unmap cost O(pages touched). mappings counts mapped pages. */
+ * page_size unit of the range (a page of n units fills n slots, units[i]
+ * says which of them), so map and unmap cost O(pages touched). mappings
+ * counts mappings. */
 struct sim_range {
   uintptr_t base;
   size_t size;
   size_t mappings;
   sim_page_t** slots;
+  uint32_t* units;
 };
 
 typedef struct sim_plain {
@@ -354,7 +357,10 @@ static gpumem_status_t reserve_locked(sim_t* sim, size_t size, uintptr_t* out_ad
   sim_range_t* range = calloc(1, sizeof *range);
   if (range == NULL) goto no_host_memory;
   range->slots = calloc(pages, sizeof *range->slots);
-  if (range->slots == NULL) {
+  range->units = calloc(pages, sizeof *range->units);
+  if (range->slots == NULL || range->units == NULL) {
+    free(range->slots);
+    free(range->units);
     free(range);
     goto no_host_memory;
   }
@@ -394,6 +400,7 @@ static gpumem_status_t release_range_locked(sim_t* sim, uintptr_t addr, size_t s
           (sim->range_count - index - 1) * sizeof *sim->ranges);
   sim->range_count--;
   free(range->slots);
+  free(range->units);
   free(range);
   sim->counters.ranges_reserved--;
   return GPUMEM_OK;
@@ -444,10 +451,11 @@ static gpumem_status_t release_page_locked(sim_t* sim, gpumem_phys_t handle, siz
                    "sim: release_page of page %llu with size %zu: it was created with %zu",
                    (unsigned long long)handle, size, page->size);
   }
-  if (page->range != NULL) {
-    return gm_fail(GPUMEM_ERR_BACKEND,
-                   "sim: release_page of page %llu: it is still mapped at 0x%llx",
-                   (unsigned long long)handle, (unsigned long long)page->mapped_at);
+  if (page->num_mappings != 0) {
+    return gm_fail(
+        GPUMEM_ERR_BACKEND,
+        "sim: release_page of page %llu: it is still mapped (%zu mappings, one at 0x%llx)",
+        (unsigned long long)handle, page->num_mappings, (unsigned long long)page->mapped_at);
   }
   registry_remove_at(&sim->pages, index);
   uncharge(sim, page->size);
@@ -491,11 +499,6 @@ static gpumem_status_t map_locked(sim_t* sim, uintptr_t addr, size_t size, gpume
                    "sim: map at 0x%llx of %zu bytes: page %llu is %zu bytes (map it whole)",
                    (unsigned long long)addr, size, (unsigned long long)handle, page->size);
   }
-  if (page->range != NULL) {
-    return gm_fail(
-        GPUMEM_ERR_BACKEND, "sim: map at 0x%llx of page %llu: it is already mapped at 0x%llx",
-        (unsigned long long)addr, (unsigned long long)handle, (unsigned long long)page->mapped_at);
-  }
   size_t first = (addr - range->base) / sim->opts.page_size;
   size_t count = size / sim->opts.page_size;
   for (size_t i = first; i < first + count; i++) {
@@ -508,8 +511,11 @@ static gpumem_status_t map_locked(sim_t* sim, uintptr_t addr, size_t size, gpume
           (unsigned long long)range->slots[i]->handle);
     }
   }
-  for (size_t i = first; i < first + count; i++) range->slots[i] = page;
-  page->range = range;
+  for (size_t i = first; i < first + count; i++) {
+    range->slots[i] = page;
+    range->units[i] = (uint32_t)(i - first);
+  }
+  page->num_mappings++;
   page->mapped_at = addr;
   range->mappings++;
   sim->counters.pages_mapped++;
@@ -531,27 +537,30 @@ static gpumem_status_t unmap_locked(sim_t* sim, uintptr_t addr, size_t size) {
                      "sim: unmap of [0x%llx, +%zu): nothing is mapped at 0x%llx",
                      (unsigned long long)addr, size, (unsigned long long)at);
     }
-    if (page->mapped_at != at) {
+    if (range->units[(at - range->base) / page_size] != 0) {
       return gm_fail(
           GPUMEM_ERR_BACKEND,
           "sim: unmap of [0x%llx, +%zu): starts inside page %llu mapped at [0x%llx, +%zu)",
           (unsigned long long)addr, size, (unsigned long long)page->handle,
-          (unsigned long long)page->mapped_at, page->size);
+          (unsigned long long)(at - range->units[(at - range->base) / page_size] * page_size),
+          page->size);
     }
     if (page->size > end - at) {
       return gm_fail(GPUMEM_ERR_BACKEND,
                      "sim: unmap of [0x%llx, +%zu): ends inside page %llu mapped at [0x%llx, +%zu)",
                      (unsigned long long)addr, size, (unsigned long long)page->handle,
-                     (unsigned long long)page->mapped_at, page->size);
+                     (unsigned long long)at, page->size);
     }
     at += page->size;
   }
   for (uintptr_t at = addr; at < end;) {
     size_t first = (at - range->base) / page_size;
     sim_page_t* page = range->slots[first];
-    for (size_t i = first; i < first + page->size / page_size; i++) range->slots[i] = NULL;
-    page->range = NULL;
-    page->mapped_at = 0;
+    for (size_t i = first; i < first + page->size / page_size; i++) {
+      range->slots[i] = NULL;
+      range->units[i] = 0;
+    }
+    page->num_mappings--;
     range->mappings--;
     sim->counters.pages_mapped--;
     at += page->size;
@@ -908,6 +917,7 @@ static void sim_destroy_slot(gpumem_backend_t* self) {
   registry_free_all(&sim->events);
   for (size_t i = 0; i < sim->range_count; i++) {
     free(sim->ranges[i]->slots);
+    free(sim->ranges[i]->units);
     free(sim->ranges[i]);
   }
   free(sim->ranges);
@@ -1074,7 +1084,11 @@ void* gpumem_sim_host_ptr(gpumem_backend_t* backend, uintptr_t addr) {
   sim_range_t* range = find_range(sim, addr, NULL);
   if (range != NULL) {
     sim_page_t* page = range->slots[(addr - range->base) / sim->opts.page_size];
-    if (page != NULL) host = page->host + (addr - page->mapped_at);
+    if (page != NULL) {
+      size_t unit = (addr - range->base) / sim->opts.page_size;
+      host = page->host + (size_t)range->units[unit] * sim->opts.page_size +
+             (addr - range->base) % sim->opts.page_size;
+    }
   } else {
     size_t index = plain_index_containing(sim, addr);
     if (index != SIZE_MAX) {

@@ -377,6 +377,7 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
   bool small = gm_block_stat_small(b); /* before merging: the live block's size */
   size_t original_size = b->size;
   int64_t split_count = 0, split_bytes = 0;
+  if (b->seg->is_arena) gm_arena_busy(gm, b, -1);
   b->state = GM_FREE;
   if (b->prev && b->prev->state == GM_FREE)
     absorb_neighbour(gm, b, b->prev, &split_count, &split_bytes);

@@ -3,6 +3,7 @@
  * changes the allocator. O(blocks + pages): meant for tests. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine.h"
@@ -35,6 +36,83 @@ typedef struct sums {
 static void add(int64_t* arr, bool small, int64_t v) {
   arr[GPUMEM_POOL_ALL] += v;
   arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE] += v;
+}
+
+/* Busy counts, page records and ghosts of one arena. */
+static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
+  size_t ps = gm->page_size;
+  unsigned long at = (unsigned long)seg->addr;
+  /* busy: the allocated or pending blocks over each page, counted afresh */
+  uint32_t* want = calloc(seg->num_pages, sizeof *want);
+  if (!want) {
+    violation(c, "no host memory to check arena 0x%lx", at);
+    return;
+  }
+  for (const gm_block* b = seg->first; b; b = b->next) {
+    if (b->state == GM_FREE) continue;
+    size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
+    for (size_t p = first; p <= last && p < seg->num_pages; p++) want[p]++;
+  }
+  for (size_t p = 0; p < seg->num_pages; p++) {
+    if (seg->busy[p] != want[p]) {
+      violation(c, "arena 0x%lx page %zu: busy count %u, %u blocks over it", at, p,
+                (unsigned)seg->busy[p], want[p]);
+      break;
+    }
+  }
+  free(want);
+  for (size_t p = 0; p < seg->num_pages; p++) {
+    bool live = gm_arena_page_mapped(seg, p);
+    bool single =
+        live && seg->run_start[p] == p &&
+        !(p + 1 < seg->num_pages && gm_arena_page_mapped(seg, p + 1) && seg->run_start[p + 1] == p);
+    uint32_t id = seg->live_id[p];
+    if (single != (id != 0)) {
+      violation(c, "arena 0x%lx page %zu: %s a page record", at, p,
+                id ? "a longer mapping has" : "a single-page mapping lacks");
+      continue;
+    }
+    if (id && (id > gm->phys_count || gm->phys[id - 1].live_seg != seg ||
+               gm->phys[id - 1].live_page != p || gm->phys[id - 1].handle != seg->handles[p]))
+      violation(c, "arena 0x%lx page %zu: its page record says it lives elsewhere", at, p);
+    uint32_t g = seg->ghost_id[p];
+    if (!g) continue;
+    if (live) violation(c, "arena 0x%lx page %zu: live and a ghost at once", at, p);
+    bool listed = false;
+    if (g <= gm->phys_count) {
+      const gm_phys* r = &gm->phys[g - 1];
+      for (uint32_t i = 0; i < r->num_ghosts; i++)
+        listed |= r->ghost_seg[i] == seg && r->ghost_page[i] == p;
+    }
+    if (!listed) violation(c, "arena 0x%lx page %zu: a ghost its page does not list", at, p);
+  }
+}
+
+/* Every page record: live where its arena says, or spare where the spare
+ * list says; its ghosts where their arenas say. */
+static void check_page_records(gpumem_t* gm, check_ctx* c) {
+  size_t spare = 0;
+  for (size_t i = 0; i < gm->phys_count; i++) {
+    const gm_phys* r = &gm->phys[i];
+    uint32_t id = (uint32_t)i + 1;
+    if (!r->handle) continue; /* a free record */
+    if (r->num_ghosts > GM_MAX_GHOSTS) violation(c, "page record %u: %u ghosts", id, r->num_ghosts);
+    for (uint32_t k = 0; k < r->num_ghosts && k < GM_MAX_GHOSTS; k++) {
+      if (r->ghost_page[k] >= r->ghost_seg[k]->num_pages ||
+          r->ghost_seg[k]->ghost_id[r->ghost_page[k]] != id)
+        violation(c, "page record %u: ghost %u is not there", id, k);
+    }
+    if (r->live_seg) {
+      if (r->live_seg->live_id[r->live_page] != id)
+        violation(c, "page record %u: not live where it says", id);
+    } else {
+      spare++;
+      if (r->spare_pos >= gm->num_spare_pages || gm->spare_pages[r->spare_pos] != id)
+        violation(c, "page record %u: spare, but not in the spare list", id);
+    }
+  }
+  if (spare != gm->num_spare_pages)
+    violation(c, "%zu spare page records, the spare list holds %zu", spare, gm->num_spare_pages);
 }
 
 static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) {
@@ -130,6 +208,7 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
     if (mapped != seg->mapped_pages)
       violation(c, "arena 0x%lx: %zu pages mapped, counter says %zu", (unsigned long)seg->addr,
                 mapped, seg->mapped_pages);
+    check_pages(gm, seg, c);
     s->mapped_pages += mapped;
     if (small) s->reserved[GPUMEM_POOL_SMALL] += (int64_t)(mapped * ps);
   }
@@ -183,6 +262,7 @@ size_t gpumem_check(gpumem_t* gm) {
   if (s.pending_refs != gm->pending_count)
     violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
   if (gm->virtual_memory) {
+    check_page_records(gm, &c);
     int64_t all =
         (int64_t)((s.mapped_pages + gm->num_spare_pages + gm->spare_run_pages) * gm->page_size);
     s.reserved[GPUMEM_POOL_ALL] = all;

@@ -99,7 +99,34 @@ struct gm_segment {
    * allocation may back a run of pages (map_max), and it is unmapped and
    * released only whole. */
   uint32_t* run_start;
+  /* Single-page mappings only (1 + index into gpumem_t.phys, 0 = none):
+   * live_id[p] is the page mapped and usable at p, ghost_id[p] a page still
+   * mapped at p but live elsewhere or spare (see pages.c, ghosts). */
+  uint32_t* live_id;
+  uint32_t* ghost_id;
+  /* Allocated or pending blocks overlapping each page: a page whose count
+   * is 0 is wholly free, and its physical page may be taken at once. */
+  uint16_t* busy;
 };
+
+/* A physical page of one page size and every address it is mapped at: at
+ * most one where it is live (usable by blocks), and up to GM_MAX_GHOSTS
+ * where it stays mapped after moving away, so that moving it back costs no
+ * call (pages.c). */
+#define GM_MAX_GHOSTS 3
+typedef struct gm_phys {
+  gpumem_phys_t handle;
+  gm_segment* live_seg; /* NULL: spare (or a free record when handle is 0) */
+  uint32_t live_page;
+  uint32_t spare_pos; /* index in spare_pages while spare */
+  /* The stream it was last live on, while that stream may still have
+   * queued work on it (freed without a synchronization since): another
+   * stream may use it only after synchronizing that one. */
+  gm_stream* freed_on;
+  uint32_t num_ghosts;
+  gm_segment* ghost_seg[GM_MAX_GHOSTS]; /* oldest first */
+  uint32_t ghost_page[GM_MAX_GHOSTS];
+} gm_phys;
 
 typedef struct gm_free_index {
   gm_block* roots[GM_CLASS_COUNT];
@@ -223,6 +250,7 @@ struct gpumem {
   gpumem_options_t opts;
   bool virtual_memory; /* default policy on a backend with page slots */
   size_t page_size;
+  unsigned page_shift; /* log2(page_size): page numbers on the hot path without a division */
   size_t device_total;
   size_t limit; /* effective cap on reserved bytes, 0 = none */
 
@@ -239,7 +267,12 @@ struct gpumem {
   size_t num_spare_events, spare_events_capacity;
 
   /* virtual memory */
-  gpumem_phys_t* spare_pages; /* unmapped physical pages held */
+  /* Physical pages of single-page mappings; free records are chained
+   * through live_page. */
+  gm_phys* phys;
+  size_t phys_count, phys_capacity;
+  uint32_t phys_free_head; /* 1 + index, 0 = none */
+  uint32_t* spare_pages;   /* 1 + index of pages held but live nowhere */
   size_t num_spare_pages, spare_pages_capacity;
   /* Unmapped mappings of several pages whose release failed (normally
    * empty: they go back to the device as they are unmapped). */
@@ -256,6 +289,21 @@ struct gpumem {
 
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
+
+/* Counts block b (allocated or pending, in an arena) on the pages it
+ * overlaps (delta +1), or no longer (-1). On every malloc and free: most
+ * blocks lie within one page. */
+static inline void gm_arena_busy(const gpumem_t* gm, const gm_block* b, int delta) {
+  gm_segment* seg = b->seg;
+  unsigned sh = gm->page_shift;
+  size_t first = (b->addr - seg->addr) >> sh, last = (b->addr + b->size - 1 - seg->addr) >> sh;
+  uint16_t* busy = seg->busy;
+  if (GM_LIKELY(first == last)) {
+    busy[first] = (uint16_t)(busy[first] + delta);
+    return;
+  }
+  for (size_t p = first; p <= last; p++) busy[p] = (uint16_t)(busy[p] + delta);
+}
 
 /* ---- cache.c: blocks, free index, pointer map ---- */
 gm_block* gm_block_new(gpumem_t* gm);
@@ -312,6 +360,7 @@ void gm_arena_destroy(gpumem_t* gm, gm_segment* seg);
  * pages become spare). */
 void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg);
 bool gm_arena_page_mapped(const gm_segment* seg, size_t page);
+
 /* True when every page under [addr, addr+size) of the arena is mapped. */
 bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size);
 

@@ -21,7 +21,19 @@
  * list, a larger mapping goes back to the device (it could be remapped only
  * into an equally long run).
  *
- * Reserved bytes per pool: pages mapped in small arenas count as small;
+ * Ghosts: a single page taken away from a free block is not unmapped; it
+ * stays mapped there as a ghost (usable by no block) and is mapped where it
+ * is needed too. When that address needs a page again and the page is free
+ * where it is live, it simply becomes live here again: no call, no
+ * synchronization (within one stream, stream order keeps the two uses
+ * apart; across streams, the stream it was freed on is synchronized
+ * first). Training jobs move the same pages between the same addresses
+ * (the first step's layout and the plan's, a pass and the next), so after
+ * the first time these moves cost nothing on the device. A page keeps at
+ * most GM_MAX_GHOSTS ghosts (the oldest is unmapped), and an address needed
+ * for another page unmaps its ghost first.
+ *
+ * Reserved bytes per pool: pages live in small arenas count as small;
  * large-arena and spare pages count as large. */
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +42,10 @@
 
 static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s);
 static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, size_t* got);
+static gpumem_status_t drop_ghosts_in(gpumem_t* gm, gm_segment* seg);
+static void release_phys_everywhere(gpumem_t* gm, uint32_t id);
+static inline gm_phys* phys_of(gpumem_t* gm, uint32_t id);
+static void ghost_forget(gm_phys* r, const gm_segment* seg, size_t p);
 
 bool gm_arena_page_mapped(const gm_segment* seg, size_t page) {
   return (seg->mapped_bits[page / 64] >> (page % 64)) & 1u;
@@ -65,6 +81,9 @@ static void free_tables(gm_segment* seg) {
   free(seg->mapped_bits);
   free(seg->handles);
   free(seg->run_start);
+  free(seg->live_id);
+  free(seg->ghost_id);
+  free(seg->busy);
   free(seg);
 }
 
@@ -98,11 +117,29 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
    * big arena cost no host memory. */
   gpumem_phys_t* handles = calloc(num_pages, sizeof *handles);
   uint32_t* run_start = calloc(num_pages, sizeof *run_start);
-  if (!seg || !b || !bits || !handles || !run_start || num_pages > UINT32_MAX) {
-    free(seg);
-    free(bits);
-    free(handles);
-    free(run_start);
+  uint32_t* live_id = calloc(num_pages, sizeof *live_id);
+  uint32_t* ghost_id = calloc(num_pages, sizeof *ghost_id);
+  uint16_t* busy = calloc(num_pages, sizeof *busy);
+  if (seg) {
+    seg->mapped_bits = bits;
+    seg->handles = handles;
+    seg->run_start = run_start;
+    seg->live_id = live_id;
+    seg->ghost_id = ghost_id;
+    seg->busy = busy;
+  }
+  if (!seg || !b || !bits || !handles || !run_start || !live_id || !ghost_id || !busy ||
+      num_pages > UINT32_MAX) {
+    if (seg) {
+      free_tables(seg);
+    } else {
+      free(bits);
+      free(handles);
+      free(run_start);
+      free(live_id);
+      free(ghost_id);
+      free(busy);
+    }
     if (b) gm_block_delete(gm, b);
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an arena of %zu pages",
                    num_pages);
@@ -110,18 +147,12 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
   uintptr_t addr = 0;
   gpumem_status_t st = GM_CALL(gm, reserve, gm->backend->reserve(gm->backend->ctx, size, &addr));
   if (st != GPUMEM_OK) {
-    free(seg);
-    free(bits);
-    free(handles);
-    free(run_start);
+    free_tables(seg);
     gm_block_delete(gm, b);
     return st;
   }
   seg->is_arena = true;
   seg->num_pages = num_pages;
-  seg->mapped_bits = bits;
-  seg->handles = handles;
-  seg->run_start = run_start;
   gm_segment_install(gm, seg, b, pool, addr, size);
   *out = b;
   return GPUMEM_OK;
@@ -130,6 +161,16 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
 void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
   size_t ps = gm->page_size;
   for (size_t p = 0; p < seg->mapped_end; p++) {
+    uint32_t ghost = seg->ghost_id[p];
+    if (ghost) { /* its page lives on elsewhere or as spare */
+      GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+      ghost_forget(phys_of(gm, ghost), seg, p);
+      seg->ghost_id[p] = 0;
+    }
+    if (seg->live_id[p]) { /* with its ghosts in other arenas */
+      release_phys_everywhere(gm, seg->live_id[p]);
+      continue;
+    }
     if (!gm_arena_page_mapped(seg, p) || seg->run_start[p] != p) continue;
     size_t n = run_length(seg, p);
     gpumem_phys_t h = seg->handles[p];
@@ -149,6 +190,7 @@ void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg) {
     if (sync_stream_for_reclaim(gm, seg->pool->stream) != GPUMEM_OK) return;
     if (reclaim_block(gm, b, &budget, &got) != GPUMEM_OK || seg->mapped_pages) return;
   }
+  if (drop_ghosts_in(gm, seg) != GPUMEM_OK) return;
   if (GM_CALL(gm, release_range,
               gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size)) != GPUMEM_OK) {
     return;
@@ -230,17 +272,22 @@ static size_t whole_mapping_pages(const gm_segment* seg, size_t first, size_t en
 /* ---- spare pages ---- */
 
 static gpumem_status_t release_spare_runs(gpumem_t* gm);
+static gpumem_status_t drop_ghosts_of(gpumem_t* gm, uint32_t id);
+static void phys_delete(gpumem_t* gm, uint32_t id);
 
 gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
   size_t ps = gm->page_size;
   gpumem_status_t runs = release_spare_runs(gm);
   if (runs != GPUMEM_OK) return runs;
   while (gm->num_spare_pages > keep) {
-    gpumem_phys_t h = gm->spare_pages[gm->num_spare_pages - 1];
-    gpumem_status_t st =
-        GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
+    uint32_t id = gm->spare_pages[gm->num_spare_pages - 1];
+    gpumem_status_t st = drop_ghosts_of(gm, id);
+    if (st != GPUMEM_OK) return st;
+    gpumem_phys_t h = phys_of(gm, id)->handle;
+    st = GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
     if (st != GPUMEM_OK) return st;
     gm->num_spare_pages--;
+    phys_delete(gm, id);
     gm->stats.num_device_free++;
     gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, -(int64_t)ps);
   }
@@ -304,10 +351,224 @@ static gpumem_status_t spare_runs_reserve(gpumem_t* gm, size_t n) {
   return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory reclaiming pages");
 }
 
-/* Unmaps the mappings that lie wholly inside b, up to *budget pages (0 =
- * all; a mapping counts whole, so the budget may be passed). Consecutive
- * mappings go in one unmap call. Single pages become spare; longer
- * mappings go back to the device. */
+/* ---- physical pages of single-page mappings, and their ghosts ---- */
+
+static inline gm_phys* phys_of(gpumem_t* gm, uint32_t id) {
+  return &gm->phys[id - 1];
+}
+
+/* A record for a new page; 0 without host memory. */
+static uint32_t phys_new(gpumem_t* gm, gpumem_phys_t handle) {
+  uint32_t id = gm->phys_free_head;
+  if (id) {
+    gm->phys_free_head = phys_of(gm, id)->live_page;
+  } else {
+    if (gm->phys_count >= UINT32_MAX - 1 ||
+        !grow_list((void**)&gm->phys, &gm->phys_capacity, gm->phys_count + 1, sizeof *gm->phys))
+      return 0;
+    id = (uint32_t)++gm->phys_count;
+  }
+  gm_phys* r = phys_of(gm, id);
+  memset(r, 0, sizeof *r);
+  r->handle = handle;
+  return id;
+}
+
+static void phys_delete(gpumem_t* gm, uint32_t id) {
+  gm_phys* r = phys_of(gm, id);
+  memset(r, 0, sizeof *r);
+  r->live_page = gm->phys_free_head;
+  gm->phys_free_head = id;
+}
+
+/* Spare list: room is made beforehand (spare_reserve). */
+static void spare_push(gpumem_t* gm, uint32_t id) {
+  gm_phys* r = phys_of(gm, id);
+  r->live_seg = NULL;
+  r->spare_pos = (uint32_t)gm->num_spare_pages;
+  gm->spare_pages[gm->num_spare_pages++] = id;
+}
+
+static void spare_take(gpumem_t* gm, uint32_t id) {
+  uint32_t pos = phys_of(gm, id)->spare_pos;
+  uint32_t last = gm->spare_pages[--gm->num_spare_pages];
+  gm->spare_pages[pos] = last;
+  phys_of(gm, last)->spare_pos = pos;
+}
+
+/* Page p of seg becomes (or stops being) where page id is live. Reserved
+ * bytes do not change; only the pool they count in. */
+static void make_live(gpumem_t* gm, gm_segment* seg, size_t p, uint32_t id) {
+  gm_phys* r = phys_of(gm, id);
+  set_mapped(seg, p, r->handle, p);
+  seg->live_id[p] = id;
+  r->live_seg = seg;
+  r->live_page = (uint32_t)p;
+  if (seg->pool->is_small) {
+    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], -(int64_t)gm->page_size);
+    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], (int64_t)gm->page_size);
+  }
+}
+
+static void unmake_live(gpumem_t* gm, gm_segment* seg, size_t p) {
+  clear_mapped(seg, p);
+  seg->live_id[p] = 0;
+  if (seg->pool->is_small) {
+    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], -(int64_t)gm->page_size);
+    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], (int64_t)gm->page_size);
+  }
+}
+
+static void ghost_forget(gm_phys* r, const gm_segment* seg, size_t p) {
+  for (uint32_t i = 0; i < r->num_ghosts; i++) {
+    if (r->ghost_seg[i] == seg && r->ghost_page[i] == p) {
+      memmove(&r->ghost_seg[i], &r->ghost_seg[i + 1],
+              (r->num_ghosts - i - 1) * sizeof *r->ghost_seg);
+      memmove(&r->ghost_page[i], &r->ghost_page[i + 1],
+              (r->num_ghosts - i - 1) * sizeof *r->ghost_page);
+      r->num_ghosts--;
+      return;
+    }
+  }
+}
+
+static void ghost_note(gpumem_t* gm, uint32_t id, gm_segment* seg, size_t p) {
+  gm_phys* r = phys_of(gm, id);
+  r->ghost_seg[r->num_ghosts] = seg;
+  r->ghost_page[r->num_ghosts++] = (uint32_t)p;
+  seg->ghost_id[p] = id;
+}
+
+/* Unmaps the ghost at page p of seg. Queued work of seg's stream may still
+ * use the address (blocks freed there before the page moved), so that
+ * stream is synchronized first. */
+static gpumem_status_t ghost_drop(gpumem_t* gm, gm_segment* seg, size_t p) {
+  gpumem_status_t st = sync_stream_for_reclaim(gm, seg->pool->stream);
+  if (st != GPUMEM_OK) return st;
+  size_t ps = gm->page_size;
+  st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+  if (st != GPUMEM_OK) return st;
+  ghost_forget(phys_of(gm, seg->ghost_id[p]), seg, p);
+  seg->ghost_id[p] = 0;
+  gm->stats.num_pages_unmapped++;
+  return GPUMEM_OK;
+}
+
+/* Another stream may use page id only once the stream it was freed on has
+ * finished with it. */
+static gpumem_status_t phys_claim_for(gpumem_t* gm, uint32_t id, gm_stream* to) {
+  gm_phys* r = phys_of(gm, id);
+  if (r->freed_on && r->freed_on != to) {
+    gpumem_status_t st = sync_stream_for_reclaim(gm, r->freed_on);
+    if (st != GPUMEM_OK) return st;
+  }
+  phys_of(gm, id)->freed_on = NULL;
+  return GPUMEM_OK;
+}
+
+/* The single page live at p of seg, inside a free block, becomes a ghost
+ * there and spare (room in the spare list made beforehand). No call,
+ * unless it already had GM_MAX_GHOSTS ghosts: the oldest is unmapped. */
+static gpumem_status_t retire_page(gpumem_t* gm, gm_segment* seg, size_t p) {
+  uint32_t id = seg->live_id[p];
+  gm_phys* r = phys_of(gm, id);
+  if (r->num_ghosts == GM_MAX_GHOSTS) {
+    gpumem_status_t st = ghost_drop(gm, r->ghost_seg[0], r->ghost_page[0]);
+    if (st != GPUMEM_OK) return st;
+  }
+  unmake_live(gm, seg, p);
+  ghost_note(gm, id, seg, p);
+  gm_stream* s = seg->pool->stream;
+  phys_of(gm, id)->freed_on = s->frees_since_sync ? s : NULL;
+  spare_push(gm, id);
+  return GPUMEM_OK;
+}
+
+/* Page p of seg (unmapped, with a ghost) becomes live again when its page
+ * is spare or wholly free where it is live: no backend call. A page live
+ * in an arena a plan serves stays there (the plan wants it again within a
+ * period). Sets *done when it did. */
+static gpumem_status_t revive(gpumem_t* gm, gm_segment* seg, size_t p, bool* done) {
+  uint32_t id = seg->ghost_id[p];
+  gm_phys* r = phys_of(gm, id);
+  gm_stream* to = seg->pool->stream;
+  *done = false;
+  gm_segment* from = r->live_seg;
+  if (from) {
+    size_t q = r->live_page;
+    if (from->busy[q] || (from->plan_serving && from != seg)) return GPUMEM_OK;
+    if (from->pool->stream != to) {
+      gpumem_status_t st = sync_stream_for_reclaim(gm, from->pool->stream);
+      if (st != GPUMEM_OK) return st;
+    }
+    unmake_live(gm, from, q);
+    ghost_forget(r, seg, p);
+    ghost_note(gm, id, from, q);
+  } else {
+    gpumem_status_t st = phys_claim_for(gm, id, to);
+    if (st != GPUMEM_OK) return st;
+    spare_take(gm, id);
+    ghost_forget(r, seg, p);
+  }
+  r->freed_on = NULL;
+  seg->ghost_id[p] = 0;
+  make_live(gm, seg, p, id);
+  gm->stats.num_pages_revived++;
+  *done = true;
+  return GPUMEM_OK;
+}
+
+/* Unmaps every ghost of page id. */
+static gpumem_status_t drop_ghosts_of(gpumem_t* gm, uint32_t id) {
+  while (phys_of(gm, id)->num_ghosts) {
+    gm_phys* r = phys_of(gm, id);
+    gpumem_status_t st = ghost_drop(gm, r->ghost_seg[0], r->ghost_page[0]);
+    if (st != GPUMEM_OK) return st;
+  }
+  return GPUMEM_OK;
+}
+
+/* Unmaps every ghost held in seg. */
+static gpumem_status_t drop_ghosts_in(gpumem_t* gm, gm_segment* seg) {
+  for (size_t p = 0; p < seg->mapped_end; p++) {
+    if (!seg->ghost_id[p]) continue;
+    gpumem_status_t st = ghost_drop(gm, seg, p);
+    if (st != GPUMEM_OK) return st;
+  }
+  return GPUMEM_OK;
+}
+
+/* Teardown: unmaps page id wherever it is mapped (live and ghosts) and
+ * releases it, failures notwithstanding (the device goes with the
+ * allocator). */
+static void release_phys_everywhere(gpumem_t* gm, uint32_t id) {
+  size_t ps = gm->page_size;
+  gm_phys* r = phys_of(gm, id);
+  while (r->num_ghosts) {
+    gm_segment* g = r->ghost_seg[0];
+    size_t q = r->ghost_page[0];
+    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, g->addr + q * ps, ps));
+    ghost_forget(r, g, q);
+    g->ghost_id[q] = 0;
+  }
+  if (r->live_seg) {
+    gm_segment* seg = r->live_seg;
+    size_t p = r->live_page;
+    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+    clear_mapped(seg, p);
+    seg->live_id[p] = 0;
+  } else {
+    spare_take(gm, id);
+  }
+  GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, r->handle, ps));
+  phys_delete(gm, id);
+}
+
+/* Takes the mappings that lie wholly inside b, up to *budget pages (0 =
+ * all; a mapping counts whole, so the budget may be passed). Single pages
+ * become ghosts there and spare (no call); longer mappings are unmapped,
+ * consecutive ones in one call after synchronizing the stream, and go back
+ * to the device. */
 static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, size_t* got) {
   size_t first, end;
   gm_segment* seg = b->seg;
@@ -330,35 +591,39 @@ static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, 
       p++;
       continue;
     }
+    if (seg->live_id[p]) {
+      gpumem_status_t st = spare_reserve(gm, 1);
+      if (st == GPUMEM_OK) st = retire_page(gm, seg, p);
+      if (st != GPUMEM_OK) return st;
+      *got += 1;
+      p++;
+      continue;
+    }
     size_t n = run_length(seg, p);
     if (p + n > end) {
       p += n;
       continue;
     }
-    /* the batch: consecutive whole mappings inside the block */
-    size_t batch_end = p + n, singles = n == 1, runs = n > 1;
+    /* the batch: consecutive whole multi-page mappings inside the block */
+    size_t batch_end = p + n, runs = 1;
     while (batch_end < end && (!*budget || *got + (batch_end - p) < *budget) &&
-           gm_arena_page_mapped(seg, batch_end) && seg->run_start[batch_end] == batch_end) {
+           gm_arena_page_mapped(seg, batch_end) && seg->run_start[batch_end] == batch_end &&
+           !seg->live_id[batch_end]) {
       size_t m = run_length(seg, batch_end);
       if (batch_end + m > end) break;
-      singles += m == 1;
-      runs += m > 1;
+      runs++;
       batch_end += m;
     }
-    gpumem_status_t st = spare_reserve(gm, singles);
-    if (st == GPUMEM_OK) st = spare_runs_reserve(gm, runs);
+    gpumem_status_t st = spare_runs_reserve(gm, runs);
+    if (st == GPUMEM_OK) st = sync_stream_for_reclaim(gm, seg->pool->stream);
     if (st != GPUMEM_OK) return st;
     size_t pages = batch_end - p;
     st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, pages * ps));
     if (st != GPUMEM_OK) return st;
     for (size_t q = p; q < batch_end;) {
       size_t m = run_length(seg, q);
-      if (m == 1) {
-        gm->spare_pages[gm->num_spare_pages++] = seg->handles[q];
-      } else {
-        gm->spare_runs[gm->num_spare_runs++] = (gm_spare_run){seg->handles[q], m};
-        gm->spare_run_pages += m;
-      }
+      gm->spare_runs[gm->num_spare_runs++] = (gm_spare_run){seg->handles[q], m};
+      gm->spare_run_pages += m;
       for (size_t r = q; r < q + m; r++) clear_mapped(seg, r);
       q += m;
     }
@@ -398,20 +663,11 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
    * at the top of an arena are the ones least likely to be wanted back. In
    * replays this halves page moves against oldest-freed-first. */
   qsort(order, n, sizeof *order, by_addr_desc);
-  bool synced = false;
   for (size_t i = 0; i < n && (!want || *got < want); i++) {
     gm_block* b = order[i];
     size_t first, end;
     bool has_pages =
         interior_pages(gm, b, &first, &end) && whole_mapping_pages(b->seg, first, end, true);
-    if (has_pages && !synced) {
-      gpumem_status_t st = sync_stream_for_reclaim(gm, pool->stream);
-      if (st != GPUMEM_OK) {
-        free(order);
-        return st;
-      }
-      synced = true;
-    }
     if (has_pages) {
       size_t budget = want;
       gpumem_status_t st = reclaim_block(gm, b, &budget, got);
@@ -521,7 +777,7 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
 }
 
 /* Creates one physical allocation of n pages, within the limit, and maps it
- * at page p of seg. */
+ * at page p of seg (which holds no ghost there). */
 static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n) {
   size_t ps = gm->page_size, size = n * ps;
   if (gm->limit && (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current + size > gm->limit) {
@@ -534,17 +790,22 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
   /* Held from here on: if the map fails, the memory waits unmapped (a page
    * as spare, a run for release) rather than being lost to a failing
    * release. */
+  uint32_t id = 0;
   gpumem_status_t room = n == 1 ? spare_reserve(gm, 1) : spare_runs_reserve(gm, 1);
+  if (room == GPUMEM_OK && n == 1) {
+    id = phys_new(gm, h);
+    if (!id) room = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for a page record");
+  }
   if (room != GPUMEM_OK) {
     GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, size));
     return room;
   }
   gm->stats.num_device_alloc++;
+  gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, (int64_t)size);
   st = GM_CALL(gm, map, gm->backend->map(gm->backend->ctx, seg->addr + p * ps, size, h));
   if (st != GPUMEM_OK) {
-    gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, (int64_t)size);
     if (n == 1) {
-      gm->spare_pages[gm->num_spare_pages++] = h;
+      spare_push(gm, id);
     } else {
       gm->spare_runs[gm->num_spare_runs++] = (gm_spare_run){h, n};
       gm->spare_run_pages += n;
@@ -552,9 +813,16 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
     }
     return st;
   }
-  for (size_t q = p; q < p + n; q++) set_mapped(seg, q, h, p);
   gm->stats.num_pages_mapped += (int64_t)n;
-  gm_stat_pool_add(gm, gm->stats.reserved_bytes, seg->pool->is_small, (int64_t)size);
+  if (n == 1) {
+    make_live(gm, seg, p, id);
+    return GPUMEM_OK;
+  }
+  for (size_t q = p; q < p + n; q++) set_mapped(seg, q, h, p);
+  if (seg->pool->is_small) {
+    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], -(int64_t)size);
+    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], (int64_t)size);
+  }
   return GPUMEM_OK;
 }
 
@@ -575,16 +843,42 @@ static size_t map_run_limit(const gpumem_t* gm) {
   return gm->map_max_pages;
 }
 
-gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size) {
+/* Maps spare page id at page p of seg (whose ghost there, if any, is
+ * unmapped first: one address holds one mapping). */
+static gpumem_status_t map_spare(gpumem_t* gm, gm_segment* seg, size_t p, uint32_t id) {
   size_t ps = gm->page_size;
-  size_t first = (addr - seg->addr) / ps;
-  size_t last = (addr + size - 1 - seg->addr) / ps;
+  gpumem_status_t st = GPUMEM_OK;
+  if (seg->ghost_id[p]) st = ghost_drop(gm, seg, p);
+  if (st == GPUMEM_OK) st = phys_claim_for(gm, id, seg->pool->stream);
+  if (st != GPUMEM_OK) return st;
+  st = GM_CALL(gm, map,
+               gm->backend->map(gm->backend->ctx, seg->addr + p * ps, ps, phys_of(gm, id)->handle));
+  if (st != GPUMEM_OK) return st;
+  spare_take(gm, id);
+  make_live(gm, seg, p, id);
+  gm->stats.num_pages_mapped++;
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size) {
+  size_t first = (addr - seg->addr) >> gm->page_shift;
+  size_t last = (addr + size - 1 - seg->addr) >> gm->page_shift;
   if (GM_LIKELY(range_mapped(seg, first, last))) return GPUMEM_OK;
+  /* Ghosts first: a page that was here before and is free now comes back
+   * without a call. */
   size_t need = 0;
-  for (size_t p = first; p <= last; p++) need += !gm_arena_page_mapped(seg, p);
+  for (size_t p = first; p <= last; p++) {
+    if (gm_arena_page_mapped(seg, p)) continue;
+    bool done = false;
+    if (seg->ghost_id[p]) {
+      gpumem_status_t st = revive(gm, seg, p, &done);
+      if (st != GPUMEM_OK) return st;
+    }
+    need += !done;
+  }
+  if (!need) return GPUMEM_OK;
   gpumem_status_t st = provide_pages(gm, seg, need, size);
   if (st != GPUMEM_OK) return st;
-  bool small = seg->pool->is_small;
   bool all_tried = false;
   size_t max_run = map_run_limit(gm);
   for (size_t p = first; p <= last;) {
@@ -593,21 +887,26 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
       continue;
     }
     if (gm->num_spare_pages) {
-      gpumem_phys_t h = gm->spare_pages[gm->num_spare_pages - 1];
-      st = GM_CALL(gm, map, gm->backend->map(gm->backend->ctx, seg->addr + p * ps, ps, h));
+      /* a ghost here whose page became spare since: that page, else the
+       * newest spare */
+      uint32_t id = seg->ghost_id[p];
+      bool done = false;
+      if (id && !phys_of(gm, id)->live_seg)
+        st = revive(gm, seg, p, &done);
+      else
+        st = map_spare(gm, seg, p, gm->spare_pages[gm->num_spare_pages - 1]);
       if (st != GPUMEM_OK) return st;
-      gm->num_spare_pages--;
-      set_mapped(seg, p, h, p);
-      gm->stats.num_pages_mapped++;
-      if (small) {
-        gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], -(int64_t)ps);
-        gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], (int64_t)ps);
-      }
       p++;
       continue;
     }
+    if (seg->ghost_id[p]) {
+      st = ghost_drop(gm, seg, p);
+      if (st != GPUMEM_OK) return st;
+    }
     size_t n = 1;
-    while (n < max_run && p + n <= last && !gm_arena_page_mapped(seg, p + n)) n++;
+    while (n < max_run && p + n <= last && !gm_arena_page_mapped(seg, p + n) &&
+           !seg->ghost_id[p + n])
+      n++;
     st = map_new(gm, seg, p, n);
     if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
       /* Memory is short: from now on one page per mapping, which may

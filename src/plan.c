@@ -424,6 +424,7 @@ static gm_block* carve(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t rsize) 
   }
   gm_split_block(gm, f, rsize, f->size - rsize >= GM_MIN_BLOCK);
   f->state = GM_ALLOCATED;
+  gm_arena_busy(gm, f, 1);
   if (gm_arena_map_range(gm, f->seg, f->addr, f->size) != GPUMEM_OK) {
     /* Undo as try_alloc does: counted active so that freeing balances. */
     gm_stat_pool_add(gm, gm->stats.active, gm_block_stat_small(f), 1);

@@ -44,7 +44,7 @@ typedef struct spy {
   void (*on_unmap)(void* arg, uintptr_t addr, size_t size);
   void* on_unmap_arg;
   /* after every successful map (its argument is on_unmap_arg) */
-  void (*on_map)(void* arg, uintptr_t addr, size_t size);
+  void (*on_map)(void* arg, uintptr_t addr, size_t size, gpumem_phys_t page);
 } spy_t;
 
 static inline uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
@@ -108,7 +108,7 @@ static inline gpumem_status_t spy_map(void* ctx, uintptr_t addr, size_t size, gp
   spy_t* s = ctx;
   gpumem_backend_t* d = SPY_DEV(ctx);
   gpumem_status_t st = d->map(d->ctx, addr, size, page);
-  if (st == GPUMEM_OK && s->on_map) s->on_map(s->on_unmap_arg, addr, size);
+  if (st == GPUMEM_OK && s->on_map) s->on_map(s->on_unmap_arg, addr, size, page);
   return st;
 }
 static inline gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) {

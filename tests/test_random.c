@@ -131,6 +131,7 @@ typedef struct run {
   uint64_t (*page_freed)[4];
   size_t page_mask, page_count;
   long unmaps_checked;
+  long reuses_checked; /* pages of new blocks checked against earlier uses */
   /* the device's mappings as the spy saw them: [addr, addr+size) each */
   uintptr_t* map_addr;
   size_t* map_size;
@@ -530,6 +531,27 @@ static uint64_t* page_entry(run_t* r, uint64_t page) {
   return r->page_freed[j];
 }
 
+/* Physical pages are followed apart from addresses: a page may be mapped
+ * at several addresses at once (the allocator's ghosts). Keys in page_entry
+ * of the address page a ((a | VA_KEY) -> [1 + handle, unit]) and of the
+ * unit-th page-sized part of handle h ((h << 16 | unit | PHYS_KEY) -> the
+ * last time each stream used it before a free). */
+#define VA_KEY (1ull << 62)
+#define PHYS_KEY (1ull << 63)
+
+#define WHERE_KEY (1ull << 61)
+
+/* The physical page at an address, and (*where) the address page each
+ * stream last used it through. */
+static uint64_t* phys_entry_at(run_t* r, uint64_t va_page, uint64_t** where) {
+  uint64_t* va = page_entry(r, va_page | VA_KEY);
+  if (!va[0]) return NULL;
+  uint64_t key = (va[0] - 1) << 16 | va[1] | PHYS_KEY;
+  /* page_entry may move the table: look the second entry up first */
+  *where = page_entry(r, key | WHERE_KEY);
+  return page_entry(r, key);
+}
+
 /* Notes that a's pages were in use on its own stream and its other streams
  * up to moment t (the free). */
 static void pages_freed(run_t* r, const live_t* a, uint64_t t) {
@@ -545,14 +567,52 @@ static void pages_freed(run_t* r, const live_t* a, uint64_t t) {
     for (unsigned k = 0; k < 4; k++) {
       if (streams >> k & 1u) e[k] = t;
     }
+    uint64_t* where = NULL;
+    phys_entry_at(r, p, &where); /* (sizes the table for both entries) */
+    uint64_t* phys = phys_entry_at(r, p, &where);
+    for (unsigned k = 0; phys && k < 4; k++) {
+      if (streams >> k & 1u) {
+        phys[k] = t;
+        where[k] = p;
+      }
+    }
   }
 }
 
-/* The spy's unmap hook: a page leaving its address (to be mapped
- * elsewhere, for any stream) must not still be in use by a stream that
- * worked on it before it was freed. */
-static void note_map(void* arg, uintptr_t addr, size_t size) {
+/* A physical page taken by a block on `stream` through another address
+ * than a stream used it before: that stream must be done with it, unless it
+ * is the same stream (stream order keeps the uses apart). (Through the same
+ * address, the uses are those of blocks at that address: the deferred-free
+ * quarantine covers them.) */
+static void check_phys_reuse(run_t* r, const live_t* a) {
+  if (r->cfg->policy != GPUMEM_POLICY_DEFAULT) return;
+  uint64_t first = a->ptr / r->page_size;
+  uint64_t last = (a->ptr + round512(a->size) - 1) / r->page_size;
+  for (uint64_t p = first; p <= last && !r->failed; p++) {
+    uint64_t* where = NULL;
+    phys_entry_at(r, p, &where);
+    uint64_t* e = phys_entry_at(r, p, &where);
+    RUN_CHECK(r, e != NULL, "block 0x%lx: page 0x%lx has no mapping the spy saw",
+              (unsigned long)a->ptr, (unsigned long)(p * r->page_size));
+    if (!e) return;
+    for (unsigned k = 0; k < 4; k++) {
+      if (use_streams[k] == a->stream || !e[k] || where[k] == p) continue;
+      RUN_CHECK(r, spy_safe(&r->spy, use_streams[k], e[k]),
+                "page under 0x%lx (stream 0x%lx) reused while stream 0x%lx may still use it",
+                (unsigned long)a->ptr, (unsigned long)a->stream, (unsigned long)use_streams[k]);
+    }
+    r->reuses_checked++;
+  }
+}
+
+/* The spy's map hook: which physical page is at each address now. */
+static void note_map(void* arg, uintptr_t addr, size_t size, gpumem_phys_t page) {
   run_t* r = arg;
+  for (size_t unit = 0; unit * r->page_size < size; unit++) {
+    uint64_t* va = page_entry(r, (addr / r->page_size + unit) | VA_KEY);
+    va[0] = (uint64_t)page + 1;
+    va[1] = unit;
+  }
   if (r->nmaps == r->maps_cap) {
     size_t cap = r->maps_cap ? r->maps_cap * 2 : 256;
     uintptr_t* a = realloc(r->map_addr, cap * sizeof *a);
@@ -627,10 +687,14 @@ static uint64_t live_mapping_bytes(run_t* r) {
   return bytes;
 }
 
+/* The spy's unmap hook: a page leaving its address must not still be in
+ * use through it by a stream that worked on it before it was freed. */
 static void check_unmap(void* arg, uintptr_t addr, size_t size) {
   run_t* r = arg;
   forget_maps(r, addr, size);
   for (uintptr_t at = addr; at < addr + size && !r->failed; at += r->page_size) {
+    uint64_t* va = page_entry(r, at / r->page_size | VA_KEY);
+    va[0] = va[1] = 0;
     uint64_t* e = page_entry(r, at / r->page_size);
     for (unsigned k = 0; k < 4; k++) {
       RUN_CHECK(r, !e[k] || spy_safe(&r->spy, use_streams[k], e[k]),
@@ -669,6 +733,7 @@ static gpumem_status_t op_malloc(run_t* r, size_t size, gpumem_stream_t stream) 
     }
     quarantine_check(r, ptr, size);
     live_t a = {ptr, size, stream, r->next_id++, 0};
+    check_phys_reuse(r, &a);
     model_add(r, a);
     r->allocs++;
     if (r->host_backed) {
@@ -1030,11 +1095,12 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   spy_fini(&r->spy);
   printf(
       "%-16s seed %-3llu %-11s %ld ops: %ld mallocs, %ld frees, %ld record_stream, %ld "
-      "deferred frees, %ld unmaps checked, %ld empty_cache, %ld OOMs, max %zu live, %ld "
+      "deferred frees, %ld unmaps checked, %ld page reuses checked, %ld empty_cache, %ld OOMs, max "
+      "%zu live, %ld "
       "verified (%.1f MiB), device peak %.0f MiB, %lld segments at most, %.2f s\n",
       cfg->name, (unsigned long long)seed, host_backed ? "host-backed" : "no-backing", r->op,
-      r->allocs, r->frees, r->records, r->deferred, r->unmaps_checked, r->empties, r->ooms,
-      r->max_live, r->verified, (double)r->bytes_verified / (double)MIB,
+      r->allocs, r->frees, r->records, r->deferred, r->unmaps_checked, r->reuses_checked,
+      r->empties, r->ooms, r->max_live, r->verified, (double)r->bytes_verified / (double)MIB,
       (double)c.peak_bytes_in_use / (double)MIB, (long long)fin.segment[0].peak, now_s() - t0);
   fflush(stdout);
   free(r->live);
