@@ -18,24 +18,6 @@
 
 #include "engine.h"
 
-/* ---- statistics ---- */
-
-void gm_stat_add(gpumem_stat_t* s, int64_t delta) {
-  s->current += delta;
-  if (delta > 0) {
-    s->allocated += delta;
-    if (s->current > s->peak) s->peak = s->current;
-  } else {
-    s->freed -= delta;
-  }
-}
-
-void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta) {
-  (void)gm;
-  gm_stat_add(&arr[GPUMEM_POOL_ALL], delta);
-  gm_stat_add(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], delta);
-}
-
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s) {
   (void)gm;
   if (GM_UNLIKELY(s != GPUMEM_OK && s != GPUMEM_NOT_READY && gpumem_last_error()[0] == '\0')) {

@@ -388,8 +388,24 @@ size_t gm_plan_check(gpumem_t* gm, char* msg, size_t len);
 
 /* ---- alloc.c helpers used across files ---- */
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);
-void gm_stat_add(gpumem_stat_t* s, int64_t delta);
-void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta);
+/* Statistics: on every malloc and free, so inline; a delta's sign is
+ * usually known where it is called, and the branch folds away. */
+static inline void gm_stat_add(gpumem_stat_t* s, int64_t delta) {
+  s->current += delta;
+  if (delta > 0) {
+    s->allocated += delta;
+    if (s->current > s->peak) s->peak = s->current;
+  } else {
+    s->freed -= delta;
+  }
+}
+
+/* Adds to the all-pools entry and to the small or large one. */
+static inline void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta) {
+  (void)gm;
+  gm_stat_add(&arr[GPUMEM_POOL_ALL], delta);
+  gm_stat_add(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], delta);
+}
 void gm_segment_link(gpumem_t* gm, gm_segment* seg);
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
 /* Links a new segment [addr, addr+size) whose one block b is free and
