@@ -184,6 +184,7 @@ typedef struct gm_ptr_map {
 
 typedef struct gm_plan_req {
   uint64_t key; /* hash of (rounded size, stream) */
+  uint64_t ctx; /* rolling sum of this key and the 8 before (plan.c) */
   size_t rsize;
   gpumem_stream_t stream;
   uint64_t free_at; /* 1 + index of the first request after its free; 0 = live */

@@ -52,19 +52,22 @@ static inline gm_plan_req* req_at(gm_planner* p, uint64_t i) {
   return &p->ring[i % GM_PLAN_RING];
 }
 
-/* Hash of request i and the 8 before it (i >= 8). The keys are already
- * mixed, so one distinct odd multiplier per position (order matters) and
- * a final mix suffice: a third of the cost of mixing after every key, paid
- * on every request (t5, which never repeats: warm 72 -> 66 ns/op). */
-static uint64_t context_hash(gm_planner* p, uint64_t i) {
-  static const uint64_t mult[9] = {
-      0x9e3779b97f4a7c15ull, 0xbf58476d1ce4e5b9ull, 0x94d049bb133111ebull,
-      0xd6e8feb86659fd93ull, 0xa0761d6478bd642full, 0xe7037ed1a0b428dbull,
-      0x8ebc6af09c88c6e3ull, 0x589965cc75374cc3ull, 0x1d8e4e27c47d124full,
-  };
-  uint64_t h = 0;
-  for (uint64_t k = 0; k <= 8; k++) h += req_at(p, i - k)->key * mult[k];
-  return mix64(h);
+/* Hash of request i and the 8 before it (i >= 8): sum of key(i - k) * M^k,
+ * kept rolling in the ring as requests are recorded (two multiplies per
+ * request instead of nine), then one final mix. The keys are already
+ * mixed, so the powers of one odd multiplier keep the order. */
+#define CTX_MULT 0x9e3779b97f4a7c15ull
+#define CTX_MULT_POW9 \
+  (CTX_MULT * CTX_MULT * CTX_MULT * CTX_MULT * CTX_MULT * CTX_MULT * CTX_MULT * CTX_MULT * CTX_MULT)
+
+static inline uint64_t context_hash(gm_planner* p, uint64_t i) {
+  return mix64(req_at(p, i)->ctx);
+}
+
+/* The rolling sum at request i, its key just recorded. */
+static inline void context_roll(gm_planner* p, uint64_t i) {
+  gm_plan_req* r = req_at(p, i);
+  r->ctx = r->key + CTX_MULT * req_at(p, i - 1)->ctx - CTX_MULT_POW9 * req_at(p, i - 9)->key;
 }
 
 gpumem_status_t gm_plan_init(gpumem_t* gm) {
@@ -163,6 +166,84 @@ static int by_size_desc(const void* a, const void* b) {
   const build_item* y = *(build_item* const*)b;
   if (x->size != y->size) return x->size < y->size ? 1 : -1;
   return x->idx < y->idx ? -1 : 1;
+}
+
+/* Orders live items by arena, then by end offset. */
+static inline bool live_before(const build_item* x, uint8_t arena, size_t end) {
+  return x->arena != arena ? x->arena < arena : x->off + x->size < end;
+}
+
+/* Position of the first live item not before (arena, end). */
+static size_t live_lower_bound(build_item* const* live, size_t n, uint8_t arena, size_t end) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (live_before(live[mid], arena, end))
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/* Sets each planned item's anchor by one sweep over the phases of the
+ * period, keeping the items live at each phase sorted by (arena, end): an
+ * item's anchor is then the live item just below (arena, its offset + 1).
+ * Items live at the same phase never share bytes, so ends are distinct
+ * within an arena. items[] is in phase order (one request per phase);
+ * an item is live at phases start .. start + len - 1, modulo P. */
+static bool set_anchors(build_item* items, size_t n, gm_plan_item* plan, uint64_t P) {
+  build_item** live = malloc((n ? n : 1) * sizeof *live);
+  uint32_t* ends_at = calloc(P + 1, sizeof *ends_at); /* counting sort by end phase */
+  build_item** by_end = malloc((n ? n : 1) * sizeof *by_end);
+  bool ok = live && ends_at && by_end;
+  if (!ok) goto out;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t e = items[i].start + items[i].len;
+    if (e != P) ends_at[e % P + 1]++; /* an item ending at P is live to the end */
+  }
+  for (uint64_t t = 0; t < P; t++) ends_at[t + 1] += ends_at[t];
+  for (size_t i = 0; i < n; i++) {
+    uint64_t e = items[i].start + items[i].len;
+    if (e != P) by_end[ends_at[e % P]++] = &items[i];
+  }
+  /* ends_at[t] is now the end of phase t's run in by_end; phase t's run
+   * starts where phase t - 1's ended. */
+  size_t num_live = 0;
+  for (size_t i = 0; i < n; i++) { /* wrapping items are live at phase 0 */
+    build_item* it = &items[i];
+    if (it->start + it->len > P) {
+      size_t k = live_lower_bound(live, num_live, it->arena, it->off + it->size);
+      memmove(&live[k + 1], &live[k], (num_live - k) * sizeof *live);
+      live[k] = it;
+      num_live++;
+    }
+  }
+  size_t next_item = 0, next_end = 0;
+  for (uint64_t t = 0; t < P; t++) {
+    for (; next_end < ends_at[t]; next_end++) {
+      const build_item* o = by_end[next_end];
+      size_t k = live_lower_bound(live, num_live, o->arena, o->off + o->size);
+      if (k < num_live && live[k] == o) {
+        memmove(&live[k], &live[k + 1], (num_live - k - 1) * sizeof *live);
+        num_live--;
+      }
+    }
+    if (next_item == n || items[next_item].start != t) continue;
+    build_item* it = &items[next_item++];
+    size_t k = live_lower_bound(live, num_live, it->arena, it->off + 1);
+    if (k > 0 && live[k - 1]->arena == it->arena && live[k - 1]->off + live[k - 1]->size > 0)
+      plan[it->idx].anchor = (int32_t)live[k - 1]->idx;
+    k = live_lower_bound(live, num_live, it->arena, it->off + it->size);
+    memmove(&live[k + 1], &live[k], (num_live - k) * sizeof *live);
+    live[k] = it;
+    num_live++;
+  }
+out:
+  free(live);
+  free(ends_at);
+  free(by_end);
+  return ok;
 }
 
 /* Finds or makes the plan arena of a stream: an idle one is reused, so a
@@ -279,19 +360,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   /* Anchors: for each planned item, the planned item that ends highest
    * below its offset among those live when it is requested. When the plan
    * is followed, the block after the anchor's is the free block to carve. */
-  for (size_t i = 0; i < n_planned; i++) {
-    const build_item* it = &items[i];
-    size_t best_end = 0;
-    for (size_t k = 0; k < n_planned; k++) {
-      const build_item* o = &items[k];
-      if (k == i || o->arena != it->arena || !live_at(o, it->start, P)) continue;
-      size_t end = o->off + o->size;
-      if (end <= it->off && end > best_end) {
-        best_end = end;
-        plan[it->idx].anchor = (int32_t)o->idx;
-      }
-    }
-  }
+  if (!set_anchors(items, n_planned, plan, P)) goto done;
   /* Resynchronisation table: context hash of each item -> item. */
   for (uint64_t j = 0; j < P; j++) {
     uint64_t h = context_hash(p, s + j) | 1; /* 0 marks an empty slot */
@@ -602,6 +671,7 @@ gm_block* gm_plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize) {
   uint64_t i = p->n++;
   gm_plan_req* r = req_at(p, i);
   r->key = req_key(rsize, s->handle);
+  context_roll(p, i);
   r->rsize = rsize;
   r->stream = s->handle;
   r->free_at = 0;
