@@ -42,24 +42,36 @@ static void add(int64_t* arr, bool small, int64_t v) {
 static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
   size_t ps = gm->page_size;
   unsigned long at = (unsigned long)seg->addr;
-  /* busy: the allocated or pending blocks over each page, counted afresh */
+  /* busy: the allocated or pending blocks beginning or ending on each page,
+   * and the pages strictly inside one, counted afresh */
   uint32_t* want = calloc(seg->num_pages, sizeof *want);
-  if (!want) {
+  uint8_t* inner = calloc(seg->num_pages, 1);
+  if (!want || !inner) {
+    free(want);
+    free(inner);
     violation(c, "no host memory to check arena 0x%lx", at);
     return;
   }
   for (const gm_block* b = seg->first; b; b = b->next) {
     if (b->state == GM_FREE) continue;
     size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
-    for (size_t p = first; p <= last && p < seg->num_pages; p++) want[p]++;
+    if (last >= seg->num_pages) continue; /* reported by the block checks */
+    want[first]++;
+    if (last != first) want[last]++;
+    for (size_t p = first + 1; p < last; p++) inner[p]++;
   }
   for (size_t p = 0; p < seg->num_pages; p++) {
-    if (seg->busy[p] != want[p]) {
-      violation(c, "arena 0x%lx page %zu: busy count %u, %u blocks over it", at, p,
-                (unsigned)seg->busy[p], want[p]);
+    bool bit = (seg->busy_inner[p / 64] >> (p % 64)) & 1u;
+    if (seg->busy[p] != want[p] || bit != (inner[p] != 0) || inner[p] > 1 ||
+        (inner[p] && want[p])) {
+      violation(c,
+                "arena 0x%lx page %zu: busy count %u (%u blocks begin or end there), inner bit %d "
+                "(%u blocks cover it)",
+                at, p, (unsigned)seg->busy[p], want[p], (int)bit, (unsigned)inner[p]);
       break;
     }
   }
+  free(inner);
   free(want);
   for (size_t p = 0; p < seg->num_pages; p++) {
     bool live = gm_arena_page_mapped(seg, p);

@@ -104,9 +104,14 @@ struct gm_segment {
    * mapped at p but live elsewhere or spare (see pages.c, ghosts). */
   uint32_t* live_id;
   uint32_t* ghost_id;
-  /* Allocated or pending blocks overlapping each page: a page whose count
-   * is 0 is wholly free, and its physical page may be taken at once. */
+  /* Which pages allocated or pending blocks overlap, kept on every malloc
+   * and free at a cost independent of the block's length: busy[p] counts
+   * the blocks that begin or end on page p (at most 4096 of 512 B), and
+   * busy_inner has the bit of each page strictly inside one such block
+   * (no other block can touch that page). A page with neither is wholly
+   * free, and its physical page may be taken at once (gm_page_busy). */
   uint16_t* busy;
+  uint64_t* busy_inner;
 };
 
 /* A physical page of one page size and every address it is mapped at: at
@@ -291,6 +296,21 @@ struct gpumem {
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
 
+/* Sets (on) or clears the bits of pages [first, last] of a bitmap, a word
+ * at a time. */
+static inline void gm_bits_range(uint64_t* bits, size_t first, size_t last, bool on) {
+  while (first <= last) {
+    size_t bit = first % 64, span = last - first + 1;
+    if (span > 64 - bit) span = 64 - bit;
+    uint64_t mask = (span == 64 ? ~0ull : ((1ull << span) - 1)) << bit;
+    if (on)
+      bits[first / 64] |= mask;
+    else
+      bits[first / 64] &= ~mask;
+    first += span;
+  }
+}
+
 /* Counts block b (allocated or pending, in an arena) on the pages it
  * overlaps (delta +1), or no longer (-1). On every malloc and free: most
  * blocks lie within one page. */
@@ -299,11 +319,15 @@ static inline void gm_arena_busy(const gpumem_t* gm, const gm_block* b, int delt
   unsigned sh = gm->page_shift;
   size_t first = (b->addr - seg->addr) >> sh, last = (b->addr + b->size - 1 - seg->addr) >> sh;
   uint16_t* busy = seg->busy;
-  if (GM_LIKELY(first == last)) {
-    busy[first] = (uint16_t)(busy[first] + delta);
-    return;
-  }
-  for (size_t p = first; p <= last; p++) busy[p] = (uint16_t)(busy[p] + delta);
+  busy[first] = (uint16_t)(busy[first] + delta);
+  if (GM_LIKELY(first == last)) return;
+  busy[last] = (uint16_t)(busy[last] + delta);
+  if (last - first > 1) gm_bits_range(seg->busy_inner, first + 1, last - 1, delta > 0);
+}
+
+/* Does an allocated or pending block overlap page p of arena seg? */
+static inline bool gm_page_busy(const gm_segment* seg, size_t p) {
+  return seg->busy[p] || ((seg->busy_inner[p / 64] >> (p % 64)) & 1u);
 }
 
 /* ---- cache.c: blocks, free index, pointer map ---- */

@@ -84,6 +84,7 @@ static void free_tables(gm_segment* seg) {
   free(seg->live_id);
   free(seg->ghost_id);
   free(seg->busy);
+  free(seg->busy_inner);
   free(seg);
 }
 
@@ -120,6 +121,7 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
   uint32_t* live_id = calloc(num_pages, sizeof *live_id);
   uint32_t* ghost_id = calloc(num_pages, sizeof *ghost_id);
   uint16_t* busy = calloc(num_pages, sizeof *busy);
+  uint64_t* busy_inner = calloc((num_pages + 63) / 64, sizeof *busy_inner);
   if (seg) {
     seg->mapped_bits = bits;
     seg->handles = handles;
@@ -127,9 +129,10 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
     seg->live_id = live_id;
     seg->ghost_id = ghost_id;
     seg->busy = busy;
+    seg->busy_inner = busy_inner;
   }
   if (!seg || !b || !bits || !handles || !run_start || !live_id || !ghost_id || !busy ||
-      num_pages > UINT32_MAX) {
+      !busy_inner || num_pages > UINT32_MAX) {
     if (seg) {
       free_tables(seg);
     } else {
@@ -139,6 +142,7 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
       free(live_id);
       free(ghost_id);
       free(busy);
+      free(busy_inner);
     }
     if (b) gm_block_delete(gm, b);
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an arena of %zu pages",
@@ -496,7 +500,7 @@ static gpumem_status_t revive(gpumem_t* gm, gm_segment* seg, size_t p, bool* don
   gm_segment* from = r->live_seg;
   if (from) {
     size_t q = r->live_page;
-    if (from->busy[q] || (from->plan_serving && from != seg)) return GPUMEM_OK;
+    if (gm_page_busy(from, q) || (from->plan_serving && from != seg)) return GPUMEM_OK;
     if (from->pool->stream != to) {
       gpumem_status_t st = sync_stream_for_reclaim(gm, from->pool->stream);
       if (st != GPUMEM_OK) return st;
