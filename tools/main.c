@@ -1142,7 +1142,7 @@ static int cmd_explain(int argc, char** argv) {
   explain_row("partial pages at hole edges, small pool", ex.partial_pages_small, live);
   explain_row("cached free, reclaimable (whole pages/segments)", ex.cached_reclaimable, live);
   explain_row("waiting for other streams (record_stream)", ex.other_streams, live);
-  explain_row("spare pages (held, unmapped)", ex.spare_pages, live);
+  explain_row("spare pages (held, not in use)", ex.spare_pages, live);
   uint64_t beyond = ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
                     ex.cached_reclaimable + ex.other_streams + ex.spare_pages;
   explain_row("total", beyond, live);
