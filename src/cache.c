@@ -117,6 +117,9 @@ static gm_block* treap_join(gm_block* a, gm_block* b) {
 }
 
 void gm_index_insert(gm_free_index* ix, gm_block* b) {
+  ix->count++;
+  ix->bytes += b->size;
+  if (ix->counts_only) return;
   unsigned cls = size_class(b->size);
   b->prio = addr_priority(b->addr);
   gm_block** link = &ix->roots[cls];
@@ -125,19 +128,18 @@ void gm_index_insert(gm_free_index* ix, gm_block* b) {
   treap_split(*link, b, &b->left, &b->right);
   *link = b;
   ix->nonempty[cls / 64] |= 1ull << (cls % 64);
-  ix->count++;
-  ix->bytes += b->size;
 }
 
 void gm_index_remove(gm_free_index* ix, gm_block* b) {
+  ix->count--;
+  ix->bytes -= b->size;
+  if (ix->counts_only) return;
   unsigned cls = size_class(b->size);
   gm_block** link = &ix->roots[cls];
   while (*link != b) link = block_less(b, *link) ? &(*link)->left : &(*link)->right;
   *link = treap_join(b->left, b->right);
   b->left = b->right = NULL;
   if (!ix->roots[cls]) ix->nonempty[cls / 64] &= ~(1ull << (cls % 64));
-  ix->count--;
-  ix->bytes -= b->size;
 }
 
 static gm_block* treap_min(gm_block* t) {
@@ -266,7 +268,9 @@ size_t gm_index_check(const gm_free_index* ix, const gm_pool* pool) {
     st.cls = cls;
     check_treap(ix->roots[cls], NULL, NULL, &st);
   }
-  if (st.count != ix->count || st.bytes != ix->bytes) {
+  /* A counts-only index holds no tree; gpumem_check compares its counts
+   * with the pool's free blocks. */
+  if (!ix->counts_only && (st.count != ix->count || st.bytes != ix->bytes)) {
     if (!st.errors)
       gpumem_set_last_error("check: free index counts %zu blocks/%zu bytes, holds %zu/%zu",
                             ix->count, ix->bytes, st.count, st.bytes);

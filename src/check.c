@@ -239,6 +239,31 @@ static void compare(check_ctx* c, const char* name, const gpumem_stat_t* stat, c
   }
 }
 
+/* A counts-only index (plan pools) holds no tree: its counts must be the
+ * pool's free blocks and bytes, counted afresh. */
+static void check_counted_pool(gpumem_t* gm, const gm_pool* pool, check_ctx* c) {
+  size_t blocks = 0, bytes = 0;
+  for (const gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool != pool) continue;
+    for (const gm_block* b = seg->first; b; b = b->next) {
+      if (b->state != GM_FREE) continue;
+      blocks++;
+      bytes += b->size;
+    }
+  }
+  if (blocks != pool->index.count || bytes != pool->index.bytes)
+    violation(c, "plan pool of stream 0x%lx counts %zu free blocks / %zu bytes, holds %zu / %zu",
+              (unsigned long)pool->stream->handle, pool->index.count, pool->index.bytes, blocks,
+              bytes);
+  for (unsigned cls = 0; cls < GM_CLASS_COUNT; cls++) {
+    if (pool->index.roots[cls]) {
+      violation(c, "plan pool of stream 0x%lx has a sorted class",
+                (unsigned long)pool->stream->handle);
+      break;
+    }
+  }
+}
+
 size_t gpumem_check(gpumem_t* gm) {
   check_ctx c = {0};
   if (!gm) {
@@ -257,6 +282,7 @@ size_t gpumem_check(gpumem_t* gm) {
       gm_pool* pool = &st->pools[i];
       c.errors += gm_index_check(&pool->index, pool);
       indexed += pool->index.count;
+      if (pool->index.counts_only) check_counted_pool(gm, pool, &c);
       const gm_block* prev = NULL;
       for (const gm_block* b = pool->dirty_head; b; prev = b, b = b->dirty_next) {
         if (!b->in_dirty || b->dirty_prev != prev || b->pool != pool)

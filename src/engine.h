@@ -138,6 +138,11 @@ typedef struct gm_free_index {
   uint64_t nonempty[GM_CLASS_WORDS];
   size_t count;
   size_t bytes;
+  /* Counts its blocks but does not sort them: a plan pool's free blocks
+   * are found through the plan (anchors, walks), never by size, so
+   * keeping them in treaps would cost every planned malloc and free two
+   * to four tree updates for nothing. */
+  bool counts_only;
 } gm_free_index;
 
 struct gm_pool {
