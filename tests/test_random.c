@@ -21,9 +21,12 @@
  * reclaim mode; odd seeds run host-backed with a small device and moderate
  * sizes, even seeds without backing with sizes up to 64 MiB.
  *
- * Scale: GPUMEM_RANDOM_OPS (operations per seed, default 100000; argv[1]
- * overrides it), GPUMEM_RANDOM_SEEDS (seeds per configuration, default 4),
- * GPUMEM_RANDOM_SEED (first seed, to reproduce a reported run). */
+ * Scale: GPUMEM_RANDOM_OPS (operations per seed, default 100000; a number
+ * on the command line overrides it), GPUMEM_RANDOM_SEEDS (seeds per
+ * configuration, default 4), GPUMEM_RANDOM_SEED (first seed, to reproduce a
+ * reported run). `--config NAME` runs one configuration only: CTest
+ * registers one test per configuration, so that they run in parallel and
+ * each stays well inside its timeout under the sanitizers. */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1121,7 +1124,31 @@ static long env_long(const char* name, long fallback) {
 
 int main(int argc, char** argv) {
   long ops = env_long("GPUMEM_RANDOM_OPS", 100000);
-  if (argc > 1) ops = strtol(argv[1], NULL, 10);
+  const char* only = NULL;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--config") == 0 && i + 1 < argc) {
+      only = argv[++i];
+      continue;
+    }
+    char* end = NULL;
+    ops = strtol(argv[i], &end, 10);
+    if (!end || *end != '\0' || ops <= 0) {
+      fprintf(stderr, "test_random: expected an operation count or --config NAME, got '%s'\n",
+              argv[i]);
+      return 2;
+    }
+  }
+  size_t n_configs = sizeof configs / sizeof configs[0];
+  if (only) {
+    size_t ci = 0;
+    while (ci < n_configs && strcmp(configs[ci].name, only) != 0) ci++;
+    if (ci == n_configs) {
+      fprintf(stderr, "test_random: no configuration named '%s'; there are:", only);
+      for (size_t k = 0; k < n_configs; k++) fprintf(stderr, " %s", configs[k].name);
+      fprintf(stderr, "\n");
+      return 2;
+    }
+  }
   long seeds = env_long("GPUMEM_RANDOM_SEEDS", 4);
   long first = env_long("GPUMEM_RANDOM_SEED", 1);
 
@@ -1137,7 +1164,8 @@ int main(int argc, char** argv) {
     memcpy(tape + i, &w, n);
   }
 
-  for (size_t ci = 0; ci < sizeof configs / sizeof configs[0]; ci++) {
+  for (size_t ci = 0; ci < n_configs; ci++) {
+    if (only && strcmp(configs[ci].name, only) != 0) continue;
     for (long k = 0; k < seeds; k++) {
       uint64_t seed = (uint64_t)(first + k);
       run_one(&configs[ci], seed, (int)(seed % 2 == 1), ops, tape, tape_len);
