@@ -113,6 +113,9 @@ static void check_page_records(gpumem_t* gm, check_ctx* c) {
       if (r->ghost_page[k] >= r->ghost_seg[k]->num_pages ||
           r->ghost_seg[k]->ghost_id[r->ghost_page[k]] != id)
         violation(c, "page record %u: ghost %u is not there", id, k);
+      else if (r->ghost_sync_mark[k] > r->ghost_seg[k]->pool->stream->syncs + 1)
+        violation(c, "page record %u: ghost %u waits for a synchronization its stream never had",
+                  id, k);
     }
     if (r->live_seg) {
       if (r->live_seg->live_id[r->live_page] != id)

@@ -131,6 +131,11 @@ typedef struct gm_phys {
   uint32_t num_ghosts;
   gm_segment* ghost_seg[GM_MAX_GHOSTS]; /* oldest first */
   uint32_t ghost_page[GM_MAX_GHOSTS];
+  /* Per ghost, whether unmapping it must wait for its arena's stream: 0
+   * when that stream had no unsynchronized frees as the ghost was made,
+   * else the stream's syncs count then plus one; a later synchronization
+   * (syncs > mark - 1) finished every use of the address. */
+  uint64_t ghost_sync_mark[GM_MAX_GHOSTS];
 } gm_phys;
 
 typedef struct gm_free_index {
@@ -168,6 +173,7 @@ struct gm_stream {
   gpumem_stream_t handle;
   gm_pool pools[GM_NUM_POOLS];
   uint64_t frees_since_sync; /* arena pages freed on it since its last sync */
+  uint64_t syncs;            /* synchronizations by the allocator so far */
   gm_stream* next;
 };
 

@@ -305,7 +305,10 @@ static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s) {
   gm->stats.num_syncs++;
   gpumem_status_t st =
       GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
-  if (st == GPUMEM_OK) s->frees_since_sync = 0;
+  if (st == GPUMEM_OK) {
+    s->frees_since_sync = 0;
+    s->syncs++;
+  }
   return st;
 }
 
@@ -423,31 +426,46 @@ static void unmake_live(gpumem_t* gm, gm_segment* seg, size_t p) {
   }
 }
 
-static void ghost_forget(gm_phys* r, const gm_segment* seg, size_t p) {
-  for (uint32_t i = 0; i < r->num_ghosts; i++) {
-    if (r->ghost_seg[i] == seg && r->ghost_page[i] == p) {
-      memmove(&r->ghost_seg[i], &r->ghost_seg[i + 1],
-              (r->num_ghosts - i - 1) * sizeof *r->ghost_seg);
-      memmove(&r->ghost_page[i], &r->ghost_page[i + 1],
-              (r->num_ghosts - i - 1) * sizeof *r->ghost_page);
-      r->num_ghosts--;
-      return;
-    }
-  }
+/* Index of the ghost at page p of seg in r's list (num_ghosts if none). */
+static uint32_t ghost_index(const gm_phys* r, const gm_segment* seg, size_t p) {
+  uint32_t i = 0;
+  while (i < r->num_ghosts && !(r->ghost_seg[i] == seg && r->ghost_page[i] == p)) i++;
+  return i;
 }
 
+static void ghost_forget(gm_phys* r, const gm_segment* seg, size_t p) {
+  uint32_t i = ghost_index(r, seg, p);
+  if (i == r->num_ghosts) return;
+  for (uint32_t k = i; k + 1 < r->num_ghosts; k++) {
+    r->ghost_seg[k] = r->ghost_seg[k + 1];
+    r->ghost_page[k] = r->ghost_page[k + 1];
+    r->ghost_sync_mark[k] = r->ghost_sync_mark[k + 1];
+  }
+  r->num_ghosts--;
+}
+
+/* Page id, live at p of seg until now, stays mapped there as a ghost. The
+ * address's last uses are the work queued on seg's stream before the frees
+ * that emptied it: the mark says whether a synchronization must still
+ * come before the ghost may be unmapped. */
 static void ghost_note(gpumem_t* gm, uint32_t id, gm_segment* seg, size_t p) {
   gm_phys* r = phys_of(gm, id);
+  const gm_stream* s = seg->pool->stream;
   r->ghost_seg[r->num_ghosts] = seg;
-  r->ghost_page[r->num_ghosts++] = (uint32_t)p;
+  r->ghost_page[r->num_ghosts] = (uint32_t)p;
+  r->ghost_sync_mark[r->num_ghosts++] = s->frees_since_sync ? s->syncs + 1 : 0;
   seg->ghost_id[p] = id;
 }
 
 /* Unmaps the ghost at page p of seg. Queued work of seg's stream may still
  * use the address (blocks freed there before the page moved), so that
- * stream is synchronized first. */
+ * stream is synchronized first, unless it has been since the ghost was
+ * made. */
 static gpumem_status_t ghost_drop(gpumem_t* gm, gm_segment* seg, size_t p) {
-  gpumem_status_t st = sync_stream_for_reclaim(gm, seg->pool->stream);
+  gm_phys* r = phys_of(gm, seg->ghost_id[p]);
+  gm_stream* s = seg->pool->stream;
+  gpumem_status_t st = GPUMEM_OK;
+  if (r->ghost_sync_mark[ghost_index(r, seg, p)] > s->syncs) st = sync_stream_for_reclaim(gm, s);
   if (st != GPUMEM_OK) return st;
   size_t ps = gm->page_size;
   st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
