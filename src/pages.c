@@ -464,8 +464,9 @@ static void ghost_note(gpumem_t* gm, uint32_t id, gm_segment* seg, size_t p) {
 static gpumem_status_t ghost_drop(gpumem_t* gm, gm_segment* seg, size_t p) {
   gm_phys* r = phys_of(gm, seg->ghost_id[p]);
   gm_stream* s = seg->pool->stream;
+  uint32_t k = ghost_index(r, seg, p); /* listed, as gpumem_check verifies; else wait */
   gpumem_status_t st = GPUMEM_OK;
-  if (r->ghost_sync_mark[ghost_index(r, seg, p)] > s->syncs) st = sync_stream_for_reclaim(gm, s);
+  if (k == r->num_ghosts || r->ghost_sync_mark[k] > s->syncs) st = sync_stream_for_reclaim(gm, s);
   if (st != GPUMEM_OK) return st;
   size_t ps = gm->page_size;
   st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
