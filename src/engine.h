@@ -307,13 +307,20 @@ struct gpumem {
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
 
-/* Sets (on) or clears the bits of pages [first, last] of a bitmap, a word
- * at a time. */
+/* Bitmaps of pages, a word at a time: the next run of bits [first, last]
+ * within first's word is *span bits long, under the returned mask. */
+static inline uint64_t gm_bits_word_mask(size_t first, size_t last, size_t* span) {
+  size_t bit = first % 64, n = last - first + 1;
+  if (n > 64 - bit) n = 64 - bit;
+  *span = n;
+  return (n == 64 ? ~0ull : ((1ull << n) - 1)) << bit;
+}
+
+/* Sets (on) or clears the bits of pages [first, last] of a bitmap. */
 static inline void gm_bits_range(uint64_t* bits, size_t first, size_t last, bool on) {
   while (first <= last) {
-    size_t bit = first % 64, span = last - first + 1;
-    if (span > 64 - bit) span = 64 - bit;
-    uint64_t mask = (span == 64 ? ~0ull : ((1ull << span) - 1)) << bit;
+    size_t span;
+    uint64_t mask = gm_bits_word_mask(first, last, &span);
     if (on)
       bits[first / 64] |= mask;
     else

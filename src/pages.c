@@ -91,11 +91,9 @@ static void free_tables(gm_segment* seg) {
 /* True when pages [first, last] are all mapped: a word at a time. */
 static bool range_mapped(const gm_segment* seg, size_t first, size_t last) {
   while (first <= last) {
-    size_t word = first / 64, bit = first % 64;
-    size_t span = 64 - bit;
-    if (span > last - first + 1) span = last - first + 1;
-    uint64_t mask = (span == 64 ? ~0ull : ((1ull << span) - 1)) << bit;
-    if ((seg->mapped_bits[word] & mask) != mask) return false;
+    size_t span;
+    uint64_t mask = gm_bits_word_mask(first, last, &span);
+    if ((seg->mapped_bits[first / 64] & mask) != mask) return false;
     first += span;
   }
   return true;

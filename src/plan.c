@@ -155,12 +155,6 @@ static inline bool overlap(const build_item* x, const build_item* y, uint64_t P)
   return false;
 }
 
-/* Is request phase t (0 <= t < P) within x's circular lifetime? */
-static inline bool live_at(const build_item* x, uint64_t t, uint64_t P) {
-  uint64_t d = t >= x->start ? t - x->start : t + P - x->start;
-  return d < x->len;
-}
-
 static int by_size_desc(const void* a, const void* b) {
   const build_item* x = *(build_item* const*)a;
   const build_item* y = *(build_item* const*)b;
@@ -184,6 +178,14 @@ static size_t live_lower_bound(build_item* const* live, size_t n, uint8_t arena,
       hi = mid;
   }
   return lo;
+}
+
+/* Inserts it into the sorted live list. */
+static void live_insert(build_item** live, size_t* n, build_item* it) {
+  size_t k = live_lower_bound(live, *n, it->arena, it->off + it->size);
+  memmove(&live[k + 1], &live[k], (*n - k) * sizeof *live);
+  live[k] = it;
+  (*n)++;
 }
 
 /* Sets each planned item's anchor by one sweep over the phases of the
@@ -211,13 +213,7 @@ static bool set_anchors(build_item* items, size_t n, gm_plan_item* plan, uint64_
    * starts where phase t - 1's ended. */
   size_t num_live = 0;
   for (size_t i = 0; i < n; i++) { /* wrapping items are live at phase 0 */
-    build_item* it = &items[i];
-    if (it->start + it->len > P) {
-      size_t k = live_lower_bound(live, num_live, it->arena, it->off + it->size);
-      memmove(&live[k + 1], &live[k], (num_live - k) * sizeof *live);
-      live[k] = it;
-      num_live++;
-    }
+    if (items[i].start + items[i].len > P) live_insert(live, &num_live, &items[i]);
   }
   size_t next_item = 0, next_end = 0;
   for (uint64_t t = 0; t < P; t++) {
@@ -234,10 +230,7 @@ static bool set_anchors(build_item* items, size_t n, gm_plan_item* plan, uint64_
     size_t k = live_lower_bound(live, num_live, it->arena, it->off + 1);
     if (k > 0 && live[k - 1]->arena == it->arena && live[k - 1]->off + live[k - 1]->size > 0)
       plan[it->idx].anchor = (int32_t)live[k - 1]->idx;
-    k = live_lower_bound(live, num_live, it->arena, it->off + it->size);
-    memmove(&live[k + 1], &live[k], (num_live - k) * sizeof *live);
-    live[k] = it;
-    num_live++;
+    live_insert(live, &num_live, it);
   }
 out:
   free(live);
