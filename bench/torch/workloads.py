@@ -285,6 +285,9 @@ def main():
         "device_total": total,
         "steps": len(times),
         "median_ms": round(statistics.median(times), 3) if times else None,
+        # every timed step, in order: the same seed gives the same shapes per
+        # step, so runs of two allocators can be compared step by step
+        "step_ms": [round(t, 3) for t in times],
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "oom": oom is not None,
