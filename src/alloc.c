@@ -382,30 +382,6 @@ static size_t hole_edge_waste(const gpumem_t* gm, uintptr_t a, uintptr_t e) {
   return (first_whole - a) + (e - end_whole);
 }
 
-/* Carves the block for rsize bytes from the end of the free block b (out of
- * the index), leaving the front free; returns the new block, out of the
- * index. Best fit takes the front of a hole; where the end leaves fewer
- * free bytes stranded in partly used pages, the end is taken instead
- * (try_alloc). Measured (simulated device, min limit / peak live): synth_kvcache
- * 1.0062 -> 1.0036, synth_random 1.0045 -> 1.0042, t5 1.0051 -> 1.0050, at
- * a cost on gpt2 (1.0032 -> 1.0040) and resnet (1.0034 -> 1.0037): the
- * worst case over the bundled and synthetic workloads falls from 1.0062 to
- * 1.0050. Not under reclaim:pressure without a limit, where nothing is
- * reclaimed and reserved memory is the address space walked: there the
- * end placement walked more (synth_random 1.1450 -> 1.2015 x peak live). */
-static gm_block* take_hole_end(gpumem_t* gm, gm_block* b, size_t rsize) {
-  gm_pool* pool = b->pool;
-  size_t front = b->size - rsize;
-  gm_split_block(gm, b, front, true);
-  if (b->size != front) return b; /* no block struct (host memory): all of it */
-  gm_index_insert(&pool->index, b);
-  if (b->size >= gm->page_size) gm_dirty_add(pool, b);
-  b = b->next;
-  gm_index_remove(&pool->index, b);
-  if (b->in_dirty) gm_dirty_remove(pool, b);
-  return b;
-}
-
 /* One attempt to serve rsize bytes from pool, growing through the backend
  * as the policy allows. On success *out is ALLOCATED and out of the index. */
 static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
@@ -428,11 +404,22 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
   }
   gm_index_remove(&pool->index, b);
   if (b->in_dirty) gm_dirty_remove(pool, b);
-  if (gm->virtual_memory && b->next && b->size - rsize >= GM_MIN_BLOCK &&
+  /* Best fit takes the front of a hole; where taking its end leaves fewer
+   * free bytes stranded in partly used pages, the end (ties: the front).
+   * Measured (simulated device, min limit / peak live): synth_kvcache
+   * 1.0062 -> 1.0036, synth_random 1.0045 -> 1.0042, t5 1.0051 -> 1.0050,
+   * at a cost on gpt2 (1.0032 -> 1.0040) and resnet (1.0034 -> 1.0037): the
+   * worst case over the bundled and synthetic workloads falls from 1.0062
+   * to 1.0050. Not under reclaim:pressure without a limit, where nothing is
+   * reclaimed and reserved memory is the address space walked: there the
+   * end walked more (synth_random 1.1450 -> 1.2015 x peak live). Without a
+   * block struct for the split the front is taken. */
+  if (gm->virtual_memory && b->next && should_split(gm, b, rsize) &&
       (gm->opts.reclaim != GPUMEM_RECLAIM_PRESSURE || gm->limit) &&
       hole_edge_waste(gm, b->addr, b->addr + b->size - rsize) <
           hole_edge_waste(gm, b->addr + rsize, b->addr + b->size)) {
-    b = take_hole_end(gm, b, rsize);
+    gm_block* end = gm_split_free_front(gm, b, b->size - rsize);
+    if (end) b = end;
   }
   /* Split before mapping: the rest goes back to the index and its free
    * pages stay reclaimable while pages are found for this block. */

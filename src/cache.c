@@ -404,6 +404,22 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
   return b;
 }
 
+/* Splits the free block f (out of the index) at front bytes: the front
+ * stays free and goes back to the index (and the dirty list), the rest is
+ * returned, out of both, for the caller to place. NULL, with f untouched
+ * and still out of the index, when no block struct could be had. */
+gm_block* gm_split_free_front(gpumem_t* gm, gm_block* f, size_t front) {
+  gm_pool* pool = f->pool;
+  gm_split_block(gm, f, front, true);
+  if (f->size != front) return NULL;
+  gm_index_insert(&pool->index, f);
+  if (f->size >= gm->page_size) gm_dirty_add(pool, f);
+  gm_block* rest = f->next;
+  gm_index_remove(&pool->index, rest);
+  if (rest->in_dirty) gm_dirty_remove(pool, rest);
+  return rest;
+}
+
 void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split) {
   bool small = b->pool->is_small;
   bool was_split = gm_block_is_split(b) && !b->seg->is_arena;

@@ -372,6 +372,7 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b);
 /* Carves size bytes off the front of free block b (already out of the
  * index) when the policy says so; the rest goes back to the index. */
 void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split);
+gm_block* gm_split_free_front(gpumem_t* gm, gm_block* f, size_t front);
 
 /* ---- streams.c ---- */
 gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle);

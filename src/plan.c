@@ -473,16 +473,13 @@ static gm_block* carve(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t rsize) 
   gm_index_remove(&pool->index, f);
   if (f->in_dirty) gm_dirty_remove(pool, f);
   if (f->addr < addr) {
-    size_t front = addr - f->addr;
-    gm_split_block(gm, f, front, true);
-    /* No block struct (host memory): the front stays as it was. */
-    bool split = f->size == front;
-    gm_index_insert(&pool->index, f);
-    if (f->size >= ps) gm_dirty_add(pool, f);
-    if (!split) return NULL;
-    f = f->next;
-    gm_index_remove(&pool->index, f);
-    if (f->in_dirty) gm_dirty_remove(pool, f);
+    gm_block* rest = gm_split_free_front(gm, f, addr - f->addr);
+    if (!rest) { /* no block struct (host memory): f stays free as it was */
+      gm_index_insert(&pool->index, f);
+      if (f->size >= ps) gm_dirty_add(pool, f);
+      return NULL;
+    }
+    f = rest;
   }
   gm_split_block(gm, f, rsize, f->size - rsize >= GM_MIN_BLOCK);
   f->state = GM_ALLOCATED;
