@@ -142,7 +142,7 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     return NULL;
   }
   gm->stats.backend_calls[GPUMEM_CALL_mem_info] = 1;
-  if (pthread_mutex_init(&gm->lock, NULL) != 0 || gm_ptr_map_init(&gm->ptrs) != GPUMEM_OK) {
+  if (gm_lock_init(&gm->lock) != 0 || gm_ptr_map_init(&gm->ptrs) != GPUMEM_OK) {
     free(gm);
     *err =
         gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: cannot initialize the lock or pointer map");
@@ -164,7 +164,7 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     gpumem_status_t pst = gm_plan_init(gm);
     if (pst != GPUMEM_OK) {
       gm_ptr_map_destroy(&gm->ptrs);
-      pthread_mutex_destroy(&gm->lock);
+      gm_lock_destroy(&gm->lock);
       free(gm);
       *err = pst;
       return NULL;
@@ -197,7 +197,7 @@ static void release_all_segments(gpumem_t* gm) {
 
 void gpumem_destroy(gpumem_t* gm) {
   if (!gm) return;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   /* Wait for pending frees: their memory may still be in use on a stream. */
   if (gm->pending_count && gm->backend->event_sync) gm_process_events(gm, true);
   gm_events_destroy(gm);
@@ -211,8 +211,8 @@ void gpumem_destroy(gpumem_t* gm) {
   gm_slab_destroy(&gm->slab);
   gm_plan_destroy(gm);
   free(gm->callbacks);
-  pthread_mutex_unlock(&gm->lock);
-  pthread_mutex_destroy(&gm->lock);
+  gm_lock_release(&gm->lock);
+  gm_lock_destroy(&gm->lock);
   if (gm->opts.own_backend && gm->backend->destroy) gm->backend->destroy(gm->backend);
   free(gm);
 }
@@ -542,14 +542,14 @@ gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream,
   if (GM_UNLIKELY(size == 0)) return GPUMEM_OK;
   /* Far beyond any device; also keeps the rounding below from wrapping. */
   if (GM_UNLIKELY(size > ((size_t)1 << 56))) {
-    pthread_mutex_lock(&gm->lock);
+    gm_lock_acquire(&gm->lock);
     gm->stats.num_ooms++;
-    pthread_mutex_unlock(&gm->lock);
+    gm_lock_release(&gm->lock);
     return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
                    "gpumem: out of memory: tried to allocate %zu bytes, more than any device holds",
                    size);
   }
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   bool has_callbacks = gm->num_callbacks > 0;
   gpumem_status_t st = malloc_locked(gm, size, stream, out, &has_callbacks);
   if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY && has_callbacks)) {
@@ -559,10 +559,10 @@ gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream,
     if (n > 16) n = 16;
     memcpy(cbs, gm->callbacks, n * sizeof *cbs);
     gm->stats.num_oom_callbacks += (int64_t)n;
-    pthread_mutex_unlock(&gm->lock);
+    gm_lock_release(&gm->lock);
     int again = 0;
     for (size_t i = 0; i < n; i++) again |= cbs[i].fn(gm, size, stream, cbs[i].arg) != 0;
-    pthread_mutex_lock(&gm->lock);
+    gm_lock_acquire(&gm->lock);
     bool no_more = false;
     if (again) gm->stats.num_alloc_retries++;
     st = again ? malloc_locked(gm, size, stream, out, &no_more) : GPUMEM_ERR_OUT_OF_MEMORY;
@@ -573,7 +573,7 @@ gpumem_status_t gpumem_malloc(gpumem_t* gm, size_t size, gpumem_stream_t stream,
       format_oom_report(gm, size, round_request(size), stream, st, cause);
     }
   }
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return st;
 }
 
@@ -607,11 +607,11 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   if (GM_UNLIKELY(!gm)) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_free: NULL allocator");
   if (!ptr) return GPUMEM_OK;
   uintptr_t addr = (uintptr_t)ptr;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   gm_block* b = gm_ptr_map_remove(&gm->ptrs, addr);
   if (GM_UNLIKELY(!b)) {
     gpumem_status_t st = diagnose_bad_free(gm, addr, "gpumem_free");
-    pthread_mutex_unlock(&gm->lock);
+    gm_lock_release(&gm->lock);
     return st;
   }
   bool small = gm_block_stat_small(b);
@@ -623,7 +623,7 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
     if (st != GPUMEM_OK) {
       /* Not freed: the block stays allocated and the caller may retry. */
       gm_ptr_map_insert(&gm->ptrs, b);
-      pthread_mutex_unlock(&gm->lock);
+      gm_lock_release(&gm->lock);
       return st;
     }
   } else {
@@ -636,38 +636,38 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   /* Eager reclaim: the pointer is freed whatever the unmap says; a device
    * error is still reported. */
   if (gm->virtual_memory && gm->opts.reclaim == GPUMEM_RECLAIM_EAGER) st = gm_reclaim(gm, 0, NULL);
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return st;
 }
 
 gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream) {
   if (!gm || !ptr)
     return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: NULL allocator or pointer");
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
   gpumem_status_t st = b ? gm_block_add_use(b, stream)
                          : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return st;
 }
 
 size_t gpumem_allocation_size(gpumem_t* gm, const void* ptr) {
   if (!gm || !ptr) return 0;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
   size_t size = b ? b->requested : 0;
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return size;
 }
 
 gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_empty_cache: NULL allocator");
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   /* The plan goes too: a caller emptying the cache wants the memory back,
    * and a plan would map its arena again at once. */
   gm_plan_drop(gm);
   gpumem_status_t st = free_cached_memory(gm);
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return st;
 }
 
@@ -675,11 +675,11 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
 
 static gpumem_status_t apply_limit(gpumem_t* gm, size_t limit) {
   gpumem_status_t st = GPUMEM_OK;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   gm->limit = limit;
   /* Give back what the cache holds above the new cap; live memory stays. */
   if (over_limit(gm, 0)) st = free_cached_memory(gm);
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return st;
 }
 
@@ -709,16 +709,16 @@ gpumem_status_t gpumem_set_limit_fraction(gpumem_t* gm, double fraction) {
 
 void gpumem_remove_limit(gpumem_t* gm) {
   if (!gm) return;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   gm->limit = 0;
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
 }
 
 size_t gpumem_get_limit(gpumem_t* gm) {
   if (!gm) return 0;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   size_t limit = gm->limit;
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return limit;
 }
 
@@ -726,7 +726,7 @@ gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_callback_t fn, 
   if (!gm || !fn)
     return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
                    "gpumem_add_oom_callback: NULL allocator or function");
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   gpumem_status_t st = GPUMEM_OK;
   if (gm->num_callbacks >= 16) {
     st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_add_oom_callback: at most 16 callbacks");
@@ -741,7 +741,7 @@ gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_callback_t fn, 
       gm->num_callbacks++;
     }
   }
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return st;
 }
 
@@ -783,7 +783,7 @@ void gpumem_get_stats(gpumem_t* gm, gpumem_stats_t* out) {
   memset(out, 0, sizeof *out);
   out->struct_size = sizeof *out;
   if (!gm) return;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   *out = gm->stats;
   out->struct_size = sizeof *out;
   fill_derived(gm, out);
@@ -792,22 +792,22 @@ void gpumem_get_stats(gpumem_t* gm, gpumem_stats_t* out) {
   if (gm->backend->mem_info(gm->backend->ctx, &free_bytes, &total) == GPUMEM_OK)
     out->device_free = free_bytes;
   out->backend_calls[GPUMEM_CALL_mem_info] = gm->stats.backend_calls[GPUMEM_CALL_mem_info];
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
 }
 
 void gpumem_reset_peak_stats(gpumem_t* gm) {
   if (!gm) return;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
 #define GM_X_RESET_PEAK(name, title, is_bytes) \
   for (int p = 0; p < GPUMEM_POOL_COUNT; p++) gm->stats.name[p].peak = gm->stats.name[p].current;
   GPUMEM_STAT_ARRAYS(GM_X_RESET_PEAK)
 #undef GM_X_RESET_PEAK
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
 }
 
 void gpumem_reset_accumulated_stats(gpumem_t* gm) {
   if (!gm) return;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
 #define GM_X_RESET_ACC(name, title, is_bytes)                  \
   for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {                \
     gm->stats.name[p].allocated = gm->stats.name[p].freed = 0; \
@@ -818,7 +818,7 @@ void gpumem_reset_accumulated_stats(gpumem_t* gm) {
   GPUMEM_STAT_COUNTERS(GM_X_RESET_COUNTER)
 #undef GM_X_RESET_COUNTER
   memset(gm->stats.backend_calls, 0, sizeof gm->stats.backend_calls);
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
 }
 
 int gpumem_print_summary(gpumem_t* gm, gpumem_write_fn write, void* arg) {

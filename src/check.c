@@ -273,7 +273,7 @@ size_t gpumem_check(gpumem_t* gm) {
     gpumem_set_last_error("gpumem_check: NULL allocator");
     return 1;
   }
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   sums s = {0};
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
     if (seg->next_seg && seg->next_seg->prev_seg != seg) violation(&c, "segment list broken");
@@ -335,7 +335,7 @@ size_t gpumem_check(gpumem_t* gm) {
     violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live,
               s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]);
   }
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return c.errors;
 }
 
@@ -368,7 +368,7 @@ gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
   if (!gm || !out) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_explain: NULL argument");
   memset(out, 0, sizeof *out);
   out->struct_size = sizeof *out;
-  pthread_mutex_lock(&gm->lock);
+  gm_lock_acquire(&gm->lock);
   out->reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
   out->spare_pages = (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
@@ -396,6 +396,6 @@ gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
   /* Live and pending blocks lie wholly in mapped pages (an invariant), so
    * their bytes plus the free bytes in mapped pages are the mapped memory:
    * the fields partition reserved memory. */
-  pthread_mutex_unlock(&gm->lock);
+  gm_lock_release(&gm->lock);
   return GPUMEM_OK;
 }

@@ -25,6 +25,7 @@
 #include <stdbool.h>
 
 #include "internal.h"
+#include "lock.h"
 
 #define GM_MIN_BLOCK ((size_t)512)    /* rounding unit (PyTorch's kMinBlockSize) */
 #define GM_SMALL_SIZE (GM_MIB)        /* requests up to this go to the small pool */
@@ -262,7 +263,7 @@ typedef struct gm_block_slab {
 } gm_block_slab;
 
 struct gpumem {
-  pthread_mutex_t lock;
+  gm_lock lock;
   gpumem_backend_t* backend;
   gpumem_options_t opts;
   bool virtual_memory; /* default policy on a backend with page slots */
