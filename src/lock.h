@@ -30,7 +30,9 @@ static inline int gm_lock_init(gm_lock* l) {
   return 0;
 }
 
-static inline void gm_lock_destroy(gm_lock* l) { (void)l; }
+static inline void gm_lock_destroy(gm_lock* l) {
+  (void)l;
+}
 
 static inline void gm_lock_futex(gm_lock* l, int op, int value) {
   /* atomic_int has int's size and alignment on Linux's ABIs, as the futex
@@ -63,10 +65,18 @@ typedef struct gm_lock {
   pthread_mutex_t mutex;
 } gm_lock;
 
-static inline int gm_lock_init(gm_lock* l) { return pthread_mutex_init(&l->mutex, NULL); }
-static inline void gm_lock_destroy(gm_lock* l) { pthread_mutex_destroy(&l->mutex); }
-static inline void gm_lock_acquire(gm_lock* l) { pthread_mutex_lock(&l->mutex); }
-static inline void gm_lock_release(gm_lock* l) { pthread_mutex_unlock(&l->mutex); }
+static inline int gm_lock_init(gm_lock* l) {
+  return pthread_mutex_init(&l->mutex, NULL);
+}
+static inline void gm_lock_destroy(gm_lock* l) {
+  pthread_mutex_destroy(&l->mutex);
+}
+static inline void gm_lock_acquire(gm_lock* l) {
+  pthread_mutex_lock(&l->mutex);
+}
+static inline void gm_lock_release(gm_lock* l) {
+  pthread_mutex_unlock(&l->mutex);
+}
 
 #endif
 #endif
