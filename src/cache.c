@@ -27,7 +27,8 @@ gm_block* gm_block_new(gpumem_t* gm) {
       slab->chunks = chunks;
       slab->chunk_capacity = cap;
     }
-    gm_block* chunk = malloc(GM_SLAB_CHUNK * sizeof *chunk);
+    /* Aligned so that each block fills exactly two cache lines. */
+    gm_block* chunk = aligned_alloc(64, GM_SLAB_CHUNK * sizeof *chunk);
     if (!chunk) return NULL;
     slab->chunks[slab->num_chunks++] = chunk;
     for (size_t i = 0; i < GM_SLAB_CHUNK; i++) {

@@ -46,30 +46,38 @@ typedef struct gm_segment gm_segment;
 typedef struct gm_pool gm_pool;
 typedef struct gm_stream gm_stream;
 
-#define GM_INLINE_USES 2
+#define GM_INLINE_USES 1
 
 struct gm_block {
+  /* First cache line: what best-fit searches (treap walks), tiling walks
+   * and the free path read. */
   uintptr_t addr;
   size_t size;
-  size_t requested; /* the caller's size while allocated */
-  gm_block* prev;   /* address neighbours inside the segment */
-  gm_block* next;
-  gm_segment* seg;
-  gm_pool* pool;
   gm_block* left; /* free index treap links */
   gm_block* right;
-  gm_block* dirty_prev; /* arena blocks that may hold mapped free pages */
-  gm_block* dirty_next;
+  gm_block* prev; /* address neighbours inside the segment */
+  gm_block* next;
+  gm_segment* seg;
   uint32_t prio; /* treap priority, a hash of the address */
   uint8_t state; /* gm_block_state */
   uint8_t in_dirty;
   uint16_t num_uses; /* streams other than the owner's it was used on */
-  uint32_t pending_events;
+  /* Second line. */
+  gm_pool* pool;
+  size_t requested;     /* the caller's size while allocated */
+  uint64_t seq;         /* planner: 1 + the request's sequence number, 0 = none */
+  gm_block* dirty_prev; /* arena blocks that may hold mapped free pages */
+  gm_block* dirty_next;
+  gpumem_stream_t* extra_uses; /* num_uses > GM_INLINE_USES; kept for reuse */
   gpumem_stream_t inline_uses[GM_INLINE_USES];
-  gpumem_stream_t* extra_uses; /* num_uses > GM_INLINE_USES */
-  uint32_t extra_capacity;
-  uint64_t seq; /* planner: 1 + the request's sequence number, 0 = none */
+  uint32_t pending_events;
+  uint16_t extra_capacity; /* entries in extra_uses */
 };
+#if UINTPTR_MAX == UINT64_MAX
+/* Two cache lines exactly (the slab aligns its chunks): a block touched
+ * on the hot path costs at most two lines, the first for searches. */
+_Static_assert(sizeof(gm_block) == 128, "gm_block should fill two cache lines");
+#endif
 
 /* A segment is either a plain device allocation (pytorch policy: blocks
  * tile it, it is freed whole) or an arena: a reserved address range whose

@@ -432,6 +432,26 @@ static void test_record_stream(const char* conf) {
   fx_done(&f);
 }
 
+/* A block struct outlives its uses: a block used on several other streams,
+ * freed and reused many times, keeps one use array of its size (it once
+ * doubled at every reuse until host memory ran out). */
+static void test_record_stream_reuse(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  const gpumem_stream_t others[] = {SB, SC, (gpumem_stream_t)0xD0, (gpumem_stream_t)0xE0};
+  char* first = NULL;
+  for (int round = 0; round < 48; round++) {
+    char* a = alloc(&f, 12 * MIB, SA);
+    if (!first) first = a;
+    CHECK_MSG(a == first, "%s: round %d: the freed block was not reused", conf, round);
+    for (size_t k = 0; k < sizeof others / sizeof others[0]; k++)
+      CHECK_STATUS(gpumem_record_stream(f.gm, a, others[k]), GPUMEM_OK);
+    release(&f, a);
+    CHECK_MSG(gpumem_check(f.gm) == 0, "%s: round %d: %s", conf, round, gpumem_last_error());
+  }
+  fx_done(&f);
+}
+
 typedef struct oom_cb {
   fx_t* f;
   void* to_free;
@@ -988,6 +1008,8 @@ int main(int argc, char** argv) {
   test_stream_ownership();
   test_record_stream("policy:pytorch");
   test_record_stream("policy:default");
+  test_record_stream_reuse("policy:pytorch");
+  test_record_stream_reuse("policy:default,placement:bestfit");
   test_retry_ladder();
   test_empty_cache();
   test_limit_fraction("policy:pytorch");
