@@ -225,6 +225,21 @@ else
 fi
 expect_true "peak reserved differs between runs: $RES vs $RESERVED" [ "$RES" = "$RESERVED" ]
 
+# It is the smallest to a page (reserved memory grows by 2 MiB pages on the
+# simulated device): the limit replays, one page less runs out of memory.
+run "$BIN" replay --json --passes 0 --limit "$MIN" "$TINY"
+expect_in '"oom":false' "$out" "replay under the min limit $MIN"
+run "$BIN" replay --json --passes 0 --limit "$((MIN - 2097152))" "$TINY"
+expect_in '"oom":true' "$out" "replay a page under the min limit $MIN"
+run "$BIN" replay --json --min-limit-tolerance 0.5 "$TINY"
+expect_rc 0 "replay --min-limit-tolerance 0.5"
+expect_in '"min_limit_bytes":' "$out" "--min-limit-tolerance implies --min-limit"
+for badtol in 0 1 -0.1 abc; do
+  run "$BIN" replay --min-limit-tolerance "$badtol" "$TINY"
+  expect_rc 1 "--min-limit-tolerance $badtol"
+  expect_in "bad --min-limit-tolerance '$badtol'" "$err" "--min-limit-tolerance $badtol"
+done
+
 run "$BIN" replay --min-limit "$TINY"
 expect_rc 0 "replay --min-limit (human)"
 expect_in "min limit" "$out" "replay --min-limit (human)"

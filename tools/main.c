@@ -76,6 +76,8 @@ static const char usage_replay[] =
     "  --device sim|cuda         simulated device (default) or the real GPU\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --min-limit               also bisect the smallest limit that replays the trace\n"
+    "  --min-limit-tolerance F   stop the bisection within F x peak live (default: one\n"
+    "                            page or 0.25%, the finer)\n"
     "  --steady N                append N repetitions of the trace's last period (a\n"
     "                            training step) and time them apart: a long run's\n"
     "                            steady state (traces that end in no period: as they are)\n"
@@ -166,6 +168,7 @@ enum {
   OPT_DEVICE,
   OPT_CAPACITY,
   OPT_MIN_LIMIT,
+  OPT_MIN_LIMIT_TOLERANCE,
   OPT_STEADY,
   OPT_JSON,
   OPT_COMPARE,
@@ -179,12 +182,19 @@ typedef struct option_spec {
 } option_spec_t;
 
 static const option_spec_t all_options[] = {
-    {"policy", OPT_POLICY, 1},           {"limit", OPT_LIMIT, 1},
-    {"limit-ratio", OPT_LIMIT_RATIO, 1}, {"conf", OPT_CONF, 1},
-    {"passes", OPT_PASSES, 1},           {"device", OPT_DEVICE, 1},
-    {"capacity", OPT_CAPACITY, 1},       {"min-limit", OPT_MIN_LIMIT, 0},
-    {"steady", OPT_STEADY, 1},           {"json", OPT_JSON, 0},
-    {"compare", OPT_COMPARE, 0},         {"help", OPT_HELP, 0},
+    {"policy", OPT_POLICY, 1},
+    {"limit", OPT_LIMIT, 1},
+    {"limit-ratio", OPT_LIMIT_RATIO, 1},
+    {"conf", OPT_CONF, 1},
+    {"passes", OPT_PASSES, 1},
+    {"device", OPT_DEVICE, 1},
+    {"capacity", OPT_CAPACITY, 1},
+    {"min-limit", OPT_MIN_LIMIT, 0},
+    {"min-limit-tolerance", OPT_MIN_LIMIT_TOLERANCE, 1},
+    {"steady", OPT_STEADY, 1},
+    {"json", OPT_JSON, 0},
+    {"compare", OPT_COMPARE, 0},
+    {"help", OPT_HELP, 0},
 };
 
 typedef struct cli {
@@ -312,6 +322,20 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
       case OPT_MIN_LIMIT:
         cli->min_limit = 1;
         break;
+      case OPT_MIN_LIMIT_TOLERANCE: {
+        char* end;
+        errno = 0;
+        double f = strtod(value, &end);
+        if (errno || end == value || *end || !(f > 0) || !(f < 1)) {
+          return error(
+              "bad --min-limit-tolerance '%s' (a fraction of peak live, above 0 and "
+              "below 1, e.g. 0.0025)",
+              value);
+        }
+        c->min_limit_tolerance = f;
+        cli->min_limit = 1;
+        break;
+      }
       case OPT_JSON:
         cli->json = 1;
         break;
@@ -897,7 +921,7 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
     if (mins) {
       printf(
           "min limit: smallest hard limit under which the trace replays, / peak live"
-          " (bisection to 0.25%%).\n");
+          " (bisection to one page or 0.25%%, the finer, unless --min-limit-tolerance).\n");
     }
   }
   free(r);
@@ -909,8 +933,9 @@ static int cmd_replay(int argc, char** argv) {
   memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_LIMIT_RATIO) |
                      (1u << OPT_CONF) | (1u << OPT_PASSES) | (1u << OPT_DEVICE) |
-                     (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) | (1u << OPT_STEADY) |
-                     (1u << OPT_JSON) | (1u << OPT_COMPARE) | (1u << OPT_HELP);
+                     (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) |
+                     (1u << OPT_MIN_LIMIT_TOLERANCE) | (1u << OPT_STEADY) | (1u << OPT_JSON) |
+                     (1u << OPT_COMPARE) | (1u << OPT_HELP);
   int rc = parse_args(argc, argv, allowed, usage_replay, &cli);
   if (rc == 0 && cli.help) {
     fputs(usage_replay, stdout);

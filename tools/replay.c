@@ -556,8 +556,8 @@ done:
 
 /* One cold pass from a fresh allocator under limit (0 = none). */
 static gpumem_status_t probe(const trace_t* trace, const replay_config_t* c, size_t limit,
-                             const char* label, int* ok, uint64_t* peak_reserved, char* msg,
-                             size_t msg_len) {
+                             const char* label, int* ok, uint64_t* peak_reserved,
+                             uint64_t* page_size, char* msg, size_t msg_len) {
   gpumem_options_t opts;
   replay_session_t* session = NULL;
   gpumem_status_t st = replay_options(c, trace, &opts);
@@ -583,6 +583,7 @@ static gpumem_status_t probe(const trace_t* trace, const replay_config_t* c, siz
     gpumem_get_stats(gm, &s);
     *ok = !pr->oom;
     *peak_reserved = (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].peak;
+    if (page_size) *page_size = s.page_size;
     if (pr->oom && msg) {
       /* The report is quoted inside ours: drop its own program prefix. */
       const char* why = pr->oom_message;
@@ -607,7 +608,7 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
   const uint64_t peak = trace->peak_live_bytes;
   char label[96], msg[1536] = "";
   int ok = 0;
-  uint64_t reserved = 0;
+  uint64_t reserved = 0, page = 0;
   r->min_limit_done = 1;
   r->min_limit_found = 0;
   r->min_limit_bytes = 0;
@@ -616,7 +617,7 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
   r->min_limit_message[0] = '\0';
 
   r->min_limit_probes++;
-  st = probe(trace, &c, 0, "min-limit: no limit", &ok, &reserved, msg, sizeof msg);
+  st = probe(trace, &c, 0, "min-limit: no limit", &ok, &reserved, &page, msg, sizeof msg);
   if (st != GPUMEM_OK) return st;
   if (!ok) {
     snprintf(r->min_limit_message, sizeof r->min_limit_message,
@@ -632,7 +633,7 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
     snprintf(label, sizeof label, "min-limit: upper bound %.3f GiB",
              (double)hi / (double)((uint64_t)1 << 30));
     r->min_limit_probes++;
-    st = probe(trace, &c, (size_t)hi, label, &ok, &reserved, msg, sizeof msg);
+    st = probe(trace, &c, (size_t)hi, label, &ok, &reserved, NULL, msg, sizeof msg);
     if (st != GPUMEM_OK) return st;
     if (ok) break;
     if (tries == 8) {
@@ -645,16 +646,23 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
   }
 
   /* Nothing can replay under peak live: it is the lower end without a
-   * probe. */
+   * probe. Reserved memory grows by whole pages, so limits between two
+   * page multiples replay alike: probes sit at page multiples while the
+   * bracket holds one, and a page is the default precision (0.25% of peak
+   * live was the first: it left llama's answer at the unlimited run's
+   * 1.0020 x peak live, where 1.0004 x replays). */
   uint64_t lo = peak;
-  uint64_t tol = peak / 400; /* 0.25% */
+  uint64_t tol = c.min_limit_tolerance > 0 ? (uint64_t)((double)peak * c.min_limit_tolerance)
+                                           : peak / 400; /* 0.25% */
+  if (c.min_limit_tolerance <= 0 && page && page < tol) tol = page;
   if (tol == 0) tol = 1;
   while (hi > lo && hi - lo >= tol) {
     uint64_t mid = lo + (hi - lo) / 2;
+    if (page && mid - mid % page > lo) mid -= mid % page;
     snprintf(label, sizeof label, "min-limit: probe %d at %.4f x peak live",
              r->min_limit_probes + 1, (double)mid / (double)peak);
     r->min_limit_probes++;
-    st = probe(trace, &c, (size_t)mid, label, &ok, &reserved, NULL, 0);
+    st = probe(trace, &c, (size_t)mid, label, &ok, &reserved, NULL, NULL, 0);
     if (st != GPUMEM_OK) return st;
     if (ok) {
       hi = mid;
