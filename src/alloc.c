@@ -523,11 +523,11 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   }
   b->requested = size;
   b->seq = gm->planner.enabled ? gm->planner.n : 0;
-  gm_stat_pool_add(gm, gm->stats.allocation, small, 1);
-  gm_stat_pool_add(gm, gm->stats.allocated_bytes, small, (int64_t)b->size);
-  gm_stat_pool_add(gm, gm->stats.active, small, 1);
-  gm_stat_pool_add(gm, gm->stats.active_bytes, small, (int64_t)b->size);
-  gm_stat_pool_add(gm, gm->stats.requested_bytes, small, (int64_t)size);
+  gm_stat_pool_grow(gm->stats.allocation, small, 1);
+  gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
+  gm_stat_pool_grow(gm->stats.active, small, 1);
+  gm_stat_pool_grow(gm->stats.active_bytes, small, (int64_t)b->size);
+  gm_stat_pool_grow(gm->stats.requested_bytes, small, (int64_t)size);
   if ((uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current > gm->allocated_high_water) {
     gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
   }
@@ -629,9 +629,9 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   } else {
     gm_free_block(gm, b);
   }
-  gm_stat_pool_add(gm, gm->stats.allocation, small, -1);
-  gm_stat_pool_add(gm, gm->stats.allocated_bytes, small, -(int64_t)size);
-  gm_stat_pool_add(gm, gm->stats.requested_bytes, small, -(int64_t)requested);
+  gm_stat_pool_shrink(gm->stats.allocation, small, 1);
+  gm_stat_pool_shrink(gm->stats.allocated_bytes, small, (int64_t)size);
+  gm_stat_pool_shrink(gm->stats.requested_bytes, small, (int64_t)requested);
   gpumem_status_t st = GPUMEM_OK;
   /* Eager reclaim: the pointer is freed whatever the unmap says; a device
    * error is still reported. */

@@ -399,8 +399,8 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
     gm_stat_pool_add(gm, gm->stats.inactive_split, small, split_count);
     gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, split_bytes);
   }
-  gm_stat_pool_add(gm, gm->stats.active, small, -1);
-  gm_stat_pool_add(gm, gm->stats.active_bytes, small, -(int64_t)original_size);
+  gm_stat_pool_shrink(gm->stats.active, small, 1);
+  gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)original_size);
   if (b->seg->is_arena && b->size >= gm->page_size) gm_dirty_add(b->pool, b);
   return b;
 }

@@ -459,6 +459,26 @@ static inline void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small
   gm_stat_add(&arr[GPUMEM_POOL_ALL], delta);
   gm_stat_add(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], delta);
 }
+
+/* The same where the sign is known (the malloc and free paths): no branch
+ * on it. */
+static inline void gm_stat_grow(gpumem_stat_t* s, int64_t n) {
+  s->current += n;
+  s->allocated += n;
+  if (s->current > s->peak) s->peak = s->current;
+}
+static inline void gm_stat_shrink(gpumem_stat_t* s, int64_t n) {
+  s->current -= n;
+  s->freed += n;
+}
+static inline void gm_stat_pool_grow(gpumem_stat_t* arr, bool small, int64_t n) {
+  gm_stat_grow(&arr[GPUMEM_POOL_ALL], n);
+  gm_stat_grow(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], n);
+}
+static inline void gm_stat_pool_shrink(gpumem_stat_t* arr, bool small, int64_t n) {
+  gm_stat_shrink(&arr[GPUMEM_POOL_ALL], n);
+  gm_stat_shrink(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], n);
+}
 void gm_segment_link(gpumem_t* gm, gm_segment* seg);
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
 /* Links a new segment [addr, addr+size) whose one block b is free and
