@@ -656,7 +656,9 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
                                            : peak / 400; /* 0.25% */
   if (c.min_limit_tolerance <= 0 && page && page < tol) tol = page;
   if (tol == 0) tol = 1;
-  while (hi > lo && hi - lo >= tol) {
+  /* (> tol: a bracket of exactly one page between two page multiples is
+   * the answer; probing inside it would only repeat its lower end.) */
+  while (hi > lo && hi - lo > tol) {
     uint64_t mid = lo + (hi - lo) / 2;
     if (page && mid - mid % page > lo) mid -= mid % page;
     snprintf(label, sizeof label, "min-limit: probe %d at %.4f x peak live",

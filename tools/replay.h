@@ -39,9 +39,9 @@ typedef struct replay_config {
   size_t sim_capacity;  /* simulated device memory (default 1 TiB) */
   size_t sim_page_size; /* default 2 MiB */
   int cuda_device;      /* ordinal for REPLAY_DEVICE_CUDA */
-  /* replay_min_limit stops when the bracket is narrower than this fraction
-   * of peak live (> 0), or, at 0 (the default), narrower than one page of
-   * the device or 0.25% of peak live, whichever is finer. */
+  /* replay_min_limit stops when the bracket is at most this fraction of
+   * peak live (> 0), or, at 0 (the default), at most one page of the
+   * device or 0.25% of peak live, whichever is finer. */
   double min_limit_tolerance;
   replay_progress_fn progress;
   void* progress_arg;
@@ -171,10 +171,10 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* config
 
 /* The smallest limit (bytes) under which the whole trace replays in one
  * cold pass, bisected between peak live and the peak reserved without a
- * limit until the interval is under config->min_limit_tolerance (by
+ * limit until the interval is at most config->min_limit_tolerance (by
  * default one page or 0.25% of peak live, the finer); probes are at whole
- * pages where the bracket allows. Each probe a fresh allocator. Any limit in config is ignored.
- * Fills the min_limit fields. */
+ * pages where the bracket allows. Each probe a fresh allocator. Any limit
+ * in config is ignored. Fills the min_limit fields. */
 gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* config,
                                  replay_result_t* result);
 
