@@ -443,25 +443,7 @@ size_t gm_plan_check(gpumem_t* gm, char* msg, size_t len);
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);
 /* Statistics: on every malloc and free, so inline; a delta's sign is
  * usually known where it is called, and the branch folds away. */
-static inline void gm_stat_add(gpumem_stat_t* s, int64_t delta) {
-  s->current += delta;
-  if (delta > 0) {
-    s->allocated += delta;
-    if (s->current > s->peak) s->peak = s->current;
-  } else {
-    s->freed -= delta;
-  }
-}
-
-/* Adds to the all-pools entry and to the small or large one. */
-static inline void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta) {
-  (void)gm;
-  gm_stat_add(&arr[GPUMEM_POOL_ALL], delta);
-  gm_stat_add(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], delta);
-}
-
-/* The same where the sign is known (the malloc and free paths): no branch
- * on it. */
+/* Where the sign is known (the malloc and free paths): no branch on it. */
 static inline void gm_stat_grow(gpumem_stat_t* s, int64_t n) {
   s->current += n;
   s->allocated += n;
@@ -470,6 +452,20 @@ static inline void gm_stat_grow(gpumem_stat_t* s, int64_t n) {
 static inline void gm_stat_shrink(gpumem_stat_t* s, int64_t n) {
   s->current -= n;
   s->freed += n;
+}
+
+static inline void gm_stat_add(gpumem_stat_t* s, int64_t delta) {
+  if (delta > 0)
+    gm_stat_grow(s, delta);
+  else
+    gm_stat_shrink(s, -delta);
+}
+
+/* Adds to the all-pools entry and to the small or large one. */
+static inline void gm_stat_pool_add(gpumem_t* gm, gpumem_stat_t* arr, bool small, int64_t delta) {
+  (void)gm;
+  gm_stat_add(&arr[GPUMEM_POOL_ALL], delta);
+  gm_stat_add(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], delta);
 }
 static inline void gm_stat_pool_grow(gpumem_stat_t* arr, bool small, int64_t n) {
   gm_stat_grow(&arr[GPUMEM_POOL_ALL], n);

@@ -64,17 +64,15 @@ gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream) {
                    (unsigned long)b->addr);
   }
   /* The array outlives the uses (a block struct is reused after its frees
-   * complete): grow it only when it is full, whatever its earlier size. */
-  if (b->num_uses == b->extra_capacity || b->extra_capacity < 8) {
-    uint32_t cap = b->extra_capacity < 8 ? 8 : 2u * b->extra_capacity;
+   * complete): grow it only when it is full, whatever its earlier size.
+   * (num_uses < UINT16_MAX here, so a full array is below the clamp.) */
+  if (!b->extra_capacity || b->num_uses == b->extra_capacity) {
+    uint32_t cap = b->extra_capacity ? 2u * b->extra_capacity : 8;
     if (cap > UINT16_MAX) cap = UINT16_MAX;
-    if (cap > b->extra_capacity) {
-      gpumem_stream_t* grown = realloc(b->extra_uses, cap * sizeof *grown);
-      if (!grown)
-        return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_record_stream: out of host memory");
-      b->extra_uses = grown;
-      b->extra_capacity = (uint16_t)cap;
-    }
+    gpumem_stream_t* grown = realloc(b->extra_uses, cap * sizeof *grown);
+    if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_record_stream: out of host memory");
+    b->extra_uses = grown;
+    b->extra_capacity = (uint16_t)cap;
   }
   if (b->num_uses == GM_INLINE_USES) memcpy(b->extra_uses, b->inline_uses, sizeof b->inline_uses);
   b->extra_uses[b->num_uses++] = stream;
