@@ -215,9 +215,12 @@ WORKLOADS = {
 }
 
 
-def run_steps(torch, make_state, step, steps, warmup=0, start=0):
+def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None):
     """Trains warmup + steps steps; returns (per-step ms of the timed ones,
-    oom message or None)."""
+    oom message or None). Also fills issue_ms (when given): per timed step,
+    the host time until step() returned, before the loss is read. A step
+    whose issue time is well below its step time waited on the GPU: host
+    costs such as the allocator's do not lengthen it."""
     state = make_state()
     times = []
     oom = None
@@ -226,10 +229,13 @@ def run_steps(torch, make_state, step, steps, warmup=0, start=0):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             loss = step(state, start + i)
+            t_issued = time.perf_counter()
             loss.item()  # a host sync, as a training loop logging its loss has
             torch.cuda.synchronize()
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
+                if issue_ms is not None:
+                    issue_ms.append((t_issued - t0) * 1e3)
             del loss
     except Exception as e:  # out of memory is a result, anything else a bug
         if not is_oom(torch, e):
@@ -276,7 +282,8 @@ def main():
     t0 = time.perf_counter()
     model, make_state, step = WORKLOADS[args.workload](torch, args)
     build_s = time.perf_counter() - t0
-    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup)
+    issue = []
+    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup, issue_ms=issue)
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
@@ -288,6 +295,8 @@ def main():
         # every timed step, in order: the same seed gives the same shapes per
         # step, so runs of two allocators can be compared step by step
         "step_ms": [round(t, 3) for t in times],
+        # host time to issue each timed step (see run_steps)
+        "issue_median_ms": round(statistics.median(issue), 3) if issue else None,
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "oom": oom is not None,
