@@ -204,7 +204,8 @@ typedef struct gm_ptr_map {
 #define GM_PLAN_RING 8192 /* requests remembered: two of the longest period */
 #define GM_PLAN_MAX_PERIOD 4096
 #define GM_PLAN_MIN_PERIOD 16
-#define GM_PLAN_TABLE 16384 /* context hash -> latest request index */
+#define GM_PLAN_TABLE 16384        /* context hash -> latest request index */
+#define GM_PLAN_SAMPLE_AFTER 16384 /* requests without a plan before detection samples (plan.c) */
 #define GM_PLAN_MAX_STREAMS 4
 
 typedef struct gm_plan_req {

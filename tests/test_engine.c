@@ -948,6 +948,38 @@ static void test_planned_loop(const char* conf) {
   fx_done(&f);
 }
 
+/* A workload that repeats only after a long stretch that never does: past
+ * GM_PLAN_SAMPLE_AFTER requests without a plan, detection consults its
+ * table for one context in eight, and must still find the loop. */
+static void test_planned_after_noise(const char* conf) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* held[4] = {NULL, NULL, NULL, NULL};
+  uint64_t x = 88172645463325252ull;
+  for (int i = 0; i < 20000; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17; /* xorshift: sizes that never repeat in step */
+    size_t size = 512 + (size_t)(x % (8 * MIB));
+    int k = (int)((x >> 40) % 4);
+    if (held[k]) release(&f, held[k]);
+    held[k] = alloc(&f, size, SA);
+  }
+  for (int k = 0; k < 4; k++) release(&f, held[k]);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
+  gpumem_stats_t s = stats(&f);
+  CHECK_MSG(s.num_plans == 0, "%s: %lld plans built from requests that never repeat", conf,
+            (long long)s.num_plans);
+  live_set_t l;
+  memset(&l, 0, sizeof l);
+  for (int it = 0; it < 30; it++) loop_step(&f, &l, 0, conf);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
+  s = stats(&f);
+  CHECK_MSG(s.num_plans >= 1 && s.num_planned_allocs > 10 * 36,
+            "%s: after 20000 unrepeated requests the loop was not planned (%lld plans, %lld "
+            "planned allocations)",
+            conf, (long long)s.num_plans, (long long)s.num_planned_allocs);
+  fx_done(&f);
+}
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1032,6 +1064,7 @@ int main(int argc, char** argv) {
   test_planned_loop("policy:default,reclaim:pressure,placement:bestfit"); /* for comparison */
   test_planned_loop("policy:default,reclaim:pressure,placement:planned");
   test_planned_loop("policy:default,reclaim:lazy,placement:planned");
+  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned");
 
   if (blocks > 0) {
     test_throughput("policy:pytorch", blocks);
