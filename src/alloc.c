@@ -205,6 +205,7 @@ void gpumem_destroy(gpumem_t* gm) {
   gm_release_spare_pages(gm, 0);
   free(gm->spare_pages);
   free(gm->phys);
+  free(gm->aliases);
   free(gm->spare_runs);
   gm_streams_destroy(gm);
   gm_ptr_map_destroy(&gm->ptrs);
@@ -499,6 +500,16 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
         gm->stats.num_alloc_retries++;
         st = try_alloc(gm, pool, rsize, &b);
       }
+    }
+    /* Last: a large request may share a partly used page (pages.c). */
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && gm->virtual_memory && !small && !b) {
+      char cause[512];
+      snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+      gpumem_status_t alias = gm_alias_alloc(gm, pool, rsize, &b);
+      if (alias != GPUMEM_ERR_OUT_OF_MEMORY || b)
+        st = alias;
+      else
+        gpumem_set_last_error("%s", cause); /* the report names the first cause */
     }
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) {
       if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);

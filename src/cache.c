@@ -378,9 +378,9 @@ static void absorb_neighbour(gpumem_t* gm, gm_block* b, gm_block* n, int64_t* sp
   gm_block_delete(gm, n);
 }
 
-gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
-  bool small = gm_block_stat_small(b); /* before merging: the live block's size */
-  size_t original_size = b->size;
+/* b (allocated, pending or a shadow) becomes free, merged with its free
+ * neighbours, indexed; returns the merged block. */
+static gm_block* release_block(gpumem_t* gm, gm_block* b, bool small) {
   int64_t split_count = 0, split_bytes = 0;
   if (b->seg->is_arena) gm_arena_busy(gm, b, -1);
   b->state = GM_FREE;
@@ -399,10 +399,22 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
     gm_stat_pool_add(gm, gm->stats.inactive_split, small, split_count);
     gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, small, split_bytes);
   }
-  gm_stat_pool_shrink(gm->stats.active, small, 1);
-  gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)original_size);
   if (b->seg->is_arena && b->size >= gm->page_size) gm_dirty_add(b->pool, b);
   return b;
+}
+
+gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
+  bool small = gm_block_stat_small(b); /* before merging: the live block's size */
+  size_t original_size = b->size;
+  if (GM_UNLIKELY(b->aliased)) gm_alias_release(gm, b);
+  b = release_block(gm, b, small);
+  gm_stat_pool_shrink(gm->stats.active, small, 1);
+  gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)original_size);
+  return b;
+}
+
+gm_block* gm_free_shadow(gpumem_t* gm, gm_block* b) {
+  return release_block(gm, b, gm_block_stat_small(b));
 }
 
 /* Splits the free block f (out of the index) at front bytes: the front

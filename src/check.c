@@ -30,7 +30,7 @@ typedef struct sums {
   int64_t requested_bytes[GPUMEM_POOL_COUNT];
   int64_t split[GPUMEM_POOL_COUNT], split_bytes[GPUMEM_POOL_COUNT];
   int64_t segments[GPUMEM_POOL_COUNT], reserved[GPUMEM_POOL_COUNT];
-  size_t free_blocks, pending_refs, mapped_pages;
+  size_t free_blocks, pending_refs, mapped_pages, shadows, aliased;
 } sums;
 
 static void add(int64_t* arr, bool small, int64_t v) {
@@ -84,8 +84,9 @@ static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
                 id ? "a longer mapping has" : "a single-page mapping lacks");
       continue;
     }
-    if (id && (id > gm->phys_count || gm->phys[id - 1].live_seg != seg ||
-               gm->phys[id - 1].live_page != p || gm->phys[id - 1].handle != seg->handles[p]))
+    if (id && (id > gm->phys_count || gm->phys[id - 1].handle != seg->handles[p] ||
+               !((gm->phys[id - 1].live_seg == seg && gm->phys[id - 1].live_page == p) ||
+                 (gm->phys[id - 1].alias_seg == seg && gm->phys[id - 1].alias_page == p))))
       violation(c, "arena 0x%lx page %zu: its page record says it lives elsewhere", at, p);
     uint32_t g = seg->ghost_id[p];
     if (!g) continue;
@@ -117,6 +118,8 @@ static void check_page_records(gpumem_t* gm, check_ctx* c) {
         violation(c, "page record %u: ghost %u waits for a synchronization its stream never had",
                   id, k);
     }
+    if (r->alias_seg && (!r->live_seg || r->alias_seg->live_id[r->alias_page] != id))
+      violation(c, "page record %u: not aliased where it says", id);
     if (r->live_seg) {
       if (r->live_seg->live_id[r->live_page] != id)
         violation(c, "page record %u: not live where it says", id);
@@ -173,6 +176,9 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
         add(s->active, gm_block_stat_small(b), 1);
         add(s->active_bytes, gm_block_stat_small(b), (int64_t)b->size);
         break;
+      case GM_SHADOW:
+        s->shadows++;
+        break;
       case GM_PENDING:
         if (!b->pending_events)
           violation(c, "pending block 0x%lx waits for no event", (unsigned long)b->addr);
@@ -183,6 +189,9 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       default:
         violation(c, "block 0x%lx: bad state %d", (unsigned long)b->addr, b->state);
     }
+    if (b->aliased) s->aliased++;
+    if (b->aliased && b->state != GM_ALLOCATED && b->state != GM_PENDING)
+      violation(c, "block 0x%lx: an alias's owner is not live", (unsigned long)b->addr);
     if (b->state != GM_FREE && b->in_dirty)
       violation(c, "non-free block 0x%lx in a dirty list", (unsigned long)b->addr);
     if (seg->is_arena && b->state != GM_FREE) {
@@ -226,6 +235,35 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
     check_pages(gm, seg, c);
     s->mapped_pages += mapped;
     if (small) s->reserved[GPUMEM_POOL_SMALL] += (int64_t)(mapped * ps);
+  }
+}
+
+/* Each alias: its owner live and ending on its last page, which is the
+ * shared page; the shadow after the owner to that page's end; the shadow
+ * over the shared page's first bytes where it lives; nothing else shadowed. */
+static void check_aliases(gpumem_t* gm, const sums* s, check_ctx* c) {
+  size_t ps = gm->page_size;
+  if (s->shadows != 2 * gm->num_aliases || s->aliased != gm->num_aliases)
+    violation(c, "%zu aliases, %zu shadow blocks, %zu owners", gm->num_aliases, s->shadows,
+              s->aliased);
+  for (size_t k = 0; k < gm->num_aliases; k++) {
+    const gm_alias* a = &gm->aliases[k];
+    const gm_block* o = a->owner;
+    const gm_phys* r = a->id && a->id <= gm->phys_count ? &gm->phys[a->id - 1] : NULL;
+    if (!r || !r->alias_seg || !r->live_seg || r->alias_seg != o->seg || r->live_seg != o->seg) {
+      violation(c, "alias %zu: its page is not shared in its owner's arena", k);
+      continue;
+    }
+    uintptr_t last = o->seg->addr + (uintptr_t)r->alias_page * ps,
+              at = o->seg->addr + r->live_page * ps;
+    size_t e = o->addr + o->size - last;
+    const gm_block* h = a->shadow_here;
+    const gm_block* t = a->shadow_there;
+    if (!o->aliased || o->addr >= last || e == 0 || e >= ps || o->next != h ||
+        h->state != GM_SHADOW || h->addr + h->size != last + ps || t->state != GM_SHADOW ||
+        t->seg != o->seg || t->addr != at || t->size != e)
+      violation(c, "alias %zu (owner 0x%lx): owner, shadows and shared page do not line up", k,
+                (unsigned long)o->addr);
   }
 }
 
@@ -304,8 +342,11 @@ size_t gpumem_check(gpumem_t* gm) {
     violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
   if (gm->virtual_memory) {
     check_page_records(gm, &c);
+    check_aliases(gm, &s, &c);
+    /* an aliased page is mapped twice and held once */
     int64_t all =
-        (int64_t)((s.mapped_pages + gm->num_spare_pages + gm->spare_run_pages) * gm->page_size);
+        (int64_t)((s.mapped_pages - gm->num_aliases + gm->num_spare_pages + gm->spare_run_pages) *
+                  gm->page_size);
     s.reserved[GPUMEM_POOL_ALL] = all;
     s.reserved[GPUMEM_POOL_LARGE] = all - s.reserved[GPUMEM_POOL_SMALL];
   }
@@ -331,9 +372,9 @@ size_t gpumem_check(gpumem_t* gm) {
     violation(&c, "%s", plan_msg);
     c.errors += plan_errors - 1;
   }
-  if (gm->slab.live != s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]) {
+  if (gm->slab.live != s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL]) {
     violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live,
-              s.free_blocks + (size_t)s.active[GPUMEM_POOL_ALL]);
+              s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL]);
   }
   gm_lock_release(&gm->lock);
   return c.errors;
@@ -380,6 +421,8 @@ gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
         out->rounding += b->size - b->requested;
       } else if (b->state == GM_PENDING) {
         out->other_streams += b->size;
+      } else if (b->state == GM_SHADOW) {
+        continue; /* bytes of a shared page, counted where they are used */
       } else {
         out->free_blocks++;
         if (seg->is_arena)

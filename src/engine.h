@@ -39,7 +39,10 @@
 #define GM_CLASS_COUNT 448
 #define GM_CLASS_WORDS (GM_CLASS_COUNT / 64)
 
-typedef enum { GM_FREE = 0, GM_ALLOCATED = 1, GM_PENDING = 2 } gm_block_state;
+/* GM_SHADOW: a range no block may use because its bytes are another
+ * address's on the same physical page (an alias, pages.c); not a user
+ * allocation, never merged until its alias ends. */
+typedef enum { GM_FREE = 0, GM_ALLOCATED = 1, GM_PENDING = 2, GM_SHADOW = 3 } gm_block_state;
 
 typedef struct gm_block gm_block;
 typedef struct gm_segment gm_segment;
@@ -72,6 +75,7 @@ struct gm_block {
   gpumem_stream_t inline_uses[GM_INLINE_USES];
   uint32_t pending_events;
   uint16_t extra_capacity; /* entries in extra_uses */
+  uint8_t aliased;         /* its last page is an alias (pages.c): ends it when freed */
 };
 #if UINTPTR_MAX == UINT64_MAX
 /* Two cache lines exactly (the slab aligns its chunks): a block touched
@@ -145,7 +149,20 @@ typedef struct gm_phys {
    * else the stream's syncs count then plus one; a later synchronization
    * (syncs > mark - 1) finished every use of the address. */
   uint64_t ghost_sync_mark[GM_MAX_GHOSTS];
+  /* A second address where it is live (an alias, pages.c), or NULL. */
+  gm_segment* alias_seg;
+  uint32_t alias_page;
 } gm_phys;
+
+/* A request that fitted only by sharing a partly used page: its last page
+ * is mapped to the physical page of another address in the same arena
+ * whose first bytes are free there (pages.c, gm_alias_alloc). */
+typedef struct gm_alias {
+  gm_block* owner;        /* the allocation; ends at offset e of its last page */
+  gm_block* shadow_here;  /* [owner's end, end of its last page): the other's bytes */
+  gm_block* shadow_there; /* the first e bytes of the shared page at its own address */
+  uint32_t id;            /* the shared physical page */
+} gm_alias;
 
 typedef struct gm_free_index {
   gm_block* roots[GM_CLASS_COUNT];
@@ -298,6 +315,8 @@ struct gpumem {
    * through live_page. */
   gm_phys* phys;
   size_t phys_count, phys_capacity;
+  gm_alias* aliases;
+  size_t num_aliases, aliases_capacity;
   uint32_t phys_free_head; /* 1 + index, 0 = none */
   uint32_t* spare_pages;   /* 1 + index of pages held but live nowhere */
   size_t num_spare_pages, spare_pages_capacity;
@@ -379,6 +398,8 @@ gm_block* gm_ptr_map_find(const gm_ptr_map* m, uintptr_t addr);
 gm_block* gm_ptr_map_remove(gm_ptr_map* m, uintptr_t addr);
 /* Marks b free, merges it with free neighbours, indexes the result. */
 gm_block* gm_free_block(gpumem_t* gm, gm_block* b);
+/* Frees a shadow block (no statistics: it holds no user bytes). */
+gm_block* gm_free_shadow(gpumem_t* gm, gm_block* b);
 /* Carves size bytes off the front of free block b (already out of the
  * index) when the policy says so; the rest goes back to the index. */
 void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split);
@@ -409,6 +430,14 @@ gpumem_status_t gm_reclaim(gpumem_t* gm, size_t want, size_t* reclaimed);
 gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep);
 /* Bytes of whole free pages that could be reclaimed now (stats). */
 uint64_t gm_reclaimable_bytes(gpumem_t* gm);
+/* The retry ladder's last rung for a large request in a regular arena:
+ * placed at the arena's tail with its last page shared with a page whose
+ * first bytes are free elsewhere in the arena (one page fewer to find).
+ * On success *out is allocated, out of the index, mapped. */
+gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out);
+/* Ends the alias of b (being freed): its shadows are freed, its last page
+ * stays mapped as a ghost. No backend call. */
+void gm_alias_release(gpumem_t* gm, gm_block* b);
 void gm_arena_destroy(gpumem_t* gm, gm_segment* seg);
 /* Releases an arena that holds nothing but its one free block (its mapped
  * pages become spare). */

@@ -162,6 +162,21 @@ gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_bl
 
 void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
   size_t ps = gm->page_size;
+  /* Aliases first (blocks still allocated at gpumem_destroy): the page
+   * goes back once, from where it lives. */
+  for (size_t k = 0; k < gm->num_aliases;) {
+    gm_phys* r = phys_of(gm, gm->aliases[k].id);
+    if (r->alias_seg != seg) {
+      k++;
+      continue;
+    }
+    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + r->alias_page * ps, ps));
+    clear_mapped(seg, r->alias_page);
+    seg->live_id[r->alias_page] = 0;
+    r->alias_seg = NULL;
+    r->alias_page = 0;
+    gm->aliases[k] = gm->aliases[--gm->num_aliases];
+  }
   for (size_t p = 0; p < seg->mapped_end; p++) {
     uint32_t ghost = seg->ghost_id[p];
     if (ghost) { /* its page lives on elsewhere or as spare */
@@ -950,4 +965,173 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
     p += n;
   }
   return GPUMEM_OK;
+}
+
+/* ---- aliases: a partly used page shared by the request that needs it ----
+ *
+ * At the peak of a workload the bytes beyond live ones are mostly the free
+ * parts of pages that live blocks only partly cover, at the edges of holes
+ * (t5: 0.49% of live bytes); no reclaim can take them while the neighbours
+ * live. When a large request still finds no room at the end of the retry
+ * ladder, its last page need not be a new one: a physical page may be
+ * mapped at two addresses (ghosts already are), so the page of another
+ * address in the same arena whose first e bytes are free there is mapped
+ * once more under the request's last page, where the request uses only its
+ * first e bytes. Two shadow blocks keep the rest apart: after the request,
+ * up to the end of its last page (the other address's bytes), and the
+ * first e bytes at the other address (the request's). The bytes of the
+ * physical page are used at one address or the other, never both, and in
+ * stream order within one arena's stream. When the request is freed its
+ * shadows are freed and its last page stays mapped as a ghost: no call.
+ *
+ * Only the arena's tail can hold a request that the holes could not: the
+ * request goes there, so its last page is a page the arena never mapped
+ * or one it gave up. Measured at t5's peak under a limit one page below
+ * its min limit: the 363 MiB request that ran out ends 0.55 pages into
+ * its last page, and 5 pages of the arena had that much free at their
+ * front. */
+
+/* Carves [addr, addr + size) out of the free block f (indexed) as a shadow:
+ * the free parts before and after go back to the index. NULL, with f as it
+ * was, without host memory for the block structs. */
+static gm_block* carve_shadow(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t size) {
+  gm_pool* pool = f->pool;
+  gm_index_remove(&pool->index, f);
+  if (f->in_dirty) gm_dirty_remove(pool, f);
+  if (f->addr < addr) {
+    gm_block* rest = gm_split_free_front(gm, f, addr - f->addr);
+    if (!rest) {
+      gm_index_insert(&pool->index, f);
+      if (f->size >= gm->page_size) gm_dirty_add(pool, f);
+      return NULL;
+    }
+    f = rest;
+  }
+  if (f->size > size) {
+    gm_split_block(gm, f, size, true);
+    if (f->size != size) { /* no block struct: f back as a free block */
+      gm_index_insert(&pool->index, f);
+      if (f->size >= gm->page_size) gm_dirty_add(pool, f);
+      return NULL;
+    }
+  }
+  f->state = GM_SHADOW;
+  gm_arena_busy(gm, f, 1);
+  return f;
+}
+
+/* The page of seg, other than those from before_page to last_page, whose
+ * first e bytes are free and which is live there alone (a single-page
+ * mapping, no alias): the free block that covers them is returned in
+ * *hole. The tightest such page, to leave larger free fronts to larger
+ * needs. SIZE_MAX if none. */
+static size_t find_free_front(gpumem_t* gm, gm_segment* seg, size_t e, size_t before_page,
+                              size_t last_page, gm_block** hole) {
+  size_t ps = gm->page_size, best = SIZE_MAX, best_free = SIZE_MAX;
+  for (gm_block* b = seg->first; b; b = b->next) {
+    if (b->state != GM_FREE || !b->next) continue;
+    uintptr_t end = b->addr + b->size - seg->addr;
+    size_t p = end / ps, free_front = end % ps;
+    if (free_front < e || b->addr - seg->addr > p * ps)
+      continue; /* not free from the page's start */
+    if (p + 1 >= before_page && p <= last_page) continue;
+    uint32_t id = seg->live_id[p];
+    if (!id || phys_of(gm, id)->alias_seg || phys_of(gm, id)->live_seg != seg) continue;
+    if (free_front < best_free) {
+      best = p;
+      best_free = free_front;
+      *hole = b;
+    }
+  }
+  return best;
+}
+
+gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
+  if (!gm->virtual_memory || pool->is_small || pool->is_plan)
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "no page to share");
+  size_t ps = gm->page_size;
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (!seg->is_arena || seg->pool != pool || seg->plan_serving) continue;
+    gm_block* tail = seg->first;
+    while (tail->next) tail = tail->next;
+    if (tail->state != GM_FREE) continue;
+    uintptr_t start = tail->addr - seg->addr, end = start + rsize;
+    size_t first_page = start / ps, last_page = (end - 1) / ps, e = end - last_page * ps;
+    /* Nothing to gain where the request fills its last page, or where its
+     * last page is already mapped (no new page to spare). */
+    if (e == ps || last_page <= first_page || tail->size < rsize + (ps - e) ||
+        gm_arena_page_mapped(seg, last_page))
+      continue;
+    gm_block* hole = NULL;
+    size_t q = find_free_front(gm, seg, e, first_page, last_page, &hole);
+    if (q == SIZE_MAX) continue;
+    uint32_t id = seg->live_id[q];
+    /* Room for the ghost the alias becomes, and the address unmapped. */
+    gpumem_status_t st = GPUMEM_OK;
+    if (seg->ghost_id[last_page]) st = ghost_drop(gm, seg, last_page);
+    if (st == GPUMEM_OK && phys_of(gm, id)->num_ghosts == GM_MAX_GHOSTS)
+      st = ghost_drop(gm, phys_of(gm, id)->ghost_seg[0], phys_of(gm, id)->ghost_page[0]);
+    if (st != GPUMEM_OK) return st;
+    if (!grow_list((void**)&gm->aliases, &gm->aliases_capacity, gm->num_aliases + 1,
+                   sizeof *gm->aliases))
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an alias");
+    gm_block* there = carve_shadow(gm, hole, seg->addr + q * ps, e);
+    if (!there) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an alias");
+    /* The shadow to the end of the request's last page, carved out of the
+     * tail; what stays free before it is exactly the request's range. */
+    gm_block* here = carve_shadow(gm, tail, seg->addr + end, ps - e);
+    if (!here) {
+      gm_free_shadow(gm, there);
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an alias");
+    }
+    gm_block* b = here->prev;
+    gm_index_remove(&pool->index, b);
+    if (b->in_dirty) gm_dirty_remove(pool, b);
+    b->state = GM_ALLOCATED;
+    gm_arena_busy(gm, b, 1);
+    st = gm_arena_map_range(gm, seg, b->addr, last_page * ps - start);
+    if (st == GPUMEM_OK)
+      st = GM_CALL(gm, map,
+                   gm->backend->map(gm->backend->ctx, seg->addr + last_page * ps, ps,
+                                    phys_of(gm, id)->handle));
+    if (st != GPUMEM_OK) {
+      /* Undo: counted active so that freeing balances to nothing. */
+      gm_free_shadow(gm, here);
+      gm_free_shadow(gm, there);
+      gm_stat_pool_add(gm, gm->stats.active, false, 1);
+      gm_stat_pool_add(gm, gm->stats.active_bytes, false, (int64_t)b->size);
+      gm_free_block(gm, b);
+      return st;
+    }
+    set_mapped(seg, last_page, phys_of(gm, id)->handle, last_page);
+    seg->live_id[last_page] = id;
+    phys_of(gm, id)->alias_seg = seg;
+    phys_of(gm, id)->alias_page = (uint32_t)last_page;
+    gm->aliases[gm->num_aliases++] = (gm_alias){b, here, there, id};
+    b->aliased = 1;
+    gm->stats.num_pages_mapped++;
+    gm->stats.num_pages_aliased++;
+    *out = b;
+    return GPUMEM_OK;
+  }
+  return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "no page to share");
+}
+
+void gm_alias_release(gpumem_t* gm, gm_block* b) {
+  size_t k = 0;
+  while (k < gm->num_aliases && gm->aliases[k].owner != b) k++;
+  if (k == gm->num_aliases) return; /* cannot happen: gpumem_check pairs them */
+  gm_alias a = gm->aliases[k];
+  gm->aliases[k] = gm->aliases[--gm->num_aliases];
+  gm_phys* r = phys_of(gm, a.id);
+  gm_segment* seg = r->alias_seg;
+  size_t p = r->alias_page;
+  clear_mapped(seg, p);
+  seg->live_id[p] = 0;
+  r->alias_seg = NULL;
+  r->alias_page = 0;
+  ghost_note(gm, a.id, seg, p); /* room was made when the alias was */
+  b->aliased = 0;
+  gm_free_shadow(gm, a.shadow_here);
+  gm_free_shadow(gm, a.shadow_there);
 }

@@ -848,6 +848,145 @@ static void test_streams_share_pages(const char* conf) {
 
 /* ---- throughput ---- */
 
+/* ---- aliases: a partly used page shared by a request (pages.c) ---- */
+
+/* Writes or verifies byte v over [addr, addr + n) of a host-backed sim. */
+static int pattern(fx_t* f, const char* addr, size_t n, unsigned char v, int verify) {
+  for (size_t off = 0; off < n;) {
+    uintptr_t a = (uintptr_t)addr + off;
+    size_t chunk = 2 * MIB - (a % (2 * MIB));
+    if (chunk > n - off) chunk = n - off;
+    unsigned char* h = gpumem_sim_host_ptr(f->sim, a);
+    if (!h) return 0;
+    for (size_t i = 0; i < chunk; i++) {
+      if (!verify)
+        h[i] = v;
+      else if (h[i] != v)
+        return 0;
+    }
+    off += chunk;
+  }
+  return 1;
+}
+
+/* Pages 0-3 hold x1 [0, 4 MiB) and x3 [5.5, 8 MiB); page 2's first 1.5 MiB
+ * are a hole. Under a limit of 6 pages a 5 MiB request fits at the tail
+ * only with its last page (ending 1 MiB in) shared with page 2. */
+typedef struct alias_fx {
+  fx_t f;
+  char *x1, *x3;
+} alias_fx_t;
+
+static alias_fx_t alias_setup(int event_delay) {
+  alias_fx_t a;
+  memset(&a, 0, sizeof a);
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = 1 * GIB;
+  so.host_backed = 1;
+  so.event_delay_queries = event_delay;
+  a.f.sim = gpumem_sim_create(&so);
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  CHECK_STATUS(gpumem_options_parse(&o, "policy:default,placement:bestfit"), GPUMEM_OK);
+  gpumem_status_t st;
+  a.f.gm = gpumem_create(a.f.sim, &o, &st);
+  CHECK_MSG(a.f.gm != NULL, "create: %s", gpumem_last_error());
+  if (!a.f.gm) return a;
+  a.x1 = alloc(&a.f, 4 * MIB, SA);
+  char* x2 = alloc(&a.f, 3 * MIB / 2, SA);
+  a.x3 = alloc(&a.f, 5 * MIB / 2, SA);
+  CHECK_MSG(x2 == a.x1 + 4 * MIB && a.x3 == x2 + 3 * MIB / 2 && (uintptr_t)a.x1 % (2 * MIB) == 0,
+            "alias fixture: blocks not laid out as planned");
+  release(&a.f, x2);
+  CHECK_STATUS(gpumem_set_limit(a.f.gm, 12 * MIB), GPUMEM_OK);
+  CHECK(pattern(&a.f, a.x1, 4 * MIB, 0x11, 0));
+  return a;
+}
+
+static char* alias_alloc(alias_fx_t* a) {
+  int64_t before = stats(&a->f).num_pages_aliased;
+  CHECK(pattern(&a->f, a->x3, 5 * MIB / 2, 0x33, 0));
+  char* r = alloc(&a->f, 5 * MIB, SA);
+  CHECK_MSG(gpumem_check(a->f.gm) == 0, "alias: %s", gpumem_last_error());
+  CHECK_MSG(r == a->x1 + 8 * MIB, "alias: the request is not at the tail");
+  CHECK_MSG(stats(&a->f).num_pages_aliased == before + 1, "alias: no page was shared");
+  CHECK_MSG(reserved(&a->f) == 12 * MIB, "alias: reserved %lld, want 6 pages",
+            (long long)reserved(&a->f));
+  /* The last MiB of r is page 2's first MiB; x3's bytes stay x3's. */
+  CHECK(gpumem_sim_host_ptr(a->f.sim, (uintptr_t)(r + 4 * MIB)) ==
+        gpumem_sim_host_ptr(a->f.sim, (uintptr_t)(a->x1 + 4 * MIB)));
+  CHECK(pattern(&a->f, r, 5 * MIB, 0xAB, 0));
+  CHECK_MSG(pattern(&a->f, a->x3, 5 * MIB / 2, 0x33, 1) && pattern(&a->f, a->x1, 4 * MIB, 0x11, 1),
+            "alias: writing the request changed its neighbours' bytes");
+  CHECK(pattern(&a->f, a->x3, 5 * MIB / 2, 0x34, 0));
+  CHECK_MSG(pattern(&a->f, r, 5 * MIB, 0xAB, 1), "alias: writing x3 changed the request's bytes");
+  return r;
+}
+
+static void alias_check(alias_fx_t* a, const char* when) {
+  CHECK_MSG(gpumem_check(a->f.gm) == 0, "alias, %s: %s", when, gpumem_last_error());
+}
+
+static void test_alias(void) {
+  /* Freed first, allocated again (its last page is a ghost now, of a page
+   * still busy where it lives: shared again), then its neighbour first. */
+  alias_fx_t a = alias_setup(0);
+  if (!a.f.gm) return fx_done(&a.f);
+  char* r = alias_alloc(&a);
+  release(&a.f, r);
+  alias_check(&a, "request freed");
+  r = alias_alloc(&a);
+  release(&a.f, a.x3);
+  alias_check(&a, "the shared page's other user freed");
+  release(&a.f, r);
+  alias_check(&a, "both freed");
+  release(&a.f, a.x1);
+  CHECK_STATUS(gpumem_empty_cache(a.f.gm), GPUMEM_OK);
+  alias_check(&a, "emptied");
+  CHECK_MSG(reserved(&a.f) == 0, "alias: %lld bytes reserved after empty_cache",
+            (long long)reserved(&a.f));
+  fx_done(&a.f);
+
+  /* Freed while another stream still uses it (record_stream): pending,
+   * then freed with its alias when the event completes. */
+  a = alias_setup(2);
+  if (!a.f.gm) return fx_done(&a.f);
+  r = alias_alloc(&a);
+  CHECK_STATUS(gpumem_record_stream(a.f.gm, r, SB), GPUMEM_OK);
+  release(&a.f, r);
+  alias_check(&a, "pending");
+  for (int i = 0; i < 6; i++) release(&a.f, alloc(&a.f, 512, SA)); /* queries the event */
+  alias_check(&a, "pending, completed");
+  release(&a.f, a.x3);
+  release(&a.f, a.x1);
+  fx_done(&a.f);
+
+  /* Still allocated at gpumem_destroy: every page goes back once (fx_done
+   * checks the device holds nothing). */
+  a = alias_setup(0);
+  if (!a.f.gm) return fx_done(&a.f);
+  alias_alloc(&a);
+  fx_done(&a.f);
+
+  /* The device fails the shared page's mapping: a clean error, nothing
+   * held for it, and the next try succeeds. */
+  a = alias_setup(0);
+  if (!a.f.gm) return fx_done(&a.f);
+  gpumem_sim_fail(a.f.sim, GPUMEM_CALL_map, 2, 1, GPUMEM_ERR_BACKEND);
+  void* p = NULL;
+  gpumem_status_t st = gpumem_malloc(a.f.gm, 5 * MIB, SA, &p);
+  CHECK_MSG(st == GPUMEM_ERR_BACKEND && !p, "alias, failed map: %s", gpumem_strerror(st));
+  alias_check(&a, "failed map");
+  CHECK_MSG(stats(&a.f).num_pages_aliased == 0, "alias: counted though it failed");
+  gpumem_sim_fail_clear(a.f.sim);
+  r = alias_alloc(&a);
+  release(&a.f, r);
+  release(&a.f, a.x1);
+  release(&a.f, a.x3);
+  fx_done(&a.f);
+}
+
 /* ---- planned placement ---- */
 
 typedef struct live_set {
@@ -1065,6 +1204,7 @@ int main(int argc, char** argv) {
   test_planned_loop("policy:default,reclaim:pressure,placement:planned");
   test_planned_loop("policy:default,reclaim:lazy,placement:planned");
   test_planned_after_noise("policy:default,reclaim:lazy,placement:planned");
+  test_alias();
 
   if (blocks > 0) {
     test_throughput("policy:pytorch", blocks);

@@ -298,6 +298,61 @@ static void test_limit(int policy) {
   gpumem_destroy(gm);
 }
 
+/* ---- a partly used page shared by a request (an alias) ------------------ */
+
+/* Pages 0-3 hold x1 [0, 2p) and x3 [2.75p, 4p); page 2's first 0.75p are a
+ * hole. Under a limit of 6 pages a 2.5-page request fits at the tail only
+ * with its last page (ending 0.5p in) mapped to page 2's physical page:
+ * the same bytes through two addresses, on the real device. */
+static void test_alias(void) {
+  gpumem_t* gm = make(GPUMEM_POLICY_DEFAULT, 1);
+  if (!gm) return;
+  gpumem_stats_t s;
+  gpumem_get_stats(gm, &s);
+  size_t ps = s.page_size;
+  void *x1 = NULL, *x2 = NULL, *x3 = NULL, *r = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, 2 * ps, 0, &x1), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 3 * ps / 4, 0, &x2), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 5 * ps / 4, 0, &x3), GPUMEM_OK);
+  uintptr_t a1 = (uintptr_t)x1, a3 = (uintptr_t)x3;
+  if (!x1 || !x2 || !x3 || (uintptr_t)x2 != a1 + 2 * ps || a3 != a1 + 11 * ps / 4 || a1 % ps) {
+    CHECK_MSG(0, "alias: blocks not laid out as planned");
+    gpumem_destroy(gm);
+    return;
+  }
+  CHECK_STATUS(gpumem_free(gm, x2), GPUMEM_OK);
+  CHECK_STATUS(gpumem_set_limit(gm, 6 * ps), GPUMEM_OK);
+  fill_pattern(a1, 2 * ps, 11);
+  fill_pattern(a3, 5 * ps / 4, 13);
+  for (int round = 0; round < 2; round++) {
+    CHECK_STATUS(gpumem_malloc(gm, 5 * ps / 2, 0, &r), GPUMEM_OK);
+    if (!r) break;
+    uintptr_t ar = (uintptr_t)r;
+    gpumem_get_stats(gm, &s);
+    CHECK_MSG(ar == a1 + 4 * ps && s.num_pages_aliased == round + 1 &&
+                  (size_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == 6 * ps,
+              "alias: at 0x%lx, %lld shared, %lld reserved", (unsigned long)ar,
+              (long long)s.num_pages_aliased, (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current);
+    CHECK_MSG(gpumem_check(gm) == 0, "alias: %s", gpumem_last_error());
+    fill_pattern(ar, 5 * ps / 2, 17 + (unsigned)round);
+    /* Its last half page is page 2's first half, read through x1's arena. */
+    DRV_OK(drv.MemsetD8((drv_ptr)(ar + 2 * ps), 0x5A, ps / 2));
+    CHECK_MSG(check_value(a1 + 2 * ps, ps / 2, 0x5A) == 0,
+              "alias: the shared bytes differ between the two addresses");
+    CHECK_MSG(check_pattern(a1, 2 * ps, 11) == 0 && check_pattern(a3, 5 * ps / 4, 13) == 0,
+              "alias: writing the request changed its neighbours' bytes");
+    CHECK_MSG(check_pattern(ar, 2 * ps, 17 + (unsigned)round) == 0,
+              "alias: the request's own pages changed");
+    CHECK_STATUS(gpumem_free(gm, r), GPUMEM_OK);
+    CHECK_MSG(gpumem_check(gm) == 0, "alias, freed: %s", gpumem_last_error());
+  }
+  CHECK_STATUS(gpumem_free(gm, x3), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, x1), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK_MSG(gpumem_check(gm) == 0, "alias, emptied: %s", gpumem_last_error());
+  gpumem_destroy(gm);
+}
+
 /* ---- out of memory at the device's real limit -------------------------- */
 
 static void test_oom(int policy) {
@@ -505,6 +560,7 @@ int main(void) {
     test_limit(policies[i]);
     test_oom(policies[i]);
   }
+  if (have_vmm) test_alias();
   /* Last: a premature reuse would fault the context. */
   for (int i = 0; i < 2; i++) test_streams(policies[i]);
 
