@@ -187,6 +187,20 @@ if command -v python3 >/dev/null 2>&1; then
   fi
 fi
 RESERVED=$(json_num peak_reserved_bytes)
+expect_in '"num_pages_aliased":0' "$out" "replay --json pages shared"
+# The H100 estimate of the mapping calls: per-call costs times the calls.
+if command -v python3 >/dev/null 2>&1; then
+  if printf '%s\n' "$out" | python3 -c '
+import json, sys
+d = json.loads(sys.stdin.readline()); c = d["backend_calls"]
+us = 12.7 * c["create_page"] + 35.1 * c["map"] + 19.6 * c["unmap"] + 18.4 * c["release_page"]
+want = us / d["ops_cold"]
+sys.exit(0 if want > 0 and abs(d["est_h100_map_us_per_op_cold"] - want) < 0.001 else 1)'; then
+    ok
+  else
+    bad "replay --json: est_h100_map_us_per_op_cold is not the calls priced: $out"
+  fi
+fi
 
 run "$BIN" replay --json --policy pytorch "$TINY" "$T/tiny.trace.gz"
 expect_rc 0 "replay --json of two traces"

@@ -494,6 +494,23 @@ static double per_1k(uint64_t calls, uint64_t ops) {
   return ops ? 1000.0 * (double)calls / (double)ops : 0;
 }
 
+/* What the mapping calls of a replay on the simulated device would take on
+ * a GPU, per operation: the simulated device prices them at a few hundred
+ * instructions, an H100 at tens of microseconds, so a workload that keeps
+ * moving pages looks cheap here and is not there. Per-call costs measured
+ * on an H100 (bench/gpu/vmm_cost.c, 2026-11-22, docs/design.md): create
+ * 12.7 us, map with its access grant 35.1 us, unmap 19.6 us, release 18.4
+ * us. Other calls (events, synchronizations) are left out. Measured
+ * against replays through CUDA (2026-11-25, call H): synth_random's warm
+ * pass 16.3 estimated, 16.9 us/op measured. */
+static double est_map_us_per_op(const uint64_t* calls, uint64_t ops) {
+  if (!ops) return 0.0;
+  double us = 12.7 * (double)calls[GPUMEM_CALL_create_page] +
+              35.1 * (double)calls[GPUMEM_CALL_map] + 19.6 * (double)calls[GPUMEM_CALL_unmap] +
+              18.4 * (double)calls[GPUMEM_CALL_release_page];
+  return us / (double)ops;
+}
+
 static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
                        const replay_result_t* r, const anchor_t* anchor) {
   fputs("{\"trace\":", f);
@@ -533,6 +550,13 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   json_calls(f, r->backend_calls_cold);
   fputs(",\"backend_calls_warm\":", f);
   json_calls(f, r->backend_calls_warm);
+  if (c->device == REPLAY_DEVICE_SIM) {
+    fprintf(f, ",\"est_h100_map_us_per_op_cold\":%.3f",
+            est_map_us_per_op(r->backend_calls_cold, r->ops_cold));
+    if (r->warm_passes)
+      fprintf(f, ",\"est_h100_map_us_per_op_warm\":%.3f",
+              est_map_us_per_op(r->backend_calls_warm, r->ops_warm));
+  }
   fprintf(f, ",\"num_syncs\":%lld,\"num_syncs_warm\":%lld", (long long)r->num_syncs_cold,
           (long long)r->num_syncs_warm);
   fprintf(f, ",\"num_alloc_retries\":%lld,\"num_alloc_retries_warm\":%lld",
@@ -659,6 +683,13 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   }
   print_calls_line(f, "calls (cold)", r->backend_calls_cold, r->ops_cold);
   if (r->warm_passes) print_calls_line(f, "calls (warm)", r->backend_calls_warm, r->ops_warm);
+  if (c->device == REPLAY_DEVICE_SIM && sum_calls(r->backend_calls_cold)) {
+    fprintf(f, "  %-16s~%.2f us/op cold", "on an H100",
+            est_map_us_per_op(r->backend_calls_cold, r->ops_cold));
+    if (r->warm_passes)
+      fprintf(f, ", ~%.2f us/op warm", est_map_us_per_op(r->backend_calls_warm, r->ops_warm));
+    fputs(" in mapping calls (estimated from per-call costs)\n", f);
+  }
   fprintf(f, "  %-16scold %lld, warm %lld\n", "syncs", (long long)r->num_syncs_cold,
           (long long)r->num_syncs_warm);
   fprintf(f, "  %-16scold %lld, warm %lld\n", "alloc retries", (long long)r->num_alloc_retries_cold,
