@@ -430,10 +430,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     gm_arena_busy(gm, b, 1);
     gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);
     if (st != GPUMEM_OK) {
-      /* Undo: count it active so that freeing it balances to nothing. */
-      gm_stat_pool_add(gm, gm->stats.active, pool->is_small, 1);
-      gm_stat_pool_add(gm, gm->stats.active_bytes, pool->is_small, (int64_t)b->size);
-      gm_free_block(gm, b);
+      gm_free_unused(gm, b);
       /* An arena reserved for this request alone goes back with it. */
       if (fresh) gm_arena_release_if_unused(gm, fresh);
       return st;
@@ -505,10 +502,8 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && gm->virtual_memory && !small && !b) {
       char cause[512];
       snprintf(cause, sizeof cause, "%s", gpumem_last_error());
-      gpumem_status_t alias = gm_alias_alloc(gm, pool, rsize, &b);
-      if (alias != GPUMEM_ERR_OUT_OF_MEMORY || b)
-        st = alias;
-      else
+      st = gm_alias_alloc(gm, pool, rsize, &b);
+      if (st == GPUMEM_ERR_OUT_OF_MEMORY)
         gpumem_set_last_error("%s", cause); /* the report names the first cause */
     }
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) {
@@ -527,9 +522,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   }
   st = gm_ptr_map_insert(&gm->ptrs, b);
   if (GM_UNLIKELY(st != GPUMEM_OK)) {
-    gm_stat_pool_add(gm, gm->stats.active, small, 1);
-    gm_stat_pool_add(gm, gm->stats.active_bytes, small, (int64_t)b->size);
-    gm_free_block(gm, b);
+    gm_free_unused(gm, b);
     return st;
   }
   b->requested = size;

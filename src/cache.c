@@ -43,6 +43,15 @@ gm_block* gm_block_new(gpumem_t* gm) {
   return b;
 }
 
+bool gm_block_reserve(gpumem_t* gm, int n) {
+  gm_block* got[8];
+  int k = 0;
+  while (k < n && k < 8 && (got[k] = gm_block_new(gm)) != NULL) k++;
+  bool ok = k == n;
+  while (k > 0) gm_block_delete(gm, got[--k]);
+  return ok;
+}
+
 void gm_block_delete(gpumem_t* gm, gm_block* b) {
   free(b->extra_uses);
   b->extra_uses = NULL;
@@ -417,6 +426,13 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
 
 gm_block* gm_free_shadow(gpumem_t* gm, gm_block* b) {
   return release_block(gm, b, gm_block_stat_small(b));
+}
+
+gm_block* gm_free_unused(gpumem_t* gm, gm_block* b) {
+  bool small = gm_block_stat_small(b);
+  gm_stat_pool_grow(gm->stats.active, small, 1);
+  gm_stat_pool_grow(gm->stats.active_bytes, small, (int64_t)b->size);
+  return gm_free_block(gm, b);
 }
 
 /* Splits the free block f (out of the index) at front bytes: the front

@@ -257,11 +257,11 @@ static void check_aliases(gpumem_t* gm, const sums* s, check_ctx* c) {
     uintptr_t last = o->seg->addr + (uintptr_t)r->alias_page * ps,
               at = o->seg->addr + r->live_page * ps;
     size_t e = o->addr + o->size - last;
-    const gm_block* h = a->shadow_here;
+    const gm_block* h = o->next;
     const gm_block* t = a->shadow_there;
-    if (!o->aliased || o->addr >= last || e == 0 || e >= ps || o->next != h ||
-        h->state != GM_SHADOW || h->addr + h->size != last + ps || t->state != GM_SHADOW ||
-        t->seg != o->seg || t->addr != at || t->size != e)
+    if (!o->aliased || o->addr >= last || e == 0 || e >= ps || !h || h->state != GM_SHADOW ||
+        h->addr + h->size != last + ps || t->state != GM_SHADOW || t->seg != o->seg ||
+        t->addr != at || t->size != e)
       violation(c, "alias %zu (owner 0x%lx): owner, shadows and shared page do not line up", k,
                 (unsigned long)o->addr);
   }

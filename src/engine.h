@@ -158,8 +158,9 @@ typedef struct gm_phys {
  * is mapped to the physical page of another address in the same arena
  * whose first bytes are free there (pages.c, gm_alias_alloc). */
 typedef struct gm_alias {
-  gm_block* owner;        /* the allocation; ends at offset e of its last page */
-  gm_block* shadow_here;  /* [owner's end, end of its last page): the other's bytes */
+  gm_block* owner;        /* the allocation; ends at offset e of its last page, and its
+                             next block is the shadow to that page's end (the other's
+                             bytes) */
   gm_block* shadow_there; /* the first e bytes of the shared page at its own address */
   uint32_t id;            /* the shared physical page */
 } gm_alias;
@@ -379,6 +380,9 @@ static inline bool gm_page_busy(const gm_segment* seg, size_t p) {
 
 /* ---- cache.c: blocks, free index, pointer map ---- */
 gm_block* gm_block_new(gpumem_t* gm);
+/* Makes room for n (<= 8) block structs, so that the next n gm_block_new
+ * calls cannot fail: for changes that must not stop halfway. */
+bool gm_block_reserve(gpumem_t* gm, int n);
 void gm_block_delete(gpumem_t* gm, gm_block* b);
 void gm_slab_destroy(gm_block_slab* slab);
 void gm_index_insert(gm_free_index* ix, gm_block* b);
@@ -400,6 +404,9 @@ gm_block* gm_ptr_map_remove(gm_ptr_map* m, uintptr_t addr);
 gm_block* gm_free_block(gpumem_t* gm, gm_block* b);
 /* Frees a shadow block (no statistics: it holds no user bytes). */
 gm_block* gm_free_shadow(gpumem_t* gm, gm_block* b);
+/* Frees b, taken for a request but never handed out (an undo): counted
+ * active first, so that freeing it balances to nothing. */
+gm_block* gm_free_unused(gpumem_t* gm, gm_block* b);
 /* Carves size bytes off the front of free block b (already out of the
  * index) when the policy says so; the rest goes back to the index. */
 void gm_split_block(gpumem_t* gm, gm_block* b, size_t size, bool split);

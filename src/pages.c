@@ -45,6 +45,7 @@ static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, 
 static gpumem_status_t drop_ghosts_in(gpumem_t* gm, gm_segment* seg);
 static void release_phys_everywhere(gpumem_t* gm, uint32_t id);
 static inline gm_phys* phys_of(gpumem_t* gm, uint32_t id);
+static gm_alias alias_forget(gpumem_t* gm, size_t k, gm_segment** seg, size_t* page);
 static void ghost_forget(gm_phys* r, const gm_segment* seg, size_t p);
 
 bool gm_arena_page_mapped(const gm_segment* seg, size_t page) {
@@ -165,17 +166,14 @@ void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
   /* Aliases first (blocks still allocated at gpumem_destroy): the page
    * goes back once, from where it lives. */
   for (size_t k = 0; k < gm->num_aliases;) {
-    gm_phys* r = phys_of(gm, gm->aliases[k].id);
-    if (r->alias_seg != seg) {
+    if (phys_of(gm, gm->aliases[k].id)->alias_seg != seg) {
       k++;
       continue;
     }
-    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + r->alias_page * ps, ps));
-    clear_mapped(seg, r->alias_page);
-    seg->live_id[r->alias_page] = 0;
-    r->alias_seg = NULL;
-    r->alias_page = 0;
-    gm->aliases[k] = gm->aliases[--gm->num_aliases];
+    gm_segment* at;
+    size_t page;
+    alias_forget(gm, k, &at, &page);
+    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + page * ps, ps));
   }
   for (size_t p = 0; p < seg->mapped_end; p++) {
     uint32_t ghost = seg->ghost_id[p];
@@ -992,32 +990,32 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
  * front. */
 
 /* Carves [addr, addr + size) out of the free block f (indexed) as a shadow:
- * the free parts before and after go back to the index. NULL, with f as it
- * was, without host memory for the block structs. */
+ * the free parts before and after go back to the index. Needs room for two
+ * block structs (gm_block_reserve), so that it cannot stop halfway. */
 static gm_block* carve_shadow(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t size) {
   gm_pool* pool = f->pool;
   gm_index_remove(&pool->index, f);
   if (f->in_dirty) gm_dirty_remove(pool, f);
-  if (f->addr < addr) {
-    gm_block* rest = gm_split_free_front(gm, f, addr - f->addr);
-    if (!rest) {
-      gm_index_insert(&pool->index, f);
-      if (f->size >= gm->page_size) gm_dirty_add(pool, f);
-      return NULL;
-    }
-    f = rest;
-  }
-  if (f->size > size) {
-    gm_split_block(gm, f, size, true);
-    if (f->size != size) { /* no block struct: f back as a free block */
-      gm_index_insert(&pool->index, f);
-      if (f->size >= gm->page_size) gm_dirty_add(pool, f);
-      return NULL;
-    }
-  }
+  if (f->addr < addr) f = gm_split_free_front(gm, f, addr - f->addr);
+  gm_split_block(gm, f, size, f->size > size);
   f->state = GM_SHADOW;
   gm_arena_busy(gm, f, 1);
   return f;
+}
+
+/* The alias of record k ends: the shared page is no longer live at its
+ * second address (the caller unmaps it there or leaves it as a ghost). */
+static gm_alias alias_forget(gpumem_t* gm, size_t k, gm_segment** seg, size_t* page) {
+  gm_alias a = gm->aliases[k];
+  gm->aliases[k] = gm->aliases[--gm->num_aliases];
+  gm_phys* r = phys_of(gm, a.id);
+  *seg = r->alias_seg;
+  *page = r->alias_page;
+  clear_mapped(*seg, *page);
+  (*seg)->live_id[*page] = 0;
+  r->alias_seg = NULL;
+  r->alias_page = 0;
+  return a;
 }
 
 /* The page of seg, other than those from before_page to last_page, whose
@@ -1047,8 +1045,6 @@ static size_t find_free_front(gpumem_t* gm, gm_segment* seg, size_t e, size_t be
 }
 
 gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
-  if (!gm->virtual_memory || pool->is_small || pool->is_plan)
-    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "no page to share");
   size_t ps = gm->page_size;
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
     if (!seg->is_arena || seg->pool != pool || seg->plan_serving) continue;
@@ -1073,17 +1069,13 @@ gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_blo
       st = ghost_drop(gm, phys_of(gm, id)->ghost_seg[0], phys_of(gm, id)->ghost_page[0]);
     if (st != GPUMEM_OK) return st;
     if (!grow_list((void**)&gm->aliases, &gm->aliases_capacity, gm->num_aliases + 1,
-                   sizeof *gm->aliases))
+                   sizeof *gm->aliases) ||
+        !gm_block_reserve(gm, 4))
       return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an alias");
     gm_block* there = carve_shadow(gm, hole, seg->addr + q * ps, e);
-    if (!there) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an alias");
     /* The shadow to the end of the request's last page, carved out of the
      * tail; what stays free before it is exactly the request's range. */
     gm_block* here = carve_shadow(gm, tail, seg->addr + end, ps - e);
-    if (!here) {
-      gm_free_shadow(gm, there);
-      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for an alias");
-    }
     gm_block* b = here->prev;
     gm_index_remove(&pool->index, b);
     if (b->in_dirty) gm_dirty_remove(pool, b);
@@ -1095,19 +1087,16 @@ gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_blo
                    gm->backend->map(gm->backend->ctx, seg->addr + last_page * ps, ps,
                                     phys_of(gm, id)->handle));
     if (st != GPUMEM_OK) {
-      /* Undo: counted active so that freeing balances to nothing. */
       gm_free_shadow(gm, here);
       gm_free_shadow(gm, there);
-      gm_stat_pool_add(gm, gm->stats.active, false, 1);
-      gm_stat_pool_add(gm, gm->stats.active_bytes, false, (int64_t)b->size);
-      gm_free_block(gm, b);
+      gm_free_unused(gm, b);
       return st;
     }
     set_mapped(seg, last_page, phys_of(gm, id)->handle, last_page);
     seg->live_id[last_page] = id;
     phys_of(gm, id)->alias_seg = seg;
     phys_of(gm, id)->alias_page = (uint32_t)last_page;
-    gm->aliases[gm->num_aliases++] = (gm_alias){b, here, there, id};
+    gm->aliases[gm->num_aliases++] = (gm_alias){b, there, id};
     b->aliased = 1;
     gm->stats.num_pages_mapped++;
     gm->stats.num_pages_aliased++;
@@ -1121,17 +1110,11 @@ void gm_alias_release(gpumem_t* gm, gm_block* b) {
   size_t k = 0;
   while (k < gm->num_aliases && gm->aliases[k].owner != b) k++;
   if (k == gm->num_aliases) return; /* cannot happen: gpumem_check pairs them */
-  gm_alias a = gm->aliases[k];
-  gm->aliases[k] = gm->aliases[--gm->num_aliases];
-  gm_phys* r = phys_of(gm, a.id);
-  gm_segment* seg = r->alias_seg;
-  size_t p = r->alias_page;
-  clear_mapped(seg, p);
-  seg->live_id[p] = 0;
-  r->alias_seg = NULL;
-  r->alias_page = 0;
+  gm_segment* seg;
+  size_t p;
+  gm_alias a = alias_forget(gm, k, &seg, &p);
   ghost_note(gm, a.id, seg, p); /* room was made when the alias was */
   b->aliased = 0;
-  gm_free_shadow(gm, a.shadow_here);
+  gm_free_shadow(gm, b->next);
   gm_free_shadow(gm, a.shadow_there);
 }

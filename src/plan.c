@@ -422,8 +422,8 @@ static bool same_as_plan(gm_planner* p, uint64_t s, uint64_t P) {
   return true;
 }
 
-/* The table slot of request i's context, or NULL where detection skips the
- * table: before 9 requests exist, and, once GM_PLAN_SAMPLE_AFTER requests
+/* The table slot of request i's context (i >= 8), or NULL where detection
+ * skips the table: once GM_PLAN_SAMPLE_AFTER requests
  * have gone by without a plan, for all but the contexts whose rolling sum
  * has its top three bits clear (one in eight). The contexts of a period
  * recur with it, so a period that begins later is still found, a few
@@ -431,15 +431,14 @@ static bool same_as_plan(gm_planner* p, uint64_t s, uint64_t P) {
  * workload that never repeats, such as t5, paid about 50 of its ~630
  * instructions per operation for detection.) */
 static uint64_t* detection_slot(gm_planner* p, uint64_t i) {
-  if (i < 8) return NULL;
   if (!p->period && i >= GM_PLAN_SAMPLE_AFTER && (req_at(p, i)->ctx >> 61)) return NULL;
   return &p->table[context_hash(p, i) % GM_PLAN_TABLE];
 }
 
-/* Request i was recorded; slot is detection_slot(p, i). */
-static void detect(gpumem_t* gm, uint64_t i, uint64_t* slot) {
+static void detect(gpumem_t* gm, uint64_t i) {
   gm_planner* p = &gm->planner;
   if (i < 8) return;
+  uint64_t* slot = detection_slot(p, i);
   uint64_t key = req_at(p, i)->key;
   if (p->cand) {
     if (req_at(p, i - p->cand)->key == key)
@@ -500,10 +499,7 @@ static gm_block* carve(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t rsize) 
   f->state = GM_ALLOCATED;
   gm_arena_busy(gm, f, 1);
   if (gm_arena_map_range(gm, f->seg, f->addr, f->size) != GPUMEM_OK) {
-    /* Undo as try_alloc does: counted active so that freeing balances. */
-    gm_stat_pool_add(gm, gm->stats.active, gm_block_stat_small(f), 1);
-    gm_stat_pool_add(gm, gm->stats.active_bytes, gm_block_stat_small(f), (int64_t)f->size);
-    gm_free_block(gm, f);
+    gm_free_unused(gm, f);
     return NULL;
   }
   return f;
@@ -686,8 +682,7 @@ gm_block* gm_plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize) {
   /* Detection runs until a plan has served two periods in a row: a plan
    * of a loop inside the step falls off between loops, and the step's
    * longer period then replaces it. */
-  if (p->state != GM_PLAN_ACTIVE || i - p->active_since < 2 * (uint64_t)p->period)
-    detect(gm, i, detection_slot(p, i));
+  if (p->state != GM_PLAN_ACTIVE || i - p->active_since < 2 * (uint64_t)p->period) detect(gm, i);
   return b;
 }
 
