@@ -215,18 +215,21 @@ WORKLOADS = {
 }
 
 
-def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None):
+def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, at_timed=None):
     """Trains warmup + steps steps; returns (per-step ms of the timed ones,
     oom message or None). Also fills issue_ms (when given): per timed step,
     the host time until step() returned, before the loss is read. A step
     whose issue time is well below its step time waited on the GPU: host
-    costs such as the allocator's do not lengthen it."""
+    costs such as the allocator's do not lengthen it. at_timed (when given)
+    is called once, just before the first timed step."""
     state = make_state()
     times = []
     oom = None
     try:
         for i in range(warmup + steps):
             torch.cuda.synchronize()
+            if i == warmup and at_timed is not None:
+                at_timed()
             t0 = time.perf_counter()
             loss = step(state, start + i)
             t_issued = time.perf_counter()
@@ -283,7 +286,17 @@ def main():
     model, make_state, step = WORKLOADS[args.workload](torch, args)
     build_s = time.perf_counter() - t0
     issue = []
-    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup, issue_ms=issue)
+    counters_before = {}
+    keep = ("num_syncs", "num_sync_all_streams", "num_pages_mapped", "num_pages_unmapped", "num_reclaims",
+            "num_alloc_retries", "num_device_alloc", "num_device_free", "allocation.all.allocated")
+
+    def snapshot():
+        import gpumem
+
+        counters_before.update(gpumem.memory_stats())
+
+    at_timed = snapshot if args.allocator == "gpumem" else None
+    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup, issue_ms=issue, at_timed=at_timed)
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
@@ -310,10 +323,17 @@ def main():
         import gpumem
 
         st = gpumem.memory_stats()
-        keep = ("num_syncs", "num_sync_all_streams", "num_pages_mapped", "num_pages_unmapped", "num_reclaims",
-                "num_alloc_retries", "num_device_alloc", "num_device_free", "allocation.all.allocated")
         result["gpumem"] = {k: st.get(k) for k in keep}
         result["gpumem"].update({k: v for k, v in st.items() if k.startswith("backend_calls.") and v})
+        # The same counters over the timed steps alone: device work there is
+        # what could lengthen a step.
+        if counters_before:
+            result["gpumem_timed"] = {
+                k: st[k] - counters_before.get(k, 0)
+                for k in st
+                if (k in keep or k.startswith("backend_calls.")) and isinstance(st[k], int)
+                and st[k] != counters_before.get(k, 0)
+            }
 
     if args.bisect > 0 and oom is None:
         # The cap lies between peak allocated (no allocator fits below) and
