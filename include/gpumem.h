@@ -127,16 +127,27 @@ typedef struct gpumem_options {
    * device first refuses memory.
    * Default 1 GiB. */
   size_t map_max_bytes;
+  /* Default policy, lazy reclaim: 1 (the default) lets the allocator stop
+   * moving pages to hold memory at the high-water mark once pages keep
+   * moving with no plan serving (more than one move per ten allocations
+   * over three windows of 4,096 allocations in a row): from then on it
+   * grows instead, as reclaim:pressure does, until empty_cache. Workloads
+   * whose sizes never repeat otherwise pay a page move (an unmap, a map
+   * and an access grant, ~55 us on an H100) every few allocations. Limits
+   * and device refusals still reclaim. 0 holds memory at the mark whatever
+   * it costs. */
+  int move_guard;
 } gpumem_options_t;
 
 /* Fills defaults (policy default with planned placement and lazy reclaim,
- * no limit, map_max 1 GiB). */
+ * no limit, map_max 1 GiB, move_guard on). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
- * placement (planned|bestfit), map_max (a size, as limit).
+ * placement (planned|bestfit), map_max (a size, as limit), move_guard
+ * (on|off).
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -212,22 +223,23 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(requested_bytes, "Requested memory", 1)
 
 /* Plain counters: PyTorch's and gpumem's own. */
-#define GPUMEM_STAT_COUNTERS(X)                               \
-  X(num_alloc_retries, "cudaMalloc retries")                  \
-  X(num_ooms, "CUDA OOMs")                                    \
-  X(num_sync_all_streams, "Synchronizations of all streams")  \
-  X(num_device_alloc, "Device allocations")                   \
-  X(num_device_free, "Device frees")                          \
-  X(num_syncs, "Stream or event synchronizations")            \
-  X(num_pages_mapped, "Pages mapped")                         \
-  X(num_pages_unmapped, "Pages unmapped")                     \
-  X(num_reclaims, "Page reclaim passes")                      \
-  X(num_oom_callbacks, "OOM callbacks called")                \
-  X(num_plans, "Placement plans built")                       \
-  X(num_plan_drops, "Placement plans dropped")                \
-  X(num_planned_allocs, "Allocations placed by a plan")       \
-  X(num_pages_revived, "Pages moved back to a ghost mapping") \
-  X(num_pages_aliased, "Partly used pages shared by a request")
+#define GPUMEM_STAT_COUNTERS(X)                                 \
+  X(num_alloc_retries, "cudaMalloc retries")                    \
+  X(num_ooms, "CUDA OOMs")                                      \
+  X(num_sync_all_streams, "Synchronizations of all streams")    \
+  X(num_device_alloc, "Device allocations")                     \
+  X(num_device_free, "Device frees")                            \
+  X(num_syncs, "Stream or event synchronizations")              \
+  X(num_pages_mapped, "Pages mapped")                           \
+  X(num_pages_unmapped, "Pages unmapped")                       \
+  X(num_reclaims, "Page reclaim passes")                        \
+  X(num_oom_callbacks, "OOM callbacks called")                  \
+  X(num_plans, "Placement plans built")                         \
+  X(num_plan_drops, "Placement plans dropped")                  \
+  X(num_planned_allocs, "Allocations placed by a plan")         \
+  X(num_pages_revived, "Pages moved back to a ghost mapping")   \
+  X(num_pages_aliased, "Partly used pages shared by a request") \
+  X(num_move_guard_trips, "Move guard trips (grew instead of moving)")
 
 /* Backend primitives, counted per call by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \

@@ -670,6 +670,7 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   /* The plan goes too: a caller emptying the cache wants the memory back,
    * and a plan would map its arena again at once. */
   gm_plan_drop(gm);
+  gm_guard_reset(gm);
   gpumem_status_t st = free_cached_memory(gm);
   gm_lock_release(&gm->lock);
   return st;

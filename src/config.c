@@ -15,7 +15,7 @@
 #include "internal.h"
 
 #define VALID_KEYS \
-  "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max"
+  "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, move_guard"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -33,8 +33,9 @@ void gpumem_options_init(gpumem_options_t* opts) {
   /* Lazy reclaim with planned placement by default: reserved memory stays
    * within 0.2-0.5% of peak live, and once a training loop repeats, the
    * plan keeps its pages in place (no device call in the steady state).
-   * Measured on an H100: step times within 1% of native PyTorch on the
-   * four workloads; see docs/design.md for why and for what it costs. */
+   * Measured on two H100s (BENCHMARKS.md, 2026-11-25): step times within
+   * 1% of native PyTorch on gpt2, resnet and llama; t5's runs spread too
+   * widely to tell. docs/design.md says why and what it costs. */
   opts->reclaim = GPUMEM_RECLAIM_LAZY;
   opts->headroom = 0.002;
   opts->max_split_size = 0;
@@ -44,6 +45,9 @@ void gpumem_options_init(gpumem_options_t* opts) {
    * on an H100 a mapping costs ~50-110 us to create, map and grant access
    * to, 2 MiB or 1 GiB alike; see docs/design.md. */
   opts->map_max_bytes = (size_t)1 << 30;
+  /* Memory held at the high-water mark unless that costs a page move every
+   * few allocations with no plan serving (pages.c, note_move). */
+  opts->move_guard = 1;
 }
 
 /* A piece of the configuration string; never NUL-terminated on its own. */
@@ -274,18 +278,20 @@ enum {
   KEY_MAX_SPLIT_SIZE_MB,
   KEY_PLACEMENT,
   KEY_MAP_MAX,
+  KEY_MOVE_GUARD,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
-    "policy",    "limit",   "fraction", "reclaim", "headroom", "max_split_size_mb",
-    "placement", "map_max",
+    "policy",    "limit",   "fraction",   "reclaim", "headroom", "max_split_size_mb",
+    "placement", "map_max", "move_guard",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
 static const char* const reclaim_names[] = {"lazy", "eager", "pressure", NULL};
 static const char* const placement_names[] = {"planned", "bestfit", NULL};
+static const char* const on_off_names[] = {"on", "off", NULL};
 
 /* Levenshtein distance between a (short) typed key and a valid key, capped
  * so an absurdly long key costs nothing; used only to suggest a spelling. */
@@ -371,6 +377,12 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       int c = parse_choice(value, placement_names);
       if (c < 0) return bad_value(value, name, "one of: planned, bestfit");
       o->placement = c == 0 ? GPUMEM_PLACEMENT_PLANNED : GPUMEM_PLACEMENT_BESTFIT;
+      return GPUMEM_OK;
+    }
+    case KEY_MOVE_GUARD: {
+      int c = parse_choice(value, on_off_names);
+      if (c < 0) return bad_value(value, name, "one of: on, off");
+      o->move_guard = c == 0;
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

@@ -326,8 +326,16 @@ struct gpumem {
   gm_spare_run* spare_runs;
   size_t num_spare_runs, spare_runs_capacity, spare_run_pages;
   size_t arena_size;
-  size_t map_max_pages;          /* pages per physical allocation at most (>= 1) */
-  bool fine_mappings;            /* the device or limit refused once: one page per mapping */
+  size_t map_max_pages; /* pages per physical allocation at most (>= 1) */
+  bool fine_mappings;   /* the device or limit refused once: one page per mapping */
+  /* The move guard (pages.c, note_move): pages mapped at a new address
+   * outside plan arenas, counted in windows of allocations. */
+  struct {
+    uint64_t window_start; /* allocations made when the window opened */
+    uint64_t moves;        /* in this window */
+    int hot_windows;       /* hot windows in a row */
+    bool tripped;          /* grow instead of moving, until empty_cache */
+  } guard;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;
 
@@ -428,6 +436,8 @@ void gm_events_destroy(gpumem_t* gm);
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out);
 /* Maps every page under [addr, addr+size) of the arena. */
 gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size);
+/* Re-arms the move guard (pages.c): empty_cache starts it afresh. */
+void gm_guard_reset(gpumem_t* gm);
 void gm_dirty_add(gm_pool* pool, gm_block* b);
 void gm_dirty_remove(gm_pool* pool, gm_block* b);
 /* Unmaps free whole pages into the spare list; at most want pages (0 = all);

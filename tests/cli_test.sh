@@ -188,6 +188,7 @@ if command -v python3 >/dev/null 2>&1; then
 fi
 RESERVED=$(json_num peak_reserved_bytes)
 expect_in '"num_pages_aliased":0' "$out" "replay --json pages shared"
+expect_in '"num_move_guard_trips":0' "$out" "replay --json move guard trips"
 # The H100 estimate of the mapping calls: per-call costs times the calls.
 if command -v python3 >/dev/null 2>&1; then
   if printf '%s\n' "$out" | python3 -c '

@@ -13,7 +13,8 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->limit_bytes == b->limit_bytes && a->limit_fraction == b->limit_fraction &&
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
-         a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes;
+         a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
+         a->move_guard == b->move_guard;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -30,6 +31,7 @@ static gpumem_options_t odd_options(void) {
   o.placement = GPUMEM_PLACEMENT_BESTFIT;
   o.own_backend = 1;
   o.map_max_bytes = 6 * GM_MIB;
+  o.move_guard = 0;
   return o;
 }
 
@@ -78,6 +80,7 @@ static void test_defaults(void) {
   CHECK(o.placement == GPUMEM_PLACEMENT_PLANNED);
   CHECK(o.own_backend == 0);
   CHECK(o.map_max_bytes == GM_GIB);
+  CHECK(o.move_guard == 1);
   gpumem_options_init(NULL); /* must not crash */
 }
 
@@ -125,6 +128,14 @@ static void test_placement(void) {
   parse_fails("placement:first_fit", "bad value \"first_fit\" for key \"placement\"",
               "planned, bestfit", NULL);
   parse_fails("placment:planned", "unknown key \"placment\"", "did you mean \"placement\"", NULL);
+}
+
+static void test_move_guard(void) {
+  CHECK(parse_ok("move_guard:off").move_guard == 0);
+  CHECK(parse_ok("move_guard:on").move_guard == 1);
+  CHECK(parse_ok("move_guard:OFF").move_guard == 0);
+  parse_fails("move_guard:no", "bad value \"no\" for key \"move_guard\"", "on, off", NULL);
+  parse_fails("move_gaurd:off", "unknown key \"move_gaurd\"", "did you mean \"move_guard\"", NULL);
 }
 
 static void test_limit(void) {
@@ -355,6 +366,7 @@ int main(void) {
   test_policy();
   test_reclaim();
   test_placement();
+  test_move_guard();
   test_limit();
   test_fraction();
   test_headroom();

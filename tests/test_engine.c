@@ -12,6 +12,7 @@
  * pages, and streams lending each other their free pages.
  *
  * Last, a throughput figure with 10^6 cached blocks (printed, not judged). */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1119,6 +1120,82 @@ static void test_planned_after_noise(const char* conf) {
   fx_done(&f);
 }
 
+/* Page moves so far: maps of pages that already existed (created pages are
+ * mapped once by the call that creates them). */
+static int64_t page_moves(fx_t* f) {
+  gpumem_stats_t s = stats(f);
+  return (int64_t)s.backend_calls[GPUMEM_CALL_map] -
+         (int64_t)s.backend_calls[GPUMEM_CALL_create_page];
+}
+
+/* Sizes over six orders of magnitude that never repeat, 96 live at a time
+ * (synth_random's sizes): holding reserved memory at the high-water mark
+ * moves a page every few allocations for as long as it runs. The move
+ * guard (pages.c) notices and grows instead; move_guard:off keeps moving;
+ * empty_cache arms the guard again. gpumem_check runs every 64 operations. */
+static void random_sizes(fx_t* f, char** held, int n, uint64_t* x, const char* conf) {
+  for (int i = 0; i < n; i++) {
+    *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
+    int k = (int)(*x % 96);
+    double e = (double)((*x >> 8) % 1000) / 1000.0; /* log-uniform 1 KiB .. 1 GiB */
+    size_t size = (size_t)(1024.0 * pow(2.0, 20.0 * e)) + (size_t)((*x >> 20) % 512);
+    if (held[k]) release(f, held[k]);
+    held[k] = alloc(f, size, SA);
+    if (i % 64 == 63) CHECK_MSG(gpumem_check(f->gm) == 0, "%s: %s", conf, gpumem_last_error());
+  }
+}
+
+static void test_move_guard(void) {
+  static const char* const confs[] = {"policy:default", "policy:default,move_guard:off"};
+  for (int c = 0; c < 2; c++) {
+    const char* conf = confs[c];
+    int guarded = c == 0;
+    fx_t f = fx_new(conf, 64 * GIB, 0);
+    if (!f.gm) return fx_done(&f);
+    char* held[96] = {NULL};
+    uint64_t x = 0x9E3779B97F4A7C15ull;
+    random_sizes(&f, held, 30000, &x, conf);
+    gpumem_stats_t s = stats(&f);
+    int64_t moves_before = page_moves(&f);
+    /* the last 10,000 allocations: after the trip, pages no longer move */
+    random_sizes(&f, held, 10000, &x, conf);
+    int64_t late_moves = page_moves(&f) - moves_before;
+    s = stats(&f);
+    printf(
+        "%s: random sizes: %lld guard trips, %lld page moves in the last 10,000 allocations, "
+        "reserved %.1f MiB for %.1f MiB peak allocated\n",
+        conf, (long long)s.num_move_guard_trips, (long long)late_moves,
+        (double)s.reserved_bytes[GPUMEM_POOL_ALL].current / (double)MIB,
+        (double)s.allocated_bytes[GPUMEM_POOL_ALL].peak / (double)MIB);
+    if (guarded) {
+      CHECK_MSG(s.num_move_guard_trips == 1, "%s: %lld trips", conf,
+                (long long)s.num_move_guard_trips);
+      CHECK_MSG(late_moves < 100, "%s: %lld page moves after the guard tripped", conf,
+                (long long)late_moves);
+      /* empty_cache arms it again, and the workload trips it again */
+      CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+      random_sizes(&f, held, 30000, &x, conf);
+      CHECK_MSG(stats(&f).num_move_guard_trips == 2, "%s: %lld trips after empty_cache", conf,
+                (long long)stats(&f).num_move_guard_trips);
+    } else {
+      /* the workload does keep moving pages: what the guard is for */
+      CHECK_MSG(s.num_move_guard_trips == 0 && late_moves > 1000, "%s: %lld trips, %lld late moves",
+                conf, (long long)s.num_move_guard_trips, (long long)late_moves);
+    }
+    for (int k = 0; k < 96; k++) release(&f, held[k]);
+    fx_done(&f);
+  }
+  /* A loop that repeats never trips it: its moves stop once a plan serves. */
+  fx_t f = fx_new("policy:default", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  live_set_t l;
+  memset(&l, 0, sizeof l);
+  for (int it = 0; it < 60; it++) loop_step(&f, &l, it < 30 ? 0 : 1, "policy:default");
+  CHECK_MSG(stats(&f).num_move_guard_trips == 0, "a repeating loop tripped the move guard");
+  CHECK_MSG(gpumem_check(f.gm) == 0, "%s", gpumem_last_error());
+  fx_done(&f);
+}
+
 static double now_s(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1205,6 +1282,7 @@ int main(int argc, char** argv) {
   test_planned_loop("policy:default,reclaim:lazy,placement:planned");
   test_planned_after_noise("policy:default,reclaim:lazy,placement:planned");
   test_alias();
+  test_move_guard();
 
   if (blocks > 0) {
     test_throughput("policy:pytorch", blocks);

@@ -576,10 +576,10 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   }
   fprintf(f,
           ",\"num_plans\":%lld,\"num_plan_drops\":%lld,\"num_planned_allocs\":%lld,"
-          "\"num_pages_aliased\":%lld",
+          "\"num_pages_aliased\":%lld,\"num_move_guard_trips\":%lld",
           (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
-          (long long)r->stats_final.num_planned_allocs,
-          (long long)r->stats_final.num_pages_aliased);
+          (long long)r->stats_final.num_planned_allocs, (long long)r->stats_final.num_pages_aliased,
+          (long long)r->stats_final.num_move_guard_trips);
   if (r->min_limit_done) {
     if (r->min_limit_found) {
       fprintf(f, ",\"min_limit_bytes\":%zu,\"min_limit_ratio\":%.4f", r->min_limit_bytes,
@@ -658,6 +658,12 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   if (r->stats_final.num_pages_aliased) {
     fprintf(f, "  %-16s%lld (a partly used page shared by a request that did not fit)\n",
             "pages shared", (long long)r->stats_final.num_pages_aliased);
+  }
+  if (r->stats_final.num_move_guard_trips) {
+    fprintf(f,
+            "  %-16spages kept moving with no plan serving: grew instead of moving from then on "
+            "(move_guard:off holds memory at the high-water mark)\n",
+            "move guard");
   }
   fprintf(f, "  %-16scold %.1f", "ns/op", r->ns_per_op_cold);
   if (r->ns_per_op_warm >= 0) {
