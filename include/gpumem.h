@@ -131,11 +131,11 @@ typedef struct gpumem_options {
    * moving pages to hold memory at the high-water mark once pages keep
    * moving with no plan serving (more than one move per ten allocations
    * over three windows of 4,096 allocations in a row): from then on it
-   * grows instead, as reclaim:pressure does, until empty_cache. Workloads
-   * whose sizes never repeat otherwise pay a page move (an unmap, a map
-   * and an access grant, ~55 us on an H100) every few allocations. Limits
-   * and device refusals still reclaim. 0 holds memory at the mark whatever
-   * it costs. */
+   * grows instead, as reclaim:pressure does, until empty_cache or a plan
+   * that starts serving. Workloads whose sizes never repeat otherwise pay
+   * a page move (an unmap, a map and an access grant, ~55 us on an H100)
+   * every few allocations. Limits and device refusals still reclaim. 0
+   * holds memory at the mark whatever it costs. */
   int move_guard;
 } gpumem_options_t;
 

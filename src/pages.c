@@ -892,7 +892,9 @@ static size_t map_run_limit(const gpumem_t* gm) {
  * and one (gpt2, llama: the plan's first steps), so none trips; moves into
  * a plan's arena are the plan's migration and are not counted. A window
  * closes at the first move after its end, so a quiet stretch ends the run
- * of hot windows. */
+ * of hot windows. A plan that starts serving arms the guard again (the job
+ * settled into a loop: pages can be held at the mark), as empty_cache
+ * does. */
 #define GM_GUARD_WINDOW 4096
 #define GM_GUARD_RATE 10
 #define GM_GUARD_HOT_WINDOWS 3

@@ -390,6 +390,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   p->trimmed = false;
   p->active_since = s + 2 * P;
   set_state(p, GM_PLAN_ACTIVE);
+  gm_guard_reset(gm); /* a loop: pages may be held at the mark again */
   gm->stats.num_plans++;
   plan = NULL;
   ctx_keys = NULL;
@@ -628,6 +629,7 @@ static void shadow_step(gpumem_t* gm, uint64_t i, size_t rsize, gpumem_stream_t 
     p->active_since = i;
     p->trimmed = false; /* a phase change: pages move once more */
     set_state(p, GM_PLAN_ACTIVE);
+    gm_guard_reset(gm);
   }
 }
 

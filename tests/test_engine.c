@@ -1133,10 +1133,10 @@ static int64_t page_moves(fx_t* f) {
  * moves a page every few allocations for as long as it runs. The move
  * guard (pages.c) notices and grows instead; move_guard:off keeps moving;
  * empty_cache arms the guard again. gpumem_check runs every 64 operations. */
-static void random_sizes(fx_t* f, char** held, int n, uint64_t* x, const char* conf) {
+static void random_sizes(fx_t* f, char** held, int slots, int n, uint64_t* x, const char* conf) {
   for (int i = 0; i < n; i++) {
     *x ^= *x << 13, *x ^= *x >> 7, *x ^= *x << 17;
-    int k = (int)(*x % 96);
+    int k = (int)(*x % (uint64_t)slots);
     double e = (double)((*x >> 8) % 1000) / 1000.0; /* log-uniform 1 KiB .. 1 GiB */
     size_t size = (size_t)(1024.0 * pow(2.0, 20.0 * e)) + (size_t)((*x >> 20) % 512);
     if (held[k]) release(f, held[k]);
@@ -1154,11 +1154,11 @@ static void test_move_guard(void) {
     if (!f.gm) return fx_done(&f);
     char* held[96] = {NULL};
     uint64_t x = 0x9E3779B97F4A7C15ull;
-    random_sizes(&f, held, 30000, &x, conf);
+    random_sizes(&f, held, 96, 30000, &x, conf);
     gpumem_stats_t s = stats(&f);
     int64_t moves_before = page_moves(&f);
     /* the last 10,000 allocations: after the trip, pages no longer move */
-    random_sizes(&f, held, 10000, &x, conf);
+    random_sizes(&f, held, 96, 10000, &x, conf);
     int64_t late_moves = page_moves(&f) - moves_before;
     s = stats(&f);
     printf(
@@ -1174,7 +1174,7 @@ static void test_move_guard(void) {
                 (long long)late_moves);
       /* empty_cache arms it again, and the workload trips it again */
       CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
-      random_sizes(&f, held, 30000, &x, conf);
+      random_sizes(&f, held, 96, 30000, &x, conf);
       CHECK_MSG(stats(&f).num_move_guard_trips == 2, "%s: %lld trips after empty_cache", conf,
                 (long long)stats(&f).num_move_guard_trips);
     } else {
@@ -1185,7 +1185,32 @@ static void test_move_guard(void) {
     for (int k = 0; k < 96; k++) release(&f, held[k]);
     fx_done(&f);
   }
-  /* A loop that repeats never trips it: its moves stop once a plan serves. */
+  /* A loop that repeats never trips it: its moves stop once a plan serves.
+   * And one that follows a stretch that tripped it arms it again: the next
+   * such stretch trips it a second time, without empty_cache. */
+  {
+    fx_t g = fx_new("policy:default", 64 * GIB, 0);
+    if (!g.gm) return fx_done(&g);
+    char* held[192] = {NULL};
+    uint64_t x = 0x2545F4914F6CDD1Dull;
+    random_sizes(&g, held, 96, 20000, &x, "rearm");
+    CHECK_MSG(stats(&g).num_move_guard_trips == 1, "rearm: %lld trips after random sizes",
+              (long long)stats(&g).num_move_guard_trips);
+    for (int k = 0; k < 192; k++) release(&g, held[k]), held[k] = NULL;
+    live_set_t l;
+    memset(&l, 0, sizeof l);
+    for (int it = 0; it < 60; it++) loop_step(&g, &l, 0, "rearm");
+    gpumem_stats_t s = stats(&g);
+    CHECK_MSG(s.num_plans >= 1 && s.num_move_guard_trips == 1, "rearm: %lld plans, %lld trips",
+              (long long)s.num_plans, (long long)s.num_move_guard_trips);
+    /* twice the live blocks: past the memory the first stretch grew */
+    random_sizes(&g, held, 192, 30000, &x, "rearm");
+    CHECK_MSG(stats(&g).num_move_guard_trips == 2,
+              "rearm: %lld trips: the plan did not arm the guard again",
+              (long long)stats(&g).num_move_guard_trips);
+    for (int k = 0; k < 192; k++) release(&g, held[k]);
+    fx_done(&g);
+  }
   fx_t f = fx_new("policy:default", 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   live_set_t l;
