@@ -334,7 +334,7 @@ struct gpumem {
     uint64_t window_start; /* allocations made when the window opened */
     uint64_t moves;        /* in this window */
     int hot_windows;       /* hot windows in a row */
-    bool tripped;          /* grow instead of moving, until empty_cache */
+    bool tripped;          /* grow instead of moving, until re-armed */
   } guard;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;
@@ -436,7 +436,8 @@ void gm_events_destroy(gpumem_t* gm);
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out);
 /* Maps every page under [addr, addr+size) of the arena. */
 gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size);
-/* Re-arms the move guard (pages.c): empty_cache starts it afresh. */
+/* Re-arms the move guard (pages.c): empty_cache and a plan that starts
+ * serving start it afresh. */
 void gm_guard_reset(gpumem_t* gm);
 void gm_dirty_add(gm_pool* pool, gm_block* b);
 void gm_dirty_remove(gm_pool* pool, gm_block* b);

@@ -888,9 +888,9 @@ static size_t map_run_limit(const gpumem_t* gm) {
  * it saw more than one move per GM_GUARD_RATE allocations and no plan was
  * serving; after GM_GUARD_HOT_WINDOWS hot windows in a row the lazy
  * setting stops reclaiming for headroom and grows instead (provide_pages).
- * On the bundled traces the hottest runs are two windows (t5, cold pass)
- * and one (gpt2, llama: the plan's first steps), so none trips; moves into
- * a plan's arena are the plan's migration and are not counted. A window
+ * Moves into a plan's arena are the plan's migration and are not counted.
+ * Of the bundled traces only t5 has hot windows (two, not in a row, in its
+ * cold pass), so none trips; synth_random trips at its third. A window
  * closes at the first move after its end, so a quiet stretch ends the run
  * of hot windows. A plan that starts serving arms the guard again (the job
  * settled into a loop: pages can be held at the mark), as empty_cache
