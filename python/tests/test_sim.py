@@ -103,7 +103,12 @@ class ConfigTest(unittest.TestCase):
         self.assertEqual(cm.exception.status, gpumem.errors.ERR_CONFIG)
 
     def test_bad_value_names_key(self):
-        for conf, key in (("limit:lots", "limit"), ("policy:fastest", "policy"), ("fraction:2", "fraction")):
+        for conf, key in (
+            ("limit:lots", "limit"),
+            ("policy:fastest", "policy"),
+            ("fraction:2", "fraction"),
+            ("move_guard:maybe", "move_guard"),
+        ):
             with self.subTest(conf=conf):
                 with self.assertRaises(gpumem.ConfigError) as cm:
                     gpumem.check_conf(conf)
@@ -115,6 +120,13 @@ class ConfigTest(unittest.TestCase):
             p = a.malloc(MIB)
             a.free(p)
             self.assertEqual(a.check(), 0)
+
+    def test_move_guard_counter(self):
+        # the key is accepted and its counter reported, 0 while pages do not keep moving
+        with sim(conf="move_guard:off") as a:
+            p = a.malloc(MIB)
+            a.free(p)
+            self.assertEqual(a.memory_stats()["num_move_guard_trips"], 0)
 
     def test_parse_size(self):
         self.assertEqual(gpumem.parse_size("4K"), 4096)
