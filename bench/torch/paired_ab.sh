@@ -75,7 +75,7 @@ rows = [l.split(" ", 4) for l in sys.stdin]
 try:
     r = {a: (g, json.loads(j)) for _, _, a, g, j in rows}
     n, m = r["native"][1], r["gpumem"][1]
-    print("%s round %s: native (GPU %s) %.3f ms, gpumem (GPU %s) %.3f ms, ratio %.4f; gpumem device work in the timed steps: %s"
+    print("%s round %s: native (GPU %s) %.3f ms, gpumem (GPU %s) %.3f ms, ratio %.4f; gpumem counters over the timed steps: %s"
           % (rows[0][0], rows[0][1], r["native"][0], n["median_ms"], r["gpumem"][0], m["median_ms"],
              m["median_ms"] / n["median_ms"], m.get("gpumem_timed")))
 except Exception as e:
