@@ -333,8 +333,7 @@ struct gpumem {
   struct {
     uint64_t window_start; /* allocations made when the window opened */
     uint64_t moves;        /* in this window */
-    int hot_windows;       /* hot windows in a row */
-    bool tripped;          /* grow instead of moving, until re-armed */
+    int hot_windows;       /* hot windows in a row; enough of them trip the guard */
   } guard;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;

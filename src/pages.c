@@ -756,6 +756,53 @@ uint64_t gm_reclaimable_bytes(gpumem_t* gm) {
   return pages * gm->page_size;
 }
 
+/* The move guard. A page moved (a spare page mapped at a new address) costs
+ * an unmap, a map and an access grant on a GPU (~55 us on an H100), so
+ * holding reserved memory at the high-water mark pays off only while moves
+ * are rare. Training loops move pages in their first steps and then stop
+ * (a plan serves, or the layout settles); workloads whose sizes never
+ * repeat move one page every few allocations for as long as they run
+ * (synth_random: ~600 per 1,000 allocations, 16.9 us per operation through
+ * CUDA). A window is at least GM_GUARD_WINDOW allocations; it is hot when
+ * it saw more than one move per GM_GUARD_RATE allocations and no plan was
+ * serving; after GM_GUARD_HOT_WINDOWS hot windows in a row the lazy
+ * setting stops reclaiming for headroom and grows instead (provide_pages).
+ * Moves into a plan's arena are the plan's migration and are not counted.
+ * Of the bundled traces only t5 has hot windows (two, not in a row, in its
+ * cold pass), so none trips; synth_random trips at its third. A window
+ * closes at the first move after its end, so a quiet stretch ends the run
+ * of hot windows. A plan that starts serving arms the guard again (the job
+ * settled into a loop: pages can be held at the mark), as empty_cache
+ * does. */
+#define GM_GUARD_WINDOW 4096
+#define GM_GUARD_RATE 10
+#define GM_GUARD_HOT_WINDOWS 3
+
+static inline bool guard_tripped(const gpumem_t* gm) {
+  return gm->guard.hot_windows >= GM_GUARD_HOT_WINDOWS;
+}
+
+static void note_move(gpumem_t* gm, const gm_segment* seg) {
+  if (!gm->opts.move_guard || gm->opts.reclaim != GPUMEM_RECLAIM_LAZY || guard_tripped(gm) ||
+      seg->plan_serving)
+    return;
+  uint64_t now = (uint64_t)gm->stats.allocation[GPUMEM_POOL_ALL].allocated;
+  if (now < gm->guard.window_start) gm_guard_reset(gm); /* the counts were reset */
+  gm->guard.moves++;
+  uint64_t span = now - gm->guard.window_start;
+  if (span < GM_GUARD_WINDOW) return;
+  bool hot = gm->guard.moves * GM_GUARD_RATE > span && gm->planner.state != GM_PLAN_ACTIVE;
+  gm->guard.hot_windows = hot ? gm->guard.hot_windows + 1 : 0;
+  gm->guard.window_start = now;
+  gm->guard.moves = 0;
+  if (guard_tripped(gm)) gm->stats.num_move_guard_trips++;
+}
+
+void gm_guard_reset(gpumem_t* gm) {
+  memset(&gm->guard, 0, sizeof gm->guard);
+  gm->guard.window_start = (uint64_t)gm->stats.allocation[GPUMEM_POOL_ALL].allocated;
+}
+
 /* Room for `need` more mapped pages for a request of `size` bytes in arena
  * seg: spare pages, or reserved memory allowed to grow, reclaiming first
  * where the setting or a limit says so. It creates nothing (map_range
@@ -794,7 +841,7 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
     uint64_t hw = gm->allocated_high_water;
     uint64_t now = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current + size;
     if (now > hw) hw = now;
-    reclaim_first = !gm->guard.tripped && (double)grown > (double)hw * (1.0 + gm->opts.headroom);
+    reclaim_first = !guard_tripped(gm) && (double)grown > (double)hw * (1.0 + gm->opts.headroom);
   }
   if (gm->limit && grown > gm->limit) reclaim_first = true;
   if (!reclaim_first) return GPUMEM_OK;
@@ -875,52 +922,6 @@ static size_t map_run_limit(const gpumem_t* gm) {
    * peak live under pressure with planned placement, against 1.0037. */
   if (gm->planner.enabled) return 1;
   return gm->map_max_pages;
-}
-
-/* The move guard. A page moved (a spare page mapped at a new address) costs
- * an unmap, a map and an access grant on a GPU (~55 us on an H100), so
- * holding reserved memory at the high-water mark pays off only while moves
- * are rare. Training loops move pages in their first steps and then stop
- * (a plan serves, or the layout settles); workloads whose sizes never
- * repeat move one page every few allocations for as long as they run
- * (synth_random: ~600 per 1,000 allocations, 16.9 us per operation through
- * CUDA). A window is at least GM_GUARD_WINDOW allocations; it is hot when
- * it saw more than one move per GM_GUARD_RATE allocations and no plan was
- * serving; after GM_GUARD_HOT_WINDOWS hot windows in a row the lazy
- * setting stops reclaiming for headroom and grows instead (provide_pages).
- * Moves into a plan's arena are the plan's migration and are not counted.
- * Of the bundled traces only t5 has hot windows (two, not in a row, in its
- * cold pass), so none trips; synth_random trips at its third. A window
- * closes at the first move after its end, so a quiet stretch ends the run
- * of hot windows. A plan that starts serving arms the guard again (the job
- * settled into a loop: pages can be held at the mark), as empty_cache
- * does. */
-#define GM_GUARD_WINDOW 4096
-#define GM_GUARD_RATE 10
-#define GM_GUARD_HOT_WINDOWS 3
-
-static void note_move(gpumem_t* gm, const gm_segment* seg) {
-  if (!gm->opts.move_guard || gm->opts.reclaim != GPUMEM_RECLAIM_LAZY || gm->guard.tripped ||
-      seg->plan_serving)
-    return;
-  uint64_t now = (uint64_t)gm->stats.allocation[GPUMEM_POOL_ALL].allocated;
-  if (now < gm->guard.window_start) gm_guard_reset(gm); /* the counts were reset */
-  gm->guard.moves++;
-  uint64_t span = now - gm->guard.window_start;
-  if (span < GM_GUARD_WINDOW) return;
-  bool hot = gm->guard.moves * GM_GUARD_RATE > span && gm->planner.state != GM_PLAN_ACTIVE;
-  gm->guard.hot_windows = hot ? gm->guard.hot_windows + 1 : 0;
-  gm->guard.window_start = now;
-  gm->guard.moves = 0;
-  if (gm->guard.hot_windows >= GM_GUARD_HOT_WINDOWS) {
-    gm->guard.tripped = true;
-    gm->stats.num_move_guard_trips++;
-  }
-}
-
-void gm_guard_reset(gpumem_t* gm) {
-  memset(&gm->guard, 0, sizeof gm->guard);
-  gm->guard.window_start = (uint64_t)gm->stats.allocation[GPUMEM_POOL_ALL].allocated;
 }
 
 /* Maps spare page id at page p of seg (whose ghost there, if any, is

@@ -83,15 +83,20 @@ gpumem_status_t gm_plan_init(gpumem_t* gm) {
   return GPUMEM_OK;
 }
 
-static void set_state(gm_planner* p, int state) {
+static void set_state(gpumem_t* gm, int state) {
+  gm_planner* p = &gm->planner;
   p->state = state;
   for (size_t a = 0; a < p->num_arenas; a++) {
     if (p->arenas[a]) p->arenas[a]->plan_serving = state == GM_PLAN_ACTIVE;
   }
+  /* A plan serves: the job settled into a loop, so pages may be held at
+   * the high-water mark again (pages.c, the move guard). */
+  if (state == GM_PLAN_ACTIVE) gm_guard_reset(gm);
 }
 
-static void free_plan(gm_planner* p) {
-  set_state(p, GM_PLAN_NONE);
+static void free_plan(gpumem_t* gm) {
+  gm_planner* p = &gm->planner;
+  set_state(gm, GM_PLAN_NONE);
   free(p->items);
   free(p->ctx_keys);
   free(p->ctx_items);
@@ -106,7 +111,7 @@ static void free_plan(gm_planner* p) {
 void gm_plan_destroy(gpumem_t* gm) {
   gm_planner* p = &gm->planner;
   p->num_arenas = 0; /* the segments are gone already (allocator teardown) */
-  free_plan(p);
+  free_plan(gm);
   free(p->ring);
   free(p->table);
   p->ring = NULL;
@@ -123,7 +128,7 @@ void gm_plan_drop(gpumem_t* gm) {
   gm_planner* p = &gm->planner;
   if (!p->enabled) return;
   if (p->period) gm->stats.num_plan_drops++;
-  free_plan(p);
+  free_plan(gm);
   p->cand = p->matched = 0;
   p->min_period = GM_PLAN_MIN_PERIOD;
   /* Idle plan arenas go back whole (their pages become spare). */
@@ -374,7 +379,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
       if (arenas[b] == arenas[a]) goto done; /* cannot happen: one per stream */
     }
   }
-  free_plan(p);
+  free_plan(gm);
   p->items = plan;
   p->ctx_keys = ctx_keys;
   p->ctx_items = ctx_items;
@@ -389,8 +394,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   p->window_reqs = p->window_misses = 0;
   p->trimmed = false;
   p->active_since = s + 2 * P;
-  set_state(p, GM_PLAN_ACTIVE);
-  gm_guard_reset(gm); /* a loop: pages may be held at the mark again */
+  set_state(gm, GM_PLAN_ACTIVE);
   gm->stats.num_plans++;
   plan = NULL;
   ctx_keys = NULL;
@@ -578,7 +582,7 @@ static void go_dormant(gpumem_t* gm, uint64_t i, size_t shadow) {
   p->shadow_run = p->verified = 0;
   p->verify = i;
   p->dormant_since = i;
-  set_state(p, GM_PLAN_DORMANT);
+  set_state(gm, GM_PLAN_DORMANT);
 }
 
 /* Dormant: follow the plan without serving, and check that what followed
@@ -628,8 +632,7 @@ static void shadow_step(gpumem_t* gm, uint64_t i, size_t rsize, gpumem_stream_t 
     p->window_reqs = p->window_misses = 0;
     p->active_since = i;
     p->trimmed = false; /* a phase change: pages move once more */
-    set_state(p, GM_PLAN_ACTIVE);
-    gm_guard_reset(gm);
+    set_state(gm, GM_PLAN_ACTIVE);
   }
 }
 
