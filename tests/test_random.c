@@ -27,6 +27,7 @@
  * reported run). `--config NAME` runs one configuration only: CTest
  * registers one test per configuration, so that they run in parallel and
  * each stays well inside its timeout under the sanitizers. */
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -281,20 +282,53 @@ static int cmp_live_ptr(const void* x, const void* y) {
   return a->ptr < b->ptr ? -1 : a->ptr > b->ptr ? 1 : 0;
 }
 
-/* Pages of size ps under the blocks of the live allocations, counted once
- * each (blocks are the requests rounded to 512 bytes). Sorts r->live. */
-static uint64_t live_pages(run_t* r) {
+/* Calls fn for each page under the blocks of the live allocations (the
+ * requests rounded to 512 bytes), once each, in address order. Sorts
+ * r->live. */
+static void visit_live_pages(run_t* r, void (*fn)(run_t* r, uintptr_t page, void* arg), void* arg) {
   qsort(r->live, r->n, sizeof *r->live, cmp_live_ptr);
-  uint64_t pages = 0;
   uintptr_t last_page = UINTPTR_MAX;
   for (size_t i = 0; i < r->n; i++) {
     uintptr_t first = r->live[i].ptr / r->page_size;
     uintptr_t end = (r->live[i].ptr + round512(r->live[i].size) - 1) / r->page_size;
     if (first == last_page) first++;
-    if (end >= first) pages += end - first + 1;
+    for (uintptr_t p = first; p <= end && end >= first; p++) fn(r, p, arg);
     if (last_page == UINTPTR_MAX || end > last_page) last_page = end;
   }
+}
+
+static void count_page(run_t* r, uintptr_t page, void* arg) {
+  (void)r, (void)page;
+  ++*(uint64_t*)arg;
+}
+
+/* Pages of size ps under the blocks of the live allocations, counted once
+ * each. Sorts r->live. */
+static uint64_t live_pages(run_t* r) {
+  uint64_t pages = 0;
+  visit_live_pages(r, count_page, &pages);
   return pages;
+}
+
+/* A growable list of numbers; out of host memory fails the run. */
+typedef struct u64_list {
+  uint64_t* v;
+  size_t n, cap;
+} u64_list;
+
+static bool u64_push(run_t* r, u64_list* l, uint64_t x) {
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 256;
+    uint64_t* grown = realloc(l->v, cap * sizeof *grown);
+    if (!grown) {
+      RUN_CHECK(r, 0, "out of host memory");
+      return false;
+    }
+    l->v = grown;
+    l->cap = cap;
+  }
+  l->v[l->n++] = x;
+  return true;
 }
 
 /* Sorts the live set by address and checks neighbours pairwise: no two
@@ -562,39 +596,24 @@ static int cmp_u64(const void* x, const void* y) {
   return a < b ? -1 : a > b;
 }
 
+/* The physical page (handle and unit) mapped under a live page. */
+static void push_phys_key(run_t* r, uintptr_t p, void* arg) {
+  if (r->failed) return;
+  uint64_t* va = page_entry(r, p | VA_KEY);
+  RUN_CHECK(r, va[0] != 0, "a page under a live block at 0x%lx is not mapped",
+            (unsigned long)(p * r->page_size));
+  u64_push(r, arg, (va[0] - 1) << 16 | va[1]);
+}
+
 /* Physical pages under live blocks, each counted once: a page shared by
  * a request (an alias) is under two addresses. */
 static uint64_t live_phys_pages(run_t* r) {
-  qsort(r->live, r->n, sizeof *r->live, cmp_live_ptr);
-  size_t n = 0, cap = 0;
-  uint64_t* keys = NULL;
-  uintptr_t last_page = UINTPTR_MAX;
-  for (size_t i = 0; i < r->n && !r->failed; i++) {
-    uintptr_t first = r->live[i].ptr / r->page_size;
-    uintptr_t end = (r->live[i].ptr + round512(r->live[i].size) - 1) / r->page_size;
-    if (first == last_page) first++;
-    if (last_page == UINTPTR_MAX || end > last_page) last_page = end;
-    for (uintptr_t p = first; p <= end && end >= first; p++) {
-      uint64_t* va = page_entry(r, p | VA_KEY);
-      RUN_CHECK(r, va[0] != 0, "a page under a live block at 0x%lx is not mapped",
-                (unsigned long)(p * r->page_size));
-      if (n == cap) {
-        cap = cap ? 2 * cap : 256;
-        uint64_t* grown = realloc(keys, cap * sizeof *grown);
-        if (!grown) {
-          free(keys);
-          RUN_CHECK(r, 0, "out of host memory");
-          return 0;
-        }
-        keys = grown;
-      }
-      keys[n++] = (va[0] - 1) << 16 | va[1];
-    }
-  }
-  if (n) qsort(keys, n, sizeof *keys, cmp_u64);
+  u64_list keys = {NULL, 0, 0};
+  visit_live_pages(r, push_phys_key, &keys);
+  if (keys.n) qsort(keys.v, keys.n, sizeof *keys.v, cmp_u64);
   uint64_t distinct = 0;
-  for (size_t i = 0; i < n; i++) distinct += i == 0 || keys[i] != keys[i - 1];
-  free(keys);
+  for (size_t i = 0; i < keys.n; i++) distinct += i == 0 || keys.v[i] != keys.v[i - 1];
+  free(keys.v);
   return distinct;
 }
 
@@ -748,25 +767,19 @@ static void forget_maps(run_t* r, uintptr_t addr, size_t size) {
  * a live block, each counted once (an alias maps one at two addresses):
  * after empty_cache exactly these stay (a mapping goes back only whole). */
 static uint64_t live_mapping_bytes(run_t* r) {
-  size_t n = 0, cap = 0;
-  uint64_t* pages = NULL;
+  u64_list list = {NULL, 0, 0};
   for (size_t i = 0; i < r->n; i++) {
     uint64_t first = r->live[i].ptr / r->page_size;
     uint64_t end = (r->live[i].ptr + round512(r->live[i].size) - 1) / r->page_size;
     for (uint64_t p = first; p <= end; p++) {
-      if (n == cap) {
-        cap = cap ? cap * 2 : 256;
-        uint64_t* grown = realloc(pages, cap * sizeof *grown);
-        RUN_CHECK(r, grown != NULL, "out of host memory");
-        if (!grown) {
-          free(pages);
-          return 0;
-        }
-        pages = grown;
+      if (!u64_push(r, &list, p)) {
+        free(list.v);
+        return 0;
       }
-      pages[n++] = p;
     }
   }
+  uint64_t* pages = list.v;
+  size_t n = list.n;
   if (n) qsort(pages, n, sizeof *pages, cmp_u64);
   /* (handle, size) of each mapping over a live page, sorted: a handle
    * mapped at two addresses counts once */
