@@ -22,7 +22,8 @@
 # default 2), CLI_PASSES (warm passes for the CLI, default 3), MAX_PROBES
 # (bisection probes per allocator, default 10), BISECT_JOBS (traces bisected at
 # once, default 4), PEERS, BISECT_PEERS, TRACES (glob), SANITIZE (0 skips
-# step 2), TIMEOUT (per replay, default 150 s).
+# step 2), TIMEOUT (per replay, default 150 s), GPU_TESTS (ctest -R pattern, default
+# gpu_; gpu_test_ leaves out the PyTorch suite, ~4 minutes).
 #
 # Output files in $OUT (default build-gpu-bench/): gpu_bench.md (the table and
 # the machine), gpu_bench.log (every step), results.jsonl (every JSON line),
@@ -116,9 +117,10 @@ rm -f "$WORK/replay_peers"
 build_harness >"$WORK/harness.txt" 2>&1 &
 HARNESS_PID=$!
 
-say "ctest -R gpu_"
+GPU_TESTS=${GPU_TESTS:-gpu_}
+say "ctest -R $GPU_TESTS"
 # -V keeps the tests' own lines (device memory, OOM reports, reuse counts).
-(cd "$BUILD" && ctest -R gpu_ -V) >"$WORK/ctest.log" 2>&1
+(cd "$BUILD" && ctest -R "$GPU_TESTS" -V) >"$WORK/ctest.log" 2>&1
 CTEST_RC=$?
 cat "$WORK/ctest.log" >>"$TESTLOG"
 CTEST_LINE=$(grep -E "tests passed|tests failed" "$WORK/ctest.log" | tail -1)
