@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build test sanitize demo bench synth python-test gpu-torch bench-torch bench-torch-paired gpu-bench format format-check clean
+.PHONY: all build test sanitize demo bench synth python-test gpu-torch bench-torch bench-torch-paired bench-torch-requests gpu-bench format format-check clean
 
 all: build
 
@@ -47,6 +47,14 @@ bench-torch: build
 # Step times of native PyTorch and gpumem started in pairs on two GPUs.
 bench-torch-paired: build
 	bash bench/torch/paired_ab.sh $(BUILD)
+
+# What the allocator costs per request through torch's allocator interface:
+# the bundled traces' requests from compiled C++, native and gpumem in turn,
+# one process each (bench/torch/alloc_replay.py).
+bench-torch-requests: build
+	@for round in 1 2 3; do for a in native gpumem; do \
+	  GPUMEM_LIBRARY=$(abspath $(BUILD))/libgpumem.so GPUMEM_CACHE_DIR=$(abspath $(BUILD))/gpumem-cache \
+	    python3 bench/torch/alloc_replay.py --allocator $$a traces/*.trace.gz || exit 1; done; done
 
 gpu-bench:
 	bash bench/gpu/run_gpu_bench.sh
