@@ -275,7 +275,7 @@ fi
 # ---- 6. the table ----------------------------------------------------------------------
 say "writing $OUT/gpu_bench.md"
 export WORK OUT NAMES PEERS DEADLINE
-export CTEST_LINE CTEST_RC CTEST_SKIPPED CUDA_ENABLED
+export CTEST_LINE CTEST_RC CTEST_SKIPPED CUDA_ENABLED GPU_TESTS
 export SAN_ROWS
 export ELAPSED=$(elapsed)
 python3 - <<'EOF'
@@ -335,7 +335,7 @@ for name in names:
 
 machine = open(os.path.join(work, "machine.txt")).read().strip()
 md = ["# gpumem on the GPU", "", "```", machine, "```", ""]
-md += [f"GPU tests (ctest -R gpu_): rc {os.environ['CTEST_RC']}: {os.environ['CTEST_LINE']} "
+md += [f"GPU tests (ctest -R {os.environ['GPU_TESTS']}): rc {os.environ['CTEST_RC']}: {os.environ['CTEST_LINE']} "
        f"(skipped: {os.environ['CTEST_SKIPPED']}); CUDA backend built: "
        f"{'yes' if os.environ['CUDA_ENABLED'] == '1' else 'NO'}", ""]
 san = os.environ.get("SAN_ROWS", "").strip()
