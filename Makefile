@@ -49,12 +49,9 @@ bench-torch-paired: build
 	bash bench/torch/paired_ab.sh $(BUILD)
 
 # What the allocator costs per request through torch's allocator interface:
-# the bundled traces' requests from compiled C++, native and gpumem in turn,
-# one process each (bench/torch/alloc_replay.py).
+# the bundled traces' requests from compiled C++, native and gpumem in turn.
 bench-torch-requests: build
-	@for round in 1 2 3; do for a in native gpumem; do \
-	  GPUMEM_LIBRARY=$(abspath $(BUILD))/libgpumem.so GPUMEM_CACHE_DIR=$(abspath $(BUILD))/gpumem-cache \
-	    python3 bench/torch/alloc_replay.py --allocator $$a traces/*.trace.gz || exit 1; done; done
+	bash bench/torch/requests.sh $(BUILD)
 
 gpu-bench:
 	bash bench/gpu/run_gpu_bench.sh

@@ -20,10 +20,7 @@
 # Prints a line per pair and, per workload, the medians of the run medians,
 # their ratio with a bootstrap 95% interval, and how many pairs gpumem lost.
 set -u
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:-$root/build}"
-case "$build" in /*) ;; *) build="$PWD/$build" ;; esac
-py="${PYTHON:-python3}"
+. "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${1:-}"
 WORKLOADS="${WORKLOADS:-gpt2_train}"
 DEADLINE="${DEADLINE:-300}"
 ROUND_S="${ROUND_S:-40}"
@@ -33,13 +30,7 @@ out="${OUT:-$build}"
 mkdir -p "$out"
 log="$out/paired_ab.jsonl"
 : >"$log"
-export GPUMEM_LIBRARY="${GPUMEM_LIBRARY:-$build/libgpumem.so}"
-export GPUMEM_CACHE_DIR="${GPUMEM_CACHE_DIR:-$build/gpumem-cache}"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ ! -f "$GPUMEM_LIBRARY" ]; then
-  echo "paired_ab: $GPUMEM_LIBRARY not found: build gpumem first (make build)" >&2
-  exit 1
-fi
+need_library paired_ab
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "${gpus:-0}" -lt 2 ]; then
   echo "paired_ab: needs two GPUs, found ${gpus:-0}" >&2

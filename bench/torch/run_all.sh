@@ -16,10 +16,7 @@
 #   GPUMEM_CONF        configuration of the gpumem runs
 #   RUN_TIMEOUT=240    seconds per process
 set -u
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-build="${1:-$root/build}"
-case "$build" in /*) ;; *) build="$PWD/$build" ;; esac
-py="${PYTHON:-python3}"
+. "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${1:-}"
 WORKLOADS="${WORKLOADS:-gpt2_train resnet50_train llama_ckpt_train t5_varlen_prefetch}"
 ALLOCATORS="${ALLOCATORS:-native expandable gpumem}"
 STEPS="${STEPS:-6}"
@@ -27,15 +24,8 @@ WARMUP="${WARMUP:-2}"
 PROBES="${PROBES:-3}"
 RUN_TIMEOUT="${RUN_TIMEOUT:-240}"
 
-export GPUMEM_LIBRARY="${GPUMEM_LIBRARY:-$build/libgpumem.so}"
-export GPUMEM_CACHE_DIR="${GPUMEM_CACHE_DIR:-$build/gpumem-cache}"
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 case " $ALLOCATORS " in
-  *" gpumem "*)
-    if [ ! -f "$GPUMEM_LIBRARY" ]; then
-      echo "run_all: $GPUMEM_LIBRARY not found: build gpumem first (make build)" >&2
-      exit 1
-    fi ;;
+  *" gpumem "*) need_library run_all ;;
 esac
 
 if [ -n "${OUT:-}" ]; then
