@@ -22,9 +22,7 @@ import argparse
 import gzip
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -77,42 +75,22 @@ extern "C" int gm_bench_replay(int64_t n, const int8_t* kind, const int64_t* id,
 
 
 def build_helper(torch, cache):
-    """Compiles the replay loop against this torch's headers and libc10_cuda."""
+    """Compiles the replay loop against this torch's headers and libc10_cuda
+    (with gpumem.torch's compiler driver, as its shim is built)."""
     import hashlib
 
-    from torch.utils import cpp_extension
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    from gpumem.torch import _compile_direct
 
     key = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:12]
     out = os.path.join(cache, "alloc_replay_%s.so" % key)
     if os.path.exists(out):
         return out
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        sys.exit("alloc_replay: no C++ compiler")
-    try:
-        includes = cpp_extension.include_paths()
-    except TypeError:
-        includes = cpp_extension.include_paths(False)
     cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    work = tempfile.mkdtemp(prefix="alloc-replay-", dir=cache)
-    try:
-        src = os.path.join(work, "alloc_replay.cpp")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        for std in ("-std=c++20", "-std=c++17"):
-            cmd = [cxx, "-shared", "-fPIC", "-O2", std, "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi]
-            cmd += ["-I" + p for p in includes] + ["-I" + os.path.join(cuda, "include")]
-            cmd += [src, "-o", os.path.join(work, "h.so"), "-L" + lib, "-lc10_cuda", "-lc10"]
-            cmd += ["-Wl,-rpath," + lib]
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            if proc.returncode == 0:
-                os.replace(os.path.join(work, "h.so"), out)
-                return out
-        sys.exit("alloc_replay: compiling the helper failed:\n" + proc.stdout[-3000:])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    why = _compile_direct(torch, _SOURCE, out, libs=("c10_cuda", "c10"), includes=(os.path.join(cuda, "include"),))
+    if why is not None:
+        sys.exit("alloc_replay: compiling the helper failed: " + why)
+    return out
 
 
 def load_trace(path):

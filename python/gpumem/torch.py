@@ -182,31 +182,33 @@ def _shim_key(torch, source):
     return h.hexdigest()[:16]
 
 
-def _compile_direct(torch, source, out_path):
-    """Compiles the shim with the system C++ compiler against torch's headers
-    and libc10. Returns None, or why it failed."""
+def _compile_direct(torch, source, out_path, libs=("c10",), includes=()):
+    """Compiles C++ source into the shared library out_path with the system
+    C++ compiler against torch's headers (and includes) and torch's libs
+    (the shim needs libc10 only). Returns None, or why it failed."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
         return "no C++ compiler (set CXX, or install g++)"
     from torch.utils import cpp_extension
 
     try:
-        includes = cpp_extension.include_paths()
+        paths = cpp_extension.include_paths()
     except TypeError:  # signatures changed across versions
-        includes = cpp_extension.include_paths(False)
+        paths = cpp_extension.include_paths(False)
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     workdir = tempfile.mkdtemp(prefix="gpumem-shim-", dir=os.path.dirname(out_path))
     try:
-        src = os.path.join(workdir, "gpumem_torch_shim.cpp")
+        src = os.path.join(workdir, "source.cpp")
         with open(src, "w") as f:
             f.write(source)
-        tmp_out = os.path.join(workdir, "shim.so")
+        tmp_out = os.path.join(workdir, "out.so")
         last = None
         for std in ("-std=c++20", "-std=c++17"):
             cmd = [cxx, "-shared", "-fPIC", "-O2", std, "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi]
-            cmd += ["-I" + p for p in includes]
-            cmd += [src, "-o", tmp_out, "-L" + torch_lib, "-lc10", "-Wl,-rpath," + torch_lib]
+            cmd += ["-I" + p for p in list(paths) + list(includes)]
+            cmd += [src, "-o", tmp_out, "-L" + torch_lib] + ["-l" + lib for lib in libs]
+            cmd += ["-Wl,-rpath," + torch_lib]
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if proc.returncode == 0:
                 os.replace(tmp_out, out_path)  # atomic: concurrent ranks may race
