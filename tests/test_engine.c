@@ -1155,12 +1155,11 @@ static void test_move_guard(void) {
     char* held[96] = {NULL};
     uint64_t x = 0x9E3779B97F4A7C15ull;
     random_sizes(&f, held, 96, 30000, &x, conf);
-    gpumem_stats_t s = stats(&f);
     int64_t moves_before = page_moves(&f);
     /* the last 10,000 allocations: after the trip, pages no longer move */
     random_sizes(&f, held, 96, 10000, &x, conf);
     int64_t late_moves = page_moves(&f) - moves_before;
-    s = stats(&f);
+    gpumem_stats_t s = stats(&f);
     printf(
         "%s: random sizes: %lld guard trips, %lld page moves in the last 10,000 allocations, "
         "reserved %.1f MiB for %.1f MiB peak allocated\n",

@@ -15,9 +15,9 @@
  * Environment: GPUMEM_TEST_MEMINFO_TOL_MIB widens the tolerance between the
  * driver's and the allocator's counts (compute-sanitizer holds device
  * memory of its own; the tolerance widens by itself when it is detected);
- * GPUMEM_TEST_QUICK=1 runs fewer random operations (for slow tools). */
+ * GPUMEM_TEST_QUICK=1 runs fewer random operations (for slow tools);
+ * GPUMEM_TEST_NO_DRIVER_ERRORS=1 leaves out test_oom (cuda_driver.h). */
 #include <ctype.h>
-#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -356,15 +356,6 @@ static void test_alias(void) {
 
 /* ---- out of memory at the device's real limit -------------------------- */
 
-/* GPUMEM_TEST_NO_DRIVER_ERRORS=1 leaves out the one test that makes the
- * driver refuse on purpose (filling the device until it does):
- * compute-sanitizer reports every failed driver call as an error, and
- * without it its count is of real errors only. */
-static bool no_driver_errors(void) {
-  const char* v = getenv("GPUMEM_TEST_NO_DRIVER_ERRORS");
-  return v && *v && strcmp(v, "0") != 0;
-}
-
 static void test_oom(int policy) {
   gpumem_t* gm = make(policy, 1);
   if (!gm) return;
@@ -568,7 +559,7 @@ int main(void) {
     if (have_vmm) test_patterns(policies[i], 0);
     test_meminfo_and_empty_cache(policies[i]);
     test_limit(policies[i]);
-    if (no_driver_errors())
+    if (drv_no_provoked_errors())
       printf(
           "skipped test_oom %s: it fills the device until the driver refuses "
           "(GPUMEM_TEST_NO_DRIVER_ERRORS)\n",

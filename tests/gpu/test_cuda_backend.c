@@ -10,7 +10,6 @@
  * neither the CUDA runtime nor cuda.h: the binding (cuda_driver.h)
  * declares the few types it needs with their ABI. */
 #include <pthread.h>
-#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -334,16 +333,6 @@ static void test_events(gpumem_backend_t* be) {
   DRV_OK(drv.StreamDestroy(s));
 }
 
-/* GPUMEM_TEST_NO_DRIVER_ERRORS=1 leaves out the checks that make the
- * driver refuse on purpose (a map at an unreserved address, a bad free,
- * more memory than the device has): compute-sanitizer reports every failed
- * driver call as an error, and without them its count is of real errors
- * only. */
-static bool no_driver_errors(void) {
-  const char* v = getenv("GPUMEM_TEST_NO_DRIVER_ERRORS");
-  return v && *v && strcmp(v, "0") != 0;
-}
-
 static void test_errors(gpumem_backend_t* be) {
   const size_t ps = be->page_size;
   size_t fr = 0, tot = 0;
@@ -557,7 +546,7 @@ int main(void) {
     test_granularity(be);
     test_vmm_lifecycle(be);
     time_primitives(be);
-    if (no_driver_errors())
+    if (drv_no_provoked_errors())
       printf(
           "skipped test_errors: it makes the driver fail on purpose "
           "(GPUMEM_TEST_NO_DRIVER_ERRORS)\n");
