@@ -404,7 +404,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     fresh = b->seg;
   }
   gm_index_remove(&pool->index, b);
-  if (b->in_dirty) gm_dirty_remove(pool, b);
+  gm_dirty_remove(b);
   /* Best fit takes the front of a hole; where taking its end leaves fewer
    * free bytes stranded in partly used pages, the end (ties: the front).
    * Measured (simulated device, min limit / peak live): synth_kvcache

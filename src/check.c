@@ -30,7 +30,7 @@ typedef struct sums {
   int64_t requested_bytes[GPUMEM_POOL_COUNT];
   int64_t split[GPUMEM_POOL_COUNT], split_bytes[GPUMEM_POOL_COUNT];
   int64_t segments[GPUMEM_POOL_COUNT], reserved[GPUMEM_POOL_COUNT];
-  size_t free_blocks, pending_refs, mapped_pages, shadows, aliased;
+  size_t free_blocks, pending_refs, mapped_pages, shadows, aliased, dirty;
 } sums;
 
 static void add(int64_t* arr, bool small, int64_t v) {
@@ -42,7 +42,7 @@ static void add(int64_t* arr, bool small, int64_t v) {
 static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
   size_t ps = gm->page_size;
   unsigned long at = (unsigned long)seg->addr;
-  /* busy: the allocated or pending blocks beginning or ending on each page,
+  /* busy: the ends of allocated or pending blocks on each page,
    * and the pages strictly inside one, counted afresh */
   uint32_t* want = calloc(seg->num_pages, sizeof *want);
   uint8_t* inner = calloc(seg->num_pages, 1);
@@ -56,8 +56,8 @@ static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
     if (b->state == GM_FREE) continue;
     size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
     if (last >= seg->num_pages) continue; /* reported by the block checks */
-    want[first]++;
-    if (last != first) want[last]++;
+    want[first]++; /* first and last page each count once: twice for one page */
+    want[last]++;
     for (size_t p = first + 1; p < last; p++) inner[p]++;
   }
   for (size_t p = 0; p < seg->num_pages; p++) {
@@ -194,6 +194,11 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       violation(c, "block 0x%lx: an alias's owner is not live", (unsigned long)b->addr);
     if (b->state != GM_FREE && b->in_dirty)
       violation(c, "non-free block 0x%lx in a dirty list", (unsigned long)b->addr);
+    if (b->in_dirty)
+      s->dirty++;
+    else if (b->dirty.prev != &b->dirty || b->dirty.next != &b->dirty)
+      violation(c, "block 0x%lx is off the dirty lists but not linked to itself",
+                (unsigned long)b->addr);
     if (seg->is_arena && b->state != GM_FREE) {
       size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
       for (size_t p = first; p <= last; p++) {
@@ -317,22 +322,26 @@ size_t gpumem_check(gpumem_t* gm) {
     if (seg->next_seg && seg->next_seg->prev_seg != seg) violation(&c, "segment list broken");
     check_segment(gm, seg, &s, &c);
   }
-  size_t indexed = 0;
+  size_t indexed = 0, dirty_listed = 0;
   for (gm_stream* st = gm->streams; st; st = st->next) {
     for (int i = 0; i < GM_NUM_POOLS; i++) {
       gm_pool* pool = &st->pools[i];
       c.errors += gm_index_check(&pool->index, pool);
       indexed += pool->index.count;
       if (pool->index.counts_only) check_counted_pool(gm, pool, &c);
-      const gm_block* prev = NULL;
-      for (const gm_block* b = pool->dirty_head; b; prev = b, b = b->dirty_next) {
-        if (!b->in_dirty || b->dirty_prev != prev || b->pool != pool)
+      for (const gm_dirty_link* l = pool->dirty.next; l != &pool->dirty; l = l->next) {
+        const gm_block* b = gm_dirty_block((gm_dirty_link*)l);
+        if (++dirty_listed > s.dirty || !b->in_dirty || l->next->prev != l || b->pool != pool) {
           violation(&c, "dirty list of stream 0x%lx broken", (unsigned long)st->handle);
+          break;
+        }
       }
-      if (pool->dirty_tail != prev)
-        violation(&c, "dirty list tail of stream 0x%lx wrong", (unsigned long)st->handle);
+      if (pool->dirty.next->prev != &pool->dirty)
+        violation(&c, "dirty list of stream 0x%lx broken at its head", (unsigned long)st->handle);
     }
   }
+  if (dirty_listed != s.dirty)
+    violation(&c, "%zu blocks are marked dirty, the dirty lists hold %zu", s.dirty, dirty_listed);
   if (indexed != s.free_blocks)
     violation(&c, "%zu free blocks in segments, %zu in the index", s.free_blocks, indexed);
   if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL])

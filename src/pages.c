@@ -91,6 +91,10 @@ static void free_tables(gm_segment* seg) {
 
 /* True when pages [first, last] are all mapped: a word at a time. */
 static bool range_mapped(const gm_segment* seg, size_t first, size_t last) {
+  if (GM_LIKELY(first / 64 == last / 64)) { /* on every malloc: most blocks span one word */
+    uint64_t mask = (~0ull << (first % 64)) & (~0ull >> (63 - last % 64));
+    return (seg->mapped_bits[first / 64] & mask) == mask;
+  }
   while (first <= last) {
     size_t span;
     uint64_t mask = gm_bits_word_mask(first, last, &span);
@@ -211,7 +215,7 @@ void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg) {
     return;
   }
   gm_index_remove(&seg->pool->index, b);
-  gm_dirty_remove(seg->pool, b);
+  gm_dirty_remove(b);
   gm_block_delete(gm, b);
   gm_segment_unlink(gm, seg);
   gm_stat_pool_add(gm, gm->stats.segment, seg->pool->is_small, -1);
@@ -219,32 +223,6 @@ void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg) {
 }
 
 /* ---- dirty lists: free blocks that may hold mapped whole pages ---- */
-
-void gm_dirty_add(gm_pool* pool, gm_block* b) {
-  if (b->in_dirty) return;
-  b->in_dirty = 1;
-  b->dirty_next = NULL;
-  b->dirty_prev = pool->dirty_tail;
-  if (pool->dirty_tail)
-    pool->dirty_tail->dirty_next = b;
-  else
-    pool->dirty_head = b;
-  pool->dirty_tail = b;
-}
-
-void gm_dirty_remove(gm_pool* pool, gm_block* b) {
-  if (!b->in_dirty) return;
-  if (b->dirty_prev)
-    b->dirty_prev->dirty_next = b->dirty_next;
-  else
-    pool->dirty_head = b->dirty_next;
-  if (b->dirty_next)
-    b->dirty_next->dirty_prev = b->dirty_prev;
-  else
-    pool->dirty_tail = b->dirty_prev;
-  b->dirty_prev = b->dirty_next = NULL;
-  b->in_dirty = 0;
-}
 
 /* Whole pages inside block b: [*first, *end). */
 static bool interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end) {
@@ -685,12 +663,13 @@ static inline bool reclaim_skips(int which, const gm_segment* seg) {
 static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size_t want,
                                     size_t* got) {
   size_t n = 0;
-  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) n += !reclaim_skips(which, b->seg);
+  gm_block* b;
+  GM_DIRTY_FOREACH(pool, b) n += !reclaim_skips(which, b->seg);
   if (!n) return GPUMEM_OK;
   gm_block** order = malloc(n * sizeof *order);
   if (!order) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory reclaiming pages");
   n = 0;
-  for (gm_block* b = pool->dirty_head; b; b = b->dirty_next) {
+  GM_DIRTY_FOREACH(pool, b) {
     if (!reclaim_skips(which, b->seg)) order[n++] = b;
   }
   /* Highest addresses first: best fit refills low holes soonest, so pages
@@ -698,7 +677,7 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
    * replays this halves page moves against oldest-freed-first. */
   qsort(order, n, sizeof *order, by_addr_desc);
   for (size_t i = 0; i < n && (!want || *got < want); i++) {
-    gm_block* b = order[i];
+    b = order[i];
     size_t first, end;
     bool has_pages =
         interior_pages(gm, b, &first, &end) && whole_mapping_pages(b->seg, first, end, true);
@@ -710,11 +689,11 @@ static gpumem_status_t reclaim_pool(gpumem_t* gm, gm_pool* pool, int which, size
         return st;
       }
       if (want && *got >= want) {
-        if (!whole_mapping_pages(b->seg, first, end, true)) gm_dirty_remove(pool, b);
+        if (!whole_mapping_pages(b->seg, first, end, true)) gm_dirty_remove(b);
         break;
       }
     }
-    gm_dirty_remove(pool, b);
+    gm_dirty_remove(b);
   }
   free(order);
   return GPUMEM_OK;
@@ -746,7 +725,8 @@ uint64_t gm_reclaimable_bytes(gpumem_t* gm) {
   uint64_t pages = 0;
   for (gm_stream* s = gm->streams; s; s = s->next) {
     for (int i = 0; i < GM_NUM_POOLS; i++) {
-      for (gm_block* b = s->pools[i].dirty_head; b; b = b->dirty_next) {
+      gm_block* b;
+      GM_DIRTY_FOREACH(&s->pools[i], b) {
         size_t first, end;
         if (interior_pages(gm, b, &first, &end))
           pages += whole_mapping_pages(b->seg, first, end, false);
@@ -1043,7 +1023,7 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
 static gm_block* carve_shadow(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t size) {
   gm_pool* pool = f->pool;
   gm_index_remove(&pool->index, f);
-  if (f->in_dirty) gm_dirty_remove(pool, f);
+  gm_dirty_remove(f);
   if (f->addr < addr) f = gm_split_free_front(gm, f, addr - f->addr);
   gm_split_block(gm, f, size, f->size > size);
   f->state = GM_SHADOW;
@@ -1126,7 +1106,7 @@ gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_blo
     gm_block* here = carve_shadow(gm, tail, seg->addr + end, ps - e);
     gm_block* b = here->prev;
     gm_index_remove(&pool->index, b);
-    if (b->in_dirty) gm_dirty_remove(pool, b);
+    gm_dirty_remove(b);
     b->state = GM_ALLOCATED;
     gm_arena_busy(gm, b, 1);
     st = gm_arena_map_range(gm, seg, b->addr, last_page * ps - start);

@@ -490,7 +490,7 @@ static gm_block* carve(gpumem_t* gm, gm_block* f, uintptr_t addr, size_t rsize) 
   gm_pool* pool = f->pool;
   size_t ps = gm->page_size;
   gm_index_remove(&pool->index, f);
-  if (f->in_dirty) gm_dirty_remove(pool, f);
+  gm_dirty_remove(f);
   if (f->addr < addr) {
     gm_block* rest = gm_split_free_front(gm, f, addr - f->addr);
     if (!rest) { /* no block struct (host memory): f stays free as it was */
