@@ -39,9 +39,10 @@ gm_block* gm_block_new(gpumem_t* gm) {
   gm_block* b = slab->free_list;
   slab->free_list = b->next;
   slab->live++;
-  /* Field by field rather than memset: the compiler makes a few vector
-   * stores of it, where memset of the struct became `rep stos`, whose
-   * start-up cost on the hot path (one block per split) was measurable. */
+  /* Field by field rather than memset (or a compound literal): the
+   * compiler makes a few vector stores of it, where memset of the struct
+   * became `rep stos`, whose start-up cost on the hot path (one block per
+   * split) was measurable. A new field of gm_block must be cleared here. */
   b->addr = 0;
   b->size = 0;
   b->left = b->right = b->prev = b->next = NULL;
@@ -49,7 +50,6 @@ gm_block* gm_block_new(gpumem_t* gm) {
   b->prio = 0;
   b->cls = 0;
   b->state = GM_FREE;
-  b->in_dirty = 0;
   b->num_uses = 0;
   b->pool = NULL;
   b->requested = 0;

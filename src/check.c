@@ -192,13 +192,12 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
     if (b->aliased) s->aliased++;
     if (b->aliased && b->state != GM_ALLOCATED && b->state != GM_PENDING)
       violation(c, "block 0x%lx: an alias's owner is not live", (unsigned long)b->addr);
-    if (b->state != GM_FREE && b->in_dirty)
+    if (b->state != GM_FREE && gm_dirty_on(b))
       violation(c, "non-free block 0x%lx in a dirty list", (unsigned long)b->addr);
-    if (b->in_dirty)
+    if (gm_dirty_on(b))
       s->dirty++;
-    else if (b->dirty.prev != &b->dirty || b->dirty.next != &b->dirty)
-      violation(c, "block 0x%lx is off the dirty lists but not linked to itself",
-                (unsigned long)b->addr);
+    else if (b->dirty.prev != &b->dirty)
+      violation(c, "block 0x%lx is half linked to the dirty lists", (unsigned long)b->addr);
     if (seg->is_arena && b->state != GM_FREE) {
       size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
       for (size_t p = first; p <= last; p++) {
@@ -331,7 +330,7 @@ size_t gpumem_check(gpumem_t* gm) {
       if (pool->index.counts_only) check_counted_pool(gm, pool, &c);
       for (const gm_dirty_link* l = pool->dirty.next; l != &pool->dirty; l = l->next) {
         const gm_block* b = gm_dirty_block((gm_dirty_link*)l);
-        if (++dirty_listed > s.dirty || !b->in_dirty || l->next->prev != l || b->pool != pool) {
+        if (++dirty_listed > s.dirty || l->next->prev != l || b->pool != pool) {
           violation(&c, "dirty list of stream 0x%lx broken", (unsigned long)st->handle);
           break;
         }

@@ -76,10 +76,9 @@ struct gm_block {
   gm_block* prev; /* address neighbours inside the segment */
   gm_block* next;
   gm_segment* seg;
-  uint16_t prio; /* treap priority, a hash of the address */
-  uint16_t cls;  /* its size class while in a free index (set by the insert) */
-  uint8_t state; /* gm_block_state */
-  uint8_t in_dirty;
+  uint16_t prio;     /* treap priority, a hash of the address */
+  uint16_t cls;      /* its size class while in a free index (set by the insert) */
+  uint8_t state;     /* gm_block_state */
   uint16_t num_uses; /* streams other than the owner's it was used on */
   /* Second line. */
   gm_pool* pool;
@@ -359,13 +358,18 @@ struct gpumem {
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
 
+/* Bits lo..hi of a word (lo <= hi <= 63): two shifts, no special case
+ * for a whole word. */
+static inline uint64_t gm_bits_between(size_t lo, size_t hi) {
+  return (~0ull << lo) & (~0ull >> (63 - hi));
+}
+
 /* Bitmaps of pages, a word at a time: the next run of bits [first, last]
  * within first's word is *span bits long, under the returned mask. */
 static inline uint64_t gm_bits_word_mask(size_t first, size_t last, size_t* span) {
   size_t bit = first % 64, top = last - first >= 63 - bit ? 63 : bit + (last - first);
   *span = top - bit + 1;
-  /* bits bit..top: two shifts, no special case for a whole word */
-  return (~0ull << bit) & (~0ull >> (63 - top));
+  return gm_bits_between(bit, top);
 }
 
 /* Sets (on) or clears the bits of pages [first, last] of a bitmap. */
@@ -458,13 +462,16 @@ void gm_guard_reset(gpumem_t* gm);
 static inline void gm_dirty_init(gm_dirty_link* l) {
   l->prev = l->next = l;
 }
+/* On a dirty list: linked to something other than itself. */
+static inline bool gm_dirty_on(const gm_block* b) {
+  return b->dirty.next != &b->dirty;
+}
 static inline gm_block* gm_dirty_block(gm_dirty_link* l) {
   return (gm_block*)((char*)l - offsetof(gm_block, dirty));
 }
 /* Puts free block b on its pool's dirty list, if it is not on it. */
 static inline void gm_dirty_add(gm_pool* pool, gm_block* b) {
-  if (b->in_dirty) return;
-  b->in_dirty = 1;
+  if (gm_dirty_on(b)) return;
   b->dirty.prev = pool->dirty.prev;
   b->dirty.next = &pool->dirty;
   pool->dirty.prev->next = &b->dirty;
@@ -475,7 +482,6 @@ static inline void gm_dirty_remove(gm_block* b) {
   b->dirty.prev->next = b->dirty.next;
   b->dirty.next->prev = b->dirty.prev;
   gm_dirty_init(&b->dirty);
-  b->in_dirty = 0;
 }
 /* Visits a pool's dirty list; the visited block may be taken off. */
 #define GM_DIRTY_FOREACH(pool, b)                                       \

@@ -92,7 +92,7 @@ static void free_tables(gm_segment* seg) {
 /* True when pages [first, last] are all mapped: a word at a time. */
 static bool range_mapped(const gm_segment* seg, size_t first, size_t last) {
   if (GM_LIKELY(first / 64 == last / 64)) { /* on every malloc: most blocks span one word */
-    uint64_t mask = (~0ull << (first % 64)) & (~0ull >> (63 - last % 64));
+    uint64_t mask = gm_bits_between(first % 64, last % 64);
     return (seg->mapped_bits[first / 64] & mask) == mask;
   }
   while (first <= last) {
