@@ -526,7 +526,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     return st;
   }
   b->requested = size;
-  b->seq = gm->planner.enabled ? gm->planner.n : 0;
+  b->seq = gm->planner.enabled && !gm->planner.idle ? gm->planner.n : 0;
   gm_stat_pool_grow(gm->stats.allocation, small, 1);
   gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
   gm_stat_pool_grow(gm->stats.active, small, 1);

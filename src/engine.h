@@ -238,6 +238,9 @@ typedef struct gm_ptr_map {
 #define GM_PLAN_MIN_PERIOD 16
 #define GM_PLAN_TABLE 16384        /* context hash -> latest request index */
 #define GM_PLAN_SAMPLE_AFTER 16384 /* requests without a plan before detection samples (plan.c) */
+#define GM_PLAN_IDLE_AFTER 65536   /* ... and before it takes turns, on and off (plan.c) */
+#define GM_PLAN_TURN 16384         /* requests per turn: at least two of the longest period */
+_Static_assert(GM_PLAN_TURN >= 2 * GM_PLAN_MAX_PERIOD + 8, "a turn must hold two periods");
 #define GM_PLAN_MAX_STREAMS 4
 
 typedef struct gm_plan_req {
@@ -264,7 +267,9 @@ enum { GM_PLAN_NONE = 0, GM_PLAN_ACTIVE = 1, GM_PLAN_DORMANT = 2 };
 
 typedef struct gm_planner {
   bool enabled;
-  uint64_t n; /* requests seen */
+  uint64_t n;            /* requests seen */
+  uint64_t window_start; /* detection uses requests from here on (plan.c, turns) */
+  bool idle;             /* the last request came in an off turn: not recorded */
   gm_plan_req* ring;
   uint64_t* table; /* 1 + request index, 0 = empty */
   /* detection */

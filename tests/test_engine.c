@@ -1089,14 +1089,16 @@ static void test_planned_loop(const char* conf) {
 }
 
 /* A workload that repeats only after a long stretch that never does: past
- * GM_PLAN_SAMPLE_AFTER requests without a plan, detection consults its
- * table for one context in eight, and must still find the loop. */
-static void test_planned_after_noise(const char* conf) {
+ * GM_PLAN_SAMPLE_AFTER (16384) requests without a plan, detection consults
+ * its table for one context in eight; past GM_PLAN_IDLE_AFTER (65536) it
+ * runs in turns of 16384 requests, on and off (off: from 81920 to 98304),
+ * and must still find the loop, in the next on turn at the latest. */
+static void test_planned_after_noise(const char* conf, int noise, int steps) {
   fx_t f = fx_new(conf, 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   char* held[4] = {NULL, NULL, NULL, NULL};
   uint64_t x = 88172645463325252ull;
-  for (int i = 0; i < 20000; i++) {
+  for (int i = 0; i < noise; i++) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17; /* xorshift: sizes that never repeat in step */
     size_t size = 512 + (size_t)(x % (8 * MIB));
     int k = (int)((x >> 40) % 4);
@@ -1110,13 +1112,13 @@ static void test_planned_after_noise(const char* conf) {
             (long long)s.num_plans);
   live_set_t l;
   memset(&l, 0, sizeof l);
-  for (int it = 0; it < 30; it++) loop_step(&f, &l, 0, conf);
+  for (int it = 0; it < steps; it++) loop_step(&f, &l, 0, conf);
   CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
   s = stats(&f);
   CHECK_MSG(s.num_plans >= 1 && s.num_planned_allocs > 10 * 36,
-            "%s: after 20000 unrepeated requests the loop was not planned (%lld plans, %lld "
+            "%s: after %d unrepeated requests the loop was not planned (%lld plans, %lld "
             "planned allocations)",
-            conf, (long long)s.num_plans, (long long)s.num_planned_allocs);
+            conf, noise, (long long)s.num_plans, (long long)s.num_planned_allocs);
   fx_done(&f);
 }
 
@@ -1304,7 +1306,11 @@ int main(int argc, char** argv) {
   test_planned_loop("policy:default,reclaim:pressure,placement:bestfit"); /* for comparison */
   test_planned_loop("policy:default,reclaim:pressure,placement:planned");
   test_planned_loop("policy:default,reclaim:lazy,placement:planned");
-  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned");
+  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 20000, 30);
+  /* the loop begins in an on turn, then in an off turn (~16,000 requests,
+   * ~450 steps of 36, before the next on turn) */
+  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 70000, 30);
+  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 83000, 500);
   test_alias();
   test_move_guard();
 
