@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
 
-.PHONY: all build test sanitize demo bench synth python-test gpu-torch bench-torch bench-torch-paired bench-torch-requests gpu-bench format format-check clean
+.PHONY: all build test sanitize demo bench synth python-test gpu-torch bench-torch bench-torch-lockstep bench-torch-paired bench-torch-requests gpu-bench format format-check clean
 
 all: build
 
@@ -43,6 +43,10 @@ gpu-torch: build
 
 bench-torch: build
 	bash bench/torch/run_all.sh $(BUILD)
+
+# Step times of native PyTorch and gpumem trained in turns, step by step, on one GPU.
+bench-torch-lockstep: build
+	bash bench/torch/lockstep.sh $(BUILD)
 
 # Step times of native PyTorch and gpumem started in pairs on two GPUs.
 bench-torch-paired: build

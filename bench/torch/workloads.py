@@ -11,6 +11,12 @@ and peak allocated bytes (torch.cuda.max_memory_reserved/allocated, which
 report gpumem's figures when gpumem is the allocator) and whether the run
 ran out of memory.
 
+Host-bound steps (t5 leaves the GPU idle ~90% of a step on the H200 host of
+2026-11-26) pick up the host's noise, Python's garbage collector included:
+each timed step's collector time is reported (`gc_ms`), and --gc freeze
+collects once and freezes every object made so far (gc.freeze) before the
+timed steps, so the collector no longer walks the model's objects in them.
+
 --fraction caps the process at F of the device's memory
 (torch.cuda.set_per_process_memory_fraction) for the whole run.
 --bisect P, after the timed run, looks for the smallest fraction under which
@@ -215,13 +221,33 @@ WORKLOADS = {
 }
 
 
-def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, at_timed=None):
+class GcClock:
+    """Time spent in Python's garbage collector, from gc.callbacks."""
+
+    def __init__(self):
+        self.total_ms = 0.0
+        self._t0 = None
+        gc.callbacks.append(self._event)
+
+    def _event(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total_ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+
+def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, at_timed=None, gc_ms=None,
+              gc_clock=None, gate=None):
     """Trains warmup + steps steps; returns (per-step ms of the timed ones,
     oom message or None). Also fills issue_ms (when given): per timed step,
     the host time until step() returned, before the loss is read. A step
     whose issue time is well below its step time waited on the GPU: host
     costs such as the allocator's do not lengthen it. at_timed (when given)
-    is called once, just before the first timed step."""
+    is called once, just before the first timed step. gc_ms (when given,
+    with gc_clock) gets each timed step's time in the garbage collector.
+    gate (when given) is called before each step, the GPU idle, and again
+    after it with the step's ms (bench/torch/lockstep_ab.py)."""
     state = make_state()
     times = []
     oom = None
@@ -230,15 +256,23 @@ def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, 
             torch.cuda.synchronize()
             if i == warmup and at_timed is not None:
                 at_timed()
+            if gate is not None:
+                gate(i, None)
+            gc0 = gc_clock.total_ms if gc_clock is not None else 0.0
             t0 = time.perf_counter()
             loss = step(state, start + i)
             t_issued = time.perf_counter()
             loss.item()  # a host sync, as a training loop logging its loss has
             torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 1e3
+            if gate is not None:
+                gate(i, ms)
             if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
+                times.append(ms)
                 if issue_ms is not None:
                     issue_ms.append((t_issued - t0) * 1e3)
+                if gc_ms is not None and gc_clock is not None:
+                    gc_ms.append(gc_clock.total_ms - gc0)
             del loss
     except Exception as e:  # out of memory is a result, anything else a bug
         if not is_oom(torch, e):
@@ -267,6 +301,11 @@ def main():
     ap.add_argument("--fraction", type=float, default=None)
     ap.add_argument("--conf", default=None, help="GPUMEM_CONF for --allocator gpumem")
     ap.add_argument("--bisect", type=int, default=0, metavar="PROBES")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="wait for a line on stdin before each step and print 'LOCKSTEP i ms' after it "
+                         "(driven by bench/torch/lockstep_ab.py)")
+    ap.add_argument("--gc", choices=["on", "freeze"], default="on",
+                    help="freeze: gc.collect() and gc.freeze() just before the timed steps")
     ap.add_argument(
         "--probe-steps", type=int, default=None, help="steps per probe (default: warm-up + steps, the same batches)"
     )
@@ -295,8 +334,24 @@ def main():
 
         counters_before.update(gpumem.memory_stats())
 
-    at_timed = snapshot if args.allocator == "gpumem" else None
-    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup, issue_ms=issue, at_timed=at_timed)
+    def before_timed():
+        if args.gc == "freeze":
+            gc.collect()
+            gc.freeze()
+        if args.allocator == "gpumem":
+            snapshot()
+
+    def lockstep_gate(i, ms):
+        if ms is None:
+            if not sys.stdin.readline():
+                raise SystemExit("lockstep: the driver went away")
+        else:
+            print(f"LOCKSTEP {i} {ms:.3f}", flush=True)
+
+    gc_clock = GcClock()
+    gc_ms = []
+    times, oom = run_steps(torch, make_state, step, args.steps, args.warmup, issue_ms=issue, at_timed=before_timed,
+                           gc_ms=gc_ms, gc_clock=gc_clock, gate=lockstep_gate if args.lockstep else None)
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
@@ -310,6 +365,8 @@ def main():
         "step_ms": [round(t, 3) for t in times],
         # host time to issue each timed step (see run_steps)
         "issue_median_ms": round(statistics.median(issue), 3) if issue else None,
+        "gc": args.gc,
+        "gc_ms": [round(t, 3) for t in gc_ms],  # per timed step, in the garbage collector
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "oom": oom is not None,
