@@ -1,6 +1,6 @@
 """Step time of native PyTorch against gpumem, one step at a time, in turns.
 
-    python3 bench/torch/lockstep_ab.py WORKLOAD [--steps N] [--warmup W] [--out FILE]
+    python3 bench/torch/lockstep_ab.py WORKLOAD [--steps N] [--warmup W] [--conf C] [--out FILE]
 
 Starts two processes of bench/torch/workloads.py WORKLOAD on the same GPU, one
 with PyTorch's native allocator and one with gpumem, and lets them train in
@@ -36,6 +36,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def start(workload, allocator, args):
     cmd = [sys.executable, os.path.join(HERE, "workloads.py"), workload, "--allocator", allocator,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lockstep"]
+    if allocator == "gpumem" and args.conf:
+        cmd += ["--conf", args.conf]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("workload")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--conf", default=None, help="GPUMEM_CONF of the gpumem process")
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = ap.parse_args()
 
@@ -92,6 +95,7 @@ def main():
     )
     result = {
         "workload": args.workload,
+        "conf": args.conf,
         "steps": args.steps,
         "device": (procs["native"].final or {}).get("device"),
         "native_median_ms": round(statistics.median(ms["native"]), 3),
