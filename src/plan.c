@@ -680,7 +680,8 @@ static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t 
  * records and looks as before, the next it skips every request. A loop
  * that begins in an off turn is found in the next on turn, at most
  * GM_PLAN_TURN requests later; a turn holds two of the longest period, so
- * one that runs through an on turn is found in it. (Sampling fewer
+ * one that runs through an on turn is found in it, as it would have been
+ * without turns. (Sampling fewer
  * contexts instead, one in 64, missed short loops outright: a period of 36
  * requests may have none of its contexts sampled, test_engine.) */
 static void open_window(gm_planner* p, uint64_t i) {
