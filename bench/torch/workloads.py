@@ -222,12 +222,21 @@ WORKLOADS = {
 
 
 class GcClock:
-    """Time spent in Python's garbage collector, from gc.callbacks."""
+    """Time spent in Python's garbage collector (gc.callbacks), in all and
+    per timed step (steps_ms: from mark() to lap())."""
 
     def __init__(self):
         self.total_ms = 0.0
+        self.steps_ms = []
         self._t0 = None
+        self._mark = 0.0
         gc.callbacks.append(self._event)
+
+    def mark(self):
+        self._mark = self.total_ms
+
+    def lap(self):
+        self.steps_ms.append(self.total_ms - self._mark)
 
     def _event(self, phase, info):
         if phase == "start":
@@ -237,15 +246,15 @@ class GcClock:
             self._t0 = None
 
 
-def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, at_timed=None, gc_ms=None,
-              gc_clock=None, gate=None):
+def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, at_timed=None, gc_clock=None,
+              gate=None):
     """Trains warmup + steps steps; returns (per-step ms of the timed ones,
     oom message or None). Also fills issue_ms (when given): per timed step,
     the host time until step() returned, before the loss is read. A step
     whose issue time is well below its step time waited on the GPU: host
     costs such as the allocator's do not lengthen it. at_timed (when given)
-    is called once, just before the first timed step. gc_ms (when given,
-    with gc_clock) gets each timed step's time in the garbage collector.
+    is called once, just before the first timed step. gc_clock (when
+    given) gets each timed step's time in the garbage collector.
     gate (when given) is called before each step, the GPU idle, and again
     after it with the step's ms (bench/torch/lockstep_ab.py)."""
     state = make_state()
@@ -258,7 +267,8 @@ def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, 
                 at_timed()
             if gate is not None:
                 gate(i, None)
-            gc0 = gc_clock.total_ms if gc_clock is not None else 0.0
+            if gc_clock is not None:
+                gc_clock.mark()
             t0 = time.perf_counter()
             loss = step(state, start + i)
             t_issued = time.perf_counter()
@@ -271,8 +281,8 @@ def run_steps(torch, make_state, step, steps, warmup=0, start=0, issue_ms=None, 
                 times.append(ms)
                 if issue_ms is not None:
                     issue_ms.append((t_issued - t0) * 1e3)
-                if gc_ms is not None and gc_clock is not None:
-                    gc_ms.append(gc_clock.total_ms - gc0)
+                if gc_clock is not None:
+                    gc_clock.lap()
             del loss
     except Exception as e:  # out of memory is a result, anything else a bug
         if not is_oom(torch, e):
@@ -349,9 +359,8 @@ def main():
             print(f"LOCKSTEP {i} {ms:.3f}", flush=True)
 
     gc_clock = GcClock()
-    gc_ms = []
     times, oom = run_steps(torch, make_state, step, args.steps, args.warmup, issue_ms=issue, at_timed=before_timed,
-                           gc_ms=gc_ms, gc_clock=gc_clock, gate=lockstep_gate if args.lockstep else None)
+                           gc_clock=gc_clock, gate=lockstep_gate if args.lockstep else None)
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
@@ -366,7 +375,7 @@ def main():
         # host time to issue each timed step (see run_steps)
         "issue_median_ms": round(statistics.median(issue), 3) if issue else None,
         "gc": args.gc,
-        "gc_ms": [round(t, 3) for t in gc_ms],  # per timed step, in the garbage collector
+        "gc_ms": [round(t, 3) for t in gc_clock.steps_ms],  # per timed step, in the garbage collector
         "peak_reserved": torch.cuda.max_memory_reserved(),
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "oom": oom is not None,
