@@ -223,23 +223,24 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(requested_bytes, "Requested memory", 1)
 
 /* Plain counters: PyTorch's and gpumem's own. */
-#define GPUMEM_STAT_COUNTERS(X)                                 \
-  X(num_alloc_retries, "cudaMalloc retries")                    \
-  X(num_ooms, "CUDA OOMs")                                      \
-  X(num_sync_all_streams, "Synchronizations of all streams")    \
-  X(num_device_alloc, "Device allocations")                     \
-  X(num_device_free, "Device frees")                            \
-  X(num_syncs, "Stream or event synchronizations")              \
-  X(num_pages_mapped, "Pages mapped")                           \
-  X(num_pages_unmapped, "Pages unmapped")                       \
-  X(num_reclaims, "Page reclaim passes")                        \
-  X(num_oom_callbacks, "OOM callbacks called")                  \
-  X(num_plans, "Placement plans built")                         \
-  X(num_plan_drops, "Placement plans dropped")                  \
-  X(num_planned_allocs, "Allocations placed by a plan")         \
-  X(num_pages_revived, "Pages moved back to a ghost mapping")   \
-  X(num_pages_aliased, "Partly used pages shared by a request") \
-  X(num_move_guard_trips, "Move guard trips (grew instead of moving)")
+#define GPUMEM_STAT_COUNTERS(X)                                        \
+  X(num_alloc_retries, "cudaMalloc retries")                           \
+  X(num_ooms, "CUDA OOMs")                                             \
+  X(num_sync_all_streams, "Synchronizations of all streams")           \
+  X(num_device_alloc, "Device allocations")                            \
+  X(num_device_free, "Device frees")                                   \
+  X(num_syncs, "Stream or event synchronizations")                     \
+  X(num_pages_mapped, "Pages mapped")                                  \
+  X(num_pages_unmapped, "Pages unmapped")                              \
+  X(num_reclaims, "Page reclaim passes")                               \
+  X(num_oom_callbacks, "OOM callbacks called")                         \
+  X(num_plans, "Placement plans built")                                \
+  X(num_plan_drops, "Placement plans dropped")                         \
+  X(num_planned_allocs, "Allocations placed by a plan")                \
+  X(num_pages_revived, "Pages moved back to a ghost mapping")          \
+  X(num_pages_aliased, "Partly used pages shared by a request")        \
+  X(num_move_guard_trips, "Move guard trips (grew instead of moving)") \
+  X(num_plans_declined, "Plans declined (streams peak apart)")
 
 /* Backend primitives, counted per call by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \

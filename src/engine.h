@@ -242,6 +242,9 @@ typedef struct gm_ptr_map {
 #define GM_PLAN_TURN 16384         /* requests per turn: at least two of the longest period */
 _Static_assert(GM_PLAN_TURN >= 2 * GM_PLAN_MAX_PERIOD + 8, "a turn must hold two periods");
 #define GM_PLAN_MAX_STREAMS 4
+/* How much more than the joint peak of a step the arenas of a plan on
+ * several streams may hold (plan.c, arenas_fit_joint_peak). */
+#define GM_PLAN_JOINT_SLACK 0.01
 
 typedef struct gm_plan_req {
   uint64_t key; /* hash of (rounded size, stream) */

@@ -264,6 +264,54 @@ static gpumem_status_t plan_arena(gpumem_t* gm, gpumem_stream_t stream, size_t e
   return GPUMEM_OK;
 }
 
+/* The peak of planned bytes live at once over the period, of one arena
+ * (arena < GM_PLAN_MAX_STREAMS) or of all (arena == GM_PLAN_MAX_STREAMS);
+ * items[0..n) are live at phases start .. start + len - 1, modulo P.
+ * SIZE_MAX when host memory is short. */
+static size_t live_peak(const build_item* items, size_t n, uint64_t P, size_t arena) {
+  int64_t* delta = calloc(P + 1, sizeof *delta);
+  if (!delta) return SIZE_MAX;
+  for (size_t k = 0; k < n; k++) {
+    const build_item* it = &items[k];
+    if (arena != GM_PLAN_MAX_STREAMS && it->arena != arena) continue;
+    uint64_t end = it->start + it->len; /* one past the last phase, maybe beyond P */
+    delta[it->start] += (int64_t)it->size;
+    if (end <= P) {
+      delta[end] -= (int64_t)it->size;
+    } else {
+      delta[0] += (int64_t)it->size;
+      delta[end - P] -= (int64_t)it->size;
+    }
+  }
+  int64_t live = 0, peak = 0;
+  for (uint64_t j = 0; j < P; j++) {
+    live += delta[j];
+    if (live > peak) peak = live;
+  }
+  free(delta);
+  return (size_t)peak;
+}
+
+/* Several streams get an arena each, and each arena holds its own
+ * stream's peak layout: where the streams peak at different phases the
+ * arenas together hold more than the step ever has live, and the plan
+ * would raise reserved memory above what best fit and lazy reclaim hold
+ * (synth_streams: 1.0014 -> 1.0709 x peak live). Fits when the arenas,
+ * page-rounded, hold at most the step's joint peak plus the lazy headroom
+ * and a page per extra arena (rounding). held[] is what each arena must
+ * hold at least (its stream's live peak, before placement) or holds (its
+ * extent, after). */
+static bool arenas_fit_joint_peak(const gpumem_t* gm, const build_item* items, size_t n, uint64_t P,
+                                  const size_t* held, size_t num_streams) {
+  size_t peak = live_peak(items, n, P, GM_PLAN_MAX_STREAMS);
+  if (peak == SIZE_MAX) return false;
+  double sum = 0;
+  for (size_t a = 0; a < num_streams; a++) sum += (double)gm_round_up(held[a], gm->page_size);
+  double allowed = (double)gm_round_up(peak, gm->page_size) * (1.0 + GM_PLAN_JOINT_SLACK) +
+                   (double)((num_streams - 1) * gm->page_size);
+  return sum <= allowed;
+}
+
 /* Builds the plan from requests [s, s + P) of the ring (all lifetimes of
  * at most P requests are known by now). Returns false when the period does
  * not look like a step (or host memory is short): nothing changes then. */
@@ -316,6 +364,15 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
    * step (layer after layer) keeps what each iteration made. */
   if (bytes_planned < bytes_all / 10 * 9) goto done;
 
+  /* Cheap before placement: each arena holds at least its stream's peak. */
+  if (num_streams > 1) {
+    size_t peaks[GM_PLAN_MAX_STREAMS];
+    for (size_t a = 0; a < num_streams; a++) {
+      peaks[a] = live_peak(items, n_planned, P, a);
+      if (peaks[a] == SIZE_MAX) goto done;
+    }
+    if (!arenas_fit_joint_peak(gm, items, n_planned, P, peaks, num_streams)) goto declined;
+  }
   /* Greedy by size, each at the lowest offset free during its lifetime:
    * placed items are kept sorted by offset, so one scan finds the gap. */
   qsort(order, n_planned, sizeof *order, by_size_desc);
@@ -353,6 +410,9 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
     for (size_t a = 0; a < num_streams; a++) peak += extent[a];
     if (peak < (live_max - live_min) / 2) goto done;
   }
+  /* Checked again with the arenas' extents (see before placement). */
+  if (num_streams > 1 && !arenas_fit_joint_peak(gm, items, n_planned, P, extent, num_streams))
+    goto declined;
   for (size_t i = 0; i < n_planned; i++) plan[order[i]->idx].off = order[i]->off;
 
   /* Anchors: for each planned item, the planned item that ends highest
@@ -400,6 +460,9 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   ctx_keys = NULL;
   ctx_items = NULL;
   ok = true;
+  goto done;
+declined:
+  gm->stats.num_plans_declined++;
 done:
   free(items);
   free(order);

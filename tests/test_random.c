@@ -1058,8 +1058,11 @@ static void loop_phase(run_t* r, int iters, int len) {
   r->rng = stray;
   gpumem_stats_t st;
   gpumem_get_stats(r->gm, &st);
+  /* The loop's two streams may peak apart: then a plan is declined (its
+   * arenas would hold more than the loop has live), which counts. */
   if (iters >= 40)
-    RUN_CHECK(r, st.num_plans > 0 && st.num_planned_allocs > 0, "the loop was never planned");
+    RUN_CHECK(r, (st.num_plans > 0 && st.num_planned_allocs > 0) || st.num_plans_declined > 0,
+              "the loop was neither planned nor declined");
 }
 
 /* The limit phase: OOMs are expected; each must change nothing, and the

@@ -576,10 +576,11 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   }
   fprintf(f,
           ",\"num_plans\":%lld,\"num_plan_drops\":%lld,\"num_planned_allocs\":%lld,"
-          "\"num_pages_aliased\":%lld,\"num_move_guard_trips\":%lld",
+          "\"num_pages_aliased\":%lld,\"num_move_guard_trips\":%lld,\"num_plans_declined\":%lld",
           (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
           (long long)r->stats_final.num_planned_allocs, (long long)r->stats_final.num_pages_aliased,
-          (long long)r->stats_final.num_move_guard_trips);
+          (long long)r->stats_final.num_move_guard_trips,
+          (long long)r->stats_final.num_plans_declined);
   if (r->min_limit_done) {
     if (r->min_limit_found) {
       fprintf(f, ",\"min_limit_bytes\":%zu,\"min_limit_ratio\":%.4f", r->min_limit_bytes,
@@ -654,6 +655,12 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
     fprintf(f, "  %-16s%lld built, %lld dropped, %lld allocations placed by a plan\n", "plans",
             (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
             (long long)r->stats_final.num_planned_allocs);
+  }
+  if (r->stats_final.num_plans_declined) {
+    fprintf(f,
+            "  %-16s%lld declined: the streams peak apart, and an arena per stream would hold "
+            "more than the loop has live\n",
+            "plans", (long long)r->stats_final.num_plans_declined);
   }
   if (r->stats_final.num_pages_aliased) {
     fprintf(f, "  %-16s%lld (a partly used page shared by a request that did not fit)\n",
