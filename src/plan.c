@@ -477,10 +477,14 @@ done:
 
 static int32_t resync(gm_planner* p, uint64_t i);
 
-/* Is requests [s, s + P) the current plan repeated (a multiple of its
- * period, any phase)? Then there is nothing to build. */
+/* Is requests [s, s + P) the current plan repeated (any phase)? Then
+ * there is nothing to build. P need not be a multiple of the plan's
+ * period: a loop shorter than the shortest period looked for (14
+ * requests) is planned as two of itself (28), and is then confirmed as
+ * 42, 56, ... requests, each the same loop; each was rebuilt before, with
+ * a new arena each time, until the plan had served two periods in a row. */
 static bool same_as_plan(gm_planner* p, uint64_t s, uint64_t P) {
-  if (!p->period || P % p->period) return false;
+  if (!p->period) return false;
   int32_t j0 = resync(p, s);
   if (j0 < 0) return false;
   for (uint64_t k = 0; k < P; k++) {

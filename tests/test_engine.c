@@ -1113,9 +1113,9 @@ static void test_planned_streams(const char* conf, int apart) {
   gpumem_stats_t s = stats(&f);
   int64_t peak_live = s.allocated_bytes[GPUMEM_POOL_ALL].peak;
   int64_t res = s.reserved_bytes[GPUMEM_POOL_ALL].peak;
-  printf("%s: two streams %s: %lld plans, %lld declined, reserved %.4f x peak live\n", conf,
-         apart ? "apart" : "together", (long long)s.num_plans, (long long)s.num_plans_declined,
-         (double)res / (double)peak_live);
+  printf("%s: two streams %s: %lld plans, %lld dropped, %lld declined, reserved %.4f x peak live\n",
+         conf, apart ? "apart" : "together", (long long)s.num_plans, (long long)s.num_plan_drops,
+         (long long)s.num_plans_declined, (double)res / (double)peak_live);
   if (apart) {
     CHECK_MSG(s.num_plans == 0 && s.num_plans_declined >= 1,
               "%s: streams apart: %lld plans, %lld declined", conf, (long long)s.num_plans,
