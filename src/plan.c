@@ -319,14 +319,14 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   gm_planner* p = &gm->planner;
   build_item* items = calloc(P, sizeof *items);
   build_item** order = calloc(P, sizeof *order);
-  build_item** placed = calloc(P, sizeof *placed);
+  build_item** placed = NULL;
   gm_plan_item* plan = calloc(P, sizeof *plan);
   size_t ctx_cap = 1;
   while (ctx_cap < 2 * P) ctx_cap *= 2;
-  uint64_t* ctx_keys = calloc(ctx_cap, sizeof *ctx_keys);
-  int32_t* ctx_items = calloc(ctx_cap, sizeof *ctx_items);
+  uint64_t* ctx_keys = NULL;
+  int32_t* ctx_items = NULL;
   bool ok = false;
-  if (!items || !order || !placed || !plan || !ctx_keys || !ctx_items) goto done;
+  if (!items || !order || !plan) goto done;
 
   gpumem_stream_t streams[GM_PLAN_MAX_STREAMS];
   size_t num_streams = 0, n_planned = 0;
@@ -373,6 +373,11 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
     }
     if (!arenas_fit_joint_peak(gm, items, n_planned, P, peaks, num_streams)) goto declined;
   }
+  /* The rest is needed only by a plan that passed the checks above. */
+  placed = calloc(P, sizeof *placed);
+  ctx_keys = calloc(ctx_cap, sizeof *ctx_keys);
+  ctx_items = calloc(ctx_cap, sizeof *ctx_items);
+  if (!placed || !ctx_keys || !ctx_items) goto done;
   /* Greedy by size, each at the lowest offset free during its lifetime:
    * placed items are kept sorted by offset, so one scan finds the gap. */
   qsort(order, n_planned, sizeof *order, by_size_desc);
