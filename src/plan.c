@@ -297,8 +297,10 @@ static size_t live_peak(const build_item* items, size_t n, uint64_t P, size_t ar
  * arenas together hold more than the step ever has live, and the plan
  * would raise reserved memory above what best fit and lazy reclaim hold
  * (synth_streams: 1.0014 -> 1.0709 x peak live). Fits when the arenas,
- * page-rounded, hold at most the step's joint peak plus the lazy headroom
- * and a page per extra arena (rounding). held[] is what each arena must
+ * page-rounded, hold at most the step's joint peak plus GM_PLAN_JOINT_SLACK
+ * (1%: a plan whose streams peak nearly together keeps its steady state
+ * without page moves) and a page per extra arena (rounding). held[] is
+ * what each arena must
  * hold at least (its stream's live peak, before placement) or holds (its
  * extent, after). */
 static bool arenas_fit_joint_peak(const gpumem_t* gm, const build_item* items, size_t n, uint64_t P,
