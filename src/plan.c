@@ -300,9 +300,8 @@ static size_t live_peak(const build_item* items, size_t n, uint64_t P, size_t ar
  * page-rounded, hold at most the step's joint peak plus GM_PLAN_JOINT_SLACK
  * (1%: a plan whose streams peak nearly together keeps its steady state
  * without page moves) and a page per extra arena (rounding). held[] is
- * what each arena must
- * hold at least (its stream's live peak, before placement) or holds (its
- * extent, after). */
+ * what each arena must hold at least (its stream's live peak, before
+ * placement) or holds (its extent, after). */
 static bool arenas_fit_joint_peak(const gpumem_t* gm, const build_item* items, size_t n, uint64_t P,
                                   const size_t* held, size_t num_streams) {
   size_t peak = live_peak(items, n, P, GM_PLAN_MAX_STREAMS);
