@@ -1125,7 +1125,10 @@ static void test_planned_streams(const char* conf, int apart) {
     CHECK_MSG((double)res <= (double)peak_live * 1.01, "%s: streams apart: reserved %.4f x", conf,
               (double)res / (double)peak_live);
   } else {
-    CHECK_MSG(s.num_plans >= 1 && s.num_plans_declined == 0 && s.num_planned_allocs > 30 * 16,
+    /* The loop is 14 requests, shorter than the shortest period looked
+     * for: planned as 28, then confirmed as 42, 56, ... of the same loop,
+     * which must not be rebuilt (8 plans, each with a new arena, before). */
+    CHECK_MSG(s.num_plans == 1 && s.num_plans_declined == 0 && s.num_planned_allocs > 30 * 14,
               "%s: streams together: %lld plans, %lld declined, %lld planned", conf,
               (long long)s.num_plans, (long long)s.num_plans_declined,
               (long long)s.num_planned_allocs);
