@@ -264,32 +264,39 @@ static gpumem_status_t plan_arena(gpumem_t* gm, gpumem_stream_t stream, size_t e
   return GPUMEM_OK;
 }
 
-/* The peak of planned bytes live at once over the period, of one arena
- * (arena < GM_PLAN_MAX_STREAMS) or of all (arena == GM_PLAN_MAX_STREAMS);
- * items[0..n) are live at phases start .. start + len - 1, modulo P.
- * SIZE_MAX when host memory is short. */
-static size_t live_peak(const build_item* items, size_t n, uint64_t P, size_t arena) {
-  int64_t* delta = calloc(P + 1, sizeof *delta);
+/* The peaks of planned bytes live at once over the period, of each arena
+ * (peaks[a]) and of all together (returned), in one sweep; items[0..n)
+ * are live at phases start .. start + len - 1, modulo P. SIZE_MAX when
+ * host memory is short. */
+static size_t live_peaks(const build_item* items, size_t n, uint64_t P, size_t num_streams,
+                         size_t* peaks) {
+  int64_t* delta = calloc(num_streams * (P + 1), sizeof *delta); /* a row per arena */
   if (!delta) return SIZE_MAX;
   for (size_t k = 0; k < n; k++) {
     const build_item* it = &items[k];
-    if (arena != GM_PLAN_MAX_STREAMS && it->arena != arena) continue;
+    int64_t* row = delta + it->arena * (P + 1);
     uint64_t end = it->start + it->len; /* one past the last phase, maybe beyond P */
-    delta[it->start] += (int64_t)it->size;
+    row[it->start] += (int64_t)it->size;
     if (end <= P) {
-      delta[end] -= (int64_t)it->size;
+      row[end] -= (int64_t)it->size;
     } else {
-      delta[0] += (int64_t)it->size;
-      delta[end - P] -= (int64_t)it->size;
+      row[0] += (int64_t)it->size;
+      row[end - P] -= (int64_t)it->size;
     }
   }
-  int64_t live = 0, peak = 0;
+  int64_t live[GM_PLAN_MAX_STREAMS] = {0}, peak[GM_PLAN_MAX_STREAMS] = {0}, joint = 0;
   for (uint64_t j = 0; j < P; j++) {
-    live += delta[j];
-    if (live > peak) peak = live;
+    int64_t all = 0;
+    for (size_t a = 0; a < num_streams; a++) {
+      live[a] += delta[a * (P + 1) + j];
+      if (live[a] > peak[a]) peak[a] = live[a];
+      all += live[a];
+    }
+    if (all > joint) joint = all;
   }
   free(delta);
-  return (size_t)peak;
+  for (size_t a = 0; a < num_streams; a++) peaks[a] = (size_t)peak[a];
+  return (size_t)joint;
 }
 
 /* Several streams get an arena each, and each arena holds its own
@@ -302,13 +309,11 @@ static size_t live_peak(const build_item* items, size_t n, uint64_t P, size_t ar
  * without page moves) and a page per extra arena (rounding). held[] is
  * what each arena must hold at least (its stream's live peak, before
  * placement) or holds (its extent, after). */
-static bool arenas_fit_joint_peak(const gpumem_t* gm, const build_item* items, size_t n, uint64_t P,
-                                  const size_t* held, size_t num_streams) {
-  size_t peak = live_peak(items, n, P, GM_PLAN_MAX_STREAMS);
-  if (peak == SIZE_MAX) return false;
+static bool arenas_fit_joint_peak(const gpumem_t* gm, size_t joint_peak, const size_t* held,
+                                  size_t num_streams) {
   double sum = 0;
   for (size_t a = 0; a < num_streams; a++) sum += (double)gm_round_up(held[a], gm->page_size);
-  double allowed = (double)gm_round_up(peak, gm->page_size) * (1.0 + GM_PLAN_JOINT_SLACK) +
+  double allowed = (double)gm_round_up(joint_peak, gm->page_size) * (1.0 + GM_PLAN_JOINT_SLACK) +
                    (double)((num_streams - 1) * gm->page_size);
   return sum <= allowed;
 }
@@ -331,6 +336,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
 
   gpumem_stream_t streams[GM_PLAN_MAX_STREAMS];
   size_t num_streams = 0, n_planned = 0;
+  size_t joint_peak = 0; /* of planned bytes, all streams (several streams only) */
   uint64_t bytes_all = 0, bytes_planned = 0, live_min = UINT64_MAX, live_max = 0;
   for (uint64_t j = 0; j < P; j++) {
     const gm_plan_req* r = req_at(p, s + j);
@@ -368,11 +374,9 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   /* Cheap before placement: each arena holds at least its stream's peak. */
   if (num_streams > 1) {
     size_t peaks[GM_PLAN_MAX_STREAMS];
-    for (size_t a = 0; a < num_streams; a++) {
-      peaks[a] = live_peak(items, n_planned, P, a);
-      if (peaks[a] == SIZE_MAX) goto done;
-    }
-    if (!arenas_fit_joint_peak(gm, items, n_planned, P, peaks, num_streams)) goto declined;
+    joint_peak = live_peaks(items, n_planned, P, num_streams, peaks);
+    if (joint_peak == SIZE_MAX) goto done;
+    if (!arenas_fit_joint_peak(gm, joint_peak, peaks, num_streams)) goto declined;
   }
   /* The rest is needed only by a plan that passed the checks above. */
   placed = calloc(P, sizeof *placed);
@@ -417,8 +421,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
     if (peak < (live_max - live_min) / 2) goto done;
   }
   /* Checked again with the arenas' extents (see before placement). */
-  if (num_streams > 1 && !arenas_fit_joint_peak(gm, items, n_planned, P, extent, num_streams))
-    goto declined;
+  if (num_streams > 1 && !arenas_fit_joint_peak(gm, joint_peak, extent, num_streams)) goto declined;
   for (size_t i = 0; i < n_planned; i++) plan[order[i]->idx].off = order[i]->off;
 
   /* Anchors: for each planned item, the planned item that ends highest
@@ -754,9 +757,9 @@ static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t 
  * that begins in an off turn is found in the next on turn, at most
  * GM_PLAN_TURN requests later; a turn holds two of the longest period, so
  * one that runs through an on turn is found in it, as it would have been
- * without turns. (Sampling fewer
- * contexts instead, one in 64, missed short loops outright: a period of 36
- * requests may have none of its contexts sampled, test_engine.) */
+ * without turns. (Sampling fewer contexts instead, one in 64, missed
+ * short loops outright: a period of 36 requests may have none of its
+ * contexts sampled, test_engine.) */
 static void open_window(gm_planner* p, uint64_t i) {
   /* The requests of the off turn were not recorded: the context restarts
    * from zero keys, as at the very first request, and neither the table's
