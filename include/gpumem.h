@@ -137,17 +137,28 @@ typedef struct gpumem_options {
    * every few allocations. Limits and device refusals still reclaim. 0
    * holds memory at the mark whatever it costs. */
   int move_guard;
+  /* Default policy, planned placement: 1 (the default) lets the streams of
+   * a repeating step share one plan arena where separate arenas would hold
+   * more than the step has live (streams that peak at different times).
+   * Memory one stream frees is then reused by another after the allocator
+   * makes the reusing stream wait on the device for an event of the one
+   * that freed it (cuStreamWaitEvent; the host never waits), so work of
+   * those streams is ordered where they pass memory on. 0: streams never
+   * wait for each other; such a plan is declined and best fit serves
+   * (pages then move between streams after host synchronizations). Needs
+   * the backend's stream_wait slot. */
+  int stream_waits;
 } gpumem_options_t;
 
 /* Fills defaults (policy default with planned placement and lazy reclaim,
- * no limit, map_max 1 GiB, move_guard on). */
+ * no limit, map_max 1 GiB, move_guard on, stream_waits on). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
  * placement (planned|bestfit), map_max (a size, as limit), move_guard
- * (on|off).
+ * (on|off), stream_waits (on|off).
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -240,7 +251,8 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_pages_revived, "Pages moved back to a ghost mapping")          \
   X(num_pages_aliased, "Partly used pages shared by a request")        \
   X(num_move_guard_trips, "Move guard trips (grew instead of moving)") \
-  X(num_plans_declined, "Plans declined (streams peak apart)")
+  X(num_plans_declined, "Plans declined (streams peak apart)")         \
+  X(num_plans_shared, "Plans whose streams share one arena")
 
 /* Backend primitives, counted per call by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \
@@ -259,7 +271,8 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(event_query)                \
   X(event_sync)                 \
   X(stream_sync)                \
-  X(device_sync)
+  X(device_sync)                \
+  X(stream_wait)
 
 typedef enum gpumem_backend_call {
 #define GPUMEM_X_CALL_ENUM(name) GPUMEM_CALL_##name,

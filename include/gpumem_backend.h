@@ -73,6 +73,12 @@ struct gpumem_backend {
   gpumem_status_t (*stream_sync)(void* ctx, gpumem_stream_t stream);
   /* (optional) defaults to nothing when absent (no async work exists). */
   gpumem_status_t (*device_sync)(void* ctx);
+  /* (optional) makes stream's work queued from now on wait, on the device,
+   * for the event's latest record (cuStreamWaitEvent); the host does not
+   * wait. Without it (or with the option stream_waits:off) the streams of
+   * a plan never share an arena (docs/design.md, "Plans on several
+   * streams"). */
+  gpumem_status_t (*stream_wait)(void* ctx, gpumem_stream_t stream, gpumem_event_t event);
 
   /* (optional) frees the backend itself; called by gpumem_destroy when the
    * allocator owns the backend (options.own_backend). */

@@ -620,7 +620,10 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   }
   bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
-  if (b->seg->is_arena) b->pool->stream->frees_since_sync++;
+  if (b->seg->is_arena) {
+    b->pool->stream->frees_since_sync++;
+    b->pool->stream->frees_total++;
+  }
   if (gm->planner.enabled) gm_plan_note_free(gm, b);
   if (GM_UNLIKELY(b->num_uses)) {
     gpumem_status_t st = gm_defer_free(gm, b);

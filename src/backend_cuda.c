@@ -82,7 +82,8 @@ void gpumem_cuda_destroy(gpumem_backend_t* cuda) {
   X(cuEventRecord)             \
   X(cuEventQuery)              \
   X(cuEventSynchronize)        \
-  X(cuStreamSynchronize)
+  X(cuStreamSynchronize)       \
+  X(cuStreamWaitEvent)
 
 /* Virtual memory management: CUDA 10.2 and later drivers. Missing entries
  * only turn the virtual memory path off. */
@@ -367,6 +368,17 @@ static gpumem_status_t cu_device_sync(void* ctx) {
   return GPUMEM_OK;
 }
 
+static gpumem_status_t cu_stream_wait(void* ctx, gpumem_stream_t stream, gpumem_event_t event) {
+  const gm_cu_backend_t* b = ctx;
+  int pushed = cu_enter(b);
+  CUresult r = b->api.cuStreamWaitEvent((CUstream)stream, (CUevent)event, 0);
+  cu_leave(b, pushed);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(b, r, "cuStreamWaitEvent(stream 0x%llx, event 0x%llx)",
+                   (unsigned long long)stream, (unsigned long long)event);
+  return GPUMEM_OK;
+}
+
 static void cu_destroy_slot(gpumem_backend_t* self) {
   gpumem_cuda_destroy(self);
 }
@@ -574,6 +586,7 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
   b->base.event_sync = cu_event_sync;
   b->base.stream_sync = cu_stream_sync;
   b->base.device_sync = cu_device_sync;
+  b->base.stream_wait = cu_stream_wait;
   b->base.destroy = cu_destroy_slot;
   if (err) *err = GPUMEM_OK;
   return &b->base;

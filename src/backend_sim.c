@@ -787,6 +787,15 @@ static gpumem_status_t stream_sync_locked(sim_t* sim, gpumem_stream_t stream) {
   return GPUMEM_OK;
 }
 
+/* Work on the simulated device is instantaneous, so a wait orders nothing
+ * the sim could observe: it checks the event and counts the call. (The
+ * tests' spy, tests/spy_backend.h, models what the wait orders.) */
+static gpumem_status_t stream_wait_locked(sim_t* sim, gpumem_stream_t stream,
+                                          gpumem_event_t handle) {
+  (void)stream;
+  return find_event(sim, "stream_wait", handle) ? GPUMEM_OK : GPUMEM_ERR_BACKEND;
+}
+
 /* ---- the slots --------------------------------------------------------- */
 
 static gpumem_status_t sim_reserve(void* ctx, size_t size, uintptr_t* out_addr) {
@@ -898,6 +907,13 @@ static gpumem_status_t sim_device_sync(void* ctx) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_device_sync);
   if (status == GPUMEM_OK) sim->device_epoch++;
+  return sim_leave(sim, status);
+}
+
+static gpumem_status_t sim_stream_wait(void* ctx, gpumem_stream_t stream, gpumem_event_t event) {
+  sim_t* sim = ctx;
+  gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_stream_wait);
+  if (status == GPUMEM_OK) status = stream_wait_locked(sim, stream, event);
   return sim_leave(sim, status);
 }
 
@@ -1022,6 +1038,7 @@ gpumem_backend_t* gpumem_sim_create(const gpumem_sim_options_t* opts) {
   b->event_sync = sim_event_sync;
   b->stream_sync = sim_stream_sync;
   b->device_sync = sim_device_sync;
+  b->stream_wait = sim_stream_wait;
   b->destroy = sim_destroy_slot;
   return b;
 }

@@ -14,8 +14,9 @@
 
 #include "internal.h"
 
-#define VALID_KEYS \
-  "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, move_guard"
+#define VALID_KEYS                                                                      \
+  "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, " \
+  "move_guard, stream_waits"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -48,6 +49,8 @@ void gpumem_options_init(gpumem_options_t* opts) {
   /* Memory held at the high-water mark unless that costs a page move every
    * few allocations with no plan serving (pages.c, note_move). */
   opts->move_guard = 1;
+  /* Streams of a plan may share memory, ordered on the device (plan.c). */
+  opts->stream_waits = 1;
 }
 
 /* A piece of the configuration string; never NUL-terminated on its own. */
@@ -279,13 +282,14 @@ enum {
   KEY_PLACEMENT,
   KEY_MAP_MAX,
   KEY_MOVE_GUARD,
+  KEY_STREAM_WAITS,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
-    "policy",    "limit",   "fraction",   "reclaim", "headroom", "max_split_size_mb",
-    "placement", "map_max", "move_guard",
+    "policy",    "limit",   "fraction",   "reclaim",      "headroom", "max_split_size_mb",
+    "placement", "map_max", "move_guard", "stream_waits",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -383,6 +387,12 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       int c = parse_choice(value, on_off_names);
       if (c < 0) return bad_value(value, name, "one of: on, off");
       o->move_guard = c == 0;
+      return GPUMEM_OK;
+    }
+    case KEY_STREAM_WAITS: {
+      int c = parse_choice(value, on_off_names);
+      if (c < 0) return bad_value(value, name, "one of: on, off");
+      o->stream_waits = c == 0;
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

@@ -116,6 +116,11 @@ struct gm_segment {
   /* A plan serves from this arena now: reclaim spares its free pages, which
    * the plan wants again within a period (unless the device refuses). */
   bool plan_serving;
+  /* A plan arena shared by the streams of a plan (plan.c): a block of it
+   * used on a stream other than the pool's goes back ordered on the
+   * device (the pool's stream waits for an event of the other), not
+   * pending on the host (streams.c, gm_defer_free). */
+  bool shared_streams;
   /* arenas only */
   size_t num_pages;
   size_t mapped_pages;
@@ -215,6 +220,13 @@ struct gm_stream {
   gm_pool pools[GM_NUM_POOLS];
   uint64_t frees_since_sync; /* arena pages freed on it since its last sync */
   uint64_t syncs;            /* synchronizations by the allocator so far */
+  /* Arena blocks of its pools freed so far (never reset), and the stream
+   * this one last waited for on the device, when that one's count stood
+   * at waited_frees (streams.c, gm_shared_take: a wait that would order
+   * nothing new is skipped). */
+  uint64_t frees_total;
+  gm_stream* waited_on;
+  uint64_t waited_frees;
   gm_stream* next;
 };
 
@@ -285,6 +297,9 @@ typedef struct gm_planner {
   int32_t* ctx_items;
   size_t ctx_mask;
   size_t num_arenas;
+  /* One arena for all the plan's streams (arena_streams[0]'s), reuse
+   * between them ordered on the device (plan.c, "several streams"). */
+  bool shared;
   gm_segment* arenas[GM_PLAN_MAX_STREAMS];
   gpumem_stream_t arena_streams[GM_PLAN_MAX_STREAMS];
   size_t extents[GM_PLAN_MAX_STREAMS];
@@ -453,6 +468,15 @@ gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle);
 gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream);
 /* Records events on the block's other streams; the block turns PENDING. */
 gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b);
+/* Whether the backend and the options let one stream wait for another on
+ * the device (event_record and stream_wait, option stream_waits). */
+bool gm_can_order_streams(const gpumem_t* gm);
+/* Hands block b of a shared plan arena (its pool's stream's) to stream u:
+ * u waits on the device for the pool's stream's work so far (unless no
+ * arena block was freed on it since u last did), and u becomes a use of
+ * b, so that its free orders the pool's stream after u. On failure b is
+ * unchanged. */
+gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u);
 /* Frees blocks whose events completed; with wait, synchronizes on every
  * pending event first. */
 gpumem_status_t gm_process_events(gpumem_t* gm, bool wait);

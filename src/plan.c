@@ -371,12 +371,32 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
    * step (layer after layer) keeps what each iteration made. */
   if (bytes_planned < bytes_all / 10 * 9) goto done;
 
-  /* Cheap before placement: each arena holds at least its stream's peak. */
+  /* Cheap before placement: each arena holds at least its stream's peak.
+   * Where the streams peak apart, one arena for all of them, reuse between
+   * streams ordered on the device, if the backend and options allow. */
+  size_t num_arenas = num_streams;
+  bool shared = false;
   if (num_streams > 1) {
     size_t peaks[GM_PLAN_MAX_STREAMS];
     joint_peak = live_peaks(items, n_planned, P, num_streams, peaks);
     if (joint_peak == SIZE_MAX) goto done;
-    if (!arenas_fit_joint_peak(gm, joint_peak, peaks, num_streams)) goto declined;
+    if (!arenas_fit_joint_peak(gm, joint_peak, peaks, num_streams)) {
+      if (!gm_can_order_streams(gm)) goto declined;
+      shared = true;
+      num_arenas = 1;
+      /* The arena is the stream's with the most planned bytes: its own
+       * requests need no wait. */
+      uint64_t bytes[GM_PLAN_MAX_STREAMS] = {0};
+      for (size_t k = 0; k < n_planned; k++) bytes[items[k].arena] += items[k].size;
+      size_t owner = 0;
+      for (size_t a = 1; a < num_streams; a++)
+        if (bytes[a] > bytes[owner]) owner = a;
+      gpumem_stream_t owner_stream = streams[owner];
+      streams[owner] = streams[0];
+      streams[0] = owner_stream;
+      for (size_t k = 0; k < n_planned; k++) items[k].arena = 0;
+      for (uint64_t j = 0; j < P; j++) plan[j].arena = 0;
+    }
   }
   /* The rest is needed only by a plan that passed the checks above. */
   placed = calloc(P, sizeof *placed);
@@ -417,11 +437,11 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
    * the period, or the period is not the step (most of it is elsewhere). */
   {
     uint64_t peak = 0;
-    for (size_t a = 0; a < num_streams; a++) peak += extent[a];
+    for (size_t a = 0; a < num_arenas; a++) peak += extent[a];
     if (peak < (live_max - live_min) / 2) goto done;
   }
   /* Checked again with the arenas' extents (see before placement). */
-  if (num_streams > 1 && !arenas_fit_joint_peak(gm, joint_peak, extent, num_streams)) goto declined;
+  if (num_streams > 1 && !arenas_fit_joint_peak(gm, joint_peak, extent, num_arenas)) goto declined;
   for (size_t i = 0; i < n_planned; i++) plan[order[i]->idx].off = order[i]->off;
 
   /* Anchors: for each planned item, the planned item that ends highest
@@ -439,7 +459,7 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
     }
   }
   gm_segment* arenas[GM_PLAN_MAX_STREAMS] = {0};
-  for (size_t a = 0; a < num_streams; a++) {
+  for (size_t a = 0; a < num_arenas; a++) {
     size_t ext = gm_round_up(extent[a] ? extent[a] : gm->page_size, gm->page_size);
     if (ext > gm->arena_size) goto done;
     /* An arena of the old plan is idle or not; it is reused only if idle. */
@@ -454,11 +474,15 @@ static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   p->ctx_items = ctx_items;
   p->ctx_mask = ctx_cap - 1;
   p->period = P;
-  p->num_arenas = num_streams;
+  p->num_arenas = num_arenas;
+  p->shared = shared;
   memcpy(p->arenas, arenas, sizeof arenas);
-  memcpy(p->arena_streams, streams, num_streams * sizeof *streams);
-  for (size_t a = 0; a < num_streams; a++)
+  memcpy(p->arena_streams, streams, num_arenas * sizeof *streams);
+  for (size_t a = 0; a < num_arenas; a++) {
     p->extents[a] = gm_round_up(extent[a] ? extent[a] : 1, gm->page_size);
+    arenas[a]->shared_streams = shared;
+  }
+  if (shared) gm->stats.num_plans_shared++;
   p->cursor = 0;
   p->window_reqs = p->window_misses = 0;
   p->trimmed = false;
@@ -635,6 +659,7 @@ static bool arenas_ready(gpumem_t* gm) {
     if (arena_idle(p->arenas[a])) continue;
     gm_segment* seg = NULL;
     if (plan_arena(gm, p->arena_streams[a], p->extents[a], &seg) != GPUMEM_OK) return false;
+    seg->shared_streams = p->shared;
     p->arenas[a] = seg;
   }
   return true;
@@ -732,6 +757,12 @@ static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t 
   gm_block* b = NULL;
   if (it->planned) {
     b = serve(gm, j);
+    /* A shared arena's block for another stream: that stream waits for the
+     * arena's stream first (streams.c); if it cannot, best fit serves. */
+    if (b && p->shared && gm_shared_take(gm, b, s) != GPUMEM_OK) {
+      gm_free_unused(gm, b);
+      b = NULL;
+    }
     if (b)
       gm->stats.num_planned_allocs++;
     else

@@ -3,7 +3,16 @@
  * streams is not reusable until events recorded on those streams at the
  * time of the free have completed; until then it is PENDING, counted as
  * active, and referenced from a FIFO of (event, block) pairs. Events are
- * pooled: creating one per free would put a driver call on the free path. */
+ * pooled: creating one per free would put a driver call on the free path.
+ *
+ * In a plan arena shared by several streams (plan.c) the order is kept on
+ * the device instead: a stream that takes a block of the arena first
+ * waits for an event of the arena's stream (gm_shared_take), and a block
+ * freed after use on other streams makes the arena's stream wait for
+ * events of those (gm_defer_free). Every piece of the arena's memory is
+ * then ordered before the arena stream's later work, as memory of one
+ * stream is: that stream reuses it at once, and its synchronization
+ * finishes every use (what page reclaim relies on). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -125,7 +134,55 @@ static bool backend_has_events(const gpumem_t* gm) {
          be->event_sync;
 }
 
+bool gm_can_order_streams(const gpumem_t* gm) {
+  return gm->opts.stream_waits && backend_has_events(gm) && gm->backend->stream_wait;
+}
+
+/* Makes `waiter`'s later work wait on the device for `source`'s work so
+ * far: an event recorded on source, waited for by waiter. The event goes
+ * back to the pool at once: a wait holds the record it was given, and a
+ * later record of the same event does not move it. */
+static gpumem_status_t order_after(gpumem_t* gm, gpumem_stream_t waiter, gpumem_stream_t source) {
+  const gpumem_backend_t* be = gm->backend;
+  gpumem_event_t ev;
+  gpumem_status_t st = take_event(gm, &ev);
+  if (st != GPUMEM_OK) return st;
+  st = GM_CALL(gm, event_record, be->event_record(be->ctx, ev, source));
+  if (st == GPUMEM_OK) st = GM_CALL(gm, stream_wait, be->stream_wait(be->ctx, waiter, ev));
+  give_back_event(gm, ev);
+  return st;
+}
+
+gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u) {
+  gm_stream* owner = b->pool->stream;
+  if (u == owner) return GPUMEM_OK;
+  if (u->waited_on != owner || u->waited_frees != owner->frees_total) {
+    gpumem_status_t st = order_after(gm, u->handle, owner->handle);
+    if (st != GPUMEM_OK) return st;
+    u->waited_on = owner;
+    u->waited_frees = owner->frees_total;
+  }
+  return gm_block_add_use(b, u->handle);
+}
+
+/* A block of a shared plan arena freed after use on other streams: its
+ * stream waits for theirs on the device, and the block is free at once. */
+static gpumem_status_t ordered_free(gpumem_t* gm, gm_block* b) {
+  gpumem_stream_t* uses = block_uses(b);
+  gpumem_stream_t owner = b->pool->stream->handle;
+  for (unsigned i = 0; i < b->num_uses; i++) {
+    gpumem_status_t st = order_after(gm, owner, uses[i]);
+    if (st != GPUMEM_OK) return st;
+  }
+  b->num_uses = 0;
+  gm_free_block(gm, b);
+  return GPUMEM_OK;
+}
+
 gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
+  /* (a wait that failed leaves the block as it was: pending instead) */
+  if (b->seg->shared_streams && gm_can_order_streams(gm) && ordered_free(gm, b) == GPUMEM_OK)
+    return GPUMEM_OK;
   unsigned n = b->num_uses;
   gpumem_stream_t* uses = block_uses(b);
   if (!backend_has_events(gm)) {

@@ -8,6 +8,14 @@
  * moment T after use on stream X may be handed out again only once X's
  * work is known complete past T; the spy is the oracle for that.
  *
+ * It also models what stream waits order on the device: after[Y][X] is
+ * the moment up to which X's work comes before Y's work queued from now
+ * on (Y waited for an event recorded on X then, or for one recorded on a
+ * stream that had itself waited for X). Such memory may go to Y at once
+ * (spy_ordered); and work known complete on Y is then known complete on
+ * X up to that moment (a synchronization of Y, or an event of Y seen
+ * complete).
+ *
  * Hooks are optional (NULL: none): on_unmap is called before every unmap
  * is forwarded, on_map after every successful map. Functions are static
  * inline so that a test that uses only part of the header compiles without
@@ -28,6 +36,8 @@
 typedef struct spy_event {
   gpumem_stream_t stream;
   uint64_t recorded; /* moment of the last record, 0 = never */
+  /* what the recording stream's work was ordered after then (see spy_t) */
+  uint64_t after[SPY_STREAMS];
 } spy_event_t;
 
 typedef struct spy {
@@ -36,6 +46,7 @@ typedef struct spy {
   uint64_t clock; /* one tick per device call */
   gpumem_stream_t streams[SPY_STREAMS];
   uint64_t done_upto[SPY_STREAMS];
+  uint64_t after[SPY_STREAMS][SPY_STREAMS]; /* [Y][X], see above */
   size_t num_streams;
   uint64_t device_synced;
   spy_event_t* events; /* by handle */
@@ -47,27 +58,52 @@ typedef struct spy {
   void (*on_map)(void* arg, uintptr_t addr, size_t size, gpumem_phys_t page);
 } spy_t;
 
-static inline uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
+static inline size_t spy_slot(spy_t* s, gpumem_stream_t stream) {
   for (size_t i = 0; i < s->num_streams; i++) {
-    if (s->streams[i] == stream) return &s->done_upto[i];
+    if (s->streams[i] == stream) return i;
   }
   if (s->num_streams == SPY_STREAMS) {
     fprintf(stderr, "spy: more than %d streams\n", SPY_STREAMS);
     exit(2);
   }
-  s->streams[s->num_streams] = stream;
-  s->done_upto[s->num_streams] = 0;
-  return &s->done_upto[s->num_streams++];
+  size_t i = s->num_streams++;
+  s->streams[i] = stream;
+  s->done_upto[i] = 0;
+  memset(s->after[i], 0, sizeof s->after[i]);
+  for (size_t y = 0; y < SPY_STREAMS; y++) s->after[y][i] = 0;
+  return i;
+}
+
+static inline uint64_t* spy_done(spy_t* s, gpumem_stream_t stream) {
+  return &s->done_upto[spy_slot(s, stream)];
+}
+
+/* Stream's work up to moment upto is complete; so is the work of every
+ * stream it was ordered after then (after: its row at that moment). */
+static inline void spy_mark_done_after(spy_t* s, gpumem_stream_t stream, uint64_t upto,
+                                       const uint64_t* after) {
+  uint64_t* d = spy_done(s, stream);
+  if (upto > *d) *d = upto;
+  for (size_t x = 0; after && x < s->num_streams; x++) {
+    if (after[x] > s->done_upto[x]) s->done_upto[x] = after[x];
+  }
 }
 
 static inline void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
-  uint64_t* d = spy_done(s, stream);
-  if (upto > *d) *d = upto;
+  spy_mark_done_after(s, stream, upto, NULL);
 }
 
 /* True when stream's work queued up to moment t is known complete. */
 static inline int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
   return *spy_done(s, stream) > t || s->device_synced > t;
+}
+
+/* True when work queued on `user` from now on comes after stream's work
+ * up to moment t: the same stream (stream order), work known complete, or
+ * a stream wait on the device. */
+static inline int spy_ordered(spy_t* s, gpumem_stream_t user, gpumem_stream_t stream, uint64_t t) {
+  if (user == stream || spy_safe(s, stream, t)) return 1;
+  return s->after[spy_slot(s, user)][spy_slot(s, stream)] > t;
 }
 
 static inline spy_event_t* spy_event(spy_t* s, gpumem_event_t h) {
@@ -144,14 +180,34 @@ static inline gpumem_status_t spy_event_record(void* ctx, gpumem_event_t ev,
   gpumem_status_t st = d->event_record(d->ctx, ev, stream);
   if (st == GPUMEM_OK) {
     spy_event_t* e = spy_event(s, ev);
+    size_t y = spy_slot(s, stream);
     e->stream = stream;
     e->recorded = s->clock;
+    memcpy(e->after, s->after[y], sizeof e->after);
   }
   return st;
 }
 static inline void spy_event_done(spy_t* s, gpumem_event_t ev) {
   spy_event_t* e = spy_event(s, ev);
-  if (e->recorded) spy_mark_done(s, e->stream, e->recorded);
+  if (e->recorded) spy_mark_done_after(s, e->stream, e->recorded, e->after);
+}
+/* Stream's later work waits for the event's record: for the recording
+ * stream's work up to then, and for what that work was ordered after. */
+static inline gpumem_status_t spy_stream_wait(void* ctx, gpumem_stream_t stream,
+                                              gpumem_event_t ev) {
+  spy_t* s = ctx;
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  gpumem_status_t st = d->stream_wait(d->ctx, stream, ev);
+  spy_event_t* e = spy_event(s, ev);
+  if (st == GPUMEM_OK && e->recorded) {
+    uint64_t* row = s->after[spy_slot(s, stream)];
+    size_t x = spy_slot(s, e->stream);
+    if (e->recorded > row[x]) row[x] = e->recorded;
+    for (size_t k = 0; k < s->num_streams; k++) {
+      if (e->after[k] > row[k]) row[k] = e->after[k];
+    }
+  }
+  return st;
 }
 static inline gpumem_status_t spy_event_query(void* ctx, gpumem_event_t ev) {
   gpumem_backend_t* d = SPY_DEV(ctx);
@@ -169,7 +225,7 @@ static inline gpumem_status_t spy_stream_sync(void* ctx, gpumem_stream_t stream)
   spy_t* s = ctx;
   gpumem_backend_t* d = SPY_DEV(ctx);
   gpumem_status_t st = d->stream_sync(d->ctx, stream);
-  if (st == GPUMEM_OK) spy_mark_done(s, stream, s->clock);
+  if (st == GPUMEM_OK) spy_mark_done_after(s, stream, s->clock, s->after[spy_slot(s, stream)]);
   return st;
 }
 static inline gpumem_status_t spy_device_sync(void* ctx) {
@@ -208,6 +264,7 @@ static inline void spy_init(spy_t* s, gpumem_backend_t* dev) {
   s->be.event_sync = spy_event_sync;
   s->be.stream_sync = spy_stream_sync;
   s->be.device_sync = spy_device_sync;
+  if (dev->stream_wait) s->be.stream_wait = spy_stream_wait;
 }
 
 static inline void spy_fini(spy_t* s) {

@@ -1113,10 +1113,27 @@ static void test_planned_streams(const char* conf, int apart) {
   gpumem_stats_t s = stats(&f);
   int64_t peak_live = s.allocated_bytes[GPUMEM_POOL_ALL].peak;
   int64_t res = s.reserved_bytes[GPUMEM_POOL_ALL].peak;
-  printf("%s: two streams %s: %lld plans, %lld dropped, %lld declined, reserved %.4f x peak live\n",
-         conf, apart ? "apart" : "together", (long long)s.num_plans, (long long)s.num_plan_drops,
-         (long long)s.num_plans_declined, (double)res / (double)peak_live);
-  if (apart) {
+  uint64_t waits = dev(&f).calls[GPUMEM_CALL_stream_wait];
+  printf(
+      "%s: two streams %s: %lld plans (%lld shared), %lld dropped, %lld declined, %llu stream "
+      "waits, reserved %.4f x peak live\n",
+      conf, apart ? "apart" : "together", (long long)s.num_plans, (long long)s.num_plans_shared,
+      (long long)s.num_plan_drops, (long long)s.num_plans_declined, (unsigned long long)waits,
+      (double)res / (double)peak_live);
+  int waits_allowed = strstr(conf, "stream_waits:off") == NULL;
+  if (apart && waits_allowed) {
+    /* One arena for both streams: B's blocks reuse A's memory and back,
+     * each handoff a stream wait (at most two per request of B: its take
+     * and its free), never a host synchronization. */
+    CHECK_MSG(s.num_plans == 1 && s.num_plans_shared == 1 && s.num_planned_allocs > 40 * 14,
+              "%s: streams apart: %lld plans (%lld shared), %lld planned", conf,
+              (long long)s.num_plans, (long long)s.num_plans_shared,
+              (long long)s.num_planned_allocs);
+    CHECK_MSG(waits > 0 && waits <= 2 * 6 * 60, "%s: streams apart: %llu stream waits", conf,
+              (unsigned long long)waits);
+    CHECK_MSG((double)res <= (double)peak_live * 1.01, "%s: streams apart: reserved %.4f x", conf,
+              (double)res / (double)peak_live);
+  } else if (apart) {
     CHECK_MSG(s.num_plans == 0 && s.num_plans_declined >= 1,
               "%s: streams apart: %lld plans, %lld declined", conf, (long long)s.num_plans,
               (long long)s.num_plans_declined);
@@ -1357,6 +1374,7 @@ int main(int argc, char** argv) {
   test_planned_loop("policy:default,reclaim:pressure,placement:planned");
   test_planned_loop("policy:default,reclaim:lazy,placement:planned");
   test_planned_streams("policy:default", 1);
+  test_planned_streams("policy:default,stream_waits:off", 1);
   test_planned_streams("policy:default", 0);
   test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 20000, 30);
   /* the loop begins in an on turn, then in an off turn (~16,000 requests,

@@ -51,7 +51,8 @@ typedef struct script {
   gpumem_status_t status;
 } script_t;
 
-#define SLOTS 10
+#define SLOTS 12
+#define OWN_QUAR 64 /* frees of the loop, on their own stream: a ring */
 
 /* Memory freed at moment t while stream `use` may still touch it. */
 typedef struct quarantine {
@@ -73,6 +74,12 @@ typedef struct run {
   gpumem_stream_t use[SLOTS]; /* another stream it was recorded on, or 0 */
   quarantine_t quar[SLOTS];
   int nquar;
+  /* The loop's frees, each on its own stream: in a plan arena the streams
+   * share, another stream may take those bytes only once the device
+   * orders it after that one (a stream wait). */
+  quarantine_t own_quar[OWN_QUAR];
+  int n_own_quar, own_next;
+  int in_loop;
   int step;
   int failed; /* first failure ends the run: later ones only echo it */
   long failures_seen;
@@ -141,9 +148,10 @@ static void do_malloc(run_t* r, int i, size_t size, gpumem_stream_t stream) {
     r->use[i] = 0;
     /* Never memory another stream may still be using. */
     uintptr_t a = (uintptr_t)p;
-    for (int q = 0; q < r->nquar; q++) {
-      const quarantine_t* e = &r->quar[q];
-      if (spy_safe(&r->spy, e->use, e->t)) continue;
+    for (int q = 0; q < r->nquar + OWN_QUAR; q++) {
+      const quarantine_t* e = q < r->nquar ? &r->quar[q] : &r->own_quar[q - r->nquar];
+      if (q >= r->nquar && q - r->nquar >= r->n_own_quar) break;
+      if (spy_ordered(&r->spy, stream, e->use, e->t)) continue;
       RUN_CHECK(r, a + size <= e->ptr || e->ptr + e->size <= a,
                 "malloc(%zu) = %p reuses memory freed while stream 0x%lx may still use it", size, p,
                 (unsigned long)e->use);
@@ -189,6 +197,11 @@ static void do_free(run_t* r, int i) {
     }
   }
   if (st == GPUMEM_OK) {
+    if (r->in_loop) {
+      quarantine_t e = {(uintptr_t)r->slot[i], r->size[i], t, r->stream[i]};
+      r->own_quar[r->own_next++ % OWN_QUAR] = e; /* the oldest goes */
+      if (r->n_own_quar < OWN_QUAR) r->n_own_quar++;
+    }
     r->slot[i] = NULL;
   } else {
     r->failures_seen++;
@@ -284,7 +297,15 @@ static void workload(run_t* r) {
   /* A training-like loop: under placement:planned it is planned after a
    * few iterations, so plan arenas are created and mapped (and pages move
    * to them) while calls fail. */
+  r->in_loop = 1;
   for (int it = 0; it < 24 && !r->failed; it++) {
+    /* Another stream's work first, done before stream 0 peaks: an arena
+     * per stream would hold both peaks, so the plan shares one between the
+     * streams, with stream waits where memory passes between them. */
+    if (!r->slot[10]) do_malloc(r, 10, 6 * MIB, S1);
+    if (!r->slot[11]) do_malloc(r, 11, 4 * MIB + 512, S1);
+    do_free(r, 11);
+    do_free(r, 10);
     loop_malloc(r, 0, 3 * MIB);
     loop_malloc(r, 1, 700 * KIB);
     loop_malloc(r, 2, 5 * MIB);
@@ -296,6 +317,7 @@ static void workload(run_t* r) {
     do_free(r, 3);
     do_free(r, 4);
   }
+  r->in_loop = 0;
   do_empty_cache(r);
 }
 
@@ -343,6 +365,17 @@ static gpumem_sim_counters_t run_script(const config_t* cfg, script_t sc) {
   if (sc.kind != -2) gpumem_sim_fail(r->sim, sc.kind, sc.skip, sc.count, sc.status);
   workload(r);
   gpumem_sim_fail_clear(r->sim);
+  if (sc.kind == -2 && strstr(cfg->name, "planned")) {
+    /* The baseline must reach the shared arena's paths (stream waits) for
+     * the scripts to fail them. */
+    gpumem_stats_t s;
+    gpumem_get_stats(r->gm, &s);
+    RUN_CHECK(r, s.num_plans_shared >= 1 && s.backend_calls[GPUMEM_CALL_stream_wait] > 0,
+              "the loop's plan shares no arena between its streams (%lld shared plans, %llu "
+              "stream waits)",
+              (long long)s.num_plans_shared,
+              (unsigned long long)s.backend_calls[GPUMEM_CALL_stream_wait]);
+  }
   runs_with_failures += r->failures_seen > 0;
   failures_total += r->failures_seen;
   calls = sim_counters(r->sim);

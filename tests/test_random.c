@@ -102,6 +102,7 @@ typedef struct quarantine {
   size_t size;
   uint64_t t;
   unsigned uses;
+  int own; /* the block's own stream (loop_phase): dropped once its bytes are taken again */
 } quarantine_t;
 
 typedef struct run {
@@ -152,7 +153,9 @@ typedef struct run {
   const unsigned char* tape;
   size_t tape_len;
 
-  long allocs, frees, records, ooms, empties, verified, deferred;
+  long allocs, frees, records, ooms, empties, verified, deferred, ordered_frees;
+  long reuses_ordered; /* reuses of bytes another stream used, ordered by stream waits */
+  int quarantine_own;  /* every free is quarantined, its own stream included (loop_phase) */
   uint64_t bytes_verified;
   size_t max_live;
 } run_t;
@@ -508,14 +511,42 @@ static int uses_safe(run_t* r, unsigned uses, uint64_t t, gpumem_stream_t* unsaf
   return 1;
 }
 
-/* A new allocation must not overlap memory whose other streams may still
- * be at work; entries whose streams are done leave the list. */
-static void quarantine_check(run_t* r, uintptr_t ptr, size_t size) {
+/* Whether work on `user` from now on comes after the work of each stream
+ * of uses up to moment t (complete, or ordered by stream waits). */
+static int uses_ordered(run_t* r, unsigned uses, uint64_t t, gpumem_stream_t user,
+                        gpumem_stream_t* unordered) {
+  for (int i = 0; i < 4; i++) {
+    if ((uses >> i & 1u) && !spy_ordered(&r->spy, user, use_streams[i], t)) {
+      *unordered = use_streams[i];
+      return 0;
+    }
+  }
+  return 1;
+}
+
+/* A new allocation on `stream` must not overlap memory whose other
+ * streams may still be at work, unless the device orders their work
+ * before the stream's (stream waits); entries whose streams are done
+ * leave the list. */
+static void quarantine_check(run_t* r, uintptr_t ptr, size_t size, gpumem_stream_t stream) {
   for (size_t i = 0; i < r->nquar && !r->failed;) {
     quarantine_t* q = &r->quar[i];
     gpumem_stream_t busy = 0;
     if (uses_safe(r, q->uses, q->t, &busy)) {
       *q = r->quar[--r->nquar];
+      continue;
+    }
+    if (uses_ordered(r, q->uses, q->t, stream, &busy)) {
+      unsigned self = 0;
+      for (unsigned k = 0; k < 4; k++) self |= (use_streams[k] == stream) << k;
+      r->reuses_ordered += (q->uses & ~self) && !(ptr + size <= q->ptr || q->ptr + q->size <= ptr);
+      /* Bytes taken again whole: the new block's own free stands for them
+       * from now on (its stream comes after this one's, just checked). */
+      if (q->own && ptr <= q->ptr && q->ptr + q->size <= ptr + size) {
+        *q = r->quar[--r->nquar];
+        continue;
+      }
+      i++;
       continue;
     }
     RUN_CHECK(r, ptr + size <= q->ptr || q->ptr + q->size <= ptr,
@@ -535,7 +566,7 @@ static void quarantine_add(run_t* r, const live_t* a, uint64_t t) {
       exit(2);
     }
   }
-  quarantine_t q = {a->ptr, a->size, t, a->uses};
+  quarantine_t q = {a->ptr, a->size, t, a->uses, 0};
   r->quar[r->nquar++] = q;
 }
 
@@ -682,7 +713,7 @@ static int check_alias_page(run_t* r, const live_t* a, uint64_t p) {
       const quarantine_t* w = &r->quar[i];
       gpumem_stream_t busy = 0;
       if (w->ptr + w->size <= q * ps || w->ptr >= (q + 1) * ps ||
-          uses_safe(r, w->uses, w->t, &busy))
+          uses_ordered(r, w->uses, w->t, a->stream, &busy))
         continue;
       shared = 1;
       size_t w_lo = w->ptr > q * ps ? w->ptr - q * ps : 0;
@@ -712,7 +743,8 @@ static void check_phys_reuse(run_t* r, const live_t* a) {
     unsigned unsafe_k = 0;
     for (unsigned k = 0; k < 4; k++) {
       if (use_streams[k] == a->stream || !e[k] || where[k] == p) continue;
-      if (!spy_safe(&r->spy, use_streams[k], e[k])) safe = 0, unsafe_k = k;
+      /* (the device may order the uses: stream waits) */
+      if (!spy_ordered(&r->spy, a->stream, use_streams[k], e[k])) safe = 0, unsafe_k = k;
     }
     /* A page shared with live blocks elsewhere is judged by its bytes. */
     if (!safe && check_alias_page(r, a, p)) continue;
@@ -860,7 +892,7 @@ static gpumem_status_t op_malloc(run_t* r, size_t size, gpumem_stream_t stream) 
                 "malloc(%zu) = 0x%lx overlaps live #%llu [0x%lx, +%zu)", size, (unsigned long)ptr,
                 (unsigned long long)b->id, (unsigned long)b->ptr, b->size);
     }
-    quarantine_check(r, ptr, size);
+    quarantine_check(r, ptr, size, stream);
     live_t a = {ptr, size, stream, r->next_id++, 0};
     check_phys_reuse(r, &a);
     model_add(r, a);
@@ -897,16 +929,44 @@ static void op_free(run_t* r, size_t i) {
   RUN_CHECK(r, st == GPUMEM_OK, "free(0x%lx): %s: %s", (unsigned long)a.ptr, gpumem_strerror(st),
             gpumem_last_error());
   if (a.uses) {
-    /* Used on other streams: either deferred (pending, counted active)
-     * or made safe at once by synchronizing those streams. */
+    /* Used on other streams: either deferred (pending, counted active),
+     * made safe at once by synchronizing those streams, or (a plan arena
+     * shared by streams) ordered before some stream's later work by
+     * stream waits: then quarantined, and the reuse checks (malloc,
+     * pages) ask that the new user's work come after those streams'. */
     gpumem_stream_t busy = 0;
     if (pending_bytes(r) - pending_before >= (int64_t)round512(a.size)) {
       quarantine_add(r, &a, t);
       r->deferred++;
-    } else {
-      RUN_CHECK(r, uses_safe(r, a.uses, t, &busy),
-                "free of #%llu used on stream 0x%lx: neither deferred nor synchronized",
+    } else if (!uses_safe(r, a.uses, t, &busy)) {
+      int ordered = 1;
+      for (int k = 0; k < 4; k++) {
+        if (!(a.uses >> k & 1u)) continue;
+        int waited = 0;
+        for (int y = 0; y < 4; y++)
+          waited |= y != k && spy_ordered(&r->spy, use_streams[y], use_streams[k], t);
+        ordered &= waited;
+      }
+      RUN_CHECK(r, ordered,
+                "free of #%llu used on stream 0x%lx: neither deferred, synchronized nor ordered",
                 (unsigned long long)a.id, (unsigned long)busy);
+      quarantine_add(r, &a, t);
+      r->ordered_frees++;
+    }
+  }
+  if (r->quarantine_own) {
+    /* Where a plan arena is shared by streams, another stream may reuse
+     * these bytes at this address: only once the device orders it after
+     * this block's own stream (the malloc check, with stream order for
+     * the same stream). */
+    live_t own = a;
+    own.uses = 0;
+    for (unsigned k = 0; k < 4; k++) {
+      if (use_streams[k] == a.stream) own.uses |= 1u << k;
+    }
+    if (own.uses) {
+      quarantine_add(r, &own, t);
+      r->quar[r->nquar - 1].own = 1;
     }
   }
   pages_freed(r, &a, t);
@@ -1026,6 +1086,7 @@ static int enough_pages_for(run_t* r, size_t size) {
  * now and then a stray request or record_stream perturbs an iteration. */
 static void loop_phase(run_t* r, int iters, int len) {
   r->phase = "loop";
+  r->quarantine_own = 1;
   size_t base = r->n;
   rng_t pattern = r->rng;
   rng_t stray = {r->rng.state ^ 0xabcdefull};
@@ -1056,6 +1117,7 @@ static void loop_phase(run_t* r, int iters, int len) {
     }
   }
   r->rng = stray;
+  r->quarantine_own = 0;
   gpumem_stats_t st;
   gpumem_get_stats(r->gm, &st);
   /* The loop's two streams may peak apart: then a plan is declined (its
@@ -1227,11 +1289,13 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   spy_fini(&r->spy);
   printf(
       "%-16s seed %-3llu %-11s %ld ops: %ld mallocs, %ld frees, %ld record_stream, %ld "
-      "deferred frees, %ld unmaps checked, %ld page reuses checked, %lld pages shared (%ld "
+      "deferred frees, %ld ordered (%lld shared plans, %ld reuses ordered on the device), %ld "
+      "unmaps checked, %ld page reuses checked, %lld pages shared (%ld "
       "checked by byte), %ld empty_cache, %ld OOMs, max %zu live, %ld "
       "verified (%.1f MiB), device peak %.0f MiB, %lld segments at most, %.2f s\n",
       cfg->name, (unsigned long long)seed, host_backed ? "host-backed" : "no-backing", r->op,
-      r->allocs, r->frees, r->records, r->deferred, r->unmaps_checked, r->reuses_checked,
+      r->allocs, r->frees, r->records, r->deferred, r->ordered_frees,
+      (long long)fin.num_plans_shared, r->reuses_ordered, r->unmaps_checked, r->reuses_checked,
       (long long)fin.num_pages_aliased, r->aliases_checked, r->empties, r->ooms, r->max_live,
       r->verified, (double)r->bytes_verified / (double)MIB,
       (double)c.peak_bytes_in_use / (double)MIB, (long long)fin.segment[0].peak, now_s() - t0);

@@ -576,11 +576,12 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   }
   fprintf(f,
           ",\"num_plans\":%lld,\"num_plan_drops\":%lld,\"num_planned_allocs\":%lld,"
-          "\"num_pages_aliased\":%lld,\"num_move_guard_trips\":%lld,\"num_plans_declined\":%lld",
+          "\"num_pages_aliased\":%lld,\"num_move_guard_trips\":%lld,\"num_plans_declined\":%lld,"
+          "\"num_plans_shared\":%lld",
           (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
           (long long)r->stats_final.num_planned_allocs, (long long)r->stats_final.num_pages_aliased,
           (long long)r->stats_final.num_move_guard_trips,
-          (long long)r->stats_final.num_plans_declined);
+          (long long)r->stats_final.num_plans_declined, (long long)r->stats_final.num_plans_shared);
   if (r->min_limit_done) {
     if (r->min_limit_found) {
       fprintf(f, ",\"min_limit_bytes\":%zu,\"min_limit_ratio\":%.4f", r->min_limit_bytes,
@@ -655,6 +656,12 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
     fprintf(f, "  %-16s%lld built, %lld dropped, %lld allocations placed by a plan\n", "plans",
             (long long)r->stats_final.num_plans, (long long)r->stats_final.num_plan_drops,
             (long long)r->stats_final.num_planned_allocs);
+  }
+  if (r->stats_final.num_plans_shared) {
+    fprintf(f,
+            "  %-16s%lld with one arena for all their streams: the streams peak apart, and "
+            "memory passes between them ordered on the device (stream waits)\n",
+            "plans", (long long)r->stats_final.num_plans_shared);
   }
   if (r->stats_final.num_plans_declined) {
     fprintf(f,
