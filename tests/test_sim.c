@@ -49,7 +49,8 @@ static void test_options_and_shape(void) {
   CHECK(sim->reserve && sim->release_range && sim->create_page && sim->release_page);
   CHECK(sim->map && sim->unmap && sim->alloc && sim->free && sim->mem_info);
   CHECK(sim->event_create && sim->event_destroy && sim->event_record && sim->event_query);
-  CHECK(sim->event_sync && sim->stream_sync && sim->device_sync && sim->destroy);
+  CHECK(sim->event_sync && sim->stream_sync && sim->device_sync && sim->stream_wait &&
+        sim->destroy);
   size_t free_bytes = 0, total_bytes = 0;
   CHECK_STATUS(sim->mem_info(sim->ctx, &free_bytes, &total_bytes), GPUMEM_OK);
   CHECK(total_bytes == 80 * GIB && free_bytes == 80 * GIB);
@@ -714,6 +715,13 @@ static void test_events(void) {
   CHECK_STATUS(sim->event_record(ctx, 123456, 0), GPUMEM_ERR_BACKEND);
   CHECK_STATUS(sim->event_sync(ctx, 123456), GPUMEM_ERR_BACKEND);
   CHECK_STATUS(sim->event_destroy(ctx, 123456), GPUMEM_ERR_BACKEND);
+  /* stream_wait: any stream may wait for a known event, recorded or not
+   * (work is instantaneous: it orders nothing the sim shows); an unknown
+   * event is an error. */
+  CHECK_STATUS(sim->stream_wait(ctx, 9, b), GPUMEM_OK);
+  CHECK_STATUS(sim->stream_wait(ctx, 0, c), GPUMEM_OK);
+  CHECK_STATUS(sim->stream_wait(ctx, 9, 123456), GPUMEM_ERR_BACKEND);
+  CHECK(last_error_has("stream_wait of unknown event"));
   CHECK_STATUS(sim->event_destroy(ctx, a), GPUMEM_OK);
   CHECK_STATUS(sim->event_destroy(ctx, a), GPUMEM_ERR_BACKEND);
   CHECK_STATUS(sim->event_query(ctx, a), GPUMEM_ERR_BACKEND);
@@ -722,6 +730,7 @@ static void test_events(void) {
   CHECK(cnt.calls[GPUMEM_CALL_event_create] == 104);
   CHECK(cnt.calls[GPUMEM_CALL_stream_sync] == 52);
   CHECK(cnt.calls[GPUMEM_CALL_device_sync] == 1);
+  CHECK(cnt.calls[GPUMEM_CALL_stream_wait] == 3);
   gpumem_sim_destroy(sim); /* frees the live events */
 }
 

@@ -413,6 +413,82 @@ static void test_oom(int policy) {
 
 /* ---- streams ------------------------------------------------------------ */
 
+/* A step on two streams that peak apart (the side stream's blocks are
+ * freed before the main stream allocates): the plan gives both one arena,
+ * so each stream's blocks take memory the other's work, still queued, is
+ * writing. The device must order it (stream waits): once both streams are
+ * idle, every block holds what its own stream wrote last, not the other
+ * stream's late writes. */
+static void test_shared_plan(void) {
+  gpumem_t* gm = make(GPUMEM_POLICY_DEFAULT, 1);
+  if (!gm) return;
+  drv_stream sa = NULL, sb = NULL;
+  DRV_OK(drv.StreamCreate(&sa, DRV_STREAM_NON_BLOCKING));
+  DRV_OK(drv.StreamCreate(&sb, DRV_STREAM_NON_BLOCKING));
+  const gpumem_stream_t ga = (gpumem_stream_t)sa, gb = (gpumem_stream_t)sb;
+  size_t bad_a = 0, bad_b = 0;
+  for (int it = 0; it < 30; it++) {
+    void* b[3] = {NULL, NULL, NULL};
+    void* a[4] = {NULL, NULL, NULL, NULL};
+    size_t bsz[3], asz[4];
+    unsigned char vb = (unsigned char)(0x10 + it), va = (unsigned char)(0x80 + it);
+    /* The side stream takes memory the main stream's last step is still
+     * writing (queued below, at the end of the step before). */
+    for (int k = 0; k < 3; k++) {
+      bsz[k] = (16 + 8 * (size_t)k) * MIB;
+      CHECK_STATUS(gpumem_malloc(gm, bsz[k], gb, &b[k]), GPUMEM_OK);
+      if (!b[k]) continue;
+      queue_busy_work((uintptr_t)b[k], bsz[k], sb, 8);
+      DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)b[k], vb, bsz[k], sb));
+    }
+    DRV_OK(drv.StreamSynchronize(sb));
+    DRV_OK(drv.StreamSynchronize(sa));
+    for (int k = 0; k < 3; k++)
+      if (b[k]) bad_b += check_value((uintptr_t)b[k], bsz[k], vb) != 0;
+    /* Freed while the side stream still writes them. */
+    for (int k = 0; k < 3; k++) {
+      if (b[k]) queue_busy_work((uintptr_t)b[k], bsz[k], sb, 40);
+      CHECK_STATUS(gpumem_free(gm, b[k]), GPUMEM_OK);
+    }
+    for (int k = 0; k < 4; k++) {
+      asz[k] = (24 + 8 * (size_t)k) * MIB + 512;
+      CHECK_STATUS(gpumem_malloc(gm, asz[k], ga, &a[k]), GPUMEM_OK);
+      if (a[k]) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)a[k], va, asz[k], sa));
+    }
+    DRV_OK(drv.StreamSynchronize(sa));
+    DRV_OK(drv.StreamSynchronize(sb));
+    for (int k = 0; k < 4; k++)
+      if (a[k]) bad_a += check_value((uintptr_t)a[k], asz[k], va) != 0;
+    /* Freed while the main stream still writes them. */
+    for (int k = 0; k < 4; k++) {
+      if (a[k]) queue_busy_work((uintptr_t)a[k], asz[k], sa, 40);
+      CHECK_STATUS(gpumem_free(gm, a[k]), GPUMEM_OK);
+    }
+    CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+  }
+  DRV_OK(drv.StreamSynchronize(sa));
+  DRV_OK(drv.StreamSynchronize(sb));
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  printf(
+      "shared plan: %lld plans (%lld shared), %lld planned allocations, %llu stream waits, "
+      "%llu event records, %lld syncs; blocks overwritten: main %zu, side %zu\n",
+      (long long)st.num_plans, (long long)st.num_plans_shared, (long long)st.num_planned_allocs,
+      (unsigned long long)st.backend_calls[GPUMEM_CALL_stream_wait],
+      (unsigned long long)st.backend_calls[GPUMEM_CALL_event_record], (long long)st.num_syncs,
+      bad_a, bad_b);
+  CHECK_MSG(st.num_plans_shared >= 1 && st.num_planned_allocs >= 100 &&
+                st.backend_calls[GPUMEM_CALL_stream_wait] > 0,
+            "the step was not served by a shared plan");
+  CHECK_MSG(bad_a == 0 && bad_b == 0,
+            "a block took memory before the other stream's work on it was done: %zu main, %zu "
+            "side blocks overwritten",
+            bad_a, bad_b);
+  gpumem_destroy(gm);
+  DRV_OK(drv.StreamDestroy(sa));
+  DRV_OK(drv.StreamDestroy(sb));
+}
+
 /* A block freed while another stream (record_stream) still writes it must
  * not be handed out, on its own stream or any other, before that work is
  * done; a block on its own stream may be reused at once (stream order
@@ -568,6 +644,7 @@ int main(void) {
       test_oom(policies[i]);
   }
   if (have_vmm) test_alias();
+  if (have_vmm) test_shared_plan();
   /* Last: a premature reuse would fault the context. */
   for (int i = 0; i < 2; i++) test_streams(policies[i]);
 

@@ -117,7 +117,7 @@ static void test_granularity(gpumem_backend_t* be) {
         be->unmap);
   CHECK(be->alloc && be->free && be->mem_info);
   CHECK(be->event_create && be->event_destroy && be->event_record && be->event_query &&
-        be->event_sync && be->stream_sync && be->device_sync && be->destroy);
+        be->event_sync && be->stream_sync && be->device_sync && be->stream_wait && be->destroy);
 }
 
 static void test_vmm_lifecycle(gpumem_backend_t* be) {
@@ -309,6 +309,22 @@ static void test_events(gpumem_backend_t* be) {
   CHECK_STATUS(be->event_query(be->ctx, ev), GPUMEM_OK);
   CHECK(drv.StreamQuery(s) == DRV_SUCCESS);
   CHECK(check_value(buf, n, 80) == 0);
+
+  /* stream_wait orders on the device: work queued on s2 after the wait
+   * runs after s's work up to the record, so its write lands last, and
+   * once s2 is idle so is s (the host never waited for s). */
+  {
+    drv_stream s2 = NULL;
+    DRV_OK(drv.StreamCreate(&s2, DRV_STREAM_NON_BLOCKING));
+    queue_busy_work(buf, n, s, 80);
+    CHECK_STATUS(be->event_record(be->ctx, ev, (gpumem_stream_t)s), GPUMEM_OK);
+    CHECK_STATUS(be->stream_wait(be->ctx, (gpumem_stream_t)s2, ev), GPUMEM_OK);
+    DRV_OK(drv.MemsetD8Async((drv_ptr)buf, 0x33, n, s2));
+    DRV_OK(drv.StreamSynchronize(s2));
+    CHECK_MSG(drv.StreamQuery(s) == DRV_SUCCESS, "s idle once s2, which waited for it, is");
+    CHECK_MSG(check_value(buf, n, 0x33) == 0, "the waiting stream's write landed last");
+    DRV_OK(drv.StreamDestroy(s2));
+  }
 
   /* stream_sync waits for the stream's work. */
   queue_busy_work(buf, n, s, 40);
