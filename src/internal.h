@@ -17,10 +17,13 @@
 #define GM_LIKELY(x) __builtin_expect(!!(x), 1)
 #define GM_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define GM_PRINTF(a, b) __attribute__((format(printf, a, b)))
+/* Rare paths kept out of the hot path's code (and its registers). */
+#define GM_COLD __attribute__((cold, noinline))
 #else
 #define GM_LIKELY(x) (x)
 #define GM_UNLIKELY(x) (x)
 #define GM_PRINTF(a, b)
+#define GM_COLD
 #endif
 
 /* Sets the thread-local detail message and returns status. */

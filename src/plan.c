@@ -321,7 +321,7 @@ static bool arenas_fit_joint_peak(const gpumem_t* gm, size_t joint_peak, const s
 /* Builds the plan from requests [s, s + P) of the ring (all lifetimes of
  * at most P requests are known by now). Returns false when the period does
  * not look like a step (or host memory is short): nothing changes then. */
-static bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
+static GM_COLD bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   gm_planner* p = &gm->planner;
   build_item* items = calloc(P, sizeof *items);
   build_item** order = calloc(P, sizeof *order);
@@ -737,6 +737,15 @@ static void shadow_step(gpumem_t* gm, uint64_t i, size_t rsize, gpumem_stream_t 
   }
 }
 
+/* A block of the arena the plan's streams share, for stream s: s waits
+ * for the arena's stream first where that is another (streams.c); if it
+ * cannot, the block goes back and best fit serves. */
+static GM_COLD gm_block* hand_over(gpumem_t* gm, gm_block* b, gm_stream* s) {
+  if (gm_shared_take(gm, b, s) == GPUMEM_OK) return b;
+  gm_free_unused(gm, b);
+  return NULL;
+}
+
 static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t i) {
   gm_planner* p = &gm->planner;
   if (p->state == GM_PLAN_DORMANT) {
@@ -757,12 +766,7 @@ static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t 
   gm_block* b = NULL;
   if (it->planned) {
     b = serve(gm, j);
-    /* A shared arena's block for another stream: that stream waits for the
-     * arena's stream first (streams.c); if it cannot, best fit serves. */
-    if (b && p->shared && gm_shared_take(gm, b, s) != GPUMEM_OK) {
-      gm_free_unused(gm, b);
-      b = NULL;
-    }
+    if (GM_UNLIKELY(b && p->shared)) b = hand_over(gm, b, s);
     if (b)
       gm->stats.num_planned_allocs++;
     else
