@@ -60,6 +60,7 @@ gm_block* gm_block_new(gpumem_t* gm) {
   b->pending_events = 0;
   b->extra_capacity = 0;
   b->aliased = 0;
+  b->handed = 0;
   return b;
 }
 

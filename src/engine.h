@@ -90,6 +90,7 @@ struct gm_block {
   uint32_t pending_events;
   uint16_t extra_capacity; /* entries in extra_uses */
   uint8_t aliased;         /* its last page is an alias (pages.c): ends it when freed */
+  uint8_t handed;          /* a shared plan arena's block taken by another stream (streams.c) */
 };
 #if UINTPTR_MAX == UINT64_MAX
 /* Two cache lines exactly (the slab aligns its chunks): a block touched
@@ -220,11 +221,14 @@ struct gm_stream {
   gm_pool pools[GM_NUM_POOLS];
   uint64_t frees_since_sync; /* arena pages freed on it since its last sync */
   uint64_t syncs;            /* synchronizations by the allocator so far */
-  /* Arena blocks of its pools freed so far (never reset), and the stream
-   * this one last waited for on the device, when that one's count stood
-   * at waited_frees (streams.c, gm_shared_take: a wait that would order
+  /* Arena blocks of its pools freed so far (never reset); blocks of
+   * another stream's shared plan arena used on this stream alone and freed
+   * (self_frees); and the stream this one last waited for on the device,
+   * when that one's count less this one's self_frees stood at
+   * waited_frees (streams.c, gm_shared_take: a wait that would order
    * nothing new is skipped). */
   uint64_t frees_total;
+  uint64_t self_frees;
   gm_stream* waited_on;
   uint64_t waited_frees;
   gm_stream* next;

@@ -156,13 +156,18 @@ static gpumem_status_t order_after(gpumem_t* gm, gpumem_stream_t waiter, gpumem_
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u) {
   gm_stream* owner = b->pool->stream;
   if (u == owner) return GPUMEM_OK;
-  if (u->waited_on != owner || u->waited_frees != owner->frees_total) {
+  /* u's own blocks freed since (used on u alone) need no wait: stream
+   * order keeps u's uses apart. */
+  uint64_t others = owner->frees_total - u->self_frees;
+  if (u->waited_on != owner || u->waited_frees != others) {
     gpumem_status_t st = order_after(gm, u->handle, owner->handle);
     if (st != GPUMEM_OK) return st;
     u->waited_on = owner;
-    u->waited_frees = owner->frees_total;
+    u->waited_frees = others;
   }
-  return gm_block_add_use(b, u->handle);
+  gpumem_status_t st = gm_block_add_use(b, u->handle);
+  if (st == GPUMEM_OK) b->handed = 1;
+  return st;
 }
 
 /* A block of a shared plan arena freed after use on other streams: its
@@ -174,6 +179,14 @@ static gpumem_status_t ordered_free(gpumem_t* gm, gm_block* b) {
     gpumem_status_t st = order_after(gm, owner, uses[i]);
     if (st != GPUMEM_OK) return st;
   }
+  if (b->handed && b->num_uses == 1) {
+    /* Used on the stream that took it alone (the arena's own stream never
+     * touched it): that stream's later takes need no wait for it. (The
+     * lookup fails only without host memory: a wait too many.) */
+    gm_stream* only = gm_stream_get(gm, uses[0]);
+    if (only) only->self_frees++;
+  }
+  b->handed = 0;
   b->num_uses = 0;
   gm_free_block(gm, b);
   return GPUMEM_OK;
@@ -183,6 +196,7 @@ gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
   /* (a wait that failed leaves the block as it was: pending instead) */
   if (b->seg->shared_streams && gm_can_order_streams(gm) && ordered_free(gm, b) == GPUMEM_OK)
     return GPUMEM_OK;
+  b->handed = 0;
   unsigned n = b->num_uses;
   gpumem_stream_t* uses = block_uses(b);
   if (!backend_has_events(gm)) {

@@ -96,6 +96,70 @@ def resnet50(args):
     emit(losses=losses, **mem_figures(torch))
 
 
+def two_streams(args):
+    """A loop on two streams whose memory passes between them where the
+    program itself does not order them: the side stream stages the next
+    input and computes on it without waiting for the main stream (so it
+    takes memory the main stream's last step may still be using), and it
+    frees a tensor while still computing on it, before the main stream
+    allocates its activations. The side stream's peak comes before the main
+    stream's, so gpumem's plan gives both one arena, and only its stream
+    waits keep the results equal to the native allocator's."""
+    torch = setup(args)
+    torch.manual_seed(0)
+    main = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    n = 4096
+    w_main = torch.randn(n, n, device="cuda") / n**0.5
+    w_side = torch.randn(n, n, device="cuda") / n**0.5
+    gen = torch.Generator().manual_seed(7)
+    host = [torch.randn(1024, n, generator=gen).pin_memory() for _ in range(4)]
+    with torch.cuda.stream(side):
+        side_in = torch.randn(1024, n, device="cuda")
+    main.wait_stream(side)
+    totals = []
+    for step in range(args.steps):
+        with torch.cuda.stream(side):
+            staged = host[step % 4].to("cuda", non_blocking=True)
+            aux = [torch.tanh(staged @ w_side) for _ in range(3)]
+            aux_sum = sum(a.sum() for a in aux)
+            del aux
+        main.wait_stream(side)
+        staged.record_stream(main)
+        aux_sum.record_stream(main)
+        with torch.cuda.stream(side):
+            tail = torch.tanh(side_in @ w_side)
+            for _ in range(3):
+                tail = torch.tanh(tail @ w_side)
+            tail_sum = tail.sum()
+            del tail  # freed while the side stream computes its sum
+        x = staged
+        act_sums = []
+        for _ in range(6):
+            x = torch.relu(x @ w_main)
+            act_sums.append(x.sum())
+        main.wait_stream(side)
+        tail_sum.record_stream(main)
+        totals.append(sum(act_sums) + aux_sum + tail_sum)
+        del staged, x, act_sums, aux_sum, tail_sum
+    torch.cuda.synchronize()
+    result = {"sums": [t.item() for t in totals]}
+    if args.allocator == "gpumem":
+        import gpumem
+
+        st = gpumem.memory_stats(torch.cuda.current_device())
+        result.update(
+            plans=st["num_plans"],
+            plans_shared=st["num_plans_shared"],
+            plans_declined=st["num_plans_declined"],
+            planned_allocs=st["num_planned_allocs"],
+            stream_waits=st["backend_calls.stream_wait"],
+            event_records=st["backend_calls.event_record"],
+            syncs=st["num_syncs"],
+        )
+    emit(**result, **mem_figures(torch))
+
+
 def mem_figures(torch):
     return {
         "max_allocated": torch.cuda.max_memory_allocated(),
@@ -365,6 +429,7 @@ WORKLOADS = {
     "bad_conf": bad_conf,
     "cupy": cupy_work,
     "ddp": ddp,
+    "two_streams": two_streams,
 }
 
 

@@ -200,6 +200,33 @@ class CupyTest(unittest.TestCase):
         self.run_cupy("--no-stream-aware")
 
 
+class StreamsTest(unittest.TestCase):
+    def test_two_streams_share_a_plan_with_native_results(self):
+        need()
+        native_a = run_child("two_streams", "--allocator", "native", "--steps", "40")["sums"]
+        native_b = run_child("two_streams", "--allocator", "native", "--steps", "40")["sums"]
+        r = run_child("two_streams", "--allocator", "gpumem", "--steps", "40")
+        print(
+            "\n  two streams: %d plans (%d shared, %d declined), %d planned allocations, %d stream "
+            "waits, %d event records, %d syncs; peak reserved %.2f GiB"
+            % (
+                r["plans"],
+                r["plans_shared"],
+                r["plans_declined"],
+                r["planned_allocs"],
+                r["stream_waits"],
+                r["event_records"],
+                r["syncs"],
+                r["max_reserved"] / 2**30,
+            ),
+            file=sys.stderr,
+        )
+        self.assertGreaterEqual(r["plans_shared"], 1, r)
+        self.assertGreater(r["stream_waits"], 0, r)
+        self.assertEqual(native_a, native_b, "the workload is not deterministic natively")
+        self.assertEqual(r["sums"], native_a, "a stream used memory another stream's work was still using")
+
+
 class DataParallelTest(unittest.TestCase):
     def test_ddp_two_gpus_nccl(self):
         need(gpus=2)
