@@ -470,16 +470,18 @@ gm_block* gm_split_free_front(gpumem_t* gm, gm_block* f, size_t front);
 /* ---- streams.c ---- */
 gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle);
 gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream);
-/* Records events on the block's other streams; the block turns PENDING. */
+/* Records events on the block's other streams; the block turns PENDING.
+ * In a shared plan arena its stream waits for those events on the device
+ * instead, and the block is free at once. */
 gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b);
 /* Whether the backend and the options let one stream wait for another on
  * the device (event_record and stream_wait, option stream_waits). */
 bool gm_can_order_streams(const gpumem_t* gm);
 /* Hands block b of a shared plan arena (its pool's stream's) to stream u:
- * u waits on the device for the pool's stream's work so far (unless no
- * arena block was freed on it since u last did), and u becomes a use of
- * b, so that its free orders the pool's stream after u. On failure b is
- * unchanged. */
+ * u waits on the device for the pool's stream's work so far (unless the
+ * only arena blocks freed since u last did were u's own), and u becomes a
+ * use of b, so that its free orders the pool's stream after u. On failure
+ * b is unchanged. */
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u);
 /* Frees blocks whose events completed; with wait, synchronizes on every
  * pending event first. */

@@ -13,7 +13,9 @@
  *    (weights, optimizer state) stay with best fit.
  * 3. Planning, once, at the confirming request (a few ms): greedy by size,
  *    each at the lowest offset free during its lifetime (circular, modulo
- *    P), one plan arena per stream for small and large requests alike.
+ *    P), one plan arena per stream for small and large requests alike; or,
+ *    where the streams peak apart, one arena for all of them, memory
+ *    passing between streams ordered on the device (streams.c).
  * 4. Serving: a cursor walks the plan; a request equal to the item under
  *    the cursor gets the block at its planned offset when that range is
  *    free (found through the item planned just below it, or a walk), else
@@ -444,7 +446,8 @@ static GM_COLD bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
    * arena shared by the streams is not: like a single stream's plan, it
    * holds what greedy placement packs, and declining it would leave the
    * loop to best fit with pages moving between streams (a two-stream
-   * PyTorch loop packed 1.0x-1.1x its joint peak and was declined). */
+   * PyTorch loop, packed at its joint peak plus 512 bytes, was declined:
+   * the check rounds to pages, and 1% of its 80 MiB is less than one). */
   if (num_streams > 1 && !shared && !arenas_fit_joint_peak(gm, joint_peak, extent, num_arenas))
     goto declined;
   for (size_t i = 0; i < n_planned; i++) plan[order[i]->idx].off = order[i]->off;

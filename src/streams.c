@@ -59,7 +59,10 @@ static gpumem_stream_t* block_uses(gm_block* b) {
 }
 
 gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream) {
-  if (stream == b->pool->stream->handle) return GPUMEM_OK;
+  if (stream == b->pool->stream->handle) {
+    b->handed = 0; /* a handed block used on its arena's stream too (ordered_free) */
+    return GPUMEM_OK;
+  }
   gpumem_stream_t* uses = block_uses(b);
   for (unsigned i = 0; i < b->num_uses; i++) {
     if (uses[i] == stream) return GPUMEM_OK;

@@ -1155,6 +1155,46 @@ static void test_planned_streams(const char* conf, int apart) {
   fx_done(&f);
 }
 
+/* The waits of a shared arena, counted: a stream that takes memory waits
+ * for the arena's stream unless nothing but its own blocks was freed since
+ * it last waited. B's second block of a step follows the free of its first
+ * (used on B alone): no wait. Recorded on A (the arena's stream) before its
+ * free, the first block was A's too: B's next take must wait. */
+static void test_shared_take_waits(void) {
+  fx_t f = fx_new("policy:default", 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* weights = alloc(&f, 96 * MIB, SA);
+  uint64_t waits[3] = {0, 0, 0};
+  for (int it = 0; it < 63; it++) {
+    uint64_t before = dev(&f).calls[GPUMEM_CALL_stream_wait];
+    char* x = alloc(&f, 20 * MIB, SB);
+    if (it == 62) CHECK(gpumem_record_stream(f.gm, x, SA) == GPUMEM_OK);
+    release(&f, x);
+    char* y = alloc(&f, 24 * MIB, SB);
+    release(&f, y);
+    char* acts[8];
+    for (int k = 0; k < 8; k++) acts[k] = alloc(&f, (40 + 8 * (size_t)k) * MIB + 512, SA);
+    for (int k = 7; k >= 0; k--) release(&f, acts[k]);
+    if (it >= 60) waits[it - 60] = dev(&f).calls[GPUMEM_CALL_stream_wait] - before;
+  }
+  gpumem_stats_t s = stats(&f);
+  printf(
+      "shared take waits: %lld shared plans; stream waits per step %llu, %llu, then %llu with "
+      "B's first block recorded on A\n",
+      (long long)s.num_plans_shared, (unsigned long long)waits[0], (unsigned long long)waits[1],
+      (unsigned long long)waits[2]);
+  CHECK_MSG(s.num_plans_shared == 1 && s.num_plans == 1, "%lld plans, %lld shared",
+            (long long)s.num_plans, (long long)s.num_plans_shared);
+  /* a step: x's take, x's free, y's free (y's take skips the wait) */
+  CHECK_MSG(waits[0] == 3 && waits[1] == 3, "steady steps wait %llu and %llu times, not 3",
+            (unsigned long long)waits[0], (unsigned long long)waits[1]);
+  CHECK_MSG(waits[2] == 4, "with x recorded on A, y's take must wait: %llu waits, not 4",
+            (unsigned long long)waits[2]);
+  release(&f, weights);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "%s", gpumem_last_error());
+  fx_done(&f);
+}
+
 /* A workload that repeats only after a long stretch that never does: past
  * GM_PLAN_SAMPLE_AFTER (16384) requests without a plan, detection consults
  * its table for one context in eight; past GM_PLAN_IDLE_AFTER (65536) it
@@ -1376,6 +1416,7 @@ int main(int argc, char** argv) {
   test_planned_streams("policy:default", 1);
   test_planned_streams("policy:default,stream_waits:off", 1);
   test_planned_streams("policy:default", 0);
+  test_shared_take_waits();
   test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 20000, 30);
   /* the loop begins in an on turn, then in an off turn (~16,000 requests,
    * ~450 steps of 36, before the next on turn) */
