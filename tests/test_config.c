@@ -14,7 +14,7 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
          a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
-         a->move_guard == b->move_guard;
+         a->move_guard == b->move_guard && a->stream_waits == b->stream_waits;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -32,6 +32,7 @@ static gpumem_options_t odd_options(void) {
   o.own_backend = 1;
   o.map_max_bytes = 6 * GM_MIB;
   o.move_guard = 0;
+  o.stream_waits = 0;
   return o;
 }
 
@@ -81,6 +82,7 @@ static void test_defaults(void) {
   CHECK(o.own_backend == 0);
   CHECK(o.map_max_bytes == GM_GIB);
   CHECK(o.move_guard == 1);
+  CHECK(o.stream_waits == 1);
   gpumem_options_init(NULL); /* must not crash */
 }
 
@@ -128,6 +130,14 @@ static void test_placement(void) {
   parse_fails("placement:first_fit", "bad value \"first_fit\" for key \"placement\"",
               "planned, bestfit", NULL);
   parse_fails("placment:planned", "unknown key \"placment\"", "did you mean \"placement\"", NULL);
+}
+
+static void test_stream_waits(void) {
+  CHECK(parse_ok("stream_waits:off").stream_waits == 0);
+  CHECK(parse_ok("stream_waits:on").stream_waits == 1);
+  parse_fails("stream_waits:1", "bad value \"1\" for key \"stream_waits\"", "on, off", NULL);
+  parse_fails("stream_wait:off", "unknown key \"stream_wait\"", "did you mean \"stream_waits\"",
+              NULL);
 }
 
 static void test_move_guard(void) {
@@ -367,6 +377,7 @@ int main(void) {
   test_reclaim();
   test_placement();
   test_move_guard();
+  test_stream_waits();
   test_limit();
   test_fraction();
   test_headroom();
