@@ -477,7 +477,8 @@ gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b);
 /* Whether the backend and the options let one stream wait for another on
  * the device (event_record and stream_wait, option stream_waits). */
 bool gm_can_order_streams(const gpumem_t* gm);
-/* Hands block b of a shared plan arena (its pool's stream's) to stream u:
+/* Hands block b of a shared plan arena (its pool's stream's) to stream u,
+ * another stream:
  * u waits on the device for the pool's stream's work so far (unless the
  * only arena blocks freed since u last did were u's own), and u becomes a
  * use of b, so that its free orders the pool's stream after u. On failure

@@ -745,8 +745,8 @@ static void shadow_step(gpumem_t* gm, uint64_t i, size_t rsize, gpumem_stream_t 
   }
 }
 
-/* A block of the arena the plan's streams share, for stream s: s waits
- * for the arena's stream first where that is another (streams.c); if it
+/* A block of the arena the plan's streams share, for stream s, not the
+ * arena's: s waits for the arena's stream first (streams.c); if it
  * cannot, the block goes back and best fit serves. */
 static GM_COLD gm_block* hand_over(gpumem_t* gm, gm_block* b, gm_stream* s) {
   if (gm_shared_take(gm, b, s) == GPUMEM_OK) return b;
@@ -774,7 +774,7 @@ static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t 
   gm_block* b = NULL;
   if (it->planned) {
     b = serve(gm, j);
-    if (GM_UNLIKELY(b && p->shared)) b = hand_over(gm, b, s);
+    if (GM_UNLIKELY(b && p->shared && b->pool->stream != s)) b = hand_over(gm, b, s);
     if (b)
       gm->stats.num_planned_allocs++;
     else

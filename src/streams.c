@@ -158,7 +158,6 @@ static gpumem_status_t order_after(gpumem_t* gm, gpumem_stream_t waiter, gpumem_
 
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u) {
   gm_stream* owner = b->pool->stream;
-  if (u == owner) return GPUMEM_OK;
   /* u's own blocks freed since (used on u alone) need no wait: stream
    * order keeps u's uses apart. */
   uint64_t others = owner->frees_total - u->self_frees;
@@ -196,9 +195,9 @@ static gpumem_status_t ordered_free(gpumem_t* gm, gm_block* b) {
 }
 
 gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
-  /* (a wait that failed leaves the block as it was: pending instead) */
-  if (b->seg->shared_streams && gm_can_order_streams(gm) && ordered_free(gm, b) == GPUMEM_OK)
-    return GPUMEM_OK;
+  /* (an arena is shared only where streams can be ordered, plan.c; a
+   * wait that failed leaves the block as it was: pending instead) */
+  if (b->seg->shared_streams && ordered_free(gm, b) == GPUMEM_OK) return GPUMEM_OK;
   b->handed = 0;
   unsigned n = b->num_uses;
   gpumem_stream_t* uses = block_uses(b);

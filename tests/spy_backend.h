@@ -89,10 +89,6 @@ static inline void spy_mark_done_after(spy_t* s, gpumem_stream_t stream, uint64_
   }
 }
 
-static inline void spy_mark_done(spy_t* s, gpumem_stream_t stream, uint64_t upto) {
-  spy_mark_done_after(s, stream, upto, NULL);
-}
-
 /* True when stream's work queued up to moment t is known complete. */
 static inline int spy_safe(spy_t* s, gpumem_stream_t stream, uint64_t t) {
   return *spy_done(s, stream) > t || s->device_synced > t;

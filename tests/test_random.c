@@ -84,6 +84,14 @@ static const config_t configs[] = {
 static const gpumem_stream_t alloc_streams[] = {0, 0x100, 0x200};
 static const gpumem_stream_t use_streams[] = {0, 0x100, 0x200, 0x300};
 
+/* A stream's bit in a mask over use_streams (0 for any other stream). */
+static unsigned stream_bit(gpumem_stream_t stream) {
+  for (unsigned k = 0; k < 4; k++) {
+    if (use_streams[k] == stream) return 1u << k;
+  }
+  return 0;
+}
+
 /* ---- the model ---- */
 
 typedef struct live {
@@ -537,9 +545,8 @@ static void quarantine_check(run_t* r, uintptr_t ptr, size_t size, gpumem_stream
       continue;
     }
     if (uses_ordered(r, q->uses, q->t, stream, &busy)) {
-      unsigned self = 0;
-      for (unsigned k = 0; k < 4; k++) self |= (use_streams[k] == stream) << k;
-      r->reuses_ordered += (q->uses & ~self) && !(ptr + size <= q->ptr || q->ptr + q->size <= ptr);
+      r->reuses_ordered +=
+          (q->uses & ~stream_bit(stream)) && !(ptr + size <= q->ptr || q->ptr + q->size <= ptr);
       /* Bytes taken again whole: the new block's own free stands for them
        * from now on (its stream comes after this one's, just checked). */
       if (q->own && ptr <= q->ptr && q->ptr + q->size <= ptr + size) {
@@ -652,10 +659,7 @@ static uint64_t live_phys_pages(run_t* r) {
  * up to moment t (the free). */
 static void pages_freed(run_t* r, const live_t* a, uint64_t t) {
   if (r->cfg->policy != GPUMEM_POLICY_DEFAULT) return;
-  unsigned streams = a->uses;
-  for (unsigned k = 0; k < 4; k++) {
-    if (use_streams[k] == a->stream) streams |= 1u << k;
-  }
+  unsigned streams = a->uses | stream_bit(a->stream);
   uint64_t first = a->ptr / r->page_size;
   uint64_t last = (a->ptr + round512(a->size) - 1) / r->page_size;
   for (uint64_t p = first; p <= last; p++) {
@@ -960,10 +964,7 @@ static void op_free(run_t* r, size_t i) {
      * this block's own stream (the malloc check, with stream order for
      * the same stream). */
     live_t own = a;
-    own.uses = 0;
-    for (unsigned k = 0; k < 4; k++) {
-      if (use_streams[k] == a.stream) own.uses |= 1u << k;
-    }
+    own.uses = stream_bit(a.stream);
     if (own.uses) {
       quarantine_add(r, &own, t);
       r->quar[r->nquar - 1].own = 1;

@@ -413,6 +413,20 @@ static void test_oom(int policy) {
 
 /* ---- streams ------------------------------------------------------------ */
 
+/* Of n blocks (both streams idle), those that do not hold value v
+ * throughout; then each is freed while stream s still writes it. */
+static size_t check_then_free_busy(gpumem_t* gm, void** blk, const size_t* len, int n,
+                                   unsigned char v, drv_stream s) {
+  size_t bad = 0;
+  for (int k = 0; k < n; k++)
+    if (blk[k]) bad += check_value((uintptr_t)blk[k], len[k], v) != 0;
+  for (int k = 0; k < n; k++) {
+    if (blk[k]) queue_busy_work((uintptr_t)blk[k], len[k], s, 40);
+    CHECK_STATUS(gpumem_free(gm, blk[k]), GPUMEM_OK);
+  }
+  return bad;
+}
+
 /* A step on two streams that peak apart (the side stream's blocks are
  * freed before the main stream allocates): the plan gives both one arena,
  * so each stream's blocks take memory the other's work, still queued, is
@@ -443,13 +457,7 @@ static void test_shared_plan(void) {
     }
     DRV_OK(drv.StreamSynchronize(sb));
     DRV_OK(drv.StreamSynchronize(sa));
-    for (int k = 0; k < 3; k++)
-      if (b[k]) bad_b += check_value((uintptr_t)b[k], bsz[k], vb) != 0;
-    /* Freed while the side stream still writes them. */
-    for (int k = 0; k < 3; k++) {
-      if (b[k]) queue_busy_work((uintptr_t)b[k], bsz[k], sb, 40);
-      CHECK_STATUS(gpumem_free(gm, b[k]), GPUMEM_OK);
-    }
+    bad_b += check_then_free_busy(gm, b, bsz, 3, vb, sb);
     for (int k = 0; k < 4; k++) {
       asz[k] = (24 + 8 * (size_t)k) * MIB + 512;
       CHECK_STATUS(gpumem_malloc(gm, asz[k], ga, &a[k]), GPUMEM_OK);
@@ -457,13 +465,7 @@ static void test_shared_plan(void) {
     }
     DRV_OK(drv.StreamSynchronize(sa));
     DRV_OK(drv.StreamSynchronize(sb));
-    for (int k = 0; k < 4; k++)
-      if (a[k]) bad_a += check_value((uintptr_t)a[k], asz[k], va) != 0;
-    /* Freed while the main stream still writes them. */
-    for (int k = 0; k < 4; k++) {
-      if (a[k]) queue_busy_work((uintptr_t)a[k], asz[k], sa, 40);
-      CHECK_STATUS(gpumem_free(gm, a[k]), GPUMEM_OK);
-    }
+    bad_a += check_then_free_busy(gm, a, asz, 4, va, sa);
     CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
   }
   DRV_OK(drv.StreamSynchronize(sa));
