@@ -256,6 +256,7 @@ typedef struct gm_ptr_map {
 #define GM_PLAN_SAMPLE_AFTER 16384 /* requests without a plan before detection samples (plan.c) */
 #define GM_PLAN_IDLE_AFTER 65536   /* ... and before it takes turns, on and off (plan.c) */
 #define GM_PLAN_TURN 16384         /* requests per turn: at least two of the longest period */
+#define GM_PLAN_MAX_OFF_TURNS 16   /* the longest off turn, in turns (plan.c, off_turn) */
 _Static_assert(GM_PLAN_TURN >= 2 * GM_PLAN_MAX_PERIOD + 8, "a turn must hold two periods");
 #define GM_PLAN_MAX_STREAMS 4
 /* How much more than the joint peak of a step the arenas of a plan on
@@ -289,6 +290,9 @@ typedef struct gm_planner {
   uint64_t n;            /* requests seen */
   uint64_t window_start; /* detection uses requests from here on (plan.c, turns) */
   bool idle;             /* the last request came in an off turn: not recorded */
+  bool turn_off;         /* detection is in an off turn (plan.c, off_turn) */
+  uint32_t off_turns;    /* length of the last off turn, in turns */
+  uint64_t turn_end;     /* request index where the current turn ends; 0 = none yet */
   gm_plan_req* ring;
   uint64_t* table; /* 1 + request index, 0 = empty */
   /* detection */

@@ -482,6 +482,10 @@ static GM_COLD bool build_plan(gpumem_t* gm, uint64_t s, uint64_t P) {
   p->ctx_items = ctx_items;
   p->ctx_mask = ctx_cap - 1;
   p->period = P;
+  /* detection in turns (off_turn) starts over when this plan is gone */
+  p->turn_end = 0;
+  p->turn_off = false;
+  p->off_turns = 0;
   p->num_arenas = num_arenas;
   p->shared = shared;
   memcpy(p->arenas, arenas, sizeof arenas);
@@ -795,14 +799,19 @@ static gm_block* plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize, uint64_t 
  * unlikely to repeat soon, and looking for a period is most of what the
  * planner costs it (t5, which never repeats: about 7 of its ~60 ns per
  * operation on the development machine). From then on, while no plan
- * exists, detection takes turns of GM_PLAN_TURN requests: one turn it
- * records and looks as before, the next it skips every request. A loop
- * that begins in an off turn is found in the next on turn, at most
- * GM_PLAN_TURN requests later; a turn holds two of the longest period, so
- * one that runs through an on turn is found in it, as it would have been
- * without turns. (Sampling fewer contexts instead, one in 64, missed
- * short loops outright: a period of 36 requests may have none of its
- * contexts sampled, test_engine.) */
+ * exists, detection takes turns: an on turn of GM_PLAN_TURN requests
+ * records and looks as before; the off turn after it skips every request.
+ * Off turns lengthen while on turns keep finding nothing: the first is
+ * GM_PLAN_TURN requests long, each next one twice the one before, up to
+ * GM_PLAN_MAX_OFF_TURNS turns (a plan built starts the count again). So a
+ * workload that never repeats spends one request in 17 on detection, and
+ * a loop that begins in an off turn is found in the next on turn, at most
+ * GM_PLAN_MAX_OFF_TURNS * GM_PLAN_TURN requests later (262,144: seconds of
+ * a training job); a turn holds two of the longest period, so one that
+ * runs through an on turn is found in it, as it would have been without
+ * turns. (Sampling fewer contexts instead, one in 64, missed short loops
+ * outright: a period of 36 requests may have none of its contexts
+ * sampled, test_engine.) */
 static void open_window(gm_planner* p, uint64_t i) {
   /* The requests of the off turn were not recorded: the context restarts
    * from zero keys, as at the very first request, and neither the table's
@@ -813,11 +822,24 @@ static void open_window(gm_planner* p, uint64_t i) {
   p->cand = p->matched = 0;
 }
 
-static bool off_turn(gm_planner* p, uint64_t i) {
+static GM_COLD void next_turn(gm_planner* p, uint64_t i) {
+  if (p->turn_off || !p->turn_end) {
+    p->turn_off = false;
+    p->turn_end = i + GM_PLAN_TURN;
+    open_window(p, i);
+    return;
+  }
+  /* the on turn found nothing: a longer rest */
+  p->off_turns = p->off_turns ? 2 * p->off_turns : 1;
+  if (p->off_turns > GM_PLAN_MAX_OFF_TURNS) p->off_turns = GM_PLAN_MAX_OFF_TURNS;
+  p->turn_off = true;
+  p->turn_end = i + (uint64_t)GM_PLAN_TURN * p->off_turns;
+}
+
+static inline bool off_turn(gm_planner* p, uint64_t i) {
   if (p->period || i < GM_PLAN_IDLE_AFTER) return false;
-  uint64_t phase = i % (2 * (uint64_t)GM_PLAN_TURN);
-  if (phase == 0) open_window(p, i);
-  return phase >= GM_PLAN_TURN;
+  if (GM_UNLIKELY(i >= p->turn_end)) next_turn(p, i);
+  return p->turn_off;
 }
 
 gm_block* gm_plan_malloc(gpumem_t* gm, gm_stream* s, size_t rsize) {

@@ -13,6 +13,7 @@
  *
  * Last, a throughput figure with 10^6 cached blocks (printed, not judged). */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1197,10 +1198,16 @@ static void test_shared_take_waits(void) {
 
 /* A workload that repeats only after a long stretch that never does: past
  * GM_PLAN_SAMPLE_AFTER (16384) requests without a plan, detection consults
- * its table for one context in eight; past GM_PLAN_IDLE_AFTER (65536) it
- * runs in turns of 16384 requests, on and off (off: from 81920 to 98304),
- * and must still find the loop, in the next on turn at the latest. */
-static void test_planned_after_noise(const char* conf, int noise, int steps) {
+ * its table for one context in eight, and from GM_PLAN_IDLE_AFTER (65536)
+ * it runs in turns: on turns of 16384 requests, off turns after each that
+ * double from 16384 up to 16 turns. With this test's own requests
+ * (counted from the allocator's first): on 65536-81920, off 81920-98304,
+ * on 98304-114688, off 114688-147456, on 147456-163840, off 163840-229376.
+ * The loop (36 requests a step) must still be found, in the next on turn
+ * at the latest; where `planned` is false, the steps end inside an off
+ * turn and no plan may be built (the turn really is off, and as long as
+ * the schedule says). */
+static void test_planned_after_noise(const char* conf, int noise, int steps, bool planned) {
   fx_t f = fx_new(conf, 8 * GIB, 0);
   if (!f.gm) return fx_done(&f);
   char* held[4] = {NULL, NULL, NULL, NULL};
@@ -1222,10 +1229,17 @@ static void test_planned_after_noise(const char* conf, int noise, int steps) {
   for (int it = 0; it < steps; it++) loop_step(&f, &l, 0, conf);
   CHECK_MSG(gpumem_check(f.gm) == 0, "%s: %s", conf, gpumem_last_error());
   s = stats(&f);
-  CHECK_MSG(s.num_plans >= 1 && s.num_planned_allocs > 10 * 36,
-            "%s: after %d unrepeated requests the loop was not planned (%lld plans, %lld "
-            "planned allocations)",
-            conf, noise, (long long)s.num_plans, (long long)s.num_planned_allocs);
+  if (planned) {
+    CHECK_MSG(s.num_plans >= 1 && s.num_planned_allocs > 10 * 36,
+              "%s: after %d unrepeated requests the loop was not planned in %d steps (%lld "
+              "plans, %lld planned allocations)",
+              conf, noise, steps, (long long)s.num_plans, (long long)s.num_planned_allocs);
+  } else {
+    CHECK_MSG(s.num_plans == 0,
+              "%s: a loop of %d steps after %d unrepeated requests, inside an off turn, was "
+              "planned (%lld plans)",
+              conf, steps, noise, (long long)s.num_plans);
+  }
   fx_done(&f);
 }
 
@@ -1417,11 +1431,17 @@ int main(int argc, char** argv) {
   test_planned_streams("policy:default,stream_waits:off", 1);
   test_planned_streams("policy:default", 0);
   test_shared_take_waits();
-  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 20000, 30);
-  /* the loop begins in an on turn, then in an off turn (~16,000 requests,
-   * ~450 steps of 36, before the next on turn) */
-  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 70000, 30);
-  test_planned_after_noise("policy:default,reclaim:lazy,placement:planned", 83000, 500);
+  /* the loop begins before turns; in an on turn; in the first off turn
+   * (~15,000 requests, ~420 steps, before the next on turn); deep in the
+   * third, four turns long (~60,000 requests, ~1,700 steps; with off turns
+   * of one turn each the loop would be planned within 600 steps) */
+  const char* planned = "policy:default,reclaim:lazy,placement:planned";
+  test_planned_after_noise(planned, 20000, 30, true);
+  test_planned_after_noise(planned, 70000, 30, true);
+  test_planned_after_noise(planned, 83000, 30, false);
+  test_planned_after_noise(planned, 83000, 500, true);
+  test_planned_after_noise(planned, 170000, 600, false);
+  test_planned_after_noise(planned, 170000, 2000, true);
   test_alias();
   test_move_guard();
 
