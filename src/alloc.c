@@ -876,9 +876,9 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
         advice_buf, sizeof advice_buf,
         "fragmentation: %s is cached free but the largest piece is %s. %s", cached, largest,
         gm->virtual_memory
-            ? "Free memory sits in partly used pages."
+            ? "Free memory sits in partly used pages"
             : "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
-              "policy, max_split_size_mb limits splitting of large blocks.");
+              "policy, max_split_size_mb limits splitting of large blocks");
     advice = advice_buf;
   } else if (active - allocated >= (int64_t)rsize) {
     advice =
