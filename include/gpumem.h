@@ -363,6 +363,30 @@ typedef struct gpumem_explain {
 /* Fills out with where reserved memory sits now. */
 GPUMEM_API gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out);
 
+/* ---- history and snapshots (src/history.c) ---------------------------- */
+
+/* Starts recording the allocator's last max_entries events (allocations,
+ * frees requested and completed, out-of-memory failures), as
+ * torch.cuda.memory._record_memory_history does; 0 stops recording and
+ * forgets them. Calling it again starts over. GPUMEM_ERR_HOST_MEMORY when
+ * the ring cannot be made (recording stays as it was). */
+GPUMEM_API gpumem_status_t gpumem_record_history(gpumem_t* gm, size_t max_entries);
+/* Events recorded from now on carry tag (0: none); the snapshot shows a
+ * tagged event, and the block it made, with one frame {file, line = tag}:
+ * a training step, a layer, a trace's line number. */
+GPUMEM_API void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag);
+/* Writes every segment with the blocks that tile it, and the recorded
+ * events, as one JSON object shaped like torch.cuda.memory._snapshot()'s
+ * dict ("segments", "device_traces"; PyTorch's memory_viz opens it once
+ * loaded and pickled), plus a "gpumem" member with what PyTorch's shape
+ * has no room for. Under virtual memory a segment is one run of mapped
+ * pages of an address range (is_expandable): the segments add up to the
+ * reserved bytes less the spare pages (held, not mapped). device: the
+ * index the events are filed under; tag_file: the file name of tagged
+ * frames (NULL: "gpumem tag"). Returns 0, or the sink's nonzero value. */
+GPUMEM_API int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file,
+                                    gpumem_write_fn write, void* arg);
+
 /* ---- checking --------------------------------------------------------- */
 
 /* Verifies every invariant of the allocator's structures; returns the
@@ -388,6 +412,11 @@ GPUMEM_API gpumem_status_t gpumem_binding_set_allocator(int device, gpumem_t* gm
  * gm NULL formats all-zero statistics (an allocator that never ran). */
 GPUMEM_API size_t gpumem_binding_stats_json(gpumem_t* gm, char* buf, size_t cap);
 GPUMEM_API size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap);
+/* gpumem_snapshot_json into buf, the same way; 0 when gm is NULL or device
+ * negative. The state may change between two calls: a caller that grows
+ * its buffer calls again until the text fits. */
+GPUMEM_API size_t gpumem_binding_snapshot_json(gpumem_t* gm, int device, const char* tag_file,
+                                               char* buf, size_t cap);
 
 /* PyTorch CUDAPluggableAllocator: alloc_fn and free_fn. The stream is the
  * cudaStream_t, taken as void* so no CUDA header is needed. NULL on failure

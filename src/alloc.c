@@ -198,6 +198,7 @@ static void release_all_segments(gpumem_t* gm) {
 void gpumem_destroy(gpumem_t* gm) {
   if (!gm) return;
   gm_lock_acquire(&gm->lock);
+  gm_history_destroy(gm);
   /* Wait for pending frees: their memory may still be in use on a stream. */
   if (gm->pending_count && gm->backend->event_sync) gm_process_events(gm, true);
   gm_events_destroy(gm);
@@ -535,6 +536,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   if ((uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current > gm->allocated_high_water) {
     gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
   }
+  gm_history_add(gm, GM_HISTORY_ALLOC, b->addr, b->size, stream);
   *out = (void*)b->addr;
   return GPUMEM_OK;
 }
@@ -620,6 +622,7 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   }
   bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
+  gm_history_add_block(gm, GM_HISTORY_FREE_REQUESTED, b);
   if (b->seg->is_arena) {
     b->pool->stream->frees_since_sync++;
     b->pool->stream->frees_total++;
@@ -851,6 +854,7 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
   size_t dev_free = 0, total = 0;
   gm->stats.backend_calls[GPUMEM_CALL_mem_info]++;
   if (gm->backend->mem_info(gm->backend->ctx, &dev_free, &total) != GPUMEM_OK) dev_free = 0;
+  if (cause == GPUMEM_ERR_OUT_OF_MEMORY) gm_history_add(gm, GM_HISTORY_OOM, dev_free, size, stream);
   char req[32], tot[32], fre[32], lim[32], res[32], alloc_b[32], pend[32], cached[32], largest[32];
   int64_t active = st.active_bytes[GPUMEM_POOL_ALL].current;
   int64_t allocated = st.allocated_bytes[GPUMEM_POOL_ALL].current;

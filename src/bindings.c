@@ -156,6 +156,14 @@ size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap) {
   return format_into(gm, buf, cap, 0);
 }
 
+size_t gpumem_binding_snapshot_json(gpumem_t* gm, int device, const char* tag_file, char* buf,
+                                    size_t cap) {
+  gm_text_buf t = {buf, buf ? cap : 0, 0};
+  if (gpumem_snapshot_json(gm, device, tag_file, text_buf_write, &t) != 0) return 0;
+  if (t.cap) t.buf[t.len < t.cap ? t.len : t.cap - 1] = '\0';
+  return t.len;
+}
+
 /* ---- failures --------------------------------------------------------- */
 
 static void remember_failure(gpumem_status_t st, const char* prefix) {

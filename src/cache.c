@@ -448,7 +448,9 @@ static inline __attribute__((always_inline)) gm_block* release_block(gpumem_t* g
   return b;
 }
 
-gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
+/* A live block goes back to the cache, whether the caller freed it or a
+ * failed allocation never handed it out. */
+static gm_block* free_live_block(gpumem_t* gm, gm_block* b) {
   bool small = gm_block_stat_small(b); /* before merging: the live block's size */
   size_t original_size = b->size;
   if (GM_UNLIKELY(b->aliased)) gm_alias_release(gm, b);
@@ -456,6 +458,11 @@ gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
   gm_stat_pool_shrink(gm->stats.active, small, 1);
   gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)original_size);
   return b;
+}
+
+gm_block* gm_free_block(gpumem_t* gm, gm_block* b) {
+  gm_history_add_block(gm, GM_HISTORY_FREE_COMPLETED, b);
+  return free_live_block(gm, b);
 }
 
 gm_block* gm_free_shadow(gpumem_t* gm, gm_block* b) {
@@ -466,7 +473,7 @@ gm_block* gm_free_unused(gpumem_t* gm, gm_block* b) {
   bool small = gm_block_stat_small(b);
   gm_stat_pool_grow(gm->stats.active, small, 1);
   gm_stat_pool_grow(gm->stats.active_bytes, small, (int64_t)b->size);
-  return gm_free_block(gm, b);
+  return free_live_block(gm, b);
 }
 
 /* Splits the free block f (out of the index) at front bytes: the front

@@ -382,6 +382,8 @@ struct gpumem {
   } guard;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;
+  struct gm_history* history; /* recorded events (history.c); NULL: not recording */
+  uint64_t history_tag;       /* carried by the events recorded from now on */
 
   gm_oom_callback* callbacks;
   size_t num_callbacks;
@@ -638,6 +640,29 @@ static inline bool gm_block_stat_small(const gm_block* b) {
 }
 static inline size_t gm_round_up(size_t x, size_t unit) {
   return (x + unit - 1) / unit * unit;
+}
+
+/* ---- history (history.c) ---- */
+
+/* What an event of the history records, named as in PyTorch's traces. */
+enum {
+  GM_HISTORY_ALLOC = 0,
+  GM_HISTORY_FREE_REQUESTED = 1,
+  GM_HISTORY_FREE_COMPLETED = 2,
+  GM_HISTORY_OOM = 3,
+};
+GM_COLD void gm_history_note(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,
+                             gpumem_stream_t stream);
+/* The same for block b: its address and size, its pool's stream. */
+GM_COLD void gm_history_note_block(gpumem_t* gm, int action, const gm_block* b);
+void gm_history_destroy(gpumem_t* gm);
+/* One predictable branch where nothing is recorded. */
+static inline void gm_history_add(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,
+                                  gpumem_stream_t stream) {
+  if (GM_UNLIKELY(gm->history != NULL)) gm_history_note(gm, action, addr, size, stream);
+}
+static inline void gm_history_add_block(gpumem_t* gm, int action, const gm_block* b) {
+  if (GM_UNLIKELY(gm->history != NULL)) gm_history_note_block(gm, action, b);
 }
 
 #endif

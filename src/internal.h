@@ -35,4 +35,16 @@ void gm_clear_error(void);
 /* Writes a byte count as "12.34 MiB" into buf (at least 32 bytes). */
 const char* gm_format_bytes(uint64_t bytes, char* buf, size_t len);
 
+/* ---- text output (stats.c) ---- */
+
+/* Remembers the sink's first nonzero answer and writes nothing after it:
+ * a full disk or closed pipe should end the output, not get 200 more calls. */
+typedef struct gm_emitter {
+  gpumem_write_fn write;
+  void* arg;
+  int rc;
+} gm_emitter;
+void gm_emit(gm_emitter* e, const char* text, size_t len);
+void gm_emitf(gm_emitter* e, const char* fmt, ...) GM_PRINTF(2, 3);
+
 #endif

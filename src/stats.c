@@ -34,22 +34,13 @@ const char* gm_format_bytes(uint64_t bytes, char* buf, size_t len) {
 
 /* ---- output plumbing ---------------------------------------------------- */
 
-/* Remembers the sink's first nonzero answer and writes nothing after it:
- * a full disk or closed pipe should end the output, not get 200 more calls. */
-typedef struct emitter {
-  gpumem_write_fn write;
-  void* arg;
-  int rc;
-} emitter_t;
-
-static void emit(emitter_t* e, const char* text, size_t len) {
+void gm_emit(gm_emitter* e, const char* text, size_t len) {
   if (e->rc != 0 || len == 0) return;
   int r = e->write(text, len, e->arg);
   if (r != 0) e->rc = r;
 }
 
-static void emitf(emitter_t* e, const char* fmt, ...) GM_PRINTF(2, 3);
-static void emitf(emitter_t* e, const char* fmt, ...) {
+void gm_emitf(gm_emitter* e, const char* fmt, ...) {
   if (e->rc != 0) return;
   /* Every piece is one table line or one JSON member: fixed labels and
    * numbers, well under this size. */
@@ -59,7 +50,7 @@ static void emitf(emitter_t* e, const char* fmt, ...) {
   int n = vsnprintf(buf, sizeof buf, fmt, ap);
   va_end(ap);
   if (n < 0) return;
-  emit(e, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
+  gm_emit(e, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
 }
 
 static int check_args(const gpumem_stats_t* stats, gpumem_write_fn write, const char* fn) {
@@ -125,13 +116,13 @@ static const char* policy_name(int policy) {
 /* torch's table is 75 characters between the outer bars. */
 enum { TABLE_WIDTH = 75 };
 
-static void rule(emitter_t* e, char c) {
+static void rule(gm_emitter* e, char c) {
   char line[TABLE_WIDTH + 3];
   line[0] = '|';
   memset(line + 1, c, TABLE_WIDTH);
   line[TABLE_WIDTH + 1] = '|';
   line[TABLE_WIDTH + 2] = '\n';
-  emit(e, line, sizeof line);
+  gm_emit(e, line, sizeof line);
 }
 
 /* Python's floor division, which torch's formatting uses. */
@@ -171,7 +162,7 @@ static void count_cell(char* out, size_t len, int64_t v, int64_t pref) {
   snprintf(out, len, "%7" PRId64 " %s ", v, units[u]);
 }
 
-static void metric_rows(emitter_t* e, const gpumem_stats_t* s, const stat_array_desc_t* d) {
+static void metric_rows(gm_emitter* e, const gpumem_stats_t* s, const stat_array_desc_t* d) {
   /* torch's order: the total, then large before small. */
   static const int pools[] = {GPUMEM_POOL_ALL, GPUMEM_POOL_LARGE, GPUMEM_POOL_SMALL};
   static const char* const labels[] = {NULL, "      from large pool", "      from small pool"};
@@ -189,31 +180,31 @@ static void metric_rows(emitter_t* e, const gpumem_stats_t* s, const stat_array_
         count_cell(cells[c], sizeof cells[c], vals[c], prefs[c]);
       }
     }
-    emitf(e, "| %-21s | %s | %s | %s | %s |\n", labels[r] ? labels[r] : d->title, cells[0],
-          cells[1], cells[2], cells[3]);
+    gm_emitf(e, "| %-21s | %s | %s | %s | %s |\n", labels[r] ? labels[r] : d->title, cells[0],
+             cells[1], cells[2], cells[3]);
   }
 }
 
 /* A label/value row for the sections torch lacks; same outer width. */
-static void kv_row(emitter_t* e, const char* label, const char* value) {
-  emitf(e, "| %-52s | %18s |\n", label, value);
+static void kv_row(gm_emitter* e, const char* label, const char* value) {
+  gm_emitf(e, "| %-52s | %18s |\n", label, value);
 }
 
 int gpumem_format_summary(const gpumem_stats_t* stats, gpumem_write_fn write, void* arg) {
   int bad = check_args(stats, write, "gpumem_format_summary");
   if (bad) return bad;
-  emitter_t e = {write, arg, 0};
+  gm_emitter e = {write, arg, 0};
   char v[64];
 
   static const char title[] = "gpumem memory summary";
   int pad = (TABLE_WIDTH - (int)(sizeof title - 1)) / 2;
   rule(&e, '=');
-  emitf(&e, "|%*s%s%*s|\n", pad, "", title, TABLE_WIDTH - pad - (int)(sizeof title - 1), "");
+  gm_emitf(&e, "|%*s%s%*s|\n", pad, "", title, TABLE_WIDTH - pad - (int)(sizeof title - 1), "");
   rule(&e, '-');
-  emitf(&e, "|  %9s CUDA OOMs: %-12" PRId64 " | %6s cudaMalloc retries: %-8" PRId64 "  |\n", "",
-        stats->num_ooms, "", stats->num_alloc_retries);
+  gm_emitf(&e, "|  %9s CUDA OOMs: %-12" PRId64 " | %6s cudaMalloc retries: %-8" PRId64 "  |\n", "",
+           stats->num_ooms, "", stats->num_alloc_retries);
   rule(&e, '=');
-  emitf(&e, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |\n");
+  gm_emitf(&e, "|        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  |\n");
   /* Memory rows first, then counts, as torch groups them; both from the list. */
   for (int want_bytes = 1; want_bytes >= 0; want_bytes--) {
     for (size_t i = 0; i < STAT_ARRAY_COUNT; i++) {
@@ -267,29 +258,29 @@ int gpumem_format_summary(const gpumem_stats_t* stats, gpumem_write_fn write, vo
 
 /* Writes the separator and indentation before each member, so no member
  * ever leaves a trailing comma behind. */
-static void json_key(emitter_t* e, int* first, const char* indent, const char* key) {
-  emitf(e, "%s%s\"%s\": ", *first ? "" : ",\n", indent, key);
+static void json_key(gm_emitter* e, int* first, const char* indent, const char* key) {
+  gm_emitf(e, "%s%s\"%s\": ", *first ? "" : ",\n", indent, key);
   *first = 0;
 }
 
 /* JSON has no NaN or infinity; null says "no meaningful value". */
-static void json_double(emitter_t* e, double v) {
+static void json_double(gm_emitter* e, double v) {
   if (isfinite(v)) {
-    emitf(e, "%.6g", v);
+    gm_emitf(e, "%.6g", v);
   } else {
-    emit(e, "null", 4);
+    gm_emit(e, "null", 4);
   }
 }
 
 int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_write_fn write, void* arg) {
   int bad = check_args(stats, write, "gpumem_format_stats_json");
   if (bad) return bad;
-  emitter_t e = {write, arg, 0};
+  gm_emitter e = {write, arg, 0};
   static const char* const ind = "  ";
   int first = 1;
   char key[128];
 
-  emit(&e, "{\n", 2);
+  gm_emit(&e, "{\n", 2);
   for (size_t i = 0; i < STAT_ARRAY_COUNT; i++) {
     for (int pool = 0; pool < GPUMEM_POOL_COUNT; pool++) {
       const gpumem_stat_t* st = stat_at(stats, &stat_arrays[i], pool);
@@ -305,19 +296,19 @@ int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_write_fn write,
       for (size_t f = 0; f < sizeof fields / sizeof fields[0]; f++) {
         snprintf(key, sizeof key, "%s.%s.%s", stat_arrays[i].name, pool_keys[pool], fields[f].type);
         json_key(&e, &first, ind, key);
-        emitf(&e, "%" PRId64, fields[f].value);
+        gm_emitf(&e, "%" PRId64, fields[f].value);
       }
     }
   }
   for (size_t i = 0; i < STAT_COUNTER_COUNT; i++) {
     json_key(&e, &first, ind, stat_counters[i].name);
-    emitf(&e, "%" PRId64, counter_at(stats, &stat_counters[i]));
+    gm_emitf(&e, "%" PRId64, counter_at(stats, &stat_counters[i]));
   }
 
   json_key(&e, &first, ind, "largest_free_block");
-  emitf(&e, "%" PRIu64, stats->largest_free_block);
+  gm_emitf(&e, "%" PRIu64, stats->largest_free_block);
   json_key(&e, &first, ind, "cached_free_bytes");
-  emitf(&e, "%" PRIu64, stats->cached_free_bytes);
+  gm_emitf(&e, "%" PRIu64, stats->cached_free_bytes);
   json_key(&e, &first, ind, "fragmentation");
   json_double(&e, stats->fragmentation);
   const struct {
@@ -331,21 +322,21 @@ int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_write_fn write,
   };
   for (size_t i = 0; i < sizeof extras / sizeof extras[0]; i++) {
     json_key(&e, &first, ind, extras[i].name);
-    emitf(&e, "%" PRIu64, extras[i].value);
+    gm_emitf(&e, "%" PRIu64, extras[i].value);
   }
   json_key(&e, &first, ind, "policy");
-  emitf(&e, "\"%s\"", policy_name(stats->policy));
+  gm_emitf(&e, "\"%s\"", policy_name(stats->policy));
   json_key(&e, &first, ind, "virtual_memory");
-  emitf(&e, "%s", stats->virtual_memory ? "true" : "false");
+  gm_emitf(&e, "%s", stats->virtual_memory ? "true" : "false");
 
   json_key(&e, &first, ind, "backend_calls");
-  emit(&e, "{\n", 2);
+  gm_emit(&e, "{\n", 2);
   int first_call = 1;
   for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
     json_key(&e, &first_call, "    ", gpumem_backend_call_name(k));
-    emitf(&e, "%" PRIu64, stats->backend_calls[k]);
+    gm_emitf(&e, "%" PRIu64, stats->backend_calls[k]);
   }
-  emitf(&e, "\n%s}\n}\n", ind);
+  gm_emitf(&e, "\n%s}\n}\n", ind);
   return e.rc;
 }
 

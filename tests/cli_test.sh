@@ -318,5 +318,43 @@ case "$out" in "{"*) ok ;; *) bad "summary --json: not an object: $out" ;; esac
 run "$BIN" summary "$TINY" "$TINY"
 expect_rc 2 "summary of two traces"
 
+# ---- explain --snapshot: the state at the peak, for memory_viz ----
+
+run "$BIN" explain --snapshot "$T/snap.json" "$TINY"
+expect_rc 0 "explain --snapshot"
+expect_in "snapshot at that event: $T/snap.json" "$out" "explain --snapshot"
+if command -v python3 >/dev/null 2>&1; then
+  # Blocks tile their segments; every live block carries one frame, the
+  # trace line of the allocation that made it; segments and spare pages
+  # make the reserved bytes.
+  if why=$(python3 - "$T/snap.json" "$TINY" 2>&1 <<'PY'
+import json, sys
+snap = json.load(open(sys.argv[1]))
+alloc_lines = {n for n, l in enumerate(open(sys.argv[2]), 1) if l.startswith("a ")}
+live = 0
+for seg in snap["segments"]:
+    at = seg["address"]
+    for b in seg["blocks"]:
+        assert b["address"] == at, "a gap or overlap at %d" % at
+        at += b["size"]
+        if b["state"] == "active_allocated":
+            live += 1
+            (frame,) = b["frames"]
+            assert frame["line"] in alloc_lines, "frame %r is no allocation's line" % frame
+            assert frame["filename"] == sys.argv[2], frame
+    assert at == seg["address"] + seg["total_size"], "blocks do not fill the segment"
+g = snap["gpumem"]
+assert g["segment_bytes"] + g["spare_bytes"] == g["reserved_bytes"], g
+assert live == 10, "%d live blocks at the peak, not 10" % live
+actions = [e["action"] for e in snap["device_traces"][0]]
+assert actions.count("alloc") - actions.count("free_requested") == live, actions
+PY
+  ); then ok; else bad "explain --snapshot: $why"; fi
+fi
+
+run "$BIN" explain --snapshot "$T/no/such/dir/snap.json" "$TINY"
+expect_rc 1 "explain --snapshot into a missing directory"
+expect_in "cannot write" "$err" "explain --snapshot into a missing directory"
+
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -116,6 +116,10 @@ static const char usage_explain[] =
     "  --limit SIZE              hard cap on reserved memory\n"
     "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
+    "  --snapshot FILE           also write the allocator's snapshot at that event\n"
+    "                            as JSON in the shape of torch.cuda.memory._snapshot():\n"
+    "                            segments, blocks and the events so far, each tagged\n"
+    "                            with its trace line (pickle it for memory_viz)\n"
     "  -h, --help                this text\n";
 
 static int usage_error(const char* usage, const char* fmt, ...)
@@ -172,6 +176,7 @@ enum {
   OPT_STEADY,
   OPT_JSON,
   OPT_COMPARE,
+  OPT_SNAPSHOT,
   OPT_HELP,
 };
 
@@ -194,6 +199,7 @@ static const option_spec_t all_options[] = {
     {"steady", OPT_STEADY, 1},
     {"json", OPT_JSON, 0},
     {"compare", OPT_COMPARE, 0},
+    {"snapshot", OPT_SNAPSHOT, 1},
     {"help", OPT_HELP, 0},
 };
 
@@ -204,6 +210,7 @@ typedef struct cli {
   int min_limit;
   int steady; /* repetitions to append (0: none) */
   int help;
+  const char* snapshot; /* explain: write the snapshot at the peak here */
   const char** traces;
   int num_traces;
 } cli_t;
@@ -341,6 +348,9 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
         break;
       case OPT_COMPARE:
         cli->compare = 1;
+        break;
+      case OPT_SNAPSHOT:
+        cli->snapshot = value;
         break;
       case OPT_HELP:
         cli->help = 1;
@@ -1135,6 +1145,7 @@ static size_t explain_run(gpumem_t* gm, const trace_t* t, size_t stop, void** sl
   size_t best_event = 0;
   for (size_t i = 0; i < stop; i++) {
     const trace_event_t* e = &t->events[i];
+    gpumem_set_history_tag(gm, e->line);
     if (e->op == TRACE_ALLOC) {
       if (gpumem_malloc(gm, e->size, e->stream, &slots[e->id]) != GPUMEM_OK) return SIZE_MAX;
       gpumem_stats_t st;
@@ -1159,11 +1170,22 @@ static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
          live ? 100.0 * (double)bytes / (double)live : 0.0);
 }
 
+/* The snapshot of gm, its frames tagged with trace lines of t, into path. */
+static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
+  FILE* f = fopen(path, "w");
+  if (!f) return error("cannot write %s: %s", path, strerror(errno));
+  int failed = gpumem_snapshot_json(gm, 0, t->path, gpumem_write_to_file, f) != 0;
+  if (fclose(f) != 0) failed = 1;
+  if (failed) return error("writing %s failed", path);
+  printf("\nsnapshot at that event: %s\n", path);
+  return 0;
+}
+
 static int cmd_explain(int argc, char** argv) {
   cli_t cli;
   memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
-                     (1u << OPT_CAPACITY) | (1u << OPT_HELP);
+                     (1u << OPT_CAPACITY) | (1u << OPT_SNAPSHOT) | (1u << OPT_HELP);
   int rc = parse_args(argc, argv, allowed, usage_explain, &cli);
   if (rc == 0 && cli.help) {
     fputs(usage_explain, stdout);
@@ -1199,6 +1221,12 @@ static int cmd_explain(int argc, char** argv) {
     }
     memset(slots, 0, t->num_allocs * sizeof *slots);
     size_t stop = run == 0 ? t->num_events : peak_event + 1;
+    /* the second run records every event up to the peak for the snapshot
+     * (a free is two: requested and completed) */
+    if (run == 1 && cli.snapshot && gpumem_record_history(gm, 2 * stop + 64) != GPUMEM_OK) {
+      rc = error("%s", detail(gpumem_last_error()));
+      goto done;
+    }
     size_t found = explain_run(gm, t, stop, slots);
     if (found == SIZE_MAX) {
       rc = error("%s: out of memory before the peak: %s", t->name, detail(gpumem_last_error()));
@@ -1233,6 +1261,7 @@ static int cmd_explain(int argc, char** argv) {
     rc = error("internal: the breakdown adds up to %llu bytes, reserved is %llu",
                (unsigned long long)(live + beyond), (unsigned long long)ex.reserved);
   }
+  if (rc == 0 && cli.snapshot) rc = write_snapshot(gm, t, cli.snapshot);
 done:
   gpumem_destroy(gm);
   free(slots);

@@ -60,6 +60,44 @@ def _stats_of(handle):
     return flatten_stats(json.loads(text))
 
 
+# Entries recorded at most: torch's default for max_entries is sys.maxsize
+# (no bound), gpumem's ring is allocated whole (48 bytes an entry).
+MAX_HISTORY_ENTRIES = 1 << 22
+
+
+def _snapshot_of(handle, device, tag_file=None):
+    """gpumem_snapshot_json of one allocator as a dict, in the shape of
+    torch.cuda.memory._snapshot()."""
+    lib = _lib.load()
+    name = tag_file.encode() if tag_file else None
+    cap = 1 << 20
+    while True:
+        buf = ctypes.create_string_buffer(cap)
+        n = lib.gpumem_binding_snapshot_json(handle, device, name, buf, cap)
+        if n == 0:
+            _lib.check(errors.ERR_INVALID_ARGUMENT, "memory_snapshot")
+        if n < cap:
+            break
+        cap = n + n // 4 + 1  # the state may grow between the two calls
+    snap = json.loads(buf.value.decode("utf-8", "replace"))
+    for seg in snap["segments"]:
+        seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
+    return snap
+
+
+def _empty_snapshot():
+    return {"segments": [], "device_traces": [], "gpumem": {}}
+
+
+def _merge_snapshot(into, device, snap):
+    into["segments"].extend(snap["segments"])
+    traces = into["device_traces"]
+    while len(traces) <= device:
+        traces.append([])
+    traces[device] = snap["device_traces"][device]
+    into["gpumem"][device] = snap["gpumem"]
+
+
 def _summary_of(handle):
     lib = _lib.load()
     if hasattr(lib, "gpumem_binding_summary"):
@@ -258,6 +296,28 @@ class Allocator:
         figures."""
         return _summary_of(self._h())
 
+    # -- history and snapshots --
+
+    def record_memory_history(self, max_entries=100000):
+        """Records the last max_entries allocations, frees and out-of-memory
+        failures (torch.cuda.memory._record_memory_history); 0 or None stops
+        and forgets them."""
+        n = min(int(max_entries or 0), MAX_HISTORY_ENTRIES)
+        _lib.check(self._lib.gpumem_record_history(self._h(), n), "record_memory_history")
+
+    def set_history_tag(self, tag):
+        """Events recorded from now on carry tag (an int; 0 none): the
+        snapshot shows it as their frame's line."""
+        self._lib.gpumem_set_history_tag(self._h(), int(tag))
+
+    def memory_snapshot(self, device=0, tag_file=None):
+        """Segments, blocks and recorded events as the dict
+        torch.cuda.memory._snapshot() returns (pickle it for PyTorch's
+        memory_viz), plus "gpumem": what that shape has no room for."""
+        snap = _snapshot_of(self._h(), int(device), tag_file)
+        snap["gpumem"] = {int(device): snap["gpumem"]}
+        return snap
+
     def reset_peak_stats(self):
         self._lib.gpumem_reset_peak_stats(self._h())
 
@@ -399,6 +459,30 @@ def _peek(device):
 def memory_stats(device=None):
     """torch.cuda.memory_stats() for gpumem: a flat dict of statistics."""
     return _stats_of(_peek(device))
+
+
+def record_memory_history(max_entries=100000, device=None):
+    """Records the last max_entries events of device's allocator (the one
+    PyTorch and CuPy use; created if needed); 0 or None stops."""
+    allocator(device).record_memory_history(max_entries)
+
+
+# Devices a snapshot of "every device" looks at (gpumem's own bound).
+_MAX_DEVICES = 64
+
+
+def memory_snapshot(device=None):
+    """torch.cuda.memory._snapshot() for gpumem: the segments, blocks and
+    recorded events of the allocators PyTorch and CuPy use (device None:
+    every device that has one), plus "gpumem": {device: what PyTorch's
+    shape has no room for}."""
+    out = _empty_snapshot()
+    devices = range(_MAX_DEVICES) if device is None else [device_index(device)]
+    for d in devices:
+        handle = _lib.load().gpumem_binding_peek(d)
+        if handle:
+            _merge_snapshot(out, d, _snapshot_of(handle, d))
+    return out
 
 
 def memory_summary(device=None, abbreviated=False):

@@ -26,8 +26,10 @@ the same report (torch.OutOfMemoryError is a RuntimeError subclass, so
 Not supported through the pluggable interface: CUDA graph capture (enable()
 makes torch.cuda.graph raise a clear error instead of corrupting memory),
 cuDNN's benchmark mode (kept off, with a warning: it needs the allocator's
-cacheInfo), CUDA IPC sharing of tensors between processes, memory snapshots
-and _record_memory_history. See docs/python.md.
+cacheInfo), CUDA IPC sharing of tensors between processes. Memory snapshots
+work through gpumem: torch.cuda.memory._record_memory_history, _snapshot,
+_dump_snapshot and memory_snapshot record and report gpumem's events and
+segments (without stack frames). See docs/python.md.
 """
 
 import ctypes
@@ -345,6 +347,28 @@ def _install_patches(torch, originals):
     for mod in (torch.cuda, torch.cuda.memory):
         _patch(mod, "memory_summary", memory_summary, originals)
 
+    # History and snapshots: gpumem records the events and writes the dict
+    # memory_viz opens (torch.cuda.memory._dump_snapshot pickles what
+    # _snapshot returns). No stack frames: the pluggable interface calls
+    # the allocator from C++ with none to hand.
+    def record_history(enabled="all", context="all", stacks="all", max_entries=sys.maxsize,
+                       device=None, *unused, **unused_kw):
+        on = enabled not in (None, False)
+        _alloc.record_memory_history(max_entries if on else 0, _torch_device(torch, device))
+
+    def record_history_c(enabled=None, *args, **kwargs):
+        # (enabled, context, stacks, max_entries, ...) in torch 2.x
+        max_entries = kwargs.get("max_entries", args[2] if len(args) > 2 else sys.maxsize)
+        record_history(enabled, max_entries=max_entries)
+
+    def snapshot(*unused, **unused_kw):
+        return _alloc.memory_snapshot(None)
+
+    _patch(C, "_cuda_record_memory_history", record_history_c, originals)
+    _patch(C, "_cuda_memorySnapshot", snapshot, originals)
+    _patch(torch.cuda.memory, "_record_memory_history", record_history, originals)
+    _patch(torch.cuda.memory, "_snapshot", snapshot, originals)
+
     _keep_cudnn_benchmark_off(torch, originals)
 
     # CUDA graphs need allocations private to the graph for as long as it
@@ -559,3 +583,5 @@ reset_peak_memory_stats = _alloc.reset_peak_memory_stats
 empty_cache = _alloc.empty_cache
 set_per_process_memory_fraction = _alloc.set_per_process_memory_fraction
 mem_get_info = _alloc.mem_get_info
+memory_snapshot = _alloc.memory_snapshot
+record_memory_history = _alloc.record_memory_history

@@ -311,6 +311,55 @@ def memfuncs(args):
     emit(checks=checks, status=gpumem.torch.status())
 
 
+def snapshot(args):
+    """torch.cuda.memory's history and snapshot functions through gpumem,
+    read back by PyTorch's own memory_viz code."""
+    torch = setup(args)
+    import pickle
+    import tempfile
+
+    from torch.cuda import _memory_viz
+
+    checks = {}
+
+    def check(name, cond):
+        checks[name] = bool(cond)
+
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(3):
+        loss = model(torch.randn(256, 1024, device="cuda")).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    events = snap["device_traces"][torch.cuda.current_device()]
+    actions = [e["action"] for e in events]
+    check("events recorded", actions.count("alloc") > 10 and actions.count("free_completed") > 5)
+    allocated = sum(seg["allocated_size"] for seg in snap["segments"])
+    check("segments' allocated == memory_allocated", allocated == torch.cuda.memory_allocated())
+    total = sum(seg["total_size"] for seg in snap["segments"])
+    spare = sum(info["spare_bytes"] for info in snap["gpumem"].values())
+    check("segments + spare == memory_reserved", total + spare == torch.cuda.memory_reserved())
+    check("memory_snapshot() is the segments", torch.cuda.memory_snapshot() == snap["segments"])
+    # PyTorch's readers: segsum asserts that blocks fill their segments,
+    # trace replays the events, trace_plot embeds the pickle for the viewer.
+    summary = _memory_viz.segsum(snap)
+    check("segsum", "total_reserved" in summary)
+    check("trace", "entries" in _memory_viz.trace(snap))
+    check("trace_plot", "snapshot.pickle" in _memory_viz.trace_plot(snap))
+    path = os.path.join(tempfile.mkdtemp(), "snap.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    with open(path, "rb") as f:
+        dumped = pickle.load(f)
+    check("_dump_snapshot pickles gpumem's", len(dumped["segments"]) > 0 and "gpumem" in dumped)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    check("recording stops", torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] == [])
+    emit(checks=checks, segments=len(snap["segments"]), events=len(events), segsum=summary.splitlines()[-12:])
+
+
 def too_late(args):
     import torch
 
@@ -430,6 +479,7 @@ WORKLOADS = {
     "cupy": cupy_work,
     "ddp": ddp,
     "two_streams": two_streams,
+    "snapshot": snapshot,
 }
 
 

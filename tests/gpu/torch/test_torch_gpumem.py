@@ -172,6 +172,13 @@ class MemoryFunctionsTest(unittest.TestCase):
         self.assertEqual(failed, [], r)
         print("\n  gpumem.torch.status(): %s" % r["status"], file=sys.stderr)
 
+    def test_history_and_snapshot_open_in_memory_viz(self):
+        need()
+        r = run_child("snapshot")
+        failed = [name for name, ok in r["checks"].items() if not ok]
+        self.assertEqual(failed, [], r)
+        print("\n  snapshot: %d segments, %d events" % (r["segments"], r["events"]), file=sys.stderr)
+
     def test_enable_too_late_is_a_clear_error(self):
         need()
         r = run_child("too_late")

@@ -1,0 +1,332 @@
+/* History and snapshots: the allocator's last events in a ring, and its
+ * segments with the blocks that tile them, written as the JSON of the dict
+ * torch.cuda.memory._snapshot() returns, so that PyTorch's memory_viz (and
+ * its segsum and trace printers) open what gpumem records.
+ *
+ * Recording costs one predictable branch per allocation and free while it
+ * is off (gm_history_add), and a clock read and a 48-byte store while on.
+ * The events are block events only: under virtual memory, reserved memory
+ * moves page by page (spare pages, ghosts, aliases: pages.c), which
+ * PyTorch's segment events cannot say, so the snapshot's segments show the
+ * mapped pages as they are at the moment of the snapshot instead. */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+
+typedef struct gm_history_event {
+  uint64_t time_us;
+  uint64_t addr;
+  uint64_t size;
+  uint64_t stream;
+  uint64_t tag;
+  uint32_t action;
+} gm_history_event;
+
+typedef struct gm_history {
+  gm_history_event* ring;
+  size_t capacity;
+  uint64_t recorded; /* since recording started; the ring keeps the last capacity */
+} gm_history;
+
+static const char* const action_names[] = {"alloc", "free_requested", "free_completed", "oom"};
+
+static uint64_t now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+void gm_history_note(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,
+                     gpumem_stream_t stream) {
+  gm_history* h = gm->history;
+  gm_history_event* e = &h->ring[h->recorded % h->capacity];
+  e->time_us = now_us();
+  e->addr = addr;
+  e->size = size;
+  e->stream = (uint64_t)stream;
+  e->tag = gm->history_tag;
+  e->action = (uint32_t)action;
+  h->recorded++;
+}
+
+void gm_history_note_block(gpumem_t* gm, int action, const gm_block* b) {
+  gm_history_note(gm, action, b->addr, b->size, b->pool->stream->handle);
+}
+
+static void history_free(gm_history* h) {
+  if (!h) return;
+  free(h->ring);
+  free(h);
+}
+
+void gm_history_destroy(gpumem_t* gm) {
+  history_free(gm->history);
+  gm->history = NULL;
+}
+
+gpumem_status_t gpumem_record_history(gpumem_t* gm, size_t max_entries) {
+  if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_history: NULL allocator");
+  gm_history* fresh = NULL;
+  if (max_entries) {
+    if (max_entries > SIZE_MAX / sizeof(gm_history_event)) {
+      return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                     "gpumem_record_history: %zu entries do not fit in memory", max_entries);
+    }
+    fresh = calloc(1, sizeof *fresh);
+    if (fresh) fresh->ring = malloc(max_entries * sizeof *fresh->ring);
+    if (!fresh || !fresh->ring) {
+      history_free(fresh);
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY,
+                     "gpumem_record_history: out of host memory for %zu entries", max_entries);
+    }
+    fresh->capacity = max_entries;
+  }
+  gm_lock_acquire(&gm->lock);
+  gm_history* old = gm->history;
+  gm->history = fresh;
+  gm_lock_release(&gm->lock);
+  history_free(old);
+  return GPUMEM_OK;
+}
+
+void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag) {
+  if (!gm) return;
+  gm_lock_acquire(&gm->lock);
+  gm->history_tag = tag;
+  gm_lock_release(&gm->lock);
+}
+
+/* ---- the snapshot ---- */
+
+/* The tag each live block was allocated under: the newest event at each
+ * address among those kept, an allocation's tag or none after a completed
+ * free (a pending block's free request does not count: it is still the
+ * allocation's). Open addressing, filled once, never deleted from. */
+typedef struct tag_table {
+  uint64_t* addrs; /* 0 = empty slot (no block lives at address 0) */
+  uint64_t* tags;
+  size_t mask;
+} tag_table;
+
+static size_t tag_slot(const tag_table* t, uint64_t addr) {
+  size_t i = (size_t)((addr >> 9) * 0x9e3779b97f4a7c15ull) & t->mask;
+  while (t->addrs[i] && t->addrs[i] != addr) i = (i + 1) & t->mask;
+  return i;
+}
+
+static bool tag_table_build(tag_table* t, const gm_history* h) {
+  memset(t, 0, sizeof *t);
+  if (!h || !h->recorded) return false;
+  uint64_t kept = h->recorded < h->capacity ? h->recorded : h->capacity;
+  size_t n = 16;
+  while (n < 2 * kept) n *= 2;
+  t->addrs = calloc(n, sizeof *t->addrs);
+  t->tags = malloc(n * sizeof *t->tags);
+  if (!t->addrs || !t->tags) {
+    free(t->addrs);
+    free(t->tags);
+    memset(t, 0, sizeof *t);
+    return false;
+  }
+  t->mask = n - 1;
+  for (uint64_t k = 0; k < kept; k++) {
+    const gm_history_event* e = &h->ring[(h->recorded - 1 - k) % h->capacity];
+    if (e->action != GM_HISTORY_ALLOC && e->action != GM_HISTORY_FREE_COMPLETED) continue;
+    size_t i = tag_slot(t, e->addr);
+    if (t->addrs[i]) continue; /* a newer event decided */
+    t->addrs[i] = e->addr;
+    t->tags[i] = e->action == GM_HISTORY_ALLOC ? e->tag : 0;
+  }
+  return true;
+}
+
+static uint64_t tag_of(const tag_table* t, uint64_t addr) {
+  if (!t->addrs) return 0;
+  size_t i = tag_slot(t, addr);
+  return t->addrs[i] ? t->tags[i] : 0;
+}
+
+static void json_string(gm_emitter* e, const char* s) {
+  gm_emit(e, "\"", 1);
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') {
+      char esc[2] = {'\\', (char)c};
+      gm_emit(e, esc, 2);
+    } else if (c < 0x20) {
+      gm_emitf(e, "\\u%04x", c);
+    } else {
+      gm_emit(e, (const char*)&c, 1);
+    }
+  }
+  gm_emit(e, "\"", 1);
+}
+
+/* A frames list: one frame for a tagged event or block, none otherwise. */
+static void frames(gm_emitter* e, const char* tag_file, uint64_t tag) {
+  if (!tag) {
+    gm_emit(e, "[]", 2);
+    return;
+  }
+  gm_emit(e, "[{\"filename\":", 13);
+  json_string(e, tag_file);
+  gm_emitf(e, ",\"line\":%" PRIu64 ",\"name\":\"tag\"}]", tag);
+}
+
+static const char* block_state(const gm_block* b) {
+  if (b->state == GM_ALLOCATED) return "active_allocated";
+  if (b->state == GM_PENDING) return "active_pending_free";
+  return "inactive";
+}
+
+typedef struct snapshot_ctx {
+  gpumem_t* gm;
+  int device;
+  gm_emitter* e;
+  const tag_table* tags;
+  const char* tag_file;
+  bool first_segment;
+  uint64_t segment_bytes; /* total_size of every segment written */
+} snapshot_ctx;
+
+/* One segment: [start, end) of seg, tiled by the parts of its blocks that
+ * lie in it, from *cursor on (blocks in address order; *cursor is left at
+ * the first block reaching past end). */
+static void write_segment(snapshot_ctx* c, gm_segment* seg, uintptr_t start, uintptr_t end,
+                          gm_block** cursor) {
+  gm_emitter* e = c->e;
+  uint64_t allocated = 0, active = 0, requested = 0;
+  gm_block* b = *cursor;
+  while (b && b->addr + b->size <= start) b = b->next;
+  *cursor = b;
+  for (gm_block* x = b; x && x->addr < end; x = x->next) {
+    uintptr_t lo = x->addr > start ? x->addr : start;
+    uintptr_t hi = x->addr + x->size < end ? x->addr + x->size : end;
+    if (x->state == GM_ALLOCATED) {
+      allocated += hi - lo;
+      requested += x->requested < hi - lo ? x->requested : hi - lo;
+    }
+    if (x->state == GM_ALLOCATED || x->state == GM_PENDING) active += hi - lo;
+  }
+  gm_emit(e, c->first_segment ? "\n  " : ",\n  ", c->first_segment ? 3 : 4);
+  c->first_segment = false;
+  gm_emitf(e,
+           "{\"device\":%d,\"address\":%" PRIu64 ",\"total_size\":%" PRIu64
+           ",\"allocated_size\":%" PRIu64 ",\"active_size\":%" PRIu64 ",\"requested_size\":%" PRIu64
+           ",\"stream\":%" PRIu64
+           ",\"segment_type\":\"%s\",\"segment_pool_id\":[0,0]"
+           ",\"is_expandable\":%s,\"frames\":[],\"blocks\":[",
+           c->device, (uint64_t)start, (uint64_t)(end - start), allocated, active, requested,
+           (uint64_t)seg->pool->stream->handle, seg->pool->is_small ? "small" : "large",
+           seg->is_arena ? "true" : "false");
+  c->segment_bytes += end - start;
+  bool first = true;
+  for (gm_block* x = b; x && x->addr < end; x = x->next) {
+    uintptr_t lo = x->addr > start ? x->addr : start;
+    uintptr_t hi = x->addr + x->size < end ? x->addr + x->size : end;
+    uint64_t req = x->state == GM_ALLOCATED ? (x->requested < hi - lo ? x->requested : hi - lo)
+                                            : (uint64_t)(hi - lo);
+    gm_emitf(e,
+             "%s{\"address\":%" PRIu64 ",\"size\":%" PRIu64 ",\"requested_size\":%" PRIu64
+             ",\"state\":\"%s\",\"frames\":",
+             first ? "" : ",", (uint64_t)lo, (uint64_t)(hi - lo), req, block_state(x));
+    bool live = x->state == GM_ALLOCATED || x->state == GM_PENDING;
+    frames(e, c->tag_file, live ? tag_of(c->tags, x->addr) : 0);
+    gm_emit(e, "}", 1);
+    first = false;
+  }
+  gm_emit(e, "]}", 2);
+}
+
+/* Pages [*from, ...) of an arena: the next run of mapped pages. */
+static bool next_mapped_run(const gm_segment* seg, size_t* from, size_t* run_end) {
+  size_t p = *from;
+  while (p < seg->mapped_end && !gm_arena_page_mapped(seg, p)) {
+    if (p % 64 == 0 && seg->mapped_bits[p / 64] == 0)
+      p += 64;
+    else
+      p++;
+  }
+  if (p >= seg->mapped_end) return false;
+  size_t q = p;
+  while (q < seg->mapped_end && gm_arena_page_mapped(seg, q)) q++;
+  *from = p;
+  *run_end = q;
+  return true;
+}
+
+static void write_segments(snapshot_ctx* c) {
+  gpumem_t* gm = c->gm;
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    gm_block* cursor = seg->first;
+    if (!seg->is_arena) {
+      write_segment(c, seg, seg->addr, seg->addr + seg->size, &cursor);
+      continue;
+    }
+    size_t p = 0, q;
+    while (next_mapped_run(seg, &p, &q)) {
+      write_segment(c, seg, seg->addr + p * gm->page_size, seg->addr + q * gm->page_size, &cursor);
+      p = q;
+    }
+  }
+}
+
+static void write_events(gm_emitter* e, const gm_history* h, const char* tag_file) {
+  if (!h) return;
+  uint64_t kept = h->recorded < h->capacity ? h->recorded : h->capacity;
+  for (uint64_t k = h->recorded - kept; k < h->recorded; k++) {
+    const gm_history_event* ev = &h->ring[k % h->capacity];
+    gm_emitf(e,
+             "%s\n    {\"action\":\"%s\",\"addr\":%" PRIu64 ",\"size\":%" PRIu64
+             ",\"stream\":%" PRIu64 ",\"time_us\":%" PRIu64 ",",
+             k == h->recorded - kept ? "" : ",", action_names[ev->action], ev->addr, ev->size,
+             ev->stream, ev->time_us);
+    /* PyTorch files an out-of-memory event's free device memory in addr
+     * and in device_free */
+    if (ev->action == GM_HISTORY_OOM) gm_emitf(e, "\"device_free\":%" PRIu64 ",", ev->addr);
+    gm_emit(e, "\"frames\":", 9);
+    frames(e, tag_file, ev->tag);
+    gm_emit(e, "}", 1);
+  }
+}
+
+int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file, gpumem_write_fn write,
+                         void* arg) {
+  if (!gm || !write || device < 0) {
+    return (int)gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_snapshot_json: %s",
+                        !gm      ? "NULL allocator"
+                        : !write ? "NULL write"
+                                 : "negative device");
+  }
+  gm_emitter e = {write, arg, 0};
+  gm_lock_acquire(&gm->lock);
+  tag_table tags;
+  tag_table_build(&tags, gm->history); /* without host memory: no frames on blocks */
+  snapshot_ctx c = {gm, device, &e, &tags, tag_file ? tag_file : "gpumem tag", true, 0};
+  gm_emit(&e, "{\"segments\":[", 13);
+  write_segments(&c);
+  gm_emit(&e, "],\n\"device_traces\":[", 20);
+  for (int d = 0; d < device; d++) gm_emit(&e, "[],", 3);
+  gm_emit(&e, "[", 1);
+  write_events(&e, gm->history, c.tag_file);
+  gm_emit(&e, "]],\n", 4);
+  const gm_history* h = gm->history;
+  uint64_t spare = (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
+  gm_emitf(&e,
+           "\"gpumem\":{\"policy\":\"%s\",\"virtual_memory\":%s,\"page_size\":%zu"
+           ",\"reserved_bytes\":%" PRId64 ",\"allocated_bytes\":%" PRId64
+           ",\"segment_bytes\":%" PRIu64 ",\"spare_bytes\":%" PRIu64
+           ",\"history_capacity\":%zu,\"history_recorded\":%" PRIu64 "}}\n",
+           gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
+           gm->virtual_memory ? "true" : "false", gm->virtual_memory ? gm->page_size : (size_t)0,
+           gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current,
+           gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current, c.segment_bytes, spare,
+           h ? h->capacity : (size_t)0, h ? h->recorded : (uint64_t)0);
+  gm_lock_release(&gm->lock);
+  free(tags.addrs);
+  free(tags.tags);
+  return e.rc;
+}
