@@ -245,7 +245,9 @@ static void test_failures(void) {
   CHECK_STATUS(gpumem_record_history(f.gm, 4), GPUMEM_OK);
   /* A ring that cannot be made leaves the one recording. */
   CHECK_STATUS(gpumem_record_history(f.gm, SIZE_MAX / 2), GPUMEM_ERR_INVALID_ARGUMENT);
+#if !defined(__SANITIZE_ADDRESS__) /* ASan aborts on a request this size instead of failing it */
   CHECK_STATUS(gpumem_record_history(f.gm, ((size_t)1 << 60) / 48), GPUMEM_ERR_HOST_MEMORY);
+#endif
   void* p = alloc_tagged(f.gm, MIB, 0, 9);
   char* json = snapshot(f.gm, 0);
   char got[128];
