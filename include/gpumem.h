@@ -148,7 +148,13 @@ typedef struct gpumem_options {
    * (pages then move between streams after host synchronizations). Needs
    * the backend's stream_wait slot. */
   int stream_waits;
+  /* Whether other processes can read this allocator's figures (gpumem
+   * top; src/publish.c): GPUMEM_PUBLISH_AUTO (the default: on over CUDA,
+   * off on the simulated device), _ON or _OFF. */
+  int publish;
 } gpumem_options_t;
+
+enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 
 /* Fills defaults (policy default with planned placement and lazy reclaim,
  * no limit, map_max 1 GiB, move_guard on, stream_waits on). */
@@ -158,7 +164,7 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
  * placement (planned|bestfit), map_max (a size, as limit), move_guard
- * (on|off), stream_waits (on|off).
+ * (on|off), stream_waits (on|off), publish (auto|on|off).
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -386,6 +392,40 @@ GPUMEM_API void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag);
  * frames (NULL: "gpumem tag"). Returns 0, or the sink's nonzero value. */
 GPUMEM_API int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file,
                                     gpumem_write_fn write, void* arg);
+
+/* ---- publication: figures other processes read (src/publish.c) -------- */
+
+/* One published allocator, as gpumem_published_scan reads it. */
+typedef struct gpumem_published {
+  uint32_t struct_size;
+  int pid;
+  int device; /* -1 when the allocator was not made by gpumem_default */
+  unsigned instance;
+  int alive; /* the process still runs */
+  int virtual_memory;
+  char process[32]; /* the process's name (/proc/self/comm) */
+  char policy[16];
+  uint64_t started_unix_ms, updated_unix_ms;
+  int64_t allocated_bytes, allocated_peak;
+  int64_t reserved_bytes, reserved_peak;
+  int64_t active_bytes, requested_bytes;
+  int64_t limit_bytes, device_total;
+  int64_t num_allocations, num_ooms, num_alloc_retries;
+  char path[256]; /* the file it was read from */
+} gpumem_published_t;
+
+/* Returns nonzero to stop the scan. */
+typedef int (*gpumem_published_fn)(const gpumem_published_t* p, void* arg);
+
+/* Publishes gm's figures now (they are also published every 64
+ * operations, whenever reserved memory changes, after an out-of-memory
+ * failure, empty_cache and a new limit). GPUMEM_ERR_UNSUPPORTED when
+ * publication is off (option publish) or its file could not be made. */
+GPUMEM_API gpumem_status_t gpumem_publish(gpumem_t* gm);
+/* Calls fn for every allocator published in dir (NULL: $GPUMEM_PUBLISH_DIR
+ * or /dev/shm), live processes and files left by dead ones alike. Returns
+ * how many were read, or -1 (gpumem_last_error) when dir cannot be read. */
+GPUMEM_API int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg);
 
 /* ---- checking --------------------------------------------------------- */
 

@@ -160,6 +160,9 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   if (use_vm) gm->arena_size = gm_round_up(total ? total * 2 : GM_GIB, gm->page_size);
   gm->map_max_pages =
       use_vm && o.map_max_bytes > gm->page_size ? o.map_max_bytes / gm->page_size : 1;
+  gm->device_index = -1;
+  /* the file itself is made at the first publication (publish.c) */
+  gm->publish_wanted = gm_publish_wanted(gm);
   if (use_vm && o.placement == GPUMEM_PLACEMENT_PLANNED) {
     gpumem_status_t pst = gm_plan_init(gm);
     if (pst != GPUMEM_OK) {
@@ -199,6 +202,7 @@ void gpumem_destroy(gpumem_t* gm) {
   if (!gm) return;
   gm_lock_acquire(&gm->lock);
   gm_history_destroy(gm);
+  gm_publish_close(gm);
   /* Wait for pending frees: their memory may still be in use on a stream. */
   if (gm->pending_count && gm->backend->event_sync) gm_process_events(gm, true);
   gm_events_destroy(gm);
@@ -519,6 +523,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     /* Pages taken from the device for a request that failed go back. */
     if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
     format_oom_report(gm, size, rsize, stream, st, cause);
+    if (gm->publish_wanted) gm_publish_now(gm);
     return st;
   }
   st = gm_ptr_map_insert(&gm->ptrs, b);
@@ -537,6 +542,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
   }
   gm_history_add(gm, GM_HISTORY_ALLOC, b->addr, b->size, stream);
+  gm_publish_after_op(gm);
   *out = (void*)b->addr;
   return GPUMEM_OK;
 }
@@ -646,6 +652,7 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   /* Eager reclaim: the pointer is freed whatever the unmap says; a device
    * error is still reported. */
   if (gm->virtual_memory && gm->opts.reclaim == GPUMEM_RECLAIM_EAGER) st = gm_reclaim(gm, 0, NULL);
+  gm_publish_after_op(gm);
   gm_lock_release(&gm->lock);
   return st;
 }
@@ -678,6 +685,7 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   gm_plan_drop(gm);
   gm_guard_reset(gm);
   gpumem_status_t st = free_cached_memory(gm);
+  if (gm->publish_wanted) gm_publish_now(gm);
   gm_lock_release(&gm->lock);
   return st;
 }
@@ -690,6 +698,7 @@ static gpumem_status_t apply_limit(gpumem_t* gm, size_t limit) {
   gm->limit = limit;
   /* Give back what the cache holds above the new cap; live memory stays. */
   if (over_limit(gm, 0)) st = free_cached_memory(gm);
+  if (gm->publish_wanted) gm_publish_now(gm);
   gm_lock_release(&gm->lock);
   return st;
 }
@@ -722,6 +731,7 @@ void gpumem_remove_limit(gpumem_t* gm) {
   if (!gm) return;
   gm_lock_acquire(&gm->lock);
   gm->limit = 0;
+  if (gm->publish_wanted) gm_publish_now(gm);
   gm_lock_release(&gm->lock);
 }
 
@@ -936,6 +946,7 @@ gpumem_t* gpumem_default(int device) {
         opts.own_backend = 1;
         gm = gpumem_create(be, &opts, &st);
         if (!gm) gpumem_cuda_destroy(be);
+        if (gm) gm->device_index = device; /* published as the process's device */
       }
     }
     default_instances[device] = gm;

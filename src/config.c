@@ -16,7 +16,7 @@
 
 #define VALID_KEYS                                                                      \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, " \
-  "move_guard, stream_waits"
+  "move_guard, stream_waits, publish"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -51,6 +51,9 @@ void gpumem_options_init(gpumem_options_t* opts) {
   opts->move_guard = 1;
   /* Streams of a plan may share memory, ordered on the device (plan.c). */
   opts->stream_waits = 1;
+  /* Published for gpumem top over CUDA; not for the simulated device's
+   * many short-lived allocators (publish.c). */
+  opts->publish = GPUMEM_PUBLISH_AUTO;
 }
 
 /* A piece of the configuration string; never NUL-terminated on its own. */
@@ -283,19 +286,21 @@ enum {
   KEY_MAP_MAX,
   KEY_MOVE_GUARD,
   KEY_STREAM_WAITS,
+  KEY_PUBLISH,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
     "policy",    "limit",   "fraction",   "reclaim",      "headroom", "max_split_size_mb",
-    "placement", "map_max", "move_guard", "stream_waits",
+    "placement", "map_max", "move_guard", "stream_waits", "publish",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
 static const char* const reclaim_names[] = {"lazy", "eager", "pressure", NULL};
 static const char* const placement_names[] = {"planned", "bestfit", NULL};
 static const char* const on_off_names[] = {"on", "off", NULL};
+static const char* const publish_names[] = {"auto", "on", "off", NULL};
 
 /* Levenshtein distance between a (short) typed key and a valid key, capped
  * so an absurdly long key costs nothing; used only to suggest a spelling. */
@@ -393,6 +398,12 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       int c = parse_choice(value, on_off_names);
       if (c < 0) return bad_value(value, name, "one of: on, off");
       o->stream_waits = c == 0;
+      return GPUMEM_OK;
+    }
+    case KEY_PUBLISH: {
+      int c = parse_choice(value, publish_names);
+      if (c < 0) return bad_value(value, name, "one of: auto, on, off");
+      o->publish = c == 0 ? GPUMEM_PUBLISH_AUTO : c == 1 ? GPUMEM_PUBLISH_ON : GPUMEM_PUBLISH_OFF;
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

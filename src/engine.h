@@ -384,6 +384,14 @@ struct gpumem {
   gm_planner planner;
   struct gm_history* history; /* recorded events (history.c); NULL: not recording */
   uint64_t history_tag;       /* carried by the events recorded from now on */
+  /* Publication (publish.c): the mapped page, once made. */
+  bool publish_wanted; /* publish after operations (cleared when the file fails) */
+  bool publish_failed;
+  uint32_t publish_tick; /* operations since the last publication */
+  int64_t published_reserved;
+  int device_index; /* CUDA ordinal of a gpumem_default instance, else -1 */
+  struct gm_publication* publication;
+  char publish_path[256];
 
   gm_oom_callback* callbacks;
   size_t num_callbacks;
@@ -663,6 +671,20 @@ static inline void gm_history_add(gpumem_t* gm, int action, uintptr_t addr, uint
 }
 static inline void gm_history_add_block(gpumem_t* gm, int action, const gm_block* b) {
   if (GM_UNLIKELY(gm->history != NULL)) gm_history_note_block(gm, action, b);
+}
+
+/* ---- publication (publish.c) ---- */
+
+bool gm_publish_wanted(const gpumem_t* gm);
+GM_COLD void gm_publish_now(gpumem_t* gm);
+void gm_publish_close(gpumem_t* gm);
+/* After an allocation or a free: one operation in 64, or reserved memory
+ * changed. One predictable branch where nothing is published. */
+static inline void gm_publish_after_op(gpumem_t* gm) {
+  if (GM_UNLIKELY(gm->publish_wanted) &&
+      (++gm->publish_tick >= 64 ||
+       gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current != gm->published_reserved))
+    gm_publish_now(gm);
 }
 
 #endif

@@ -14,7 +14,8 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
          a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
-         a->move_guard == b->move_guard && a->stream_waits == b->stream_waits;
+         a->move_guard == b->move_guard && a->stream_waits == b->stream_waits &&
+         a->publish == b->publish;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -33,6 +34,7 @@ static gpumem_options_t odd_options(void) {
   o.map_max_bytes = 6 * GM_MIB;
   o.move_guard = 0;
   o.stream_waits = 0;
+  o.publish = GPUMEM_PUBLISH_OFF;
   return o;
 }
 
@@ -83,6 +85,7 @@ static void test_defaults(void) {
   CHECK(o.map_max_bytes == GM_GIB);
   CHECK(o.move_guard == 1);
   CHECK(o.stream_waits == 1);
+  CHECK(o.publish == GPUMEM_PUBLISH_AUTO);
   gpumem_options_init(NULL); /* must not crash */
 }
 
@@ -138,6 +141,14 @@ static void test_stream_waits(void) {
   parse_fails("stream_waits:1", "bad value \"1\" for key \"stream_waits\"", "on, off", NULL);
   parse_fails("stream_wait:off", "unknown key \"stream_wait\"", "did you mean \"stream_waits\"",
               NULL);
+}
+
+static void test_publish(void) {
+  CHECK(parse_ok("publish:on").publish == GPUMEM_PUBLISH_ON);
+  CHECK(parse_ok("publish:off").publish == GPUMEM_PUBLISH_OFF);
+  CHECK(parse_ok("publish:auto").publish == GPUMEM_PUBLISH_AUTO);
+  parse_fails("publish:yes", "bad value \"yes\" for key \"publish\"", "auto, on, off", NULL);
+  parse_fails("publsh:on", "unknown key \"publsh\"", "did you mean \"publish\"", NULL);
 }
 
 static void test_move_guard(void) {
@@ -378,6 +389,7 @@ int main(void) {
   test_placement();
   test_move_guard();
   test_stream_waits();
+  test_publish();
   test_limit();
   test_fraction();
   test_headroom();

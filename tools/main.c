@@ -15,6 +15,7 @@
 #include "gpumem.h"
 #include "internal.h" /* gm_format_bytes */
 #include "replay.h"
+#include "top.h"
 #include "trace.h"
 
 #define EXIT_USAGE 2
@@ -58,6 +59,7 @@ static const char usage_main[] =
     "  replay    replay allocation traces and report memory and host cost\n"
     "  summary   replay one trace and print the allocator's summary at its end\n"
     "  explain   where reserved memory sits at the moment of peak reserved\n"
+    "  top       the memory of every process using gpumem on this machine, live\n"
     "\n"
     "Run 'gpumem <command> --help' for a command's options.\n";
 
@@ -1281,6 +1283,7 @@ static const command_t commands[] = {
     {"replay", cmd_replay},
     {"summary", cmd_summary},
     {"explain", cmd_explain},
+    {"top", gm_cli_top},
 };
 
 int main(int argc, char** argv) {

@@ -1,0 +1,240 @@
+/* gpumem top: every published allocator on this machine (src/publish.c),
+ * read from outside the processes that hold the memory: what each has
+ * allocated and reserved, its peak and limit, its out-of-memory failures,
+ * with a total per device. Refreshes every second until interrupted;
+ * --once prints one table, --json one JSON array. */
+#include "top.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gpumem.h"
+#include "internal.h" /* gm_format_bytes */
+
+static const char usage_top[] =
+    "usage: gpumem top [options]\n"
+    "\n"
+    "Shows the memory of every process whose gpumem allocator publishes its\n"
+    "figures (option publish: on over CUDA by default): allocated and reserved\n"
+    "bytes, peak reserved, limit, out-of-memory failures, with a total per\n"
+    "device. A process that ended without destroying its allocator shows as\n"
+    "exited. Refreshes every second until interrupted.\n"
+    "\n"
+    "options:\n"
+    "  --once                one table, then exit\n"
+    "  --json                one JSON array of the allocators, then exit\n"
+    "  --interval SECONDS    between refreshes (default 1)\n"
+    "  --dir DIR             where the figures are published (default\n"
+    "                        $GPUMEM_PUBLISH_DIR or /dev/shm)\n"
+    "  --clean               remove what exited processes left, then show the rest\n"
+    "  -h, --help            this text\n";
+
+#define MAX_ROWS 4096
+
+typedef struct rows {
+  gpumem_published_t* items;
+  size_t count;
+} rows_t;
+
+static int collect(const gpumem_published_t* p, void* arg) {
+  rows_t* r = arg;
+  if (r->count < MAX_ROWS) r->items[r->count++] = *p;
+  return 0;
+}
+
+static int by_device_then_pid(const void* a, const void* b) {
+  const gpumem_published_t* x = a;
+  const gpumem_published_t* y = b;
+  if (x->device != y->device) return x->device < y->device ? -1 : 1;
+  if (x->pid != y->pid) return x->pid < y->pid ? -1 : 1;
+  return x->instance < y->instance ? -1 : x->instance > y->instance;
+}
+
+static uint64_t now_unix_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void json_text(const char* s) {
+  putchar('"');
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\')
+      printf("\\%c", c);
+    else if (c < 0x20)
+      printf("\\u%04x", c);
+    else
+      putchar(c);
+  }
+  putchar('"');
+}
+
+static void print_json(const rows_t* r) {
+  putchar('[');
+  for (size_t i = 0; i < r->count; i++) {
+    const gpumem_published_t* p = &r->items[i];
+    printf("%s\n  {\"pid\":%d,\"device\":%d,\"instance\":%u,\"alive\":%s,\"process\":",
+           i ? "," : "", p->pid, p->device, p->instance, p->alive ? "true" : "false");
+    json_text(p->process);
+    printf(",\"policy\":");
+    json_text(p->policy);
+    printf(
+        ",\"allocated_bytes\":%lld,\"allocated_peak\":%lld,\"reserved_bytes\":%lld,"
+        "\"reserved_peak\":%lld,\"active_bytes\":%lld,\"requested_bytes\":%lld,"
+        "\"limit_bytes\":%lld,\"device_total\":%lld,\"num_allocations\":%lld,\"num_ooms\":%lld,"
+        "\"num_alloc_retries\":%lld,\"updated_unix_ms\":%llu,\"path\":",
+        (long long)p->allocated_bytes, (long long)p->allocated_peak, (long long)p->reserved_bytes,
+        (long long)p->reserved_peak, (long long)p->active_bytes, (long long)p->requested_bytes,
+        (long long)p->limit_bytes, (long long)p->device_total, (long long)p->num_allocations,
+        (long long)p->num_ooms, (long long)p->num_alloc_retries,
+        (unsigned long long)p->updated_unix_ms);
+    json_text(p->path);
+    putchar('}');
+  }
+  printf("%s]\n", r->count ? "\n" : "");
+}
+
+static void print_table(const rows_t* r, const char* dir) {
+  char b1[32], b2[32], b3[32], b4[32];
+  time_t t = time(NULL);
+  struct tm tm;
+  localtime_r(&t, &tm);
+  printf("gpumem top: %zu allocator%s published in %s, %02d:%02d:%02d\n\n", r->count,
+         r->count == 1 ? "" : "s", dir, tm.tm_hour, tm.tm_min, tm.tm_sec);
+  printf("%8s  %-16s %4s  %-8s %12s %12s %14s %12s %5s  %s\n", "PID", "PROCESS", "DEV", "POLICY",
+         "ALLOCATED", "RESERVED", "PEAK RESERVED", "LIMIT", "OOMS", "UPDATED");
+  uint64_t now = now_unix_ms();
+  for (size_t i = 0; i < r->count; i++) {
+    const gpumem_published_t* p = &r->items[i];
+    char updated[32];
+    if (!p->alive)
+      snprintf(updated, sizeof updated, "exited");
+    else if (!p->updated_unix_ms)
+      snprintf(updated, sizeof updated, "-");
+    else
+      snprintf(updated, sizeof updated, "%.1f s ago",
+               now > p->updated_unix_ms ? (double)(now - p->updated_unix_ms) / 1000.0 : 0.0);
+    char dev[16];
+    if (p->device >= 0)
+      snprintf(dev, sizeof dev, "%d", p->device);
+    else
+      snprintf(dev, sizeof dev, "-");
+    printf("%8d  %-16.16s %4s  %-8s %12s %12s %14s %12s %5lld  %s\n", p->pid, p->process, dev,
+           p->policy, gm_format_bytes((uint64_t)p->allocated_bytes, b1, sizeof b1),
+           gm_format_bytes((uint64_t)p->reserved_bytes, b2, sizeof b2),
+           gm_format_bytes((uint64_t)p->reserved_peak, b3, sizeof b3),
+           p->limit_bytes ? gm_format_bytes((uint64_t)p->limit_bytes, b4, sizeof b4) : "none",
+           (long long)p->num_ooms, updated);
+  }
+  /* Totals per device, of the processes still running. */
+  for (size_t i = 0; i < r->count;) {
+    int device = r->items[i].device;
+    int64_t allocated = 0, reserved = 0, total = 0;
+    int procs = 0;
+    for (; i < r->count && r->items[i].device == device; i++) {
+      if (!r->items[i].alive) continue;
+      allocated += r->items[i].allocated_bytes;
+      reserved += r->items[i].reserved_bytes;
+      if (r->items[i].device_total > total) total = r->items[i].device_total;
+      procs++;
+    }
+    if (!procs) continue;
+    char dev[32];
+    if (device >= 0)
+      snprintf(dev, sizeof dev, "device %d", device);
+    else
+      snprintf(dev, sizeof dev, "no device");
+    printf("\n%s: %d running, allocated %s, reserved %s of %s", dev, procs,
+           gm_format_bytes((uint64_t)allocated, b1, sizeof b1),
+           gm_format_bytes((uint64_t)reserved, b2, sizeof b2),
+           gm_format_bytes((uint64_t)total, b3, sizeof b3));
+  }
+  printf("\n");
+}
+
+static int remove_exited(const rows_t* r) {
+  int removed = 0;
+  for (size_t i = 0; i < r->count; i++) {
+    if (r->items[i].alive) continue;
+    if (unlink(r->items[i].path) == 0) {
+      removed++;
+    } else {
+      fprintf(stderr, "gpumem top: cannot remove %s: %s\n", r->items[i].path, strerror(errno));
+    }
+  }
+  return removed;
+}
+
+int gm_cli_top(int argc, char** argv) {
+  int once = 0, json = 0, clean = 0;
+  double interval = 1.0;
+  const char* dir = NULL;
+  for (int i = 0; i < argc; i++) {
+    const char* a = argv[i];
+    if (strcmp(a, "--once") == 0) {
+      once = 1;
+    } else if (strcmp(a, "--json") == 0) {
+      json = 1;
+    } else if (strcmp(a, "--clean") == 0) {
+      clean = 1;
+    } else if ((strcmp(a, "--interval") == 0 || strcmp(a, "--dir") == 0) && i + 1 < argc) {
+      if (a[2] == 'd') {
+        dir = argv[++i];
+      } else {
+        char* end;
+        interval = strtod(argv[++i], &end);
+        if (*end || !(interval >= 0.1 && interval <= 3600)) {
+          fprintf(stderr, "gpumem top: bad --interval '%s' (seconds, 0.1 to 3600)\n", argv[i]);
+          return 2;
+        }
+      }
+    } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      fputs(usage_top, stdout);
+      return 0;
+    } else {
+      fprintf(stderr, "gpumem top: unknown option or missing value '%s'\n\n%s", a, usage_top);
+      return 2;
+    }
+  }
+  const char* shown_dir = dir ? dir : getenv("GPUMEM_PUBLISH_DIR");
+  if (!shown_dir || !shown_dir[0]) shown_dir = "/dev/shm";
+  rows_t r = {calloc(MAX_ROWS, sizeof(gpumem_published_t)), 0};
+  if (!r.items) {
+    fprintf(stderr, "gpumem top: out of host memory\n");
+    return 1;
+  }
+  int rc = 0;
+  for (;;) {
+    r.count = 0;
+    if (gpumem_published_scan(shown_dir, collect, &r) < 0) {
+      fprintf(stderr, "gpumem top: %s\n", gpumem_last_error());
+      rc = 1;
+      break;
+    }
+    if (clean) {
+      int removed = remove_exited(&r);
+      if (!json)
+        printf("removed %d file%s of exited processes\n", removed, removed == 1 ? "" : "s");
+      clean = 0;
+      continue; /* show what is left */
+    }
+    qsort(r.items, r.count, sizeof *r.items, by_device_then_pid);
+    if (json) {
+      print_json(&r);
+      break;
+    }
+    if (!once) fputs("\033[H\033[2J", stdout);
+    print_table(&r, shown_dir);
+    fflush(stdout);
+    if (once) break;
+    struct timespec ts = {(time_t)interval, (long)((interval - (double)(time_t)interval) * 1e9)};
+    nanosleep(&ts, NULL);
+  }
+  free(r.items);
+  return rc;
+}
