@@ -296,6 +296,12 @@ class Allocator:
         figures."""
         return _summary_of(self._h())
 
+    def publish(self):
+        """Publishes the figures `gpumem top` shows now (they are otherwise
+        published every 64 operations and when reserved memory changes).
+        UnsupportedError when publication is off (option publish)."""
+        _lib.check(self._lib.gpumem_publish(self._h()), "publish")
+
     # -- history and snapshots --
 
     def record_memory_history(self, max_entries=100000):

@@ -93,6 +93,7 @@ _PROTOTYPES = {
     "gpumem_check": (size_t, [vp]),
     "gpumem_record_history": (cint, [vp, size_t]),
     "gpumem_set_history_tag": (None, [vp, u64]),
+    "gpumem_publish": (cint, [vp]),
     "gpumem_sim_options_init": (None, [ctypes.POINTER(SimOptions)]),
     "gpumem_sim_create": (vp, [ctypes.POINTER(SimOptions)]),
     "gpumem_sim_destroy": (None, [vp]),

@@ -104,6 +104,26 @@ class TopTest(unittest.TestCase):
         self.assertIn("removed 1 file of exited processes", out)
         self.assertEqual(os.listdir(self.dir), [])
 
+    def test_publish_method(self):
+        saved = os.environ.get("GPUMEM_PUBLISH_DIR")
+        os.environ["GPUMEM_PUBLISH_DIR"] = self.dir
+        try:
+            with gpumem.Allocator("sim", conf="publish:on", capacity=1 << 30) as a:
+                p = a.malloc(3 * MIB)
+                a.publish()
+                (row,) = json.loads(self.top("--json"))
+                self.assertEqual((row["pid"], row["allocated_bytes"]), (os.getpid(), 3 * MIB))
+                a.free(p)
+            with gpumem.Allocator("sim", capacity=1 << 30) as a:  # auto: off here
+                with self.assertRaises(gpumem.UnsupportedError):
+                    a.publish()
+        finally:
+            if saved is None:
+                del os.environ["GPUMEM_PUBLISH_DIR"]
+            else:
+                os.environ["GPUMEM_PUBLISH_DIR"] = saved
+        self.assertEqual(json.loads(self.top("--json")), [])
+
     def test_usage_errors(self):
         r = subprocess.run([self.bin, "top", "--bogus"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 2)

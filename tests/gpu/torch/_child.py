@@ -320,6 +320,8 @@ def snapshot(args):
 
     from torch.cuda import _memory_viz
 
+    import gpumem
+
     checks = {}
 
     def check(name, cond):
@@ -355,6 +357,17 @@ def snapshot(args):
     with open(path, "rb") as f:
         dumped = pickle.load(f)
     check("_dump_snapshot pickles gpumem's", len(dumped["segments"]) > 0 and "gpumem" in dumped)
+    # gpumem top sees this process (publication is on over CUDA by default)
+    import subprocess
+
+    gpumem.allocator().publish()
+    top = subprocess.run([os.path.join(REPO, "build", "gpumem"), "top", "--json"], capture_output=True, text=True)
+    mine = [r for r in json.loads(top.stdout or "[]") if r["pid"] == os.getpid()]
+    check("gpumem top lists this process", len(mine) == 1)
+    if mine:
+        check("top: device", mine[0]["device"] == torch.cuda.current_device())
+        check("top: allocated", mine[0]["allocated_bytes"] == torch.cuda.memory_allocated())
+        check("top: reserved", mine[0]["reserved_bytes"] == torch.cuda.memory_reserved())
     torch.cuda.memory._record_memory_history(enabled=None)
     check("recording stops", torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()] == [])
     emit(checks=checks, segments=len(snap["segments"]), events=len(events), segsum=summary.splitlines()[-12:])
