@@ -11,14 +11,15 @@
  * memory changed, after an out-of-memory failure, empty_cache or a new
  * limit: a reader is at most 63 allocations or frees behind on allocated
  * bytes and never behind on reserved ones. The file goes when the
- * allocator is destroyed; a process that dies leaves it, and readers
- * tell such a file by its process being gone (gpumem top --clean removes
- * it). A file that cannot be made turns publication off for that
+ * allocator is destroyed or the process exits; a process that is killed
+ * leaves it, and readers tell such a file by its process being gone
+ * (gpumem top --clean removes it). A file that cannot be made turns publication off for that
  * allocator: it still allocates. */
 #include <errno.h>
 #include <fcntl.h>
-#include <inttypes.h>
 #include <dirent.h>
+#include <inttypes.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -56,6 +57,55 @@ struct gm_publication {
 };
 
 static atomic_uint next_instance;
+
+/* The files this process made, removed at exit: the per-device instances
+ * that PyTorch and CuPy use are never destroyed, so without this every
+ * process that ends normally would leave its file for readers to show as
+ * exited (seen on the GPU machine: one per test process). A process that
+ * is killed still leaves it (gpumem top --clean). Entries carry the pid
+ * that made them: a forked child that exits must not remove its parent's
+ * files. */
+#define MAX_EXIT_FILES 64
+static pthread_mutex_t exit_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t exit_once = PTHREAD_ONCE_INIT;
+static struct {
+  char path[256];
+  pid_t pid;
+} exit_files[MAX_EXIT_FILES];
+
+static void remove_at_exit(void) {
+  pthread_mutex_lock(&exit_lock);
+  for (int i = 0; i < MAX_EXIT_FILES; i++) {
+    if (exit_files[i].path[0] && exit_files[i].pid == getpid()) unlink(exit_files[i].path);
+    exit_files[i].path[0] = '\0';
+  }
+  pthread_mutex_unlock(&exit_lock);
+}
+
+static void register_at_exit(void) {
+  atexit(remove_at_exit);
+}
+
+static void exit_file_add(const char* path) {
+  pthread_once(&exit_once, register_at_exit);
+  pthread_mutex_lock(&exit_lock);
+  for (int i = 0; i < MAX_EXIT_FILES; i++) {
+    if (!exit_files[i].path[0]) {
+      snprintf(exit_files[i].path, sizeof exit_files[i].path, "%s", path);
+      exit_files[i].pid = getpid();
+      break;
+    }
+  }
+  pthread_mutex_unlock(&exit_lock);
+}
+
+static void exit_file_remove(const char* path) {
+  pthread_mutex_lock(&exit_lock);
+  for (int i = 0; i < MAX_EXIT_FILES; i++) {
+    if (strcmp(exit_files[i].path, path) == 0) exit_files[i].path[0] = '\0';
+  }
+  pthread_mutex_unlock(&exit_lock);
+}
 
 static const char* publish_dir(void) {
   const char* d = getenv("GPUMEM_PUBLISH_DIR");
@@ -115,6 +165,7 @@ static bool publish_open(gpumem_t* gm) {
   page->magic = PUBLISH_MAGIC;
   gm->publication = page;
   memcpy(gm->publish_path, path, (size_t)n + 1);
+  exit_file_add(path);
   return true;
 }
 
@@ -152,6 +203,7 @@ void gm_publish_close(gpumem_t* gm) {
   if (!gm->publication) return;
   munmap(gm->publication, sizeof *gm->publication);
   unlink(gm->publish_path);
+  exit_file_remove(gm->publish_path);
   gm->publication = NULL;
 }
 

@@ -178,6 +178,35 @@ static void test_dead_process(void) {
   CHECK(scan().count == 0);
 }
 
+/* A process that exits normally removes its files, even of allocators it
+ * never destroyed (the per-device instances are not); a forked child's
+ * exit leaves its parent's alone. */
+static void test_exit_cleanup(void) {
+  pid_t child = fork();
+  if (child == 0) {
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make("publish:on", &sim);
+    void* p = NULL;
+    gpumem_malloc(gm, MIB, 0, &p);
+    gpumem_publish(gm);
+    exit(0); /* atexit handlers run; gpumem_destroy never does */
+  }
+  int status = 0;
+  CHECK(child > 0 && waitpid(child, &status, 0) == child && WIFEXITED(status));
+  CHECK_MSG(scan().count == 0, "a normal exit left its file");
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("publish:on", &sim);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  child = fork();
+  if (child == 0) exit(0);
+  CHECK(child > 0 && waitpid(child, &status, 0) == child);
+  seen_t s = scan();
+  CHECK_MSG(s.count == 1 && s.items[0].pid == (int)getpid() && s.items[0].alive,
+            "a forked child's exit removed its parent's file");
+  gpumem_destroy(gm);
+  CHECK(scan().count == 0);
+}
+
 /* Readers scanning while the allocator publishes: every copy a scan keeps
  * must be one publication's, its figures agreeing with each other. (A
  * smoke test: on two cores a reader rarely lands inside a write, and
@@ -235,6 +264,7 @@ int main(void) {
   test_figures();
   test_off();
   test_dead_process();
+  test_exit_cleanup();
   test_concurrent_readers();
   rmdir(dir);
   return test_finish("test_publish");
