@@ -16,34 +16,11 @@
 
 #define MIB ((size_t)1 << 20)
 
-typedef struct text {
-  char* buf;
-  size_t len, cap;
-  size_t fail_after; /* the sink answers 7 once this many bytes came; 0 = never */
-} text_t;
-
-static int text_write(const char* s, size_t n, void* arg) {
-  text_t* t = arg;
-  if (t->fail_after && t->len + n > t->fail_after) return 7;
-  if (t->len + n + 1 > t->cap) {
-    size_t cap = t->cap ? t->cap : 4096;
-    while (cap < t->len + n + 1) cap *= 2;
-    char* grown = realloc(t->buf, cap);
-    if (!grown) return 1;
-    t->buf = grown;
-    t->cap = cap;
-  }
-  memcpy(t->buf + t->len, s, n);
-  t->len += n;
-  t->buf[t->len] = '\0';
-  return 0;
-}
-
 static char* snapshot(gpumem_t* gm, int device) {
-  text_t t = {NULL, 0, 0, 0};
-  int rc = gpumem_snapshot_json(gm, device, "steps.py", text_write, &t);
+  sink_t t = {0};
+  int rc = gpumem_snapshot_json(gm, device, "steps.py", sink_write, &t);
   CHECK_MSG(rc == 0, "snapshot: %d (%s)", rc, gpumem_last_error());
-  return t.buf;
+  return t.text;
 }
 
 /* The recorded events, one per line of the snapshot: "alloc:3" for an
@@ -235,9 +212,9 @@ static void test_oom_event(void) {
 static void test_failures(void) {
   fx_t f = fx_new("policy:default", 0);
   if (!f.gm) return fx_done(&f);
-  text_t t = {NULL, 0, 0, 0};
-  CHECK(gpumem_snapshot_json(NULL, 0, NULL, text_write, &t) == GPUMEM_ERR_INVALID_ARGUMENT);
-  CHECK(gpumem_snapshot_json(f.gm, -1, NULL, text_write, &t) == GPUMEM_ERR_INVALID_ARGUMENT);
+  sink_t t = {0};
+  CHECK(gpumem_snapshot_json(NULL, 0, NULL, sink_write, &t) == GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(gpumem_snapshot_json(f.gm, -1, NULL, sink_write, &t) == GPUMEM_ERR_INVALID_ARGUMENT);
   CHECK_MSG(strstr(gpumem_last_error(), "negative device") != NULL, "%s", gpumem_last_error());
   CHECK(gpumem_snapshot_json(f.gm, 0, NULL, NULL, NULL) == GPUMEM_ERR_INVALID_ARGUMENT);
   CHECK_STATUS(gpumem_record_history(NULL, 4), GPUMEM_ERR_INVALID_ARGUMENT);
@@ -256,17 +233,19 @@ static void test_failures(void) {
   CHECK(gpumem_field(json, "history_capacity") == 4);
   free(json);
   /* A sink that stops: its answer comes back, and the lock is free. */
-  t.fail_after = 100;
-  CHECK(gpumem_snapshot_json(f.gm, 0, NULL, text_write, &t) == 7);
-  free(t.buf);
+  t.fail_at = 3;
+  t.fail_with = 7;
+  CHECK(gpumem_snapshot_json(f.gm, 0, NULL, sink_write, &t) == 7);
+  CHECK(t.calls == 3); /* nothing written after the sink said stop */
+  sink_free(&t);
   CHECK_STATUS(gpumem_free(f.gm, p), GPUMEM_OK);
   /* A file name that needs escaping stays valid JSON. */
-  t = (text_t){NULL, 0, 0, 0};
+  t = (sink_t){0};
   p = alloc_tagged(f.gm, MIB, 0, 3);
-  CHECK(gpumem_snapshot_json(f.gm, 0, "a \"b\"\\c\n", text_write, &t) == 0);
-  CHECK_MSG(t.buf && strstr(t.buf, "\"filename\":\"a \\\"b\\\"\\\\c\\u000a\""), "%s",
-            t.buf ? t.buf : "(none)");
-  free(t.buf);
+  CHECK(gpumem_snapshot_json(f.gm, 0, "a \"b\"\\c\n", sink_write, &t) == 0);
+  CHECK_MSG(t.text && strstr(t.text, "\"filename\":\"a \\\"b\\\"\\\\c\\u000a\""), "%s",
+            t.text ? t.text : "(none)");
+  sink_free(&t);
   CHECK_STATUS(gpumem_free(f.gm, p), GPUMEM_OK);
   fx_done(&f);
 }

@@ -9,38 +9,6 @@
 #include "internal.h"
 #include "test_util.h"
 
-/* ---- a growing text sink ------------------------------------------------ */
-
-typedef struct sink {
-  char* text;
-  size_t len, cap;
-  int calls;
-  int fail_at;   /* 1-based call that fails; 0 = never */
-  int fail_with; /* what the failing call returns */
-} sink_t;
-
-static int sink_write(const char* text, size_t len, void* arg) {
-  sink_t* s = arg;
-  s->calls++;
-  if (s->fail_at && s->calls >= s->fail_at) return s->fail_with;
-  if (s->len + len + 1 > s->cap) {
-    size_t cap = (s->len + len + 1) * 2;
-    char* t = realloc(s->text, cap);
-    if (!t) return -1;
-    s->text = t;
-    s->cap = cap;
-  }
-  memcpy(s->text + s->len, text, len);
-  s->len += len;
-  s->text[s->len] = '\0';
-  return 0;
-}
-
-static void sink_free(sink_t* s) {
-  free(s->text);
-  memset(s, 0, sizeof *s);
-}
-
 /* ---- a small JSON checker ----------------------------------------------- */
 
 /* Validates strictly (RFC 8259 grammar, no trailing commas, no NaN) and

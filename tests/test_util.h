@@ -61,6 +61,38 @@ static inline int test_finish(const char* name) {
   return test_checks_failed ? 1 : 0;
 }
 
+/* A growing text sink (gpumem_write_fn) for output tests; it can fail from
+ * a given call on, to test that the output stops and its value comes back. */
+typedef struct sink {
+  char* text;
+  size_t len, cap;
+  int calls;
+  int fail_at;   /* 1-based call that fails; 0 = never */
+  int fail_with; /* what the failing call returns */
+} sink_t;
+
+static inline int sink_write(const char* text, size_t len, void* arg) {
+  sink_t* s = (sink_t*)arg;
+  s->calls++;
+  if (s->fail_at && s->calls >= s->fail_at) return s->fail_with;
+  if (s->len + len + 1 > s->cap) {
+    size_t cap = (s->len + len + 1) * 2;
+    char* t = (char*)realloc(s->text, cap);
+    if (!t) return -1;
+    s->text = t;
+    s->cap = cap;
+  }
+  memcpy(s->text + s->len, text, len);
+  s->len += len;
+  s->text[s->len] = '\0';
+  return 0;
+}
+
+static inline void sink_free(sink_t* s) {
+  free(s->text);
+  memset(s, 0, sizeof *s);
+}
+
 /* Exit code CTest reports as "skipped". */
 #define TEST_SKIP 77
 
