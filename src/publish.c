@@ -13,8 +13,8 @@
  * bytes and never behind on reserved ones. The file goes when the
  * allocator is destroyed or the process exits; a process that is killed
  * leaves it, and readers tell such a file by its process being gone
- * (gpumem top --clean removes it). A file that cannot be made turns publication off for that
- * allocator: it still allocates. */
+ * (gpumem top --clean removes it). A file that cannot be made turns
+ * publication off for that allocator: it still allocates. */
 #include <errno.h>
 #include <fcntl.h>
 #include <dirent.h>
