@@ -77,6 +77,9 @@ gpumem_status_t replay_options(const replay_config_t* c, const trace_t* trace,
     if (opts.limit_bytes == 0) opts.limit_bytes = 1; /* 0 would mean "none" */
   }
   opts.own_backend = 1;
+  /* A replay's allocators are short-lived and timed: no publication (its
+   * file and first write would land in the cold pass) unless asked for. */
+  if (opts.publish == GPUMEM_PUBLISH_AUTO) opts.publish = GPUMEM_PUBLISH_OFF;
   *out = opts;
   return GPUMEM_OK;
 }
