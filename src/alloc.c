@@ -523,7 +523,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     /* Pages taken from the device for a request that failed go back. */
     if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
     format_oom_report(gm, size, rsize, stream, st, cause);
-    if (gm->publish_wanted) gm_publish_now(gm);
+    gm_publish_if_wanted(gm);
     return st;
   }
   st = gm_ptr_map_insert(&gm->ptrs, b);
@@ -685,7 +685,7 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   gm_plan_drop(gm);
   gm_guard_reset(gm);
   gpumem_status_t st = free_cached_memory(gm);
-  if (gm->publish_wanted) gm_publish_now(gm);
+  gm_publish_if_wanted(gm);
   gm_lock_release(&gm->lock);
   return st;
 }
@@ -698,7 +698,7 @@ static gpumem_status_t apply_limit(gpumem_t* gm, size_t limit) {
   gm->limit = limit;
   /* Give back what the cache holds above the new cap; live memory stays. */
   if (over_limit(gm, 0)) st = free_cached_memory(gm);
-  if (gm->publish_wanted) gm_publish_now(gm);
+  gm_publish_if_wanted(gm);
   gm_lock_release(&gm->lock);
   return st;
 }
@@ -731,7 +731,7 @@ void gpumem_remove_limit(gpumem_t* gm) {
   if (!gm) return;
   gm_lock_acquire(&gm->lock);
   gm->limit = 0;
-  if (gm->publish_wanted) gm_publish_now(gm);
+  gm_publish_if_wanted(gm);
   gm_lock_release(&gm->lock);
 }
 

@@ -678,6 +678,11 @@ static inline void gm_history_add_block(gpumem_t* gm, int action, const gm_block
 bool gm_publish_wanted(const gpumem_t* gm);
 GM_COLD void gm_publish_now(gpumem_t* gm);
 void gm_publish_close(gpumem_t* gm);
+/* After a change a reader should see at once (an out-of-memory failure,
+ * empty_cache, a limit). */
+static inline void gm_publish_if_wanted(gpumem_t* gm) {
+  if (gm->publish_wanted) gm_publish_now(gm);
+}
 /* After an allocation or a free: one operation in 64, or reserved memory
  * changed. One predictable branch where nothing is published. */
 static inline void gm_publish_after_op(gpumem_t* gm) {

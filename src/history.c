@@ -149,22 +149,6 @@ static uint64_t tag_of(const tag_table* t, uint64_t addr) {
   return t->addrs[i] ? t->tags[i] : 0;
 }
 
-static void json_string(gm_emitter* e, const char* s) {
-  gm_emit(e, "\"", 1);
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') {
-      char esc[2] = {'\\', (char)c};
-      gm_emit(e, esc, 2);
-    } else if (c < 0x20) {
-      gm_emitf(e, "\\u%04x", c);
-    } else {
-      gm_emit(e, (const char*)&c, 1);
-    }
-  }
-  gm_emit(e, "\"", 1);
-}
-
 /* A frames list: one frame for a tagged event or block, none otherwise. */
 static void frames(gm_emitter* e, const char* tag_file, uint64_t tag) {
   if (!tag) {
@@ -172,7 +156,7 @@ static void frames(gm_emitter* e, const char* tag_file, uint64_t tag) {
     return;
   }
   gm_emit(e, "[{\"filename\":", 13);
-  json_string(e, tag_file);
+  gm_emit_json_string(e, tag_file);
   gm_emitf(e, ",\"line\":%" PRIu64 ",\"name\":\"tag\"}]", tag);
 }
 
@@ -192,6 +176,24 @@ typedef struct snapshot_ctx {
   uint64_t segment_bytes; /* total_size of every segment written */
 } snapshot_ctx;
 
+/* The part of block x that lies in [start, end): its bytes, and the
+ * requested bytes it counts for (an allocated block's, at most its size;
+ * a free or pending piece's size, as PyTorch's snapshots give them). */
+typedef struct piece {
+  uintptr_t addr;
+  uint64_t size, requested;
+  bool allocated, live; /* live: allocated or pending */
+} piece_t;
+
+static piece_t piece_of(const gm_block* x, uintptr_t start, uintptr_t end) {
+  uintptr_t lo = x->addr > start ? x->addr : start;
+  uintptr_t hi = x->addr + x->size < end ? x->addr + x->size : end;
+  piece_t p = {lo, hi - lo, hi - lo, x->state == GM_ALLOCATED, false};
+  p.live = p.allocated || x->state == GM_PENDING;
+  if (p.allocated && x->requested < p.size) p.requested = x->requested;
+  return p;
+}
+
 /* One segment: [start, end) of seg, tiled by the parts of its blocks that
  * lie in it, from *cursor on (blocks in address order; *cursor is left at
  * the first block reaching past end). */
@@ -203,13 +205,12 @@ static void write_segment(snapshot_ctx* c, gm_segment* seg, uintptr_t start, uin
   while (b && b->addr + b->size <= start) b = b->next;
   *cursor = b;
   for (gm_block* x = b; x && x->addr < end; x = x->next) {
-    uintptr_t lo = x->addr > start ? x->addr : start;
-    uintptr_t hi = x->addr + x->size < end ? x->addr + x->size : end;
-    if (x->state == GM_ALLOCATED) {
-      allocated += hi - lo;
-      requested += x->requested < hi - lo ? x->requested : hi - lo;
+    piece_t p = piece_of(x, start, end);
+    if (p.allocated) {
+      allocated += p.size;
+      requested += p.requested;
     }
-    if (x->state == GM_ALLOCATED || x->state == GM_PENDING) active += hi - lo;
+    if (p.live) active += p.size;
   }
   gm_emit(e, c->first_segment ? "\n  " : ",\n  ", c->first_segment ? 3 : 4);
   c->first_segment = false;
@@ -223,20 +224,14 @@ static void write_segment(snapshot_ctx* c, gm_segment* seg, uintptr_t start, uin
            (uint64_t)seg->pool->stream->handle, seg->pool->is_small ? "small" : "large",
            seg->is_arena ? "true" : "false");
   c->segment_bytes += end - start;
-  bool first = true;
   for (gm_block* x = b; x && x->addr < end; x = x->next) {
-    uintptr_t lo = x->addr > start ? x->addr : start;
-    uintptr_t hi = x->addr + x->size < end ? x->addr + x->size : end;
-    uint64_t req = x->state == GM_ALLOCATED ? (x->requested < hi - lo ? x->requested : hi - lo)
-                                            : (uint64_t)(hi - lo);
+    piece_t p = piece_of(x, start, end);
     gm_emitf(e,
              "%s{\"address\":%" PRIu64 ",\"size\":%" PRIu64 ",\"requested_size\":%" PRIu64
              ",\"state\":\"%s\",\"frames\":",
-             first ? "" : ",", (uint64_t)lo, (uint64_t)(hi - lo), req, block_state(x));
-    bool live = x->state == GM_ALLOCATED || x->state == GM_PENDING;
-    frames(e, c->tag_file, live ? tag_of(c->tags, x->addr) : 0);
+             x == b ? "" : ",", (uint64_t)p.addr, p.size, p.requested, block_state(x));
+    frames(e, c->tag_file, p.live ? tag_of(c->tags, x->addr) : 0);
     gm_emit(e, "}", 1);
-    first = false;
   }
   gm_emit(e, "]}", 2);
 }

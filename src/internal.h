@@ -46,5 +46,8 @@ typedef struct gm_emitter {
 } gm_emitter;
 void gm_emit(gm_emitter* e, const char* text, size_t len);
 void gm_emitf(gm_emitter* e, const char* fmt, ...) GM_PRINTF(2, 3);
+/* s as a JSON string: quotes and backslashes escaped, control characters
+ * as \u00XX. */
+void gm_emit_json_string(gm_emitter* e, const char* s);
 
 #endif

@@ -210,15 +210,13 @@ void gm_publish_close(gpumem_t* gm) {
 gpumem_status_t gpumem_publish(gpumem_t* gm) {
   if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_publish: NULL allocator");
   gm_lock_acquire(&gm->lock);
-  bool wanted = gm->publish_wanted;
-  if (wanted) gm_publish_now(gm);
-  bool ok = gm->publication != NULL;
+  gm_publish_if_wanted(gm);
+  bool ok = gm->publication != NULL, failed = gm->publish_failed;
   gm_lock_release(&gm->lock);
   if (ok) return GPUMEM_OK;
   return gm_fail(GPUMEM_ERR_UNSUPPORTED, "gpumem_publish: %s",
-                 wanted || gm->publish_failed
-                     ? "the publication file could not be made (see GPUMEM_PUBLISH_DIR)"
-                     : "publication is off for this allocator (option publish)");
+                 failed ? "the publication file could not be made (see GPUMEM_PUBLISH_DIR)"
+                        : "publication is off for this allocator (option publish)");
 }
 
 /* ---- reading ---- */

@@ -53,6 +53,22 @@ void gm_emitf(gm_emitter* e, const char* fmt, ...) {
   gm_emit(e, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
 }
 
+void gm_emit_json_string(gm_emitter* e, const char* s) {
+  gm_emit(e, "\"", 1);
+  for (; *s; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\') {
+      char esc[2] = {'\\', (char)c};
+      gm_emit(e, esc, 2);
+    } else if (c < 0x20) {
+      gm_emitf(e, "\\u%04x", c);
+    } else {
+      gm_emit(e, (const char*)&c, 1);
+    }
+  }
+  gm_emit(e, "\"", 1);
+}
+
 static int check_args(const gpumem_stats_t* stats, gpumem_write_fn write, const char* fn) {
   if (stats && write) return 0;
   return (int)gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, stats ? "write" : "stats");

@@ -468,23 +468,8 @@ static const char* first_line(const char* msg, char* buf, size_t cap) {
 }
 
 static void json_string(FILE* f, const char* s) {
-  fputc('"', f);
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') {
-      fputc('\\', f);
-      fputc(c, f);
-    } else if (c == '\n') {
-      fputs("\\n", f);
-    } else if (c == '\t') {
-      fputs("\\t", f);
-    } else if (c < 0x20) {
-      fprintf(f, "\\u%04x", c);
-    } else {
-      fputc(c, f);
-    }
-  }
-  fputc('"', f);
+  gm_emitter e = {gpumem_write_to_file, f, 0};
+  gm_emit_json_string(&e, s);
 }
 
 static void json_calls(FILE* f, const uint64_t* calls) {

@@ -61,17 +61,8 @@ static uint64_t now_unix_ms(void) {
 }
 
 static void json_text(const char* s) {
-  putchar('"');
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\')
-      printf("\\%c", c);
-    else if (c < 0x20)
-      printf("\\u%04x", c);
-    else
-      putchar(c);
-  }
-  putchar('"');
+  gm_emitter e = {gpumem_write_to_file, stdout, 0};
+  gm_emit_json_string(&e, s);
 }
 
 static void print_json(const rows_t* r) {
@@ -182,16 +173,14 @@ int gm_cli_top(int argc, char** argv) {
       json = 1;
     } else if (strcmp(a, "--clean") == 0) {
       clean = 1;
-    } else if ((strcmp(a, "--interval") == 0 || strcmp(a, "--dir") == 0) && i + 1 < argc) {
-      if (a[2] == 'd') {
-        dir = argv[++i];
-      } else {
-        char* end;
-        interval = strtod(argv[++i], &end);
-        if (*end || !(interval >= 0.1 && interval <= 3600)) {
-          fprintf(stderr, "gpumem top: bad --interval '%s' (seconds, 0.1 to 3600)\n", argv[i]);
-          return 2;
-        }
+    } else if (strcmp(a, "--dir") == 0 && i + 1 < argc) {
+      dir = argv[++i];
+    } else if (strcmp(a, "--interval") == 0 && i + 1 < argc) {
+      char* end;
+      interval = strtod(argv[++i], &end);
+      if (*end || !(interval >= 0.1 && interval <= 3600)) {
+        fprintf(stderr, "gpumem top: bad --interval '%s' (seconds, 0.1 to 3600)\n", argv[i]);
+        return 2;
       }
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       fputs(usage_top, stdout);
