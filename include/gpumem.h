@@ -152,19 +152,30 @@ typedef struct gpumem_options {
    * top; src/publish.c): GPUMEM_PUBLISH_AUTO (the default: on over CUDA,
    * off on the simulated device), _ON or _OFF. */
   int publish;
+  /* 1: report the allocations still live when the allocator is destroyed
+   * (for gpumem_default's per-device instances: at process exit) on
+   * stderr, as gpumem_print_leaks does (src/leaks.c). Default 0. */
+  int leak_check;
+  /* When an allocation fails for want of memory, write the allocator's
+   * snapshot (gpumem_snapshot_json, with the history if recording) to this
+   * path, "%p" replaced by the process id; the out-of-memory report names
+   * the file. Empty (the default): no file. A later failure overwrites it. */
+  char oom_snapshot[256];
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 
 /* Fills defaults (policy default with planned placement and lazy reclaim,
- * no limit, map_max 1 GiB, move_guard on, stream_waits on). */
+ * no limit, map_max 1 GiB, move_guard on, stream_waits on, publish auto,
+ * leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
  * placement (planned|bestfit), map_max (a size, as limit), move_guard
- * (on|off), stream_waits (on|off), publish (auto|on|off).
+ * (on|off), stream_waits (on|off), publish (auto|on|off), leak_check
+ * (on|off), oom_snapshot (a path without ',').
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -393,6 +404,38 @@ GPUMEM_API void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag);
 GPUMEM_API int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file,
                                     gpumem_write_fn write, void* arg);
 
+/* ---- leak detection (src/leaks.c) ------------------------------------ */
+
+/* The number of allocations made so far (never reset): a mark. Every
+ * allocation gets the next number (its serial, from 1); the live ones made
+ * after a mark are what the work since the mark kept. */
+GPUMEM_API uint64_t gpumem_leak_mark(gpumem_t* gm);
+
+typedef struct gpumem_leaks {
+  uint32_t struct_size;
+  uint64_t since;           /* the mark */
+  uint64_t made;            /* allocations made so far */
+  uint64_t count;           /* live allocations made after the mark */
+  uint64_t bytes;           /* their allocated bytes */
+  uint64_t requested_bytes; /* what they asked for */
+  uint64_t groups;          /* distinct (requested size, stream) among them */
+  uint64_t oldest, newest;  /* their lowest and highest serials (0: none) */
+} gpumem_leaks_t;
+
+/* Counts the live allocations made after mark since (0: every live one). */
+GPUMEM_API gpumem_status_t gpumem_find_leaks(gpumem_t* gm, uint64_t since, gpumem_leaks_t* out);
+/* The same as a report: groups of one requested size on one stream, most
+ * bytes first, each with its count, serials, tags (gpumem_set_history_tag
+ * when they were made) and an address. Returns 0, the sink's nonzero
+ * value, or a gpumem_status_t. */
+GPUMEM_API int gpumem_print_leaks(gpumem_t* gm, uint64_t since, gpumem_write_fn write, void* arg);
+/* The same as one JSON object: since, made, count, bytes, requested_bytes,
+ * oldest, newest and "groups" (requested, stream, count, bytes,
+ * requested_bytes, first, last, first_tag, last_tag, addresses: up to 4,
+ * oldest first). */
+GPUMEM_API int gpumem_print_leaks_json(gpumem_t* gm, uint64_t since, gpumem_write_fn write,
+                                       void* arg);
+
 /* ---- publication: figures other processes read (src/publish.c) -------- */
 
 /* One published allocator, as gpumem_published_scan reads it. */
@@ -457,6 +500,10 @@ GPUMEM_API size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap);
  * its buffer calls again until the text fits. */
 GPUMEM_API size_t gpumem_binding_snapshot_json(gpumem_t* gm, int device, const char* tag_file,
                                                char* buf, size_t cap);
+/* gpumem_print_leaks_json (json nonzero) or gpumem_print_leaks into buf,
+ * the same way; 0 when gm is NULL. */
+GPUMEM_API size_t gpumem_binding_leaks(gpumem_t* gm, uint64_t since, int json, char* buf,
+                                       size_t cap);
 
 /* PyTorch CUDAPluggableAllocator: alloc_fn and free_fn. The stream is the
  * cudaStream_t, taken as void* so no CUDA header is needed. NULL on failure

@@ -200,6 +200,7 @@ static void release_all_segments(gpumem_t* gm) {
 
 void gpumem_destroy(gpumem_t* gm) {
   if (!gm) return;
+  if (gm->opts.leak_check) gm_leak_check_report(gm, "at destroy");
   gm_lock_acquire(&gm->lock);
   gm_history_destroy(gm);
   gm_publish_close(gm);
@@ -532,6 +533,8 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     return st;
   }
   b->requested = size;
+  b->serial = ++gm->num_mallocs;
+  b->tag = gm->history_tag;
   b->seq = gm->planner.enabled && !gm->planner.idle ? gm->planner.n : 0;
   gm_stat_pool_grow(gm->stats.allocation, small, 1);
   gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
@@ -906,16 +909,22 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
         "live allocations fill the memory: free tensors, lower the batch size, or use activation "
         "checkpointing";
   }
+  char snapshot[sizeof gm->opts.oom_snapshot + 80] = "";
+  if (cause == GPUMEM_ERR_OUT_OF_MEMORY && gm->opts.oom_snapshot[0]) {
+    char said[sizeof snapshot - 16];
+    gm_oom_snapshot(gm, said, sizeof said);
+    snprintf(snapshot, sizeof snapshot, " Post-mortem: %s.", said);
+  }
   gpumem_set_last_error(
       "gpumem: %s: tried to allocate %s (%zu bytes) on stream 0x%lx. Device: %s total, %s free. "
       "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, "
       "%s cached "
-      "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.",
+      "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.%s",
       cause == GPUMEM_ERR_OUT_OF_MEMORY ? "out of memory" : "allocation failed", req, size,
       (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached,
       largest, st.fragmentation * 100.0,
       gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
-      cause_text[0] ? cause_text : gpumem_strerror(cause), advice);
+      cause_text[0] ? cause_text : gpumem_strerror(cause), advice, snapshot);
 }
 
 /* ---- per-device default instances ---- */
@@ -923,6 +932,16 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
 #define GM_MAX_DEVICES 64
 static gpumem_t* default_instances[GM_MAX_DEVICES];
 static pthread_mutex_t default_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Option leak_check: the per-device instances are never destroyed, so
+ * they report what they still hold when the process exits. */
+static bool leak_check_at_exit;
+static void check_default_instances(void) {
+  for (int d = 0; d < GM_MAX_DEVICES; d++) {
+    if (default_instances[d] && default_instances[d]->opts.leak_check)
+      gm_leak_check_report(default_instances[d], "at exit");
+  }
+}
 
 gpumem_t* gpumem_default(int device) {
   if (device < 0 || device >= GM_MAX_DEVICES) {
@@ -950,6 +969,10 @@ gpumem_t* gpumem_default(int device) {
       }
     }
     default_instances[device] = gm;
+    if (gm && gm->opts.leak_check && !leak_check_at_exit) {
+      leak_check_at_exit = true;
+      atexit(check_default_instances);
+    }
   }
   pthread_mutex_unlock(&default_lock);
   return gm;

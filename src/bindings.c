@@ -164,6 +164,16 @@ size_t gpumem_binding_snapshot_json(gpumem_t* gm, int device, const char* tag_fi
   return t.len;
 }
 
+size_t gpumem_binding_leaks(gpumem_t* gm, uint64_t since, int json, char* buf, size_t cap) {
+  if (!gm) return 0;
+  gm_text_buf t = {buf, buf ? cap : 0, 0};
+  int rc = json ? gpumem_print_leaks_json(gm, since, text_buf_write, &t)
+                : gpumem_print_leaks(gm, since, text_buf_write, &t);
+  if (rc != 0) return 0;
+  if (t.cap) t.buf[t.len < t.cap ? t.len : t.cap - 1] = '\0';
+  return t.len;
+}
+
 /* ---- failures --------------------------------------------------------- */
 
 static void remember_failure(gpumem_status_t st, const char* prefix) {

@@ -170,6 +170,10 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
         if (b->requested > b->size)
           violation(c, "block 0x%lx: requested %zu > size %zu", (unsigned long)b->addr,
                     b->requested, b->size);
+        if (b->serial == 0 || b->serial > gm->num_mallocs)
+          violation(c, "allocated block 0x%lx: serial %llu outside 1..%llu (allocations made)",
+                    (unsigned long)b->addr, (unsigned long long)b->serial,
+                    (unsigned long long)gm->num_mallocs);
         add(s->allocated, gm_block_stat_small(b), 1);
         add(s->allocated_bytes, gm_block_stat_small(b), (int64_t)b->size);
         add(s->requested_bytes, gm_block_stat_small(b), (int64_t)b->requested);

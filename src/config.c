@@ -16,7 +16,7 @@
 
 #define VALID_KEYS                                                                      \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, " \
-  "move_guard, stream_waits, publish"
+  "move_guard, stream_waits, publish, leak_check, oom_snapshot"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -287,13 +287,16 @@ enum {
   KEY_MOVE_GUARD,
   KEY_STREAM_WAITS,
   KEY_PUBLISH,
+  KEY_LEAK_CHECK,
+  KEY_OOM_SNAPSHOT,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
-    "policy",    "limit",   "fraction",   "reclaim",      "headroom", "max_split_size_mb",
-    "placement", "map_max", "move_guard", "stream_waits", "publish",
+    "policy",       "limit",   "fraction",   "reclaim",      "headroom", "max_split_size_mb",
+    "placement",    "map_max", "move_guard", "stream_waits", "publish",  "leak_check",
+    "oom_snapshot",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -404,6 +407,20 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       int c = parse_choice(value, publish_names);
       if (c < 0) return bad_value(value, name, "one of: auto, on, off");
       o->publish = c == 0 ? GPUMEM_PUBLISH_AUTO : c == 1 ? GPUMEM_PUBLISH_ON : GPUMEM_PUBLISH_OFF;
+      return GPUMEM_OK;
+    }
+    case KEY_LEAK_CHECK: {
+      int c = parse_choice(value, on_off_names);
+      if (c < 0) return bad_value(value, name, "one of: on, off");
+      o->leak_check = c == 0;
+      return GPUMEM_OK;
+    }
+    case KEY_OOM_SNAPSHOT: {
+      if (value.n >= sizeof o->oom_snapshot) {
+        return bad_value(value, name, "a path shorter than 256 bytes (without ',')");
+      }
+      memcpy(o->oom_snapshot, value.p, value.n);
+      o->oom_snapshot[value.n] = '\0';
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

@@ -71,8 +71,16 @@ struct gm_block {
    * and the free path read. */
   uintptr_t addr;
   size_t size;
-  gm_block* left; /* free index treap links */
-  gm_block* right;
+  union {
+    struct { /* free: the free index's treap links */
+      gm_block* left;
+      gm_block* right;
+    };
+    struct {           /* allocated or pending: who made it (leaks.c, history.c) */
+      uint64_t serial; /* 1 + the allocations made before it (gm->num_mallocs) */
+      uint64_t tag;    /* gm->history_tag when it was made */
+    };
+  };
   gm_block* prev; /* address neighbours inside the segment */
   gm_block* next;
   gm_segment* seg;
@@ -383,7 +391,8 @@ struct gpumem {
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;
   struct gm_history* history; /* recorded events (history.c); NULL: not recording */
-  uint64_t history_tag;       /* carried by the events recorded from now on */
+  uint64_t history_tag;       /* carried by the events and allocations from now on */
+  uint64_t num_mallocs;       /* allocations made, never reset: leak marks (leaks.c) */
   /* Publication (publish.c): the mapped page, once made. */
   bool publish_wanted; /* publish after operations (cleared when the file fails) */
   bool publish_failed;
@@ -672,6 +681,16 @@ static inline void gm_history_add(gpumem_t* gm, int action, uintptr_t addr, uint
 static inline void gm_history_add_block(gpumem_t* gm, int action, const gm_block* b) {
   if (GM_UNLIKELY(gm->history != NULL)) gm_history_note_block(gm, action, b);
 }
+
+/* Option oom_snapshot, with the lock held: writes the snapshot and says
+ * where (or why not) in said. */
+GM_COLD bool gm_oom_snapshot(gpumem_t* gm, char* said, size_t said_cap);
+
+/* ---- leak detection (leaks.c) ---- */
+
+/* The allocations gm still holds, on stderr, when there are any (option
+ * leak_check); when says at what moment. */
+GM_COLD void gm_leak_check_report(gpumem_t* gm, const char* when);
 
 /* ---- publication (publish.c) ---- */
 

@@ -9,10 +9,13 @@
  * moves page by page (spare pages, ghosts, aliases: pages.c), which
  * PyTorch's segment events cannot say, so the snapshot's segments show the
  * mapped pages as they are at the moment of the snapshot instead. */
+#include <errno.h>
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "engine.h"
 
@@ -101,54 +104,6 @@ void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag) {
 
 /* ---- the snapshot ---- */
 
-/* The tag each live block was allocated under: the newest event at each
- * address among those kept, an allocation's tag or none after a completed
- * free (a pending block's free request does not count: it is still the
- * allocation's). Open addressing, filled once, never deleted from. */
-typedef struct tag_table {
-  uint64_t* addrs; /* 0 = empty slot (no block lives at address 0) */
-  uint64_t* tags;
-  size_t mask;
-} tag_table;
-
-static size_t tag_slot(const tag_table* t, uint64_t addr) {
-  size_t i = (size_t)((addr >> 9) * 0x9e3779b97f4a7c15ull) & t->mask;
-  while (t->addrs[i] && t->addrs[i] != addr) i = (i + 1) & t->mask;
-  return i;
-}
-
-static bool tag_table_build(tag_table* t, const gm_history* h) {
-  memset(t, 0, sizeof *t);
-  if (!h || !h->recorded) return false;
-  uint64_t kept = h->recorded < h->capacity ? h->recorded : h->capacity;
-  size_t n = 16;
-  while (n < 2 * kept) n *= 2;
-  t->addrs = calloc(n, sizeof *t->addrs);
-  t->tags = malloc(n * sizeof *t->tags);
-  if (!t->addrs || !t->tags) {
-    free(t->addrs);
-    free(t->tags);
-    memset(t, 0, sizeof *t);
-    return false;
-  }
-  t->mask = n - 1;
-  for (uint64_t k = 0; k < kept; k++) {
-    const gm_history_event* e = &h->ring[(h->recorded - 1 - k) % h->capacity];
-    if (e->action != GM_HISTORY_ALLOC && e->action != GM_HISTORY_FREE_COMPLETED) continue;
-    size_t i = tag_slot(t, e->addr);
-    if (t->addrs[i]) continue; /* a newer event decided */
-    t->addrs[i] = e->addr;
-    t->tags[i] = e->action == GM_HISTORY_ALLOC ? e->tag : 0;
-  }
-  return true;
-}
-
-static uint64_t tag_of(const tag_table* t, uint64_t addr) {
-  if (!t->addrs) return 0;
-  size_t i = tag_slot(t, addr);
-  return t->addrs[i] ? t->tags[i] : 0;
-}
-
 /* A frames list: one frame for a tagged event or block, none otherwise. */
 static void frames(gm_emitter* e, const char* tag_file, uint64_t tag) {
   if (!tag) {
@@ -170,7 +125,6 @@ typedef struct snapshot_ctx {
   gpumem_t* gm;
   int device;
   gm_emitter* e;
-  const tag_table* tags;
   const char* tag_file;
   bool first_segment;
   uint64_t segment_bytes; /* total_size of every segment written */
@@ -230,7 +184,7 @@ static void write_segment(snapshot_ctx* c, gm_segment* seg, uintptr_t start, uin
              "%s{\"address\":%" PRIu64 ",\"size\":%" PRIu64 ",\"requested_size\":%" PRIu64
              ",\"state\":\"%s\",\"frames\":",
              x == b ? "" : ",", (uint64_t)p.addr, p.size, p.requested, block_state(x));
-    frames(e, c->tag_file, p.live ? tag_of(c->tags, x->addr) : 0);
+    frames(e, c->tag_file, p.live ? x->tag : 0);
     gm_emit(e, "}", 1);
   }
   gm_emit(e, "]}", 2);
@@ -288,6 +242,30 @@ static void write_events(gm_emitter* e, const gm_history* h, const char* tag_fil
   }
 }
 
+/* The snapshot, with gm's lock held (also at an out-of-memory failure). */
+static void snapshot_locked(gpumem_t* gm, int device, const char* tag_file, gm_emitter* e) {
+  snapshot_ctx c = {gm, device, e, tag_file ? tag_file : "gpumem tag", true, 0};
+  gm_emit(e, "{\"segments\":[", 13);
+  write_segments(&c);
+  gm_emit(e, "],\n\"device_traces\":[", 20);
+  for (int d = 0; d < device; d++) gm_emit(e, "[],", 3);
+  gm_emit(e, "[", 1);
+  write_events(e, gm->history, c.tag_file);
+  gm_emit(e, "]],\n", 4);
+  const gm_history* h = gm->history;
+  uint64_t spare = (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
+  gm_emitf(e,
+           "\"gpumem\":{\"policy\":\"%s\",\"virtual_memory\":%s,\"page_size\":%zu"
+           ",\"reserved_bytes\":%" PRId64 ",\"allocated_bytes\":%" PRId64
+           ",\"segment_bytes\":%" PRIu64 ",\"spare_bytes\":%" PRIu64
+           ",\"history_capacity\":%zu,\"history_recorded\":%" PRIu64 "}}\n",
+           gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
+           gm->virtual_memory ? "true" : "false", gm->virtual_memory ? gm->page_size : (size_t)0,
+           gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current,
+           gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current, c.segment_bytes, spare,
+           h ? h->capacity : (size_t)0, h ? h->recorded : (uint64_t)0);
+}
+
 int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file, gpumem_write_fn write,
                          void* arg) {
   if (!gm || !write || device < 0) {
@@ -298,30 +276,39 @@ int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file, gpumem_
   }
   gm_emitter e = {write, arg, 0};
   gm_lock_acquire(&gm->lock);
-  tag_table tags;
-  tag_table_build(&tags, gm->history); /* without host memory: no frames on blocks */
-  snapshot_ctx c = {gm, device, &e, &tags, tag_file ? tag_file : "gpumem tag", true, 0};
-  gm_emit(&e, "{\"segments\":[", 13);
-  write_segments(&c);
-  gm_emit(&e, "],\n\"device_traces\":[", 20);
-  for (int d = 0; d < device; d++) gm_emit(&e, "[],", 3);
-  gm_emit(&e, "[", 1);
-  write_events(&e, gm->history, c.tag_file);
-  gm_emit(&e, "]],\n", 4);
-  const gm_history* h = gm->history;
-  uint64_t spare = (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
-  gm_emitf(&e,
-           "\"gpumem\":{\"policy\":\"%s\",\"virtual_memory\":%s,\"page_size\":%zu"
-           ",\"reserved_bytes\":%" PRId64 ",\"allocated_bytes\":%" PRId64
-           ",\"segment_bytes\":%" PRIu64 ",\"spare_bytes\":%" PRIu64
-           ",\"history_capacity\":%zu,\"history_recorded\":%" PRIu64 "}}\n",
-           gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
-           gm->virtual_memory ? "true" : "false", gm->virtual_memory ? gm->page_size : (size_t)0,
-           gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current,
-           gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current, c.segment_bytes, spare,
-           h ? h->capacity : (size_t)0, h ? h->recorded : (uint64_t)0);
+  snapshot_locked(gm, device, tag_file, &e);
   gm_lock_release(&gm->lock);
-  free(tags.addrs);
-  free(tags.tags);
   return e.rc;
+}
+
+/* Option oom_snapshot: the path with "%p" replaced by the process id. */
+static void oom_snapshot_path(const char* pattern, char* out, size_t cap) {
+  size_t n = 0;
+  for (const char* p = pattern; *p && n + 1 < cap; p++) {
+    if (p[0] == '%' && p[1] == 'p') {
+      int w = snprintf(out + n, cap - n, "%ld", (long)getpid());
+      n = w > 0 && (size_t)w < cap - n ? n + (size_t)w : cap - 1;
+      p++;
+    } else {
+      out[n++] = *p;
+    }
+  }
+  out[n] = '\0';
+}
+
+bool gm_oom_snapshot(gpumem_t* gm, char* said, size_t said_cap) {
+  char path[sizeof gm->opts.oom_snapshot + 32];
+  oom_snapshot_path(gm->opts.oom_snapshot, path, sizeof path);
+  FILE* f = fopen(path, "w");
+  if (!f) {
+    snprintf(said, said_cap, "could not write the snapshot to %s: %s", path, strerror(errno));
+    return false;
+  }
+  gm_emitter e = {gpumem_write_to_file, f, 0};
+  snapshot_locked(gm, gm->device_index >= 0 ? gm->device_index : 0, NULL, &e);
+  bool ok = e.rc == 0;
+  if (fclose(f) != 0) ok = false;
+  snprintf(said, said_cap, ok ? "snapshot written to %s" : "writing the snapshot to %s failed",
+           path);
+  return ok;
 }
