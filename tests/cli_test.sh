@@ -356,5 +356,37 @@ run "$BIN" explain --snapshot "$T/no/such/dir/snap.json" "$TINY"
 expect_rc 1 "explain --snapshot into a missing directory"
 expect_in "cannot write" "$err" "explain --snapshot into a missing directory"
 
+# ---- leaks: what a trace leaves live ----
+
+run "$BIN" leaks "$TINY"
+expect_rc 0 "leaks"
+expect_in "2 allocations made after #0 still live" "$out" "leaks"
+expect_in "#2  tag 3" "$out" "leaks: the 6 MB allocation at line 3"
+
+run "$BIN" leaks --since-line 4 "$TINY"
+expect_rc 0 "leaks --since-line"
+expect_in "no allocation made after #2 is live (26 made so far)" "$out" "leaks --since-line"
+
+LEAKY=$T/leaky.trace
+{
+  echo "# gpumem-trace v1"
+  for step in 0 1 2 3; do
+    echo "a $((10 * step)) 8000000 0"
+    echo "a $((10 * step + 1)) 1000000 0"
+    echo "f $((10 * step))"
+  done
+} >"$LEAKY"
+run "$BIN" leaks --since-line 5 --json "$LEAKY"
+expect_rc 0 "leaks --json"
+expect_in '"since":2,"made":8,"count":3,' "$out" "leaks --json"
+expect_in '"requested":1000000,"stream":0,"count":3,"bytes":3001344,"requested_bytes":3000000,"first":4,"last":8,"first_tag":6,"last_tag":12' "$out" "leaks --json: the group"
+
+run "$BIN" leaks --since-line 0 "$TINY"
+expect_rc 2 "leaks --since-line 0"
+expect_in "bad --since-line '0'" "$err" "leaks --since-line 0"
+
+run "$BIN" leaks --steady 3 "$TINY"
+expect_rc 2 "leaks with a replay option"
+
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

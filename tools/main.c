@@ -4,6 +4,7 @@
  * parsing, exit codes (2 usage, 1 error), the human, JSON and table
  * output, and the progress line. The replay itself lives in replay.c. */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -59,6 +60,7 @@ static const char usage_main[] =
     "  replay    replay allocation traces and report memory and host cost\n"
     "  summary   replay one trace and print the allocator's summary at its end\n"
     "  explain   where reserved memory sits at the moment of peak reserved\n"
+    "  leaks     the allocations a trace leaves live at its end\n"
     "  top       the memory of every process using gpumem on this machine, live\n"
     "\n"
     "Run 'gpumem <command> --help' for a command's options.\n";
@@ -179,6 +181,7 @@ enum {
   OPT_JSON,
   OPT_COMPARE,
   OPT_SNAPSHOT,
+  OPT_SINCE_LINE,
   OPT_HELP,
 };
 
@@ -202,6 +205,7 @@ static const option_spec_t all_options[] = {
     {"json", OPT_JSON, 0},
     {"compare", OPT_COMPARE, 0},
     {"snapshot", OPT_SNAPSHOT, 1},
+    {"since-line", OPT_SINCE_LINE, 1},
     {"help", OPT_HELP, 0},
 };
 
@@ -213,6 +217,7 @@ typedef struct cli {
   int steady; /* repetitions to append (0: none) */
   int help;
   const char* snapshot; /* explain: write the snapshot at the peak here */
+  int since_line;       /* leaks: count allocations from this trace line on */
   const char** traces;
   int num_traces;
 } cli_t;
@@ -353,6 +358,10 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
         break;
       case OPT_SNAPSHOT:
         cli->snapshot = value;
+        break;
+      case OPT_SINCE_LINE:
+        if (!parse_count(value, 1, INT_MAX, &cli->since_line))
+          return usage_error(usage, "bad --since-line '%s' (a trace line number, from 1)", value);
         break;
       case OPT_HELP:
         cli->help = 1;
@@ -1124,13 +1133,14 @@ done:
 
 /* ---- explain ------------------------------------------------------------ */
 
-/* Runs events [0, stop) of t on gm; returns the index of the event after
- * which reserved memory first reached its highest value (or SIZE_MAX when
- * an allocation failed before stop). */
-static size_t explain_run(gpumem_t* gm, const trace_t* t, size_t stop, void** slots) {
+/* Runs events [start, stop) of t on gm, each tagged with its trace line;
+ * returns the index of the event after which reserved memory first reached
+ * its highest value in them (or SIZE_MAX when an allocation failed). */
+static size_t explain_run_from(gpumem_t* gm, const trace_t* t, size_t start, size_t stop,
+                               void** slots) {
   int64_t best = -1;
   size_t best_event = 0;
-  for (size_t i = 0; i < stop; i++) {
+  for (size_t i = start; i < stop; i++) {
     const trace_event_t* e = &t->events[i];
     gpumem_set_history_tag(gm, e->line);
     if (e->op == TRACE_ALLOC) {
@@ -1149,6 +1159,10 @@ static size_t explain_run(gpumem_t* gm, const trace_t* t, size_t stop, void** sl
     }
   }
   return best_event;
+}
+
+static size_t explain_run(gpumem_t* gm, const trace_t* t, size_t stop, void** slots) {
+  return explain_run_from(gm, t, 0, stop, slots);
 }
 
 static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
@@ -1257,6 +1271,84 @@ done:
   return rc;
 }
 
+/* ---- leaks -------------------------------------------------------------- */
+
+static const char usage_leaks[] =
+    "usage: gpumem leaks [options] TRACE\n"
+    "\n"
+    "Replays one cold pass of TRACE and lists the allocations still live at\n"
+    "its end (the trace never freed them), in groups of one requested size\n"
+    "and stream, most bytes first, each with its trace lines (as tags).\n"
+    "\n"
+    "options:\n"
+    "  --since-line N            only allocations made at trace line N or later\n"
+    "                            (a step's first line: what later steps kept)\n"
+    "  --policy default|pytorch  allocation policy (default: default)\n"
+    "  --limit SIZE              hard cap on reserved memory\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --capacity SIZE           simulated device memory (default 1T)\n"
+    "  --json                    the report as one JSON object\n"
+    "  -h, --help                this text\n";
+
+static int cmd_leaks(int argc, char** argv) {
+  cli_t cli;
+  memset(&cli, 0, sizeof cli);
+  unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
+                     (1u << OPT_CAPACITY) | (1u << OPT_SINCE_LINE) | (1u << OPT_JSON) |
+                     (1u << OPT_HELP);
+  int rc = parse_args(argc, argv, allowed, usage_leaks, &cli);
+  if (rc == 0 && cli.help) {
+    fputs(usage_leaks, stdout);
+  } else if (rc == 0 && cli.num_traces != 1) {
+    rc = usage_error(usage_leaks, cli.num_traces ? "one trace at a time" : "no trace given");
+  }
+  if (rc != 0 || cli.help) {
+    free(cli.traces);
+    return rc;
+  }
+  trace_t* t = NULL;
+  gpumem_t* gm = NULL;
+  void** slots = NULL;
+  gpumem_options_t opts;
+  if (trace_load(cli.traces[0], &t) != GPUMEM_OK) {
+    rc = error("%s", detail(gpumem_last_error()));
+    goto done;
+  }
+  slots = calloc(t->num_allocs ? t->num_allocs : 1, sizeof *slots);
+  if (!slots || replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
+      replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
+    rc = error("%s", slots ? detail(gpumem_last_error()) : "out of host memory");
+    goto done;
+  }
+  /* The mark: the allocations made before the first event at the line. */
+  size_t first = 0;
+  while (first < t->num_events && (int64_t)t->events[first].line < cli.since_line) first++;
+  if (explain_run(gm, t, first, slots) == SIZE_MAX) {
+    rc = error("%s: out of memory: %s", t->name, detail(gpumem_last_error()));
+    goto done;
+  }
+  uint64_t mark = gpumem_leak_mark(gm);
+  if (explain_run_from(gm, t, first, t->num_events, slots) == SIZE_MAX) {
+    rc = error("%s: out of memory: %s", t->name, detail(gpumem_last_error()));
+    goto done;
+  }
+  if (!cli.json) {
+    printf("%s: live at its end (policy %s; tags are trace lines", t->name,
+           replay_policy_name(opts.policy));
+    if (cli.since_line) printf(", from line %d on", cli.since_line);
+    printf(")\n");
+  }
+  int out = cli.json ? gpumem_print_leaks_json(gm, mark, gpumem_write_to_file, stdout)
+                     : gpumem_print_leaks(gm, mark, gpumem_write_to_file, stdout);
+  if (out != 0) rc = error("writing the report failed: %s", detail(gpumem_last_error()));
+done:
+  gpumem_destroy(gm);
+  free(slots);
+  trace_free(t);
+  free(cli.traces);
+  return rc;
+}
+
 /* ---- commands --------------------------------------------------------- */
 
 typedef struct command {
@@ -1265,10 +1357,8 @@ typedef struct command {
 } command_t;
 
 static const command_t commands[] = {
-    {"replay", cmd_replay},
-    {"summary", cmd_summary},
-    {"explain", cmd_explain},
-    {"top", gm_cli_top},
+    {"replay", cmd_replay}, {"summary", cmd_summary}, {"explain", cmd_explain},
+    {"leaks", cmd_leaks},   {"top", gm_cli_top},
 };
 
 int main(int argc, char** argv) {

@@ -8,9 +8,11 @@ cupy.cuda.Stream objects are accepted and their handle used).
 """
 
 import ctypes
+import gc
 import json
 import sys
 import threading
+import warnings
 
 from . import _lib, errors
 
@@ -83,6 +85,22 @@ def _snapshot_of(handle, device, tag_file=None):
     for seg in snap["segments"]:
         seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
     return snap
+
+
+def _leaks_of(handle, since, as_json):
+    """gpumem_print_leaks(_json) of one allocator: a dict, or the text."""
+    lib = _lib.load()
+    cap = 1 << 14
+    while True:
+        buf = ctypes.create_string_buffer(cap)
+        n = lib.gpumem_binding_leaks(handle, int(since), 1 if as_json else 0, buf, cap)
+        if n == 0:
+            _lib.check(errors.ERR_HOST_MEMORY, "leaks")
+        if n < cap:
+            break
+        cap = n + n // 4 + 1  # allocations may be made between the two calls
+    text = buf.value.decode("utf-8", "replace")
+    return json.loads(text) if as_json else text
 
 
 def _empty_snapshot():
@@ -324,6 +342,29 @@ class Allocator:
         snap["gpumem"] = {int(device): snap["gpumem"]}
         return snap
 
+    # -- leak detection --
+
+    def leak_mark(self):
+        """The number of allocations made so far (never reset): pass it to
+        leaks() to see which allocations made after it are still live."""
+        return self._lib.gpumem_leak_mark(self._h())
+
+    def leaks(self, since=0):
+        """The live allocations made after mark since (0: all) as a dict:
+        count, bytes, requested_bytes, oldest, newest, made and "groups"
+        (one requested size on one stream each, most bytes first: count,
+        bytes, first and last serial, first_tag and last_tag, addresses)."""
+        return _leaks_of(self._h(), since, True)
+
+    def leak_report(self, since=0):
+        """leaks() as readable text."""
+        return _leaks_of(self._h(), since, False)
+
+    def leak_check(self, action="warn", collect=True):
+        """A context manager that reports the allocations made inside it
+        and still live after it (see gpumem.leak_check)."""
+        return LeakCheck(self, action, collect)
+
     def reset_peak_stats(self):
         self._lib.gpumem_reset_peak_stats(self._h())
 
@@ -471,6 +512,62 @@ def record_memory_history(max_entries=100000, device=None):
     """Records the last max_entries events of device's allocator (the one
     PyTorch and CuPy use; created if needed); 0 or None stops."""
     allocator(device).record_memory_history(max_entries)
+
+
+class LeakCheck:
+    """What gpumem.leak_check() returns: a context manager. On exit it
+    collects Python's cyclic garbage (collect=True: tensors only a cycle
+    holds are not leaks), then looks for allocations made inside the block
+    that are still live. ``leaks`` is the report (a dict, count 0 when
+    clean), ``report`` its text. action: "warn" (LeakWarning), "raise"
+    (LeakError, unless the block raised), or None (only record)."""
+
+    def __init__(self, alloc, action="warn", collect=True):
+        if action not in ("warn", "raise", None):
+            raise ValueError('action must be "warn", "raise" or None, not %r' % (action,))
+        self.allocator = alloc
+        self.action = action
+        self.collect = collect
+        self.mark = None
+        self.leaks = None
+        self.report = None
+
+    def __enter__(self):
+        if self.collect:
+            gc.collect()
+        self.mark = self.allocator.leak_mark()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.collect:
+            gc.collect()
+        self.leaks = self.allocator.leaks(self.mark)
+        self.report = self.allocator.leak_report(self.mark)
+        if not self.leaks["count"] or self.action is None:
+            return False
+        if self.action == "raise" and exc_type is None:
+            raise errors.LeakError(self.report, self.leaks)
+        if self.action == "warn":
+            warnings.warn(self.report, errors.LeakWarning, stacklevel=2)
+        return False
+
+
+def leak_check(device=None, action="warn", collect=True):
+    """with gpumem.leak_check(): step() -- reports the allocations of
+    device's allocator (the one PyTorch and CuPy use) made inside the block
+    and still live after it: a training step that keeps a tensor each time
+    shows one group whose count is the number of steps. See LeakCheck."""
+    return LeakCheck(allocator(device), action, collect)
+
+
+def leak_mark(device=None):
+    """Allocator.leak_mark() of device's allocator."""
+    return allocator(device).leak_mark()
+
+
+def leaks(since=0, device=None):
+    """Allocator.leaks() of device's allocator."""
+    return allocator(device).leaks(since)
 
 
 # Devices a snapshot of "every device" looks at (gpumem's own bound).

@@ -70,6 +70,21 @@ class UnsupportedError(GpumemError):
         super().__init__(detail, status)
 
 
+class LeakError(GpumemError):
+    """Raised by gpumem.leak_check(action="raise") when allocations made
+    inside the block are still live after it. ``leaks`` is the report as a
+    dict (gpumem_print_leaks_json); the text is the readable report."""
+
+    def __init__(self, detail, leaks=None):
+        super().__init__(detail, ERR_INVALID_ARGUMENT)
+        self.leaks = leaks
+
+
+class LeakWarning(UserWarning):
+    """Warned by gpumem.leak_check() (the default action) when allocations
+    made inside the block are still live after it."""
+
+
 class LibraryNotFoundError(GpumemError, ImportError):
     """libgpumem.so could not be found or loaded; the text lists every
     place that was tried."""

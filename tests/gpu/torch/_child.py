@@ -373,6 +373,81 @@ def snapshot(args):
     emit(checks=checks, segments=len(snap["segments"]), events=len(events), segsum=summary.splitlines()[-12:])
 
 
+def leaks(args):
+    """gpumem.leak_check around PyTorch code: evaluation without no_grad that
+    keeps its outputs (each keeps its graph's activations alive) is caught,
+    one group per activation size, counted once a step; the same loop that
+    keeps only .item() and a plain training step are clean. Then the
+    out-of-memory post-mortem (run with --conf ...,oom_snapshot:PATH):
+    torch's OutOfMemoryError names the file, which PyTorch's segsum reads."""
+    torch = setup(args)
+    import gpumem
+
+    checks = {}
+
+    def check(name, cond):
+        checks[name] = bool(cond)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(256, 1024, device="cuda")
+
+    def train_step():
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):  # warm-up: cuBLAS workspaces and the like live on
+        train_step()
+        model(x).sum().item()
+    torch.cuda.synchronize()
+    with gpumem.leak_check(action="raise") as step_check:
+        for _ in range(3):
+            train_step()
+    check("a training step keeps nothing", step_check.leaks["count"] == 0)
+    total = 0.0
+    with gpumem.leak_check(action="raise") as clean:
+        for _ in range(5):
+            total += model(x).sum().item()
+    check("keeping .item() keeps nothing", clean.leaks["count"] == 0)
+    kept = []
+    with gpumem.leak_check(action=None) as bad:
+        for step in range(5):
+            gpumem.allocator().set_history_tag(step + 1)
+            kept.append(model(x).sum())
+    gpumem.allocator().set_history_tag(0)
+    groups = bad.leaks["groups"]
+    hidden = 256 * 4096 * 4
+    check("kept graphs are found", bad.leaks["count"] >= 5)
+    check("the hidden activations form a group of one a step",
+          any(g["requested"] == hidden and g["count"] % 5 == 0 and g["first_tag"] == 1 and g["last_tag"] == 5 for g in groups))
+    check("the report says so", "still live" in bad.report and "tags 1..5" in bad.report)
+    del kept
+    check("once dropped, nothing", gpumem.leaks(bad.mark)["count"] == 0)
+    report = ""
+    try:
+        torch.empty(200 << 30, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as e:
+        report = str(e)
+    post = "Post-mortem: snapshot written to "
+    check("the OOM report names the post-mortem", post in report)
+    if post in report:
+        from torch.cuda import _memory_viz
+
+        path = report.split(post, 1)[1].split(".json", 1)[0] + ".json"
+        with open(path) as f:
+            snap = json.load(f)
+        for seg in snap["segments"]:
+            seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
+        allocated = sum(seg["allocated_size"] for seg in snap["segments"])
+        check("post-mortem's allocated == memory_allocated", allocated == torch.cuda.memory_allocated())
+        check("post-mortem read by segsum", "total_reserved" in _memory_viz.segsum(snap))
+    check("gpumem check", gpumem.allocator().check() == 0)
+    emit(checks=checks, groups=groups[:3], report=bad.report.splitlines()[:4], oom=report[-300:])
+
+
 def too_late(args):
     import torch
 
@@ -493,6 +568,7 @@ WORKLOADS = {
     "ddp": ddp,
     "two_streams": two_streams,
     "snapshot": snapshot,
+    "leaks": leaks,
 }
 
 

@@ -179,6 +179,16 @@ class MemoryFunctionsTest(unittest.TestCase):
         self.assertEqual(failed, [], r)
         print("\n  snapshot: %d segments, %d events" % (r["segments"], r["events"]), file=sys.stderr)
 
+    def test_leak_check_and_oom_post_mortem(self):
+        need()
+        import tempfile
+
+        d = tempfile.mkdtemp()
+        r = run_child("leaks", "--conf", "oom_snapshot:%s/oom-%%p.json" % d)
+        failed = [name for name, ok in r["checks"].items() if not ok]
+        self.assertEqual(failed, [], r)
+        print("\n  leaks: %s" % "\n    ".join(r["report"]), file=sys.stderr)
+
     def test_enable_too_late_is_a_clear_error(self):
         need()
         r = run_child("too_late")

@@ -1,0 +1,120 @@
+"""Leak detection from Python on the simulated device: marks, the report as
+a dict and as text, and leak_check()'s three actions; the out-of-memory
+post-mortem (option oom_snapshot) read back as a snapshot.
+
+Run from the repository root:
+    GPUMEM_LIBRARY=build/libgpumem.so python3 -m unittest discover -s python/tests -v
+"""
+
+import json
+import os
+import sys
+import tempfile
+import unittest
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # python/, where the package lives
+
+import gpumem  # noqa: E402
+
+MIB = 1 << 20
+
+
+class LeakTest(unittest.TestCase):
+    def setUp(self):
+        self.a = gpumem.Allocator("sim", capacity=1 << 34)
+
+    def tearDown(self):
+        self.assertEqual(self.a.check(), 0, gpumem.last_error())
+        self.a.close()
+
+    def step(self, keep, tag):
+        """A step: temporaries freed, one 3 MiB tensor kept in keep."""
+        self.a.set_history_tag(tag)
+        tmp = [self.a.malloc(n * MIB) for n in (8, 16)]
+        keep.append(self.a.malloc(3 * MIB))
+        for p in tmp:
+            self.a.free(p)
+
+    def test_marks_and_report(self):
+        weights = self.a.malloc(32 * MIB)
+        mark = self.a.leak_mark()
+        self.assertEqual(mark, 1)
+        kept = []
+        for tag in range(1, 4):
+            self.step(kept, tag)
+        got = self.a.leaks(mark)
+        self.assertEqual((got["count"], got["made"], got["since"]), (3, 10, 1))
+        self.assertEqual(len(got["groups"]), 1)
+        g = got["groups"][0]
+        self.assertEqual((g["requested"], g["count"], g["first_tag"], g["last_tag"]), (3 * MIB, 3, 1, 3))
+        self.assertEqual(g["addresses"], kept)
+        self.assertEqual((g["first"], g["last"]), (4, 10))
+        # since 0: the weights too, the larger group first
+        every = self.a.leaks()
+        self.assertEqual([x["requested"] for x in every["groups"]], [32 * MIB, 3 * MIB])
+        text = self.a.leak_report(mark)
+        self.assertIn("3 allocations made after #1 still live", text)
+        self.assertIn("tags 1..3", text)
+        for p in kept + [weights]:
+            self.a.free(p)
+        self.assertEqual(self.a.leaks()["count"], 0)
+        self.assertIn("no allocation made after #0 is live", self.a.leak_report())
+
+    def test_leak_check_actions(self):
+        kept = []
+        with self.a.leak_check(action=None) as clean:
+            self.step([], 1)  # what it keeps is dropped below
+        # step([]) kept its tensor in a list nobody holds: the pointer is
+        # still allocated (the allocator cannot know), so it is reported
+        self.assertEqual(clean.leaks["count"], 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with self.a.leak_check() as check:
+                self.step(kept, 2)
+                self.step(kept, 3)
+        self.assertEqual(check.leaks["count"], 2)
+        self.assertEqual(len(caught), 1)
+        self.assertTrue(issubclass(caught[0].category, gpumem.LeakWarning))
+        self.assertIn("2 allocations made after", str(caught[0].message))
+        with self.assertRaises(gpumem.LeakError) as raised:
+            with self.a.leak_check(action="raise"):
+                self.step(kept, 4)
+        self.assertEqual(raised.exception.leaks["count"], 1)
+        # a block that frees what it takes: nothing said
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with self.a.leak_check(action="raise") as quiet:
+                p = self.a.malloc(MIB)
+                self.a.free(p)
+        self.assertEqual((quiet.leaks["count"], len(caught)), (0, 0))
+        # the block's own exception wins over the report
+        with self.assertRaises(KeyError):
+            with self.a.leak_check(action="raise"):
+                kept.append(self.a.malloc(MIB))
+                raise KeyError("inside")
+        with self.assertRaises(ValueError):
+            self.a.leak_check(action="shout")
+
+    def test_oom_snapshot(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "oom-%p.json")
+            with gpumem.Allocator("sim", capacity=1 << 34, conf="limit:64M,oom_snapshot:" + path) as a:
+                a.set_history_tag(7)
+                p = a.malloc(40 * MIB)
+                with self.assertRaises(gpumem.OutOfMemoryError) as oom:
+                    a.malloc(40 * MIB)
+                written = path.replace("%p", str(os.getpid()))
+                self.assertIn("Post-mortem: snapshot written to " + written, str(oom.exception))
+                with open(written) as f:
+                    snap = json.load(f)
+                blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+                self.assertEqual([b["address"] for b in blocks], [p])
+                self.assertEqual(blocks[0]["frames"][0]["line"], 7)
+                self.assertEqual(a.check(), 0)
+                a.free(p)
+
+
+if __name__ == "__main__":
+    unittest.main()
