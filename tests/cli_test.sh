@@ -388,5 +388,44 @@ expect_in "bad --since-line '0'" "$err" "leaks --since-line 0"
 run "$BIN" leaks --steady 3 "$TINY"
 expect_rc 2 "leaks with a replay option"
 
+# ---- report: one HTML page ----
+
+run "$BIN" report --min-limit -o "$T/report.html" "$TINY"
+expect_rc 0 "report"
+expect_in "report written to $T/report.html" "$out" "report"
+page=$(cat "$T/report.html")
+expect_in "<h1>gpumem report: tiny</h1>" "$page" "report: title"
+expect_in "<polyline" "$page" "report: chart"
+expect_in "2 allocations, 9.54 MiB, in 2 groups" "$page" "report: live at the end"
+expect_in "</body></html>" "$page" "report: complete"
+if command -v python3 >/dev/null 2>&1; then
+  # Well formed, three series of one point per step, the min limits drawn.
+  if why=$(python3 - "$T/report.html" 2>&1 <<'PY'
+import re, sys
+from html.parser import HTMLParser
+page = open(sys.argv[1]).read()
+HTMLParser().feed(page)
+lines = re.findall(r'<polyline[^>]*points="([^"]+)"', page)
+assert len(lines) == 3, len(lines)
+for pts in lines:
+    assert len(pts.split()) == 800, len(pts.split())
+assert page.count('stroke-dasharray') == 2, "min limits not drawn"
+rows = re.findall(r"<td class=n>(1\.\d{4})</td>", page)
+assert len(rows) >= 4, rows
+PY
+  ); then ok; else bad "report: $why"; fi
+fi
+
+run "$BIN" report -o "$T/no/such/dir/r.html" "$TINY"
+expect_rc 1 "report into a missing directory"
+expect_in "cannot write" "$err" "report into a missing directory"
+
+run "$BIN" report --conf "limt:1G" "$TINY"
+expect_rc 1 "report --conf with a typo"
+expect_in 'unknown key "limt"' "$err" "report --conf with a typo"
+
+run "$BIN" report --frobnicate "$TINY"
+expect_rc 2 "report with an unknown option"
+
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -16,6 +16,7 @@
 #include "gpumem.h"
 #include "internal.h" /* gm_format_bytes */
 #include "replay.h"
+#include "report.h"
 #include "top.h"
 #include "trace.h"
 
@@ -61,6 +62,7 @@ static const char usage_main[] =
     "  summary   replay one trace and print the allocator's summary at its end\n"
     "  explain   where reserved memory sits at the moment of peak reserved\n"
     "  leaks     the allocations a trace leaves live at its end\n"
+    "  report    one HTML page about a trace: memory over time, the peak, leaks\n"
     "  top       the memory of every process using gpumem on this machine, live\n"
     "\n"
     "Run 'gpumem <command> --help' for a command's options.\n";
@@ -1357,8 +1359,8 @@ typedef struct command {
 } command_t;
 
 static const command_t commands[] = {
-    {"replay", cmd_replay}, {"summary", cmd_summary}, {"explain", cmd_explain},
-    {"leaks", cmd_leaks},   {"top", gm_cli_top},
+    {"replay", cmd_replay}, {"summary", cmd_summary},  {"explain", cmd_explain},
+    {"leaks", cmd_leaks},   {"report", gm_cli_report}, {"top", gm_cli_top},
 };
 
 int main(int argc, char** argv) {
