@@ -23,6 +23,7 @@ from ._lib import path as library_path
 from ._core import (
     Allocator,
     LeakCheck,
+    StepLeakWatcher,
     allocator,
     check_conf,
     device_index,
@@ -72,6 +73,7 @@ __all__ = [
     "LeakWarning",
     "LibraryNotFoundError",
     "OutOfMemoryError",
+    "StepLeakWatcher",
     "UnsupportedError",
     "allocator",
     "check_conf",

@@ -552,6 +552,66 @@ class LeakCheck:
         return False
 
 
+class StepLeakWatcher:
+    """Finds a loop that keeps something every step, without marks in the
+    user's code: call step() at the end of each step (gpumem.torch.
+    watch_leaks() calls it after every optimizer step). A step is suspect
+    when allocations it made are still live after a later step ended;
+    patience suspect steps in a row (the steps before the current one) make
+    a report: the groups those steps left, warned (LeakWarning), raised
+    (LeakError) or only kept in ``reports``. What a loop makes once and keeps
+    (weights, optimizer state made in the first step) is one suspect step,
+    not patience of them; gradients freed when the next step zeroes them are
+    not live by then. After a report the count starts again."""
+
+    def __init__(self, alloc, patience=3, action="warn"):
+        if int(patience) < 1:
+            raise ValueError("patience must be at least 1 step, not %r" % (patience,))
+        if action not in ("warn", "raise", None):
+            raise ValueError('action must be "warn", "raise" or None, not %r' % (action,))
+        self.allocator = alloc
+        self.patience = int(patience)
+        self.action = action
+        self.steps = 0
+        self.reports = []
+        self._marks = [alloc.leak_mark()]  # the mark at each step's end, oldest first
+        self._hook = None  # what calls step(), when something does (gpumem.torch)
+
+    def remove(self):
+        """Stops the calls to step() that gpumem.torch.watch_leaks installed."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def step(self):
+        """Ends a step; returns the report (a dict) when one is made."""
+        self.steps += 1
+        self._marks.append(self.allocator.leak_mark())
+        del self._marks[: -(self.patience + 2)]
+        if len(self._marks) < self.patience + 2:
+            return None
+        # the completed steps before the current one: (marks[i], marks[i + 1]]
+        window = self._marks[:-1]
+        live = [self.allocator.leaks(m)["count"] for m in window]
+        if not all(live[i] > live[i + 1] for i in range(len(live) - 1)):
+            return None
+        report = self.allocator.leaks(window[0])
+        report["steps"] = self.steps
+        text = self.allocator.leak_report(window[0])
+        self.reports.append(report)
+        self._marks = self._marks[-1:]
+        msg = "the last %d steps (to step %d) each kept allocations alive past the next step:\n%s" % (
+            self.patience,
+            self.steps,
+            text,
+        )
+        if self.action == "raise":
+            raise errors.LeakError(msg, report)
+        if self.action == "warn":
+            warnings.warn(msg, errors.LeakWarning, stacklevel=3)
+        return report
+
+
 def leak_check(device=None, action="warn", collect=True):
     """with gpumem.leak_check(): step() -- reports the allocations of
     device's allocator (the one PyTorch and CuPy use) made inside the block

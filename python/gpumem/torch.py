@@ -29,7 +29,8 @@ cuDNN's benchmark mode (kept off, with a warning: it needs the allocator's
 cacheInfo), CUDA IPC sharing of tensors between processes. Memory snapshots
 work through gpumem: torch.cuda.memory._record_memory_history, _snapshot,
 _dump_snapshot and memory_snapshot record and report gpumem's events and
-segments (without stack frames). See docs/python.md.
+segments (without stack frames). Leaks: gpumem.leak_check() around a
+block, or watch_leaks() for a whole training loop. See docs/python.md.
 """
 
 import ctypes
@@ -555,6 +556,24 @@ def enable(conf=None, shim=True):
         _install_patches(torch, state.originals)
         _state = state
         return status()
+
+
+def watch_leaks(patience=3, action="warn", device=None):
+    """Watches a training loop for leaks with no change to it: after every
+    optimizer step (torch.optim's global step hook) a StepLeakWatcher looks
+    at what the steps before kept alive, and reports (LeakWarning by
+    default; action="raise" raises LeakError, None only records in
+    .reports) when patience steps in a row each kept allocations alive past
+    the next step, the groups they left with their allocation numbers and
+    tags. Returns the watcher; its remove() stops the watching. gpumem must
+    serve PyTorch (enable()) for it to see the allocations."""
+    _torch()
+    # torch.optim does not export its optimizer module as an attribute
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    watcher = _alloc.StepLeakWatcher(_alloc.allocator(device), patience, action)
+    watcher._hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: watcher.step())
+    return watcher
 
 
 def _torch_check_fail_addr(torch):

@@ -97,6 +97,53 @@ class LeakTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             self.a.leak_check(action="shout")
 
+    def test_step_watcher(self):
+        # weights, then optimizer state made in the first step and kept:
+        # never reported
+        self.a.malloc(32 * MIB)
+        w = gpumem.StepLeakWatcher(self.a, patience=3, action=None)
+        grads = []
+        state = []
+
+        def train_step(leak):
+            for g in grads:  # zero_grad(set_to_none=True) of the step before
+                self.a.free(g)
+            grads.clear()
+            tmp = self.a.malloc(64 * MIB)
+            grads.append(self.a.malloc(4 * MIB))  # lives until the next step
+            if not state:
+                state.append(self.a.malloc(8 * MIB))
+            if leak:
+                kept.append(self.a.malloc(2 * MIB))
+            self.a.free(tmp)
+            return w.step()
+
+        kept = []
+        for _ in range(8):
+            self.assertIsNone(train_step(False))
+        self.assertEqual(w.reports, [])
+        # a leak from step 9 on: reported once three completed steps kept
+        # something (at the end of step 12), then after three more
+        got = [train_step(True) for _ in range(8)]
+        self.assertEqual([i for i, r in enumerate(got) if r], [3, 7])
+        first = w.reports[0]
+        self.assertEqual(first["steps"], 12)
+        # the kept tensors (three steps before and this one), then this
+        # step's gradients
+        self.assertEqual([g["requested"] for g in first["groups"]], [2 * MIB, 4 * MIB])
+        self.assertEqual(first["groups"][0]["count"], 4)
+        # once it stops leaking, nothing more
+        self.assertTrue(all(train_step(False) is None for _ in range(6)))
+        self.assertEqual(len(w.reports), 2)
+        with self.assertRaises(gpumem.LeakError):
+            r = gpumem.StepLeakWatcher(self.a, patience=1, action="raise")
+            kept.append(self.a.malloc(MIB))
+            r.step()
+            kept.append(self.a.malloc(MIB))
+            r.step()
+        with self.assertRaises(ValueError):
+            gpumem.StepLeakWatcher(self.a, patience=0)
+
     def test_oom_snapshot(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "oom-%p.json")

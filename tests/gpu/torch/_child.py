@@ -426,6 +426,29 @@ def leaks(args):
     check("the report says so", "still live" in bad.report and "tags 1..5" in bad.report)
     del kept
     check("once dropped, nothing", gpumem.leaks(bad.mark)["count"] == 0)
+    # the whole loop watched through torch.optim's step hook: four clean
+    # steps, then each keeps its loss (one scalar a step)
+    import gpumem.torch
+
+    watcher = gpumem.torch.watch_leaks(patience=3, action=None)
+    history = []
+    for step in range(10):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step >= 4:
+            history.append(loss)
+    watcher.remove()
+    opt.step()  # not counted once removed
+    reports = watcher.reports
+    check("watch_leaks: counted every step", watcher.steps == 10)
+    check("watch_leaks: one report, at the step after three kept losses", [r["steps"] for r in reports] == [8])
+    watched = reports[0]["groups"] if reports else []
+    # the three kept losses and the current step's own (alive at its hook)
+    scalar = [g for g in watched if g["requested"] == 4]
+    check("watch_leaks: the kept losses", len(scalar) == 1 and scalar[0]["count"] == 4)
+    del history
     report = ""
     try:
         torch.empty(200 << 30, dtype=torch.uint8, device="cuda")
@@ -445,7 +468,13 @@ def leaks(args):
         check("post-mortem's allocated == memory_allocated", allocated == torch.cuda.memory_allocated())
         check("post-mortem read by segsum", "total_reserved" in _memory_viz.segsum(snap))
     check("gpumem check", gpumem.allocator().check() == 0)
-    emit(checks=checks, groups=groups[:3], report=bad.report.splitlines()[:4], oom=report[-300:])
+    emit(
+        checks=checks,
+        groups=groups[:3],
+        report=bad.report.splitlines()[:4],
+        watched=[(g["requested"], g["count"]) for g in watched],
+        oom=report[-300:],
+    )
 
 
 def too_late(args):
