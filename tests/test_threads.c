@@ -3,10 +3,13 @@
  * frees its own blocks and blocks other threads handed over through a
  * shared mailbox, and marks some blocks used on other streams. At the end
  * gpumem_check finds nothing, every byte is accounted for and the
- * simulated device holds exactly what the allocator says it reserves. */
+ * simulated device holds exactly what the allocator says it reserves. An
+ * observer thread reads leak reports and snapshots meanwhile: each must be
+ * self-consistent though the allocator changes under it. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <time.h>
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
@@ -20,6 +23,7 @@ typedef struct shared {
   void* mailbox[MAILBOX]; /* blocks one thread allocates and another frees */
   int mailbox_count;
   atomic_long failures;
+  atomic_int done;
 } shared_t;
 
 typedef struct worker {
@@ -80,6 +84,31 @@ static void* worker_main(void* arg) {
   return NULL;
 }
 
+/* Leak reports and snapshots taken while the workers run. */
+static void* observer_main(void* arg) {
+  shared_t* sh = arg;
+  long reports = 0;
+  while (!atomic_load(&sh->done)) {
+    uint64_t mark = gpumem_leak_mark(sh->gm);
+    gpumem_leaks_t l;
+    if (gpumem_find_leaks(sh->gm, mark / 2, &l) != GPUMEM_OK ||
+        !(l.made >= mark && l.count <= l.made - l.since && (!l.count || l.oldest > l.since) &&
+          l.newest <= l.made && l.groups <= l.count && l.requested_bytes <= l.bytes)) {
+      atomic_fetch_add(&sh->failures, 1);
+    }
+    sink_t t = {0};
+    if (gpumem_print_leaks_json(sh->gm, mark, sink_write, &t) != 0 ||
+        gpumem_snapshot_json(sh->gm, 0, NULL, sink_write, &t) != 0) {
+      atomic_fetch_add(&sh->failures, 1);
+    }
+    sink_free(&t);
+    reports++;
+    nanosleep(&(struct timespec){0, 1000000}, NULL); /* 1 ms: observe, do not crowd out */
+  }
+  CHECK_MSG(reports > 0, "the observer never ran");
+  return NULL;
+}
+
 static void run(const char* conf) {
   gpumem_sim_options_t so;
   gpumem_sim_options_init(&so);
@@ -104,7 +133,11 @@ static void run(const char* conf) {
     workers[i].index = i;
     CHECK(pthread_create(&threads[i], NULL, worker_main, &workers[i]) == 0);
   }
+  pthread_t observer;
+  CHECK(pthread_create(&observer, NULL, observer_main, &sh) == 0);
   for (int i = 0; i < THREADS; i++) pthread_join(threads[i], NULL);
+  atomic_store(&sh.done, 1);
+  pthread_join(observer, NULL);
   for (int i = 0; i < sh.mailbox_count; i++)
     CHECK_STATUS(gpumem_free(sh.gm, sh.mailbox[i]), GPUMEM_OK);
   CHECK_MSG(atomic_load(&sh.failures) == 0, "%s: %ld operations failed: %s", conf,
@@ -124,6 +157,12 @@ static void run(const char* conf) {
       (long long)st.backend_calls[GPUMEM_CALL_event_record],
       (long long)(st.reserved_bytes[GPUMEM_POOL_ALL].peak >> 20));
   CHECK(st.allocation[GPUMEM_POOL_ALL].allocated > THREADS * OPS / 4);
+  gpumem_leaks_t left;
+  CHECK_STATUS(gpumem_find_leaks(sh.gm, 0, &left), GPUMEM_OK);
+  CHECK_MSG(left.count == 0 && left.made == (uint64_t)st.allocation[GPUMEM_POOL_ALL].allocated,
+            "%s: %llu live, %llu made, %lld allocations counted", conf,
+            (unsigned long long)left.count, (unsigned long long)left.made,
+            (long long)st.allocation[GPUMEM_POOL_ALL].allocated);
   gpumem_sim_counters_t c;
   gpumem_sim_get_counters(sim, &c);
   CHECK_MSG((int64_t)c.bytes_in_use == st.reserved_bytes[GPUMEM_POOL_ALL].current,
