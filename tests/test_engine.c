@@ -32,52 +32,6 @@
 #define SB ((gpumem_stream_t)0xB0)
 #define SC ((gpumem_stream_t)0xC0)
 
-typedef struct fx {
-  gpumem_backend_t* sim;
-  gpumem_t* gm;
-} fx_t;
-
-/* A fresh device and allocator. conf is a GPUMEM_CONF string (policy and
- * the rest); the allocator does not own the device, so fx_done can check
- * that it left nothing behind. */
-static fx_t fx_new(const char* conf, size_t capacity, int event_delay) {
-  fx_t f = {NULL, NULL};
-  gpumem_sim_options_t so;
-  gpumem_sim_options_init(&so);
-  so.capacity = capacity;
-  so.event_delay_queries = event_delay;
-  f.sim = gpumem_sim_create(&so);
-  CHECK(f.sim != NULL);
-  if (!f.sim) return f;
-  gpumem_options_t o;
-  gpumem_options_init(&o);
-  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
-  gpumem_status_t st;
-  f.gm = gpumem_create(f.sim, &o, &st);
-  CHECK_MSG(f.gm != NULL, "create(%s): %s", conf, gpumem_last_error());
-  return f;
-}
-
-static void fx_done(fx_t* f) {
-  if (f->gm) {
-    size_t v = gpumem_check(f->gm);
-    CHECK_MSG(v == 0, "gpumem_check: %s", gpumem_last_error());
-  }
-  gpumem_destroy(f->gm);
-  if (f->sim) {
-    gpumem_sim_counters_t c;
-    gpumem_sim_get_counters(f->sim, &c);
-    CHECK_MSG(c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
-                  c.plain_live == 0 && c.events_live == 0,
-              "the device holds %llu bytes, %llu ranges, %llu events after destroy",
-              (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
-              (unsigned long long)c.events_live);
-    gpumem_sim_destroy(f->sim);
-  }
-  f->gm = NULL;
-  f->sim = NULL;
-}
-
 static gpumem_stats_t stats(fx_t* f) {
   gpumem_stats_t s;
   gpumem_get_stats(f->gm, &s);

@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 #define MIB ((size_t)1 << 20)
+#define GIB8 ((size_t)8 << 30)
 
 static char* snapshot(gpumem_t* gm, int device) {
   sink_t t = {0};
@@ -59,34 +60,6 @@ static size_t count(const char* s, const char* what) {
   return n;
 }
 
-typedef struct fx {
-  gpumem_backend_t* sim;
-  gpumem_t* gm;
-} fx_t;
-
-static fx_t fx_new(const char* conf, int event_delay) {
-  fx_t f = {NULL, NULL};
-  gpumem_sim_options_t so;
-  gpumem_sim_options_init(&so);
-  so.capacity = (size_t)8 << 30;
-  so.event_delay_queries = event_delay;
-  f.sim = gpumem_sim_create(&so);
-  CHECK(f.sim != NULL);
-  gpumem_options_t o;
-  gpumem_options_init(&o);
-  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
-  gpumem_status_t st;
-  f.gm = f.sim ? gpumem_create(f.sim, &o, &st) : NULL;
-  CHECK_MSG(f.gm != NULL, "create(%s): %s", conf, gpumem_last_error());
-  return f;
-}
-
-static void fx_done(fx_t* f) {
-  if (f->gm) CHECK_MSG(gpumem_check(f->gm) == 0, "%s", gpumem_last_error());
-  gpumem_destroy(f->gm);
-  gpumem_sim_destroy(f->sim);
-}
-
 static void* alloc_tagged(gpumem_t* gm, size_t size, gpumem_stream_t stream, uint64_t tag) {
   void* p = NULL;
   gpumem_set_history_tag(gm, tag);
@@ -96,7 +69,7 @@ static void* alloc_tagged(gpumem_t* gm, size_t size, gpumem_stream_t stream, uin
 
 /* The ring keeps the last events, oldest first, with their tags. */
 static void test_ring(const char* conf) {
-  fx_t f = fx_new(conf, 0);
+  fx_t f = fx_new(conf, GIB8, 0);
   if (!f.gm) return fx_done(&f);
   char* json = snapshot(f.gm, 0);
   CHECK_MSG(json && count(json, "\"action\"") == 0 && strstr(json, "\"device_traces\":[[]]"),
@@ -162,7 +135,7 @@ static void test_ring(const char* conf) {
 /* A free that waits for another stream's work: requested at once,
  * completed when the event is; meanwhile the block is pending. */
 static void test_pending_free(void) {
-  fx_t f = fx_new("policy:default", 3);
+  fx_t f = fx_new("policy:default", GIB8, 3);
   if (!f.gm) return fx_done(&f);
   CHECK_STATUS(gpumem_record_history(f.gm, 64), GPUMEM_OK);
   void* p = alloc_tagged(f.gm, 4 * MIB, 1, 11);
@@ -191,7 +164,7 @@ static void test_pending_free(void) {
 /* An out-of-memory failure is an event: the request's size, and the
  * device's free bytes in addr and device_free, as PyTorch files them. */
 static void test_oom_event(void) {
-  fx_t f = fx_new("policy:default,limit:64M", 0);
+  fx_t f = fx_new("policy:default,limit:64M", GIB8, 0);
   if (!f.gm) return fx_done(&f);
   CHECK_STATUS(gpumem_record_history(f.gm, 16), GPUMEM_OK);
   void* p = NULL;
@@ -211,7 +184,7 @@ static void test_oom_event(void) {
 
 /* Bad arguments and failures change nothing. */
 static void test_failures(void) {
-  fx_t f = fx_new("policy:default", 0);
+  fx_t f = fx_new("policy:default", GIB8, 0);
   if (!f.gm) return fx_done(&f);
   sink_t t = {0};
   CHECK(gpumem_snapshot_json(NULL, 0, NULL, sink_write, &t) == GPUMEM_ERR_INVALID_ARGUMENT);

@@ -17,39 +17,13 @@
 #include "test_util.h"
 
 #define MIB ((size_t)1 << 20)
+#define GIB8 ((size_t)8 << 30)
 
 static const char* const confs[] = {
     "policy:default",
     "policy:pytorch",
     "policy:default,reclaim:pressure,placement:bestfit",
 };
-
-typedef struct fx {
-  gpumem_backend_t* sim;
-  gpumem_t* gm;
-} fx_t;
-
-static fx_t fx_new(const char* conf) {
-  fx_t f = {NULL, NULL};
-  gpumem_sim_options_t so;
-  gpumem_sim_options_init(&so);
-  so.capacity = (size_t)8 << 30;
-  f.sim = gpumem_sim_create(&so);
-  CHECK(f.sim != NULL);
-  gpumem_options_t o;
-  gpumem_options_init(&o);
-  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
-  gpumem_status_t st;
-  f.gm = f.sim ? gpumem_create(f.sim, &o, &st) : NULL;
-  CHECK_MSG(f.gm != NULL, "create(%s): %s", conf, gpumem_last_error());
-  return f;
-}
-
-static void fx_done(fx_t* f) {
-  if (f->gm) CHECK_MSG(gpumem_check(f->gm) == 0, "%s", gpumem_last_error());
-  gpumem_destroy(f->gm);
-  gpumem_sim_destroy(f->sim);
-}
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static uint64_t rng(void) {
@@ -107,7 +81,7 @@ static void compare(gpumem_t* gm, const shadow_t* live, size_t n, uint64_t since
  * every report agrees with the shadow, and the allocator stays consistent
  * though serials and tags live where free blocks keep their tree links. */
 static void test_random(const char* conf) {
-  fx_t f = fx_new(conf);
+  fx_t f = fx_new(conf, GIB8, 0);
   if (!f.gm) return fx_done(&f);
   enum { MAX_LIVE = 256, STEPS = 3000 };
   shadow_t live[MAX_LIVE];
@@ -163,7 +137,7 @@ static size_t count(const char* s, const char* what) {
  * temporaries: one group, five allocations, tags 1..5, and nothing after a
  * mark taken at the end. */
 static void test_loop_report(const char* conf) {
-  fx_t f = fx_new(conf);
+  fx_t f = fx_new(conf, GIB8, 0);
   if (!f.gm) return fx_done(&f);
   void* weights = NULL;
   CHECK_STATUS(gpumem_malloc(f.gm, 64 * MIB, 0, &weights), GPUMEM_OK);
@@ -298,7 +272,7 @@ static void test_oom_snapshot(const char* conf) {
   CHECK(mkdtemp(dir) != NULL);
   char full[600];
   snprintf(full, sizeof full, "%s,limit:64M,oom_snapshot:%s/post-%%p.json", conf, dir);
-  fx_t f = fx_new(full);
+  fx_t f = fx_new(full, GIB8, 0);
   if (!f.gm) return fx_done(&f);
   void* a = NULL;
   void* b = NULL;
@@ -333,7 +307,7 @@ static void test_oom_snapshot(const char* conf) {
 
   /* A directory that is not there. */
   snprintf(full, sizeof full, "%s,limit:64M,oom_snapshot:%s/missing/post.json", conf, dir);
-  f = fx_new(full);
+  f = fx_new(full, GIB8, 0);
   if (!f.gm) return fx_done(&f);
   CHECK_STATUS(gpumem_malloc(f.gm, 80 * MIB, 0, &b), GPUMEM_ERR_OUT_OF_MEMORY);
   CHECK_MSG(strstr(gpumem_last_error(), "Post-mortem: could not write the snapshot to ") &&
@@ -350,7 +324,7 @@ static void test_bad_arguments(void) {
   CHECK_STATUS(gpumem_find_leaks(NULL, 0, &l), GPUMEM_ERR_INVALID_ARGUMENT);
   CHECK(strstr(gpumem_last_error(), "gpumem_find_leaks: NULL argument") != NULL);
   CHECK(gpumem_leak_mark(NULL) == 0);
-  fx_t f = fx_new("policy:default");
+  fx_t f = fx_new("policy:default", GIB8, 0);
   if (!f.gm) return fx_done(&f);
   CHECK_STATUS(gpumem_find_leaks(f.gm, 0, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
   CHECK(gpumem_print_leaks(f.gm, 0, NULL, NULL) == GPUMEM_ERR_INVALID_ARGUMENT);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "gpumem.h"
+#include "gpumem_backend.h"
 
 static long test_checks_passed;
 static long test_checks_failed;
@@ -91,6 +92,53 @@ static inline int sink_write(const char* text, size_t len, void* arg) {
 static inline void sink_free(sink_t* s) {
   free(s->text);
   memset(s, 0, sizeof *s);
+}
+
+/* The tests' fixture: a simulated device and an allocator over it. */
+typedef struct fx {
+  gpumem_backend_t* sim;
+  gpumem_t* gm;
+} fx_t;
+
+/* A fresh device and allocator. conf is a GPUMEM_CONF string (policy and
+ * the rest); the allocator does not own the device, so fx_done can check
+ * that it left nothing behind. */
+static inline fx_t fx_new(const char* conf, size_t capacity, int event_delay) {
+  fx_t f = {NULL, NULL};
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = capacity;
+  so.event_delay_queries = event_delay;
+  f.sim = gpumem_sim_create(&so);
+  CHECK(f.sim != NULL);
+  if (!f.sim) return f;
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
+  gpumem_status_t st;
+  f.gm = gpumem_create(f.sim, &o, &st);
+  CHECK_MSG(f.gm != NULL, "create(%s): %s", conf, gpumem_last_error());
+  return f;
+}
+
+static inline void fx_done(fx_t* f) {
+  if (f->gm) {
+    size_t v = gpumem_check(f->gm);
+    CHECK_MSG(v == 0, "gpumem_check: %s", gpumem_last_error());
+  }
+  gpumem_destroy(f->gm);
+  if (f->sim) {
+    gpumem_sim_counters_t c;
+    gpumem_sim_get_counters(f->sim, &c);
+    CHECK_MSG(c.bytes_in_use == 0 && c.ranges_reserved == 0 && c.pages_live == 0 &&
+                  c.plain_live == 0 && c.events_live == 0,
+              "the device holds %llu bytes, %llu ranges, %llu events after destroy",
+              (unsigned long long)c.bytes_in_use, (unsigned long long)c.ranges_reserved,
+              (unsigned long long)c.events_live);
+    gpumem_sim_destroy(f->sim);
+  }
+  f->gm = NULL;
+  f->sim = NULL;
 }
 
 /* Exit code CTest reports as "skipped". */

@@ -1052,22 +1052,38 @@ static int cmd_replay(int argc, char** argv) {
 
 /* ---- summary ---------------------------------------------------------- */
 
+/* Parses the arguments of a command that takes one trace. Returns -1 when
+ * the command goes on, else its exit code (help printed, or a usage error;
+ * cli->traces freed). */
+static int parse_one_trace(int argc, char** argv, unsigned allowed, const char* usage, cli_t* cli) {
+  memset(cli, 0, sizeof *cli);
+  int rc = parse_args(argc, argv, allowed, usage, cli);
+  if (rc == 0 && cli->help) {
+    fputs(usage, stdout);
+  } else if (rc == 0 && cli->num_traces != 1) {
+    rc = usage_error(usage, cli->num_traces ? "one trace at a time" : "no trace given");
+  } else if (rc == 0) {
+    return -1;
+  }
+  free(cli->traces);
+  return rc;
+}
+
+/* The trace of a one-trace command, and a slot per allocation for it. */
+static int load_with_slots(const cli_t* cli, trace_t** t, void*** slots) {
+  if (trace_load(cli->traces[0], t) != GPUMEM_OK) return error("%s", detail(gpumem_last_error()));
+  *slots = calloc((*t)->num_allocs ? (*t)->num_allocs : 1, sizeof **slots);
+  return *slots ? 0 : error("out of host memory");
+}
+
 static int cmd_summary(int argc, char** argv) {
   cli_t cli;
-  memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
                      (1u << OPT_DEVICE) | (1u << OPT_CAPACITY) | (1u << OPT_JSON) |
                      (1u << OPT_HELP);
-  int rc = parse_args(argc, argv, allowed, usage_summary, &cli);
-  if (rc == 0 && cli.help) {
-    fputs(usage_summary, stdout);
-  } else if (rc == 0 && cli.num_traces != 1) {
-    rc = usage_error(usage_summary, cli.num_traces ? "one trace at a time" : "no trace given");
-  }
-  if (rc != 0 || cli.help) {
-    free(cli.traces);
-    return rc;
-  }
+  int rc = parse_one_trace(argc, argv, allowed, usage_summary, &cli);
+  if (rc >= 0) return rc;
+  rc = 0;
 
   trace_t* t = NULL;
   replay_session_t* session = NULL;
@@ -1186,32 +1202,16 @@ static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
 
 static int cmd_explain(int argc, char** argv) {
   cli_t cli;
-  memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
                      (1u << OPT_CAPACITY) | (1u << OPT_SNAPSHOT) | (1u << OPT_HELP);
-  int rc = parse_args(argc, argv, allowed, usage_explain, &cli);
-  if (rc == 0 && cli.help) {
-    fputs(usage_explain, stdout);
-  } else if (rc == 0 && cli.num_traces != 1) {
-    rc = usage_error(usage_explain, cli.num_traces ? "one trace at a time" : "no trace given");
-  }
-  if (rc != 0 || cli.help) {
-    free(cli.traces);
-    return rc;
-  }
+  int rc = parse_one_trace(argc, argv, allowed, usage_explain, &cli);
+  if (rc >= 0) return rc;
+  rc = 0;
   trace_t* t = NULL;
   gpumem_t* gm = NULL;
   void** slots = NULL;
   gpumem_options_t opts;
-  if (trace_load(cli.traces[0], &t) != GPUMEM_OK) {
-    rc = error("%s", detail(gpumem_last_error()));
-    goto done;
-  }
-  slots = calloc(t->num_allocs ? t->num_allocs : 1, sizeof *slots);
-  if (!slots) {
-    rc = error("out of host memory");
-    goto done;
-  }
+  if ((rc = load_with_slots(&cli, &t, &slots)) != 0) goto done;
   /* Two runs on fresh allocators: the first finds the peak, the second
    * stops right after it. Replays on the simulated device are
    * deterministic, so both see the same state at that event. */
@@ -1294,32 +1294,20 @@ static const char usage_leaks[] =
 
 static int cmd_leaks(int argc, char** argv) {
   cli_t cli;
-  memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
                      (1u << OPT_CAPACITY) | (1u << OPT_SINCE_LINE) | (1u << OPT_JSON) |
                      (1u << OPT_HELP);
-  int rc = parse_args(argc, argv, allowed, usage_leaks, &cli);
-  if (rc == 0 && cli.help) {
-    fputs(usage_leaks, stdout);
-  } else if (rc == 0 && cli.num_traces != 1) {
-    rc = usage_error(usage_leaks, cli.num_traces ? "one trace at a time" : "no trace given");
-  }
-  if (rc != 0 || cli.help) {
-    free(cli.traces);
-    return rc;
-  }
+  int rc = parse_one_trace(argc, argv, allowed, usage_leaks, &cli);
+  if (rc >= 0) return rc;
+  rc = 0;
   trace_t* t = NULL;
   gpumem_t* gm = NULL;
   void** slots = NULL;
   gpumem_options_t opts;
-  if (trace_load(cli.traces[0], &t) != GPUMEM_OK) {
-    rc = error("%s", detail(gpumem_last_error()));
-    goto done;
-  }
-  slots = calloc(t->num_allocs ? t->num_allocs : 1, sizeof *slots);
-  if (!slots || replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
+  if ((rc = load_with_slots(&cli, &t, &slots)) != 0) goto done;
+  if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
       replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
-    rc = error("%s", slots ? detail(gpumem_last_error()) : "out of host memory");
+    rc = error("%s", detail(gpumem_last_error()));
     goto done;
   }
   /* The mark: the allocations made before the first event at the line. */
