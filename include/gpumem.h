@@ -388,9 +388,10 @@ GPUMEM_API gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out);
  * forgets them. Calling it again starts over. GPUMEM_ERR_HOST_MEMORY when
  * the ring cannot be made (recording stays as it was). */
 GPUMEM_API gpumem_status_t gpumem_record_history(gpumem_t* gm, size_t max_entries);
-/* Events recorded from now on carry tag (0: none); the snapshot shows a
- * tagged event, and the block it made, with one frame {file, line = tag}:
- * a training step, a layer, a trace's line number. */
+/* Events recorded and allocations made from now on carry tag (0: none):
+ * the snapshot shows a tagged event or live block with one frame {file,
+ * line = tag}, and leak reports name the tags of what they list (a
+ * training step, a layer, a trace's line number). */
 GPUMEM_API void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag);
 /* Writes every segment with the blocks that tile it, and the recorded
  * events, as one JSON object shaped like torch.cuda.memory._snapshot()'s

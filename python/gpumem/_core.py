@@ -330,8 +330,9 @@ class Allocator:
         _lib.check(self._lib.gpumem_record_history(self._h(), n), "record_memory_history")
 
     def set_history_tag(self, tag):
-        """Events recorded from now on carry tag (an int; 0 none): the
-        snapshot shows it as their frame's line."""
+        """Events recorded and allocations made from now on carry tag (an
+        int; 0 none): the snapshot shows it as their frame's line, leak
+        reports as their tags."""
         self._lib.gpumem_set_history_tag(self._h(), int(tag))
 
     def memory_snapshot(self, device=0, tag_file=None):
