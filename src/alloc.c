@@ -909,6 +909,8 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
         "live allocations fill the memory: free tensors, lower the batch size, or use activation "
         "checkpointing";
   }
+  char live[512];
+  gm_live_groups_locked(gm, live, sizeof live);
   char snapshot[sizeof gm->opts.oom_snapshot + 80] = "";
   if (cause == GPUMEM_ERR_OUT_OF_MEMORY && gm->opts.oom_snapshot[0]) {
     char said[sizeof snapshot - 16];
@@ -919,12 +921,12 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
       "gpumem: %s: tried to allocate %s (%zu bytes) on stream 0x%lx. Device: %s total, %s free. "
       "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, "
       "%s cached "
-      "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.%s",
+      "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.%s%s",
       cause == GPUMEM_ERR_OUT_OF_MEMORY ? "out of memory" : "allocation failed", req, size,
       (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached,
       largest, st.fragmentation * 100.0,
       gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
-      cause_text[0] ? cause_text : gpumem_strerror(cause), advice, snapshot);
+      cause_text[0] ? cause_text : gpumem_strerror(cause), advice, live, snapshot);
 }
 
 /* ---- per-device default instances ---- */

@@ -691,6 +691,10 @@ GM_COLD bool gm_oom_snapshot(gpumem_t* gm, char* said, size_t said_cap);
 /* The allocations gm still holds, on stderr, when there are any (option
  * leak_check); when says at what moment. */
 GM_COLD void gm_leak_check_report(gpumem_t* gm, const char* when);
+/* For the out-of-memory report, with the lock held: " Live: N allocations
+ * in G groups ...; the largest: ..." (the three groups holding most), or
+ * "" when nothing is live or host memory is short. */
+GM_COLD void gm_live_groups_locked(gpumem_t* gm, char* out, size_t cap);
 
 /* ---- publication (publish.c) ---- */
 

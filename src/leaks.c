@@ -60,17 +60,15 @@ static int by_bytes_then_age(const void* pa, const void* pb) {
   return a->first_serial < b->first_serial ? -1 : a->first_serial > b->first_serial;
 }
 
-/* The live allocations made after since, copied out under the lock. */
-static gpumem_status_t collect(gpumem_t* gm, uint64_t since, leak_rec** out, size_t* n_out,
-                               uint64_t* made) {
-  gm_lock_acquire(&gm->lock);
+/* The live allocations made after since, copied out (gm's lock held). */
+static gpumem_status_t collect_locked(gpumem_t* gm, uint64_t since, leak_rec** out, size_t* n_out,
+                                      uint64_t* made) {
   size_t n = 0;
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg)
     for (const gm_block* b = seg->first; b; b = b->next)
       n += b->state == GM_ALLOCATED && b->serial > since;
   leak_rec* recs = malloc((n ? n : 1) * sizeof *recs);
   if (!recs) {
-    gm_lock_release(&gm->lock);
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem leaks: out of host memory for %zu records", n);
   }
   size_t k = 0;
@@ -82,19 +80,22 @@ static gpumem_status_t collect(gpumem_t* gm, uint64_t since, leak_rec** out, siz
     }
   }
   *made = gm->num_mallocs;
-  gm_lock_release(&gm->lock);
   *out = recs;
   *n_out = n;
   return GPUMEM_OK;
 }
 
-static gpumem_status_t find(gpumem_t* gm, uint64_t since, leak_set* set) {
+/* The groups of the live allocations made after since; locked: whether
+ * the caller holds gm's lock already. */
+static gpumem_status_t find(gpumem_t* gm, uint64_t since, bool locked, leak_set* set) {
   memset(set, 0, sizeof *set);
   set->sum.struct_size = sizeof set->sum;
   set->sum.since = since;
   leak_rec* recs = NULL;
   size_t n = 0;
-  gpumem_status_t st = collect(gm, since, &recs, &n, &set->sum.made);
+  if (!locked) gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = collect_locked(gm, since, &recs, &n, &set->sum.made);
+  if (!locked) gm_lock_release(&gm->lock);
   if (st != GPUMEM_OK) return st;
   qsort(recs, n, sizeof *recs, by_group_then_serial);
   set->groups = calloc(n ? n : 1, sizeof *set->groups);
@@ -135,7 +136,7 @@ static gpumem_status_t find(gpumem_t* gm, uint64_t since, leak_set* set) {
 gpumem_status_t gpumem_find_leaks(gpumem_t* gm, uint64_t since, gpumem_leaks_t* out) {
   if (!gm || !out) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_find_leaks: NULL argument");
   leak_set set;
-  gpumem_status_t st = find(gm, since, &set);
+  gpumem_status_t st = find(gm, since, false, &set);
   if (st != GPUMEM_OK) return st;
   *out = set.sum;
   free(set.groups);
@@ -215,7 +216,7 @@ static void print_json(gm_emitter* e, const leak_set* set) {
 static int print(gpumem_t* gm, uint64_t since, bool json, const char* title, gpumem_write_fn write,
                  void* arg) {
   leak_set set;
-  gpumem_status_t st = find(gm, since, &set);
+  gpumem_status_t st = find(gm, since, false, &set);
   if (st != GPUMEM_OK) return (int)st;
   gm_emitter e = {write, arg, 0};
   if (json)
@@ -245,4 +246,34 @@ void gm_leak_check_report(gpumem_t* gm, const char* when) {
   char title[96];
   snprintf(title, sizeof title, "gpumem leak check (%s)", when);
   print(gm, 0, false, title, gpumem_write_to_file, stderr);
+}
+
+void gm_live_groups_locked(gpumem_t* gm, char* out, size_t cap) {
+  out[0] = '\0';
+  leak_set set;
+  if (find(gm, 0, true, &set) != GPUMEM_OK) return; /* no host memory: the report goes without */
+  size_t n = 0;
+  if (set.sum.count) {
+    n = (size_t)snprintf(out, cap,
+                         " Live: %" PRIu64 " allocation%s in %" PRIu64
+                         " group%s of one size and stream; the largest:",
+                         set.sum.count, set.sum.count == 1 ? "" : "s", set.sum.groups,
+                         set.sum.groups == 1 ? "" : "s");
+  }
+  for (uint64_t i = 0; i < set.sum.groups && i < 3 && n < cap; i++) {
+    const leak_group* g = &set.groups[i];
+    char each[32], serials[48], tags[64] = "";
+    if (g->count > 1)
+      snprintf(serials, sizeof serials, "#%" PRIu64 "..#%" PRIu64, g->first_serial, g->last_serial);
+    else
+      snprintf(serials, sizeof serials, "#%" PRIu64, g->first_serial);
+    if (g->first_tag && g->first_tag == g->last_tag)
+      snprintf(tags, sizeof tags, ", tag %" PRIu64, g->first_tag);
+    else if (g->first_tag || g->last_tag)
+      snprintf(tags, sizeof tags, ", tags %" PRIu64 "..%" PRIu64, g->first_tag, g->last_tag);
+    n += (size_t)snprintf(out + n, cap - n, "%s %" PRIu64 " x %s (%s%s)", i ? "," : "", g->count,
+                          gm_format_bytes(g->requested, each, sizeof each), serials, tags);
+  }
+  if (set.sum.count && n < cap) snprintf(out + n, cap - n, ".");
+  free(set.groups);
 }

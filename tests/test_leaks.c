@@ -180,6 +180,15 @@ static void test_loop_report(const char* conf) {
   CHECK_MSG(t.text && strstr(t.text, "no allocation made after #21 is live"), "%s: %s", conf,
             t.text ? t.text : "(nothing)");
   sink_free(&t);
+  /* An out-of-memory report names the same groups, most bytes first. */
+  CHECK_STATUS(gpumem_set_limit(f.gm, 128 * MIB), GPUMEM_OK);
+  void* huge = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, 512 * MIB, 0, &huge), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(),
+                   " Live: 6 allocations in 2 groups of one size and stream; the largest: 1 x "
+                   "64.00 MiB (#1), 5 x 4.00 MiB (#5..#21, tags 1..5)."),
+            "%s: %s", conf, gpumem_last_error());
+  gpumem_remove_limit(f.gm);
   for (int k = 0; k < 5; k++) CHECK_STATUS(gpumem_free(f.gm, kept[k]), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(f.gm, weights), GPUMEM_OK);
   fx_done(&f);
@@ -284,6 +293,11 @@ static void test_oom_snapshot(const char* conf) {
   CHECK_MSG(strstr(gpumem_last_error(), "Post-mortem: snapshot written to ") &&
                 strstr(gpumem_last_error(), path),
             "%s: %s", conf, gpumem_last_error());
+  /* The report names what is live, the largest groups first. */
+  CHECK_MSG(strstr(gpumem_last_error(),
+                   ". Live: 1 allocation in 1 group of one size and stream; the largest: 1 x "
+                   "40.00 MiB (#1, tag 42). Post-mortem: "),
+            "%s: %s", conf, gpumem_last_error());
   FILE* file = fopen(path, "r");
   CHECK_MSG(file != NULL, "%s: no %s", conf, path);
   if (file) {
@@ -311,7 +325,8 @@ static void test_oom_snapshot(const char* conf) {
   if (!f.gm) return fx_done(&f);
   CHECK_STATUS(gpumem_malloc(f.gm, 80 * MIB, 0, &b), GPUMEM_ERR_OUT_OF_MEMORY);
   CHECK_MSG(strstr(gpumem_last_error(), "Post-mortem: could not write the snapshot to ") &&
-                strstr(gpumem_last_error(), "No such file"),
+                strstr(gpumem_last_error(), "No such file") &&
+                !strstr(gpumem_last_error(), " Live: "),
             "%s: %s", conf, gpumem_last_error());
   CHECK_STATUS(gpumem_malloc(f.gm, 40 * MIB, 0, &a), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(f.gm, a), GPUMEM_OK);

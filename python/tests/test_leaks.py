@@ -154,6 +154,7 @@ class LeakTest(unittest.TestCase):
                     a.malloc(40 * MIB)
                 written = path.replace("%p", str(os.getpid()))
                 self.assertIn("Post-mortem: snapshot written to " + written, str(oom.exception))
+                self.assertIn("Live: 1 allocation in 1 group of one size and stream; the largest: 1 x 40.00 MiB (#1, tag 7).", str(oom.exception))
                 with open(written) as f:
                     snap = json.load(f)
                 blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
