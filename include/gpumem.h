@@ -437,6 +437,15 @@ GPUMEM_API int gpumem_print_leaks(gpumem_t* gm, uint64_t since, gpumem_write_fn 
 GPUMEM_API int gpumem_print_leaks_json(gpumem_t* gm, uint64_t since, gpumem_write_fn write,
                                        void* arg);
 
+/* With the option leak_check on: reports now, on stderr, the allocations
+ * gm still holds, as gpumem_destroy (and the exit of a process, for the
+ * per-device instances) would, and not again at destroy or exit; when
+ * names the moment ("at exit"). For hosts whose own teardown frees memory
+ * before the process exits: Python frees the tensors module globals hold
+ * during finalization, before C's exit handlers run. Does nothing with the
+ * option off. */
+GPUMEM_API void gpumem_leak_check_now(gpumem_t* gm, const char* when);
+
 /* ---- publication: figures other processes read (src/publish.c) -------- */
 
 /* One published allocator, as gpumem_published_scan reads it. */

@@ -200,7 +200,7 @@ static void release_all_segments(gpumem_t* gm) {
 
 void gpumem_destroy(gpumem_t* gm) {
   if (!gm) return;
-  if (gm->opts.leak_check) gm_leak_check_report(gm, "at destroy");
+  if (gm->opts.leak_check && !gm->leak_checked) gm_leak_check_report(gm, "at destroy");
   gm_lock_acquire(&gm->lock);
   gm_history_destroy(gm);
   gm_publish_close(gm);
@@ -940,8 +940,8 @@ static pthread_mutex_t default_lock = PTHREAD_MUTEX_INITIALIZER;
 static bool leak_check_at_exit;
 static void check_default_instances(void) {
   for (int d = 0; d < GM_MAX_DEVICES; d++) {
-    if (default_instances[d] && default_instances[d]->opts.leak_check)
-      gm_leak_check_report(default_instances[d], "at exit");
+    gpumem_t* gm = default_instances[d];
+    if (gm && gm->opts.leak_check && !gm->leak_checked) gm_leak_check_report(gm, "at exit");
   }
 }
 

@@ -24,6 +24,10 @@
  * the thread-local message buffer. */
 #define SHOWN(n) ((int)((n) > 200 ? 200 : (n)))
 
+/* Python passes options as an opaque buffer of this size
+ * (python/gpumem/_lib.py, _OPTS_BUF). */
+_Static_assert(sizeof(gpumem_options_t) <= 1024, "gpumem_options_t outgrew Python's buffer");
+
 void gpumem_options_init(gpumem_options_t* opts) {
   if (!opts) return;
   memset(opts, 0, sizeof *opts);

@@ -393,6 +393,7 @@ struct gpumem {
   struct gm_history* history; /* recorded events (history.c); NULL: not recording */
   uint64_t history_tag;       /* carried by the events and allocations from now on */
   uint64_t num_mallocs;       /* allocations made, never reset: leak marks (leaks.c) */
+  bool leak_checked;          /* gpumem_leak_check_now ran: destroy and exit stay quiet */
   /* Publication (publish.c): the mapped page, once made. */
   bool publish_wanted; /* publish after operations (cleared when the file fails) */
   bool publish_failed;

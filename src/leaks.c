@@ -159,15 +159,18 @@ static void print_text(gm_emitter* e, const leak_set* set, const char* title) {
              title, s->since, s->made);
     return;
   }
-  gm_emitf(e,
-           "%s: %" PRIu64 " allocation%s made after #%" PRIu64
-           " still live: %s allocated (%s "
-           "requested) in %" PRIu64 " group%s of one size and stream; allocations #%" PRIu64
-           "..#%" PRIu64 " of %" PRIu64 " made\n",
-           title, s->count, s->count == 1 ? "" : "s", s->since,
-           gm_format_bytes(s->bytes, b1, sizeof b1),
-           gm_format_bytes(s->requested_bytes, b2, sizeof b2), s->groups, s->groups == 1 ? "" : "s",
-           s->oldest, s->newest, s->made);
+  gm_emitf(
+      e,
+      "%s: %" PRIu64 " allocation%s made after #%" PRIu64
+      " still live: %s allocated (%s "
+      "requested) in %" PRIu64 " group%s of one size and stream; ",
+      title, s->count, s->count == 1 ? "" : "s", s->since, gm_format_bytes(s->bytes, b1, sizeof b1),
+      gm_format_bytes(s->requested_bytes, b2, sizeof b2), s->groups, s->groups == 1 ? "" : "s");
+  if (s->oldest == s->newest)
+    gm_emitf(e, "allocation #%" PRIu64 " of %" PRIu64 " made\n", s->oldest, s->made);
+  else
+    gm_emitf(e, "allocations #%" PRIu64 "..#%" PRIu64 " of %" PRIu64 " made\n", s->oldest,
+             s->newest, s->made);
   gm_emitf(e, "  %12s %7s  %-12s %-18s %s\n", "bytes", "count", "each", "stream", "allocations");
   uint64_t shown = s->groups < TEXT_GROUPS ? s->groups : TEXT_GROUPS;
   for (uint64_t i = 0; i < shown; i++) {
@@ -238,6 +241,14 @@ int gpumem_print_leaks_json(gpumem_t* gm, uint64_t since, gpumem_write_fn write,
     return (int)gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_print_leaks_json: NULL argument");
   }
   return print(gm, since, true, NULL, write, arg);
+}
+
+void gpumem_leak_check_now(gpumem_t* gm, const char* when) {
+  if (!gm || !gm->opts.leak_check) return;
+  gm_lock_acquire(&gm->lock);
+  gm->leak_checked = true;
+  gm_lock_release(&gm->lock);
+  gm_leak_check_report(gm, when ? when : "now");
 }
 
 void gm_leak_check_report(gpumem_t* gm, const char* when) {

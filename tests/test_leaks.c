@@ -242,11 +242,11 @@ static void stderr_of(void (*fn)(void), char* out, size_t cap) {
   unlink(path);
 }
 
-static void destroy_with(int leaked) {
+static void destroy_with(int leaked, const char* conf, bool check_now) {
   gpumem_backend_t* sim = gpumem_sim_create(NULL);
   gpumem_options_t o;
   gpumem_options_init(&o);
-  if (gpumem_options_parse(&o, "leak_check:on") != GPUMEM_OK) _exit(3);
+  if (gpumem_options_parse(&o, conf) != GPUMEM_OK) _exit(3);
   o.own_backend = 1;
   gpumem_t* gm = gpumem_create(sim, &o, NULL);
   if (!gm) _exit(4);
@@ -255,13 +255,20 @@ static void destroy_with(int leaked) {
     if (gpumem_malloc(gm, MIB, 0, &p) != GPUMEM_OK) _exit(5);
     if (k >= leaked && gpumem_free(gm, p) != GPUMEM_OK) _exit(6);
   }
+  if (check_now) gpumem_leak_check_now(gm, "before teardown");
   gpumem_destroy(gm);
 }
 static void destroy_leaking_two(void) {
-  destroy_with(2);
+  destroy_with(2, "leak_check:on", false);
 }
 static void destroy_clean(void) {
-  destroy_with(0);
+  destroy_with(0, "leak_check:on", false);
+}
+static void check_now_then_destroy(void) {
+  destroy_with(1, "leak_check:on", true);
+}
+static void check_now_option_off(void) {
+  destroy_with(1, "leak_check:off", true);
 }
 
 static void test_leak_check_option(void) {
@@ -272,6 +279,13 @@ static void test_leak_check_option(void) {
             "stderr: %s", err);
   stderr_of(destroy_clean, err, sizeof err);
   CHECK_MSG(err[0] == '\0', "a clean destroy said: %s", err);
+  /* gpumem_leak_check_now reports once; destroy then stays quiet. */
+  stderr_of(check_now_then_destroy, err, sizeof err);
+  CHECK_MSG(strstr(err, "gpumem leak check (before teardown): 1 allocation made after #0") &&
+                !strstr(err, "at destroy"),
+            "stderr: %s", err);
+  stderr_of(check_now_option_off, err, sizeof err);
+  CHECK_MSG(err[0] == '\0', "with the option off: %s", err);
 }
 
 /* oom_snapshot: the failure writes the snapshot and names it; the

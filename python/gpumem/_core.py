@@ -7,6 +7,7 @@ cudaStream_t value, 0 for the default stream; torch.cuda.Stream and
 cupy.cuda.Stream objects are accepted and their handle used).
 """
 
+import atexit
 import ctypes
 import gc
 import json
@@ -619,6 +620,23 @@ def leak_check(device=None, action="warn", collect=True):
     and still live after it: a training step that keeps a tensor each time
     shows one group whose count is the number of steps. See LeakCheck."""
     return LeakCheck(allocator(device), action, collect)
+
+
+def _leak_check_at_exit():
+    """Option leak_check: the per-device allocators report what they still
+    hold while Python's module globals still hold their tensors (C's exit
+    handlers run after finalization has freed them)."""
+    try:
+        lib = _lib.load()
+    except Exception:
+        return
+    for d in range(_MAX_DEVICES):
+        handle = lib.gpumem_binding_peek(d)
+        if handle:
+            lib.gpumem_leak_check_now(handle, b"at exit")
+
+
+atexit.register(_leak_check_at_exit)
 
 
 def leak_mark(device=None):

@@ -94,6 +94,7 @@ _PROTOTYPES = {
     "gpumem_record_history": (cint, [vp, size_t]),
     "gpumem_set_history_tag": (None, [vp, u64]),
     "gpumem_leak_mark": (u64, [vp]),
+    "gpumem_leak_check_now": (None, [vp, cstr]),
     "gpumem_publish": (cint, [vp]),
     "gpumem_sim_options_init": (None, [ctypes.POINTER(SimOptions)]),
     "gpumem_sim_create": (vp, [ctypes.POINTER(SimOptions)]),

@@ -8,6 +8,7 @@ Run from the repository root:
 
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -143,6 +144,25 @@ class LeakTest(unittest.TestCase):
             r.step()
         with self.assertRaises(ValueError):
             gpumem.StepLeakWatcher(self.a, patience=0)
+
+    def test_leak_check_at_exit(self):
+        # a per-device allocator (here a simulated one serving device 0)
+        # reports at exit while module globals still hold their memory,
+        # once: not again when finalization destroys it
+        code = (
+            "import gpumem\n"
+            "a = gpumem.Allocator('sim', capacity=1 << 30, conf='leak_check:on')\n"
+            "gpumem.set_allocator(0, a)\n"
+            "a.set_history_tag(9)\n"
+            "KEPT = a.malloc(3 << 20)\n"
+        )
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertIn("gpumem leak check (at exit): 1 allocation made after #0 still live", proc.stderr)
+        self.assertIn("tag 9", proc.stderr)
+        self.assertEqual(proc.stderr.count("gpumem leak check"), 1, proc.stderr)
 
     def test_oom_snapshot(self):
         with tempfile.TemporaryDirectory() as d:
