@@ -888,6 +888,10 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
         "the device reported an error other than out of memory (the cause above); nothing was "
         "allocated and "
         "the allocator is consistent";
+  } else if (rsize > gm->device_total) {
+    advice =
+        "the request alone is larger than the device's memory: split it, or look for a size "
+        "computed wrong (a shape multiplied twice, bytes passed as elements)";
   } else if (st.cached_free_bytes >= rsize && st.largest_free_block < rsize) {
     snprintf(
         advice_buf, sizeof advice_buf,

@@ -338,12 +338,25 @@ static void test_oom_snapshot(const char* conf) {
   f = fx_new(full, GIB8, 0);
   if (!f.gm) return fx_done(&f);
   CHECK_STATUS(gpumem_malloc(f.gm, 80 * MIB, 0, &b), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(), "Advice: the limit, not the device, refused"), "%s: %s",
+            conf, gpumem_last_error());
   CHECK_MSG(strstr(gpumem_last_error(), "Post-mortem: could not write the snapshot to ") &&
                 strstr(gpumem_last_error(), "No such file") &&
                 !strstr(gpumem_last_error(), " Live: "),
             "%s: %s", conf, gpumem_last_error());
   CHECK_STATUS(gpumem_malloc(f.gm, 40 * MIB, 0, &a), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(f.gm, a), GPUMEM_OK);
+  fx_done(&f);
+}
+
+/* A request larger than the device says so, whatever else is true. */
+static void test_larger_than_device(void) {
+  fx_t f = fx_new("policy:default", GIB8, 0);
+  if (!f.gm) return fx_done(&f);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, GIB8 + 1, 0, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(), "Advice: the request alone is larger than the device's"),
+            "%s", gpumem_last_error());
   fx_done(&f);
 }
 
@@ -393,6 +406,7 @@ int main(void) {
     test_oom_snapshot(confs[c]);
   }
   test_pending_not_leaked();
+  test_larger_than_device();
   test_leak_check_option();
   test_bad_arguments();
   return test_finish("test_leaks");
