@@ -161,6 +161,14 @@ typedef struct gpumem_options {
    * path, "%p" replaced by the process id; the out-of-memory report names
    * the file. Empty (the default): no file. A later failure overwrites it. */
   char oom_snapshot[256];
+  /* A cap on the reserved memory of every allocator, in any process on
+   * this machine, that names the same budget (shared_name) on the same
+   * device (src/budget.c); 0 (the default): none. Growing past it is
+   * refused as the allocator's own limit is: it reclaims and empties its
+   * cache first. Give every process the same value. */
+  size_t shared_limit;
+  /* The budget's name: letters, digits, '_', '-', '.' (empty: "default"). */
+  char shared_name[40];
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
@@ -175,7 +183,8 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
  * placement (planned|bestfit), map_max (a size, as limit), move_guard
  * (on|off), stream_waits (on|off), publish (auto|on|off), leak_check
- * (on|off), oom_snapshot (a path without ',').
+ * (on|off), oom_snapshot (a path without ','), shared_limit (a size),
+ * shared_name (a name).
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
  * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -445,6 +454,21 @@ GPUMEM_API int gpumem_print_leaks_json(gpumem_t* gm, uint64_t since, gpumem_writ
  * during finalization, before C's exit handlers run. Does nothing with the
  * option off. */
 GPUMEM_API void gpumem_leak_check_now(gpumem_t* gm, const char* when);
+
+/* ---- shared budgets (src/budget.c) ------------------------------------ */
+
+typedef struct gpumem_shared_budget {
+  uint32_t struct_size;
+  uint64_t limit; /* this allocator's shared_limit */
+  uint64_t total; /* held by every allocator in the budget */
+  uint64_t mine;  /* held by this one */
+  int allocators; /* slots in use, processes that exited uncleanly included */
+  char path[300]; /* the budget's file */
+} gpumem_shared_budget_t;
+
+/* The budget gm belongs to (option shared_limit), as it stands now.
+ * GPUMEM_ERR_UNSUPPORTED when gm has none. */
+GPUMEM_API gpumem_status_t gpumem_shared_budget(gpumem_t* gm, gpumem_shared_budget_t* out);
 
 /* ---- publication: figures other processes read (src/publish.c) -------- */
 

@@ -173,6 +173,15 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
       return NULL;
     }
   }
+  gpumem_status_t bst = gm_budget_init(gm);
+  if (bst != GPUMEM_OK) {
+    gm_plan_destroy(gm);
+    gm_ptr_map_destroy(&gm->ptrs);
+    gm_lock_destroy(&gm->lock);
+    free(gm);
+    *err = bst;
+    return NULL;
+  }
   *err = GPUMEM_OK;
   return gm;
 }
@@ -217,6 +226,7 @@ void gpumem_destroy(gpumem_t* gm) {
   gm_ptr_map_destroy(&gm->ptrs);
   gm_slab_destroy(&gm->slab);
   gm_plan_destroy(gm);
+  gm_budget_destroy(gm);
   free(gm->callbacks);
   gm_lock_release(&gm->lock);
   gm_lock_destroy(&gm->lock);
@@ -273,8 +283,12 @@ static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg
     if (b) gm_block_delete(gm, b);
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for a segment");
   }
+  gpumem_status_t st = gm->budget ? gm_budget_take(gm, seg_size) : GPUMEM_OK;
   uintptr_t addr = 0;
-  gpumem_status_t st = GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, seg_size, &addr));
+  if (st == GPUMEM_OK) {
+    st = GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, seg_size, &addr));
+    if (st != GPUMEM_OK && gm->budget) gm_budget_give(gm, seg_size);
+  }
   if (st != GPUMEM_OK) {
     free(seg);
     gm_block_delete(gm, b);
@@ -296,6 +310,7 @@ static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b) {
   gm_index_remove(&b->pool->index, b);
   gm_stat_pool_add(gm, gm->stats.segment, b->pool->is_small, -1);
   gm_stat_pool_add(gm, gm->stats.reserved_bytes, b->pool->is_small, -(int64_t)seg->size);
+  if (gm->budget) gm_budget_give(gm, seg->size);
   gm_segment_unlink(gm, seg);
   free(seg);
   gm_block_delete(gm, b);
@@ -436,9 +451,12 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     gm_arena_busy(gm, b, 1);
     gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);
     if (st != GPUMEM_OK) {
+      char why[512]; /* the cleanup's backend calls clear the message */
+      snprintf(why, sizeof why, "%s", gpumem_last_error());
       gm_free_unused(gm, b);
       /* An arena reserved for this request alone goes back with it. */
       if (fresh) gm_arena_release_if_unused(gm, fresh);
+      gpumem_set_last_error("%s", why);
       return st;
     }
   }
@@ -906,6 +924,14 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
         "freed memory is still waiting for work on other streams (record_stream); synchronize "
         "those streams "
         "before allocating";
+  } else if (gm->budget && !gm_budget_has_room(gm, rsize) && dev_free >= rsize) {
+    char others[32];
+    snprintf(advice_buf, sizeof advice_buf,
+             "the shared limit (option shared_limit), not the device, refused: the other "
+             "allocators in the budget hold %s; free memory there (empty_cache), or raise the "
+             "shared limit",
+             gm_format_bytes(gm_budget_others(gm), others, sizeof others));
+    advice = advice_buf;
   } else if (gm->limit && (uint64_t)reserved + rsize > gm->limit && dev_free >= rsize) {
     advice = "the limit, not the device, refused: raise the limit or lower the batch size";
   } else {

@@ -16,7 +16,7 @@
 
 #define VALID_KEYS                                                                      \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, " \
-  "move_guard, stream_waits, publish, leak_check, oom_snapshot"
+  "move_guard, stream_waits, publish, leak_check, oom_snapshot, shared_limit, shared_name"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -293,14 +293,16 @@ enum {
   KEY_PUBLISH,
   KEY_LEAK_CHECK,
   KEY_OOM_SNAPSHOT,
+  KEY_SHARED_LIMIT,
+  KEY_SHARED_NAME,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
-    "policy",       "limit",   "fraction",   "reclaim",      "headroom", "max_split_size_mb",
-    "placement",    "map_max", "move_guard", "stream_waits", "publish",  "leak_check",
-    "oom_snapshot",
+    "policy",       "limit",        "fraction",    "reclaim",      "headroom", "max_split_size_mb",
+    "placement",    "map_max",      "move_guard",  "stream_waits", "publish",  "leak_check",
+    "oom_snapshot", "shared_limit", "shared_name",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -425,6 +427,28 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       }
       memcpy(o->oom_snapshot, value.p, value.n);
       o->oom_snapshot[value.n] = '\0';
+      return GPUMEM_OK;
+    }
+    case KEY_SHARED_LIMIT: {
+      size_t bytes = 0;
+      gpumem_status_t st = size_value(value, name, &bytes);
+      if (st != GPUMEM_OK) return st;
+      if (bytes == 0) return bad_value(value, name, "a size above 0 (leave the key out for none)");
+      o->shared_limit = bytes;
+      return GPUMEM_OK;
+    }
+    case KEY_SHARED_NAME: {
+      bool ok = value.n > 0 && value.n < sizeof o->shared_name;
+      for (size_t i = 0; ok && i < value.n; i++) {
+        char c = value.p[i];
+        ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+             c == '_' || c == '-' || c == '.';
+      }
+      if (!ok) {
+        return bad_value(value, name, "1 to 39 letters, digits, '_', '-' or '.' (it names a file)");
+      }
+      memcpy(o->shared_name, value.p, value.n);
+      o->shared_name[value.n] = '\0';
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

@@ -394,6 +394,7 @@ struct gpumem {
   uint64_t history_tag;       /* carried by the events and allocations from now on */
   uint64_t num_mallocs;       /* allocations made, never reset: leak marks (leaks.c) */
   bool leak_checked;          /* gpumem_leak_check_now ran: destroy and exit stay quiet */
+  struct gm_budget* budget;   /* option shared_limit (budget.c); NULL: none */
   /* Publication (publish.c): the mapped page, once made. */
   bool publish_wanted; /* publish after operations (cleared when the file fails) */
   bool publish_failed;
@@ -686,6 +687,21 @@ static inline void gm_history_add_block(gpumem_t* gm, int action, const gm_block
 /* Option oom_snapshot, with the lock held: writes the snapshot and says
  * where (or why not) in said. */
 GM_COLD bool gm_oom_snapshot(gpumem_t* gm, char* said, size_t said_cap);
+
+/* ---- shared budgets (budget.c) ---- */
+
+typedef struct gm_budget gm_budget;
+gpumem_status_t gm_budget_init(gpumem_t* gm);
+void gm_budget_destroy(gpumem_t* gm);
+/* Takes bytes from the budget before the device is asked for them:
+ * GPUMEM_ERR_OUT_OF_MEMORY (a limit) when they would pass it. */
+gpumem_status_t gm_budget_take(gpumem_t* gm, uint64_t bytes);
+/* Gives back bytes released to the device (or never obtained). */
+void gm_budget_give(gpumem_t* gm, uint64_t bytes);
+/* Whether bytes more would fit now (no take). */
+bool gm_budget_has_room(const gpumem_t* gm, uint64_t bytes);
+/* What the budget's other allocators hold now. */
+uint64_t gm_budget_others(const gpumem_t* gm);
 
 /* ---- leak detection (leaks.c) ---- */
 

@@ -35,6 +35,7 @@
  *
  * Reserved bytes per pool: pages live in small arenas count as small;
  * large-arena and spare pages count as large. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -283,6 +284,7 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
     phys_delete(gm, id);
     gm->stats.num_device_free++;
     gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, -(int64_t)ps);
+    if (gm->budget) gm_budget_give(gm, ps);
   }
   return GPUMEM_OK;
 }
@@ -336,6 +338,7 @@ static gpumem_status_t release_spare_runs(gpumem_t* gm) {
     gm->spare_run_pages -= r.pages;
     gm->stats.num_device_free++;
     gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, -(int64_t)(r.pages * ps));
+    if (gm->budget) gm_budget_give(gm, r.pages * ps);
   }
   return GPUMEM_OK;
 }
@@ -824,6 +827,7 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
     reclaim_first = !guard_tripped(gm) && (double)grown > (double)hw * (1.0 + gm->opts.headroom);
   }
   if (gm->limit && grown > gm->limit) reclaim_first = true;
+  if (gm->budget && !gm_budget_has_room(gm, (uint64_t)missing * ps)) reclaim_first = true;
   if (!reclaim_first) return GPUMEM_OK;
   /* Without a plan serving, this reclaims from every pool. At a limit,
    * take a batch (1/32 of the limit) per pass: every pass synchronizes the
@@ -844,10 +848,17 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
   if (gm->limit && (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current + size > gm->limit) {
     return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "the limit of %zu bytes is reached", gm->limit);
   }
+  if (gm->budget) {
+    gpumem_status_t taken = gm_budget_take(gm, size);
+    if (taken != GPUMEM_OK) return taken;
+  }
   gpumem_phys_t h = 0;
   gpumem_status_t st =
       GM_CALL(gm, create_page, gm->backend->create_page(gm->backend->ctx, size, &h));
-  if (st != GPUMEM_OK) return st;
+  if (st != GPUMEM_OK) {
+    if (gm->budget) gm_budget_give(gm, size);
+    return st;
+  }
   /* Held from here on: if the map fails, the memory waits unmapped (a page
    * as spare, a run for release) rather than being lost to a failing
    * release. */
@@ -859,6 +870,7 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
   }
   if (room != GPUMEM_OK) {
     GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, size));
+    if (gm->budget) gm_budget_give(gm, size);
     return room;
   }
   gm->stats.num_device_alloc++;
@@ -982,9 +994,14 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
       /* The device or the limit refused: free pages elsewhere may do,
        * those of a serving plan arena included. */
       all_tried = true;
+      char refused[512]; /* the reclaim's backend calls clear the message */
+      snprintf(refused, sizeof refused, "%s", gpumem_last_error());
       size_t got = 0;
       st = gm_reclaim(gm, last - p + 1, &got);
-      if (st == GPUMEM_OK && !got) st = GPUMEM_ERR_OUT_OF_MEMORY;
+      if (st == GPUMEM_OK && !got) {
+        st = GPUMEM_ERR_OUT_OF_MEMORY;
+        gpumem_set_last_error("%s", refused);
+      }
       if (st == GPUMEM_OK) continue;
     }
     if (st != GPUMEM_OK) return st;

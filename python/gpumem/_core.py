@@ -344,6 +344,20 @@ class Allocator:
         snap["gpumem"] = {int(device): snap["gpumem"]}
         return snap
 
+    def shared_budget(self):
+        """The shared budget this allocator belongs to (option shared_limit)
+        as a dict: limit, total (every allocator in it), mine, allocators,
+        path. UnsupportedError without one."""
+        b = _lib.SharedBudget()
+        _lib.check(self._lib.gpumem_shared_budget(self._h(), ctypes.byref(b)), "shared_budget")
+        return {
+            "limit": b.limit,
+            "total": b.total,
+            "mine": b.mine,
+            "allocators": b.allocators,
+            "path": b.path.decode("utf-8", "replace"),
+        }
+
     # -- leak detection --
 
     def leak_mark(self):

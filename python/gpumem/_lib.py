@@ -67,6 +67,19 @@ class CudaOptions(ctypes.Structure):
     ]
 
 
+class SharedBudget(ctypes.Structure):
+    """gpumem_shared_budget_t (include/gpumem.h)."""
+
+    _fields_ = [
+        ("struct_size", u32),
+        ("limit", u64),
+        ("total", u64),
+        ("mine", u64),
+        ("allocators", cint),
+        ("path", ctypes.c_char * 300),
+    ]
+
+
 # name: (restype, argtypes). Only what the package calls.
 _PROTOTYPES = {
     "gpumem_strerror": (cstr, [cint]),
@@ -95,6 +108,7 @@ _PROTOTYPES = {
     "gpumem_set_history_tag": (None, [vp, u64]),
     "gpumem_leak_mark": (u64, [vp]),
     "gpumem_leak_check_now": (None, [vp, cstr]),
+    "gpumem_shared_budget": (cint, [vp, ctypes.POINTER(SharedBudget)]),
     "gpumem_publish": (cint, [vp]),
     "gpumem_sim_options_init": (None, [ctypes.POINTER(SimOptions)]),
     "gpumem_sim_create": (vp, [ctypes.POINTER(SimOptions)]),

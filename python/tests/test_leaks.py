@@ -164,6 +164,29 @@ class LeakTest(unittest.TestCase):
         self.assertIn("tag 9", proc.stderr)
         self.assertEqual(proc.stderr.count("gpumem leak check"), 1, proc.stderr)
 
+    def test_shared_budget(self):
+        with tempfile.TemporaryDirectory() as d:
+            os.environ["GPUMEM_PUBLISH_DIR"] = d
+            try:
+                conf = "shared_limit:1G,shared_name:py%d" % os.getpid()
+                with gpumem.Allocator("sim", capacity=1 << 34, conf=conf) as a, gpumem.Allocator(
+                    "sim", capacity=1 << 34, conf=conf
+                ) as b:
+                    p = a.malloc(700 * MIB)
+                    with self.assertRaises(gpumem.OutOfMemoryError) as oom:
+                        b.malloc(400 * MIB)
+                    self.assertIn("the shared limit of 1.00 GiB", str(oom.exception))
+                    info = b.shared_budget()
+                    self.assertEqual((info["limit"], info["allocators"]), (1 << 30, 2))
+                    self.assertEqual(info["total"], a.memory_stats()["reserved_bytes.all.current"] + info["mine"])
+                    a.free(p)
+                    a.empty_cache()
+                    b.free(b.malloc(400 * MIB))
+                with self.assertRaises(gpumem.UnsupportedError):
+                    self.a.shared_budget()
+            finally:
+                del os.environ["GPUMEM_PUBLISH_DIR"]
+
     def test_oom_snapshot(self):
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "oom-%p.json")

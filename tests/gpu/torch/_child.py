@@ -477,6 +477,32 @@ def leaks(args):
     )
 
 
+def budget_hold(args):
+    """Holds --gib GiB under the budget of --conf, prints one JSON line,
+    then waits to be killed (the test kills it: a process that dies holding
+    memory)."""
+    torch = setup(args)
+    import time
+
+    kept = torch.empty(args.gib << 30, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    emit(held=torch.cuda.memory_reserved(), ptr=kept.data_ptr())
+    sys.stdout.flush()
+    time.sleep(600)
+
+
+def budget_take(args):
+    """Tries to take --gib GiB under the budget of --conf; reports whether
+    it was refused and the report's text."""
+    torch = setup(args)
+    try:
+        x = torch.empty(args.gib << 30, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        emit(refused=False, reserved=torch.cuda.memory_reserved(), size=x.numel())
+    except torch.OutOfMemoryError as e:
+        emit(refused=True, report=str(e))
+
+
 def too_late(args):
     import torch
 
@@ -598,6 +624,8 @@ WORKLOADS = {
     "two_streams": two_streams,
     "snapshot": snapshot,
     "leaks": leaks,
+    "budget_hold": budget_hold,
+    "budget_take": budget_take,
 }
 
 
@@ -607,6 +635,7 @@ def main():
     p.add_argument("--allocator", choices=["native", "gpumem"], default="gpumem")
     p.add_argument("--conf", default=None)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--gib", type=int, default=1)
     p.add_argument("--no-shim", dest="shim", action="store_false")
     p.add_argument("--no-stream-aware", dest="stream_aware", action="store_false")
     args = p.parse_args()

@@ -189,6 +189,56 @@ class MemoryFunctionsTest(unittest.TestCase):
         self.assertEqual(failed, [], r)
         print("\n  leaks: %s" % "\n    ".join(r["report"]), file=sys.stderr)
 
+    def test_shared_budget_across_processes(self):
+        # one process holds 6 GiB of an 8 GiB budget; another is refused 4
+        # GiB, naming the budget; the holder is killed (it never destroys
+        # anything) and the next taker reaps its slot and gets the memory
+        need()
+        import tempfile
+
+        env = _env()
+        env["GPUMEM_PUBLISH_DIR"] = tempfile.mkdtemp()
+        conf = ["--conf", "shared_limit:8G,shared_name:suite"]
+        holder = subprocess.Popen(
+            [sys.executable, CHILD, "budget_hold", "--gib", "6"] + conf,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            line = holder.stdout.readline()
+            self.assertTrue(line.startswith("{"), line + holder.stderr.read() if not line else line)
+            held = json.loads(line)["held"]
+            self.assertGreaterEqual(held, 6 << 30)
+
+            def take():
+                proc = subprocess.run(
+                    [sys.executable, CHILD, "budget_take", "--gib", "4"] + conf,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=TIMEOUT,
+                )
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+                self.assertTrue(lines, proc.stderr[-3000:])
+                return json.loads(lines[-1])
+
+            r = take()
+            self.assertTrue(r["refused"], r)
+            self.assertIn("the shared limit of 8.00 GiB (budget ", r["report"])
+            self.assertIn("Advice: the shared limit (option shared_limit), not the device, refused", r["report"])
+            holder.kill()
+            holder.wait(timeout=60)
+            r = take()
+            self.assertFalse(r["refused"], r)
+            self.assertEqual(r["size"], 4 << 30)
+            print("\n  budget: refused while another process held %.1f GiB, served after it was killed" % (held / 2**30), file=sys.stderr)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(timeout=60)
+
     def test_enable_too_late_is_a_clear_error(self):
         need()
         r = run_child("too_late")
