@@ -309,8 +309,7 @@ static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b) {
   gm->stats.num_device_free++;
   gm_index_remove(&b->pool->index, b);
   gm_stat_pool_add(gm, gm->stats.segment, b->pool->is_small, -1);
-  gm_stat_pool_add(gm, gm->stats.reserved_bytes, b->pool->is_small, -(int64_t)seg->size);
-  if (gm->budget) gm_budget_give(gm, seg->size);
+  gm_reserved_released(gm, b->pool->is_small, seg->size);
   gm_segment_unlink(gm, seg);
   free(seg);
   gm_block_delete(gm, b);

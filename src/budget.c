@@ -25,7 +25,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,15 +69,11 @@ gpumem_status_t gm_budget_init(gpumem_t* gm) {
   return GPUMEM_OK;
 }
 
-static bool process_gone(int32_t pid) {
-  return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
-}
-
 /* Frees the slots of processes that are gone; their bytes leave the total. */
 static void reap(budget_file* f) {
   for (int i = 0; i < BUDGET_SLOTS; i++) {
     int32_t pid = atomic_load(&f->slots[i].pid);
-    if (!process_gone(pid)) continue;
+    if (pid <= 0 || gm_process_alive(pid)) continue;
     uint64_t held = atomic_exchange(&f->slots[i].bytes, 0);
     atomic_fetch_sub(&f->total, held);
     atomic_compare_exchange_strong(&f->slots[i].pid, &pid, 0);
@@ -86,8 +81,7 @@ static void reap(budget_file* f) {
 }
 
 static gpumem_status_t attach(gpumem_t* gm, gm_budget* b) {
-  const char* dir = getenv("GPUMEM_PUBLISH_DIR");
-  snprintf(b->path, sizeof b->path, "%s/gpumem-budget.%s.%d", dir && dir[0] ? dir : "/dev/shm",
+  snprintf(b->path, sizeof b->path, "%s/gpumem-budget.%s.%d", gm_publish_dir(),
            gm->opts.shared_name[0] ? gm->opts.shared_name : "default", gm->device_index);
   int fd = open(b->path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
   if (fd < 0) {

@@ -397,28 +397,20 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       o->placement = c == 0 ? GPUMEM_PLACEMENT_PLANNED : GPUMEM_PLACEMENT_BESTFIT;
       return GPUMEM_OK;
     }
-    case KEY_MOVE_GUARD: {
+    case KEY_MOVE_GUARD:
+    case KEY_STREAM_WAITS:
+    case KEY_LEAK_CHECK: {
       int c = parse_choice(value, on_off_names);
       if (c < 0) return bad_value(value, name, "one of: on, off");
-      o->move_guard = c == 0;
-      return GPUMEM_OK;
-    }
-    case KEY_STREAM_WAITS: {
-      int c = parse_choice(value, on_off_names);
-      if (c < 0) return bad_value(value, name, "one of: on, off");
-      o->stream_waits = c == 0;
+      *(k == KEY_MOVE_GUARD     ? &o->move_guard
+        : k == KEY_STREAM_WAITS ? &o->stream_waits
+                                : &o->leak_check) = c == 0;
       return GPUMEM_OK;
     }
     case KEY_PUBLISH: {
       int c = parse_choice(value, publish_names);
       if (c < 0) return bad_value(value, name, "one of: auto, on, off");
       o->publish = c == 0 ? GPUMEM_PUBLISH_AUTO : c == 1 ? GPUMEM_PUBLISH_ON : GPUMEM_PUBLISH_OFF;
-      return GPUMEM_OK;
-    }
-    case KEY_LEAK_CHECK: {
-      int c = parse_choice(value, on_off_names);
-      if (c < 0) return bad_value(value, name, "one of: on, off");
-      o->leak_check = c == 0;
       return GPUMEM_OK;
     }
     case KEY_OOM_SNAPSHOT: {

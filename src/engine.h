@@ -702,6 +702,12 @@ void gm_budget_give(gpumem_t* gm, uint64_t bytes);
 bool gm_budget_has_room(const gpumem_t* gm, uint64_t bytes);
 /* What the budget's other allocators hold now. */
 uint64_t gm_budget_others(const gpumem_t* gm);
+/* Reserved bytes given back to the device: the statistics, and the
+ * shared budget when there is one. */
+static inline void gm_reserved_released(gpumem_t* gm, bool small, size_t bytes) {
+  gm_stat_pool_add(gm, gm->stats.reserved_bytes, small, -(int64_t)bytes);
+  if (gm->budget) gm_budget_give(gm, bytes);
+}
 
 /* ---- leak detection (leaks.c) ---- */
 
@@ -715,6 +721,10 @@ GM_COLD void gm_live_groups_locked(gpumem_t* gm, char* out, size_t cap);
 
 /* ---- publication (publish.c) ---- */
 
+/* $GPUMEM_PUBLISH_DIR or /dev/shm: where publication and budget files live. */
+const char* gm_publish_dir(void);
+/* Whether process pid still runs (one of another user counts). */
+bool gm_process_alive(int pid);
 bool gm_publish_wanted(const gpumem_t* gm);
 GM_COLD void gm_publish_now(gpumem_t* gm);
 void gm_publish_close(gpumem_t* gm);

@@ -283,8 +283,7 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
     gm->num_spare_pages--;
     phys_delete(gm, id);
     gm->stats.num_device_free++;
-    gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, -(int64_t)ps);
-    if (gm->budget) gm_budget_give(gm, ps);
+    gm_reserved_released(gm, false, ps);
   }
   return GPUMEM_OK;
 }
@@ -337,8 +336,7 @@ static gpumem_status_t release_spare_runs(gpumem_t* gm) {
     gm->num_spare_runs--;
     gm->spare_run_pages -= r.pages;
     gm->stats.num_device_free++;
-    gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, -(int64_t)(r.pages * ps));
-    if (gm->budget) gm_budget_give(gm, r.pages * ps);
+    gm_reserved_released(gm, false, r.pages * ps);
   }
   return GPUMEM_OK;
 }

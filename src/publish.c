@@ -107,7 +107,7 @@ static void exit_file_remove(const char* path) {
   pthread_mutex_unlock(&exit_lock);
 }
 
-static const char* publish_dir(void) {
+const char* gm_publish_dir(void) {
   const char* d = getenv("GPUMEM_PUBLISH_DIR");
   return d && d[0] ? d : "/dev/shm";
 }
@@ -136,7 +136,7 @@ bool gm_publish_wanted(const gpumem_t* gm) {
 static bool publish_open(gpumem_t* gm) {
   unsigned instance = atomic_fetch_add(&next_instance, 1u);
   char path[sizeof gm->publish_path];
-  int n = snprintf(path, sizeof path, "%s/" PUBLISH_PREFIX "%d.%u", publish_dir(), (int)getpid(),
+  int n = snprintf(path, sizeof path, "%s/" PUBLISH_PREFIX "%d.%u", gm_publish_dir(), (int)getpid(),
                    instance);
   if (n < 0 || (size_t)n >= sizeof path) return false;
   int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -244,7 +244,7 @@ static bool read_page(const char* path, struct gm_publication* out) {
          out->size == sizeof *out;
 }
 
-static bool process_alive(int pid) {
+bool gm_process_alive(int pid) {
   return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
 }
 
@@ -253,7 +253,7 @@ int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg) {
     gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_published_scan: NULL fn");
     return -1;
   }
-  if (!dir) dir = publish_dir();
+  if (!dir) dir = gm_publish_dir();
   DIR* d = opendir(dir);
   if (!d) {
     gm_fail(GPUMEM_ERR_IO, "gpumem_published_scan: cannot read %s: %s", dir, strerror(errno));
@@ -273,7 +273,7 @@ int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg) {
     out.pid = p.pid;
     out.device = p.device;
     out.instance = p.instance;
-    out.alive = process_alive(p.pid);
+    out.alive = gm_process_alive(p.pid);
     out.virtual_memory = (int)p.virtual_memory;
     memcpy(out.process, p.process, sizeof out.process);
     out.process[sizeof out.process - 1] = '\0';
