@@ -20,7 +20,7 @@
 
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s) {
   (void)gm;
-  if (GM_UNLIKELY(s != GPUMEM_OK && s != GPUMEM_NOT_READY && gpumem_last_error()[0] == '\0')) {
+  if (GM_UNLIKELY(s != GPUMEM_OK && s != GPUMEM_NOT_READY && !gm_call_wrote_message())) {
     gpumem_set_last_error("backend %s call failed: %s", gpumem_backend_call_name(call),
                           gpumem_strerror(s));
   }
@@ -450,12 +450,9 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     gm_arena_busy(gm, b, 1);
     gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);
     if (st != GPUMEM_OK) {
-      char why[512]; /* the cleanup's backend calls clear the message */
-      snprintf(why, sizeof why, "%s", gpumem_last_error());
       gm_free_unused(gm, b);
       /* An arena reserved for this request alone goes back with it. */
       if (fresh) gm_arena_release_if_unused(gm, fresh);
-      gpumem_set_last_error("%s", why);
       return st;
     }
   }

@@ -641,11 +641,13 @@ void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
 void gm_segment_install(gpumem_t* gm, gm_segment* seg, gm_block* b, gm_pool* pool, uintptr_t addr,
                         size_t size);
 
-/* Counts a backend call and makes sure a failure carries a message: the
- * detail is cleared first, so a backend that fails silently is named
- * rather than leaving an older, unrelated message in place. */
-#define GM_CALL(gm, kind, expr)                                       \
-  (gm_clear_error(), (gm)->stats.backend_calls[GPUMEM_CALL_##kind]++, \
+/* Counts a backend call and makes sure a failure carries a message: a
+ * backend that fails without writing one is named rather than leaving an
+ * older, unrelated message in place. A call that succeeds leaves the
+ * message alone: it may be the cause of a failure still being handled
+ * (cleanup and reclaim make calls before the report is written). */
+#define GM_CALL(gm, kind, expr)                                      \
+  (gm_call_begin(), (gm)->stats.backend_calls[GPUMEM_CALL_##kind]++, \
    gm_backend_status((gm), GPUMEM_CALL_##kind, (expr)))
 
 static inline bool gm_block_is_split(const gm_block* b) {

@@ -6,6 +6,9 @@
 #include "internal.h"
 
 static _Thread_local char last_error[4096];
+/* Messages written on this thread, and that count when the running backend
+ * call began: a call that fails without writing one is named (GM_CALL). */
+static _Thread_local uint64_t messages_written, written_at_call;
 
 const char* gpumem_strerror(gpumem_status_t status) {
   switch (status) {
@@ -37,11 +40,16 @@ const char* gpumem_last_error(void) {
   return last_error;
 }
 
-void gm_clear_error(void) {
-  last_error[0] = '\0';
+void gm_call_begin(void) {
+  written_at_call = messages_written;
+}
+
+bool gm_call_wrote_message(void) {
+  return messages_written != written_at_call;
 }
 
 void gpumem_set_last_error(const char* fmt, ...) {
+  messages_written++;
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(last_error, sizeof last_error, fmt, ap);
@@ -49,6 +57,7 @@ void gpumem_set_last_error(const char* fmt, ...) {
 }
 
 gpumem_status_t gm_fail(gpumem_status_t status, const char* fmt, ...) {
+  messages_written++;
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(last_error, sizeof last_error, fmt, ap);

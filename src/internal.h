@@ -3,6 +3,7 @@
 #ifndef GPUMEM_INTERNAL_H
 #define GPUMEM_INTERNAL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -29,8 +30,15 @@
 /* Sets the thread-local detail message and returns status. */
 gpumem_status_t gm_fail(gpumem_status_t status, const char* fmt, ...) GM_PRINTF(2, 3);
 
-/* Empties the thread-local detail message. */
-void gm_clear_error(void);
+/* Around a backend call: whether the call wrote a detail message. */
+void gm_call_begin(void);
+bool gm_call_wrote_message(void);
+
+/* The table of gpumem_print_leaks alone (leaks.c), its first max_groups
+ * groups and a line for the rest, with the totals in *sum: for reports
+ * that say the rest in their own words (gpumem report). */
+int gm_print_leak_table(gpumem_t* gm, uint64_t since, uint64_t max_groups, gpumem_leaks_t* sum,
+                        gpumem_write_fn write, void* arg);
 
 /* Writes a byte count as "12.34 MiB" into buf (at least 32 bytes). */
 const char* gm_format_bytes(uint64_t bytes, char* buf, size_t len);

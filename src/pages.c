@@ -35,7 +35,6 @@
  *
  * Reserved bytes per pool: pages live in small arenas count as small;
  * large-arena and spare pages count as large. */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -992,14 +991,9 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
       /* The device or the limit refused: free pages elsewhere may do,
        * those of a serving plan arena included. */
       all_tried = true;
-      char refused[512]; /* the reclaim's backend calls clear the message */
-      snprintf(refused, sizeof refused, "%s", gpumem_last_error());
       size_t got = 0;
       st = gm_reclaim(gm, last - p + 1, &got);
-      if (st == GPUMEM_OK && !got) {
-        st = GPUMEM_ERR_OUT_OF_MEMORY;
-        gpumem_set_last_error("%s", refused);
-      }
+      if (st == GPUMEM_OK && !got) st = GPUMEM_ERR_OUT_OF_MEMORY; /* the refusal's message */
       if (st == GPUMEM_OK) continue;
     }
     if (st != GPUMEM_OK) return st;
