@@ -143,12 +143,50 @@ gpumem_status_t gpumem_find_leaks(gpumem_t* gm, uint64_t since, gpumem_leaks_t* 
   return GPUMEM_OK;
 }
 
-static void print_tags(gm_emitter* e, const leak_group* g) {
-  if (!g->first_tag && !g->last_tag) return;
-  if (g->first_tag == g->last_tag)
-    gm_emitf(e, "  tag %" PRIu64, g->first_tag);
+/* A group's serials ("#5" or "#5..#21") and tags ("tag 3", "tags 1..5" or
+ * ""), as the reports write them. */
+static const char* serials_text(const leak_group* g, char* buf, size_t cap) {
+  if (g->count > 1)
+    snprintf(buf, cap, "#%" PRIu64 "..#%" PRIu64, g->first_serial, g->last_serial);
   else
-    gm_emitf(e, "  tags %" PRIu64 "..%" PRIu64, g->first_tag, g->last_tag);
+    snprintf(buf, cap, "#%" PRIu64, g->first_serial);
+  return buf;
+}
+
+static const char* tags_text(const leak_group* g, char* buf, size_t cap) {
+  if (!g->first_tag && !g->last_tag)
+    buf[0] = '\0';
+  else if (g->first_tag == g->last_tag)
+    snprintf(buf, cap, "tag %" PRIu64, g->first_tag);
+  else
+    snprintf(buf, cap, "tags %" PRIu64 "..%" PRIu64, g->first_tag, g->last_tag);
+  return buf;
+}
+
+/* The table of groups, the first max_groups of them, then one line for
+ * the rest. */
+static void print_table(gm_emitter* e, const leak_set* set, uint64_t max_groups) {
+  const gpumem_leaks_t* s = &set->sum;
+  char b1[32], b2[32], serials[48], tags[64];
+  gm_emitf(e, "  %12s %7s  %-12s %-18s %s\n", "bytes", "count", "each", "stream", "allocations");
+  uint64_t shown = s->groups < max_groups ? s->groups : max_groups;
+  for (uint64_t i = 0; i < shown; i++) {
+    const leak_group* g = &set->groups[i];
+    tags_text(g, tags, sizeof tags);
+    gm_emitf(e, "  %12s %7" PRIu64 "  %-12s 0x%-16" PRIx64 " %s%s%s  first at 0x%" PRIx64 "\n",
+             gm_format_bytes(g->bytes, b1, sizeof b1), g->count,
+             gm_format_bytes(g->requested, b2, sizeof b2), g->stream,
+             serials_text(g, serials, sizeof serials), tags[0] ? "  " : "", tags, g->addrs[0]);
+  }
+  if (shown < s->groups) {
+    uint64_t rest = 0, rest_n = 0;
+    for (uint64_t i = shown; i < s->groups; i++) {
+      rest += set->groups[i].bytes;
+      rest_n += set->groups[i].count;
+    }
+    gm_emitf(e, "  ... and %" PRIu64 " more groups: %" PRIu64 " allocations, %s\n",
+             s->groups - shown, rest_n, gm_format_bytes(rest, b1, sizeof b1));
+  }
 }
 
 static void print_text(gm_emitter* e, const leak_set* set, const char* title) {
@@ -171,26 +209,7 @@ static void print_text(gm_emitter* e, const leak_set* set, const char* title) {
   else
     gm_emitf(e, "allocations #%" PRIu64 "..#%" PRIu64 " of %" PRIu64 " made\n", s->oldest,
              s->newest, s->made);
-  gm_emitf(e, "  %12s %7s  %-12s %-18s %s\n", "bytes", "count", "each", "stream", "allocations");
-  uint64_t shown = s->groups < TEXT_GROUPS ? s->groups : TEXT_GROUPS;
-  for (uint64_t i = 0; i < shown; i++) {
-    const leak_group* g = &set->groups[i];
-    gm_emitf(e, "  %12s %7" PRIu64 "  %-12s 0x%-16" PRIx64 " #%" PRIu64,
-             gm_format_bytes(g->bytes, b1, sizeof b1), g->count,
-             gm_format_bytes(g->requested, b2, sizeof b2), g->stream, g->first_serial);
-    if (g->count > 1) gm_emitf(e, "..#%" PRIu64, g->last_serial);
-    print_tags(e, g);
-    gm_emitf(e, "  first at 0x%" PRIx64 "\n", g->addrs[0]);
-  }
-  if (shown < s->groups) {
-    uint64_t rest = 0, rest_n = 0;
-    for (uint64_t i = shown; i < s->groups; i++) {
-      rest += set->groups[i].bytes;
-      rest_n += set->groups[i].count;
-    }
-    gm_emitf(e, "  ... and %" PRIu64 " more groups: %" PRIu64 " allocations, %s\n",
-             s->groups - shown, rest_n, gm_format_bytes(rest, b1, sizeof b1));
-  }
+  print_table(e, set, TEXT_GROUPS);
 }
 
 static void print_json(gm_emitter* e, const leak_set* set) {
@@ -252,11 +271,27 @@ void gpumem_leak_check_now(gpumem_t* gm, const char* when) {
 }
 
 void gm_leak_check_report(gpumem_t* gm, const char* when) {
-  gpumem_leaks_t sum;
-  if (gpumem_find_leaks(gm, 0, &sum) != GPUMEM_OK || !sum.count) return;
-  char title[96];
-  snprintf(title, sizeof title, "gpumem leak check (%s)", when);
-  print(gm, 0, false, title, gpumem_write_to_file, stderr);
+  leak_set set;
+  if (find(gm, 0, false, &set) != GPUMEM_OK) return;
+  if (set.sum.count) {
+    char title[96];
+    snprintf(title, sizeof title, "gpumem leak check (%s)", when);
+    gm_emitter e = {gpumem_write_to_file, stderr, 0};
+    print_text(&e, &set, title);
+  }
+  free(set.groups);
+}
+
+int gm_print_leak_table(gpumem_t* gm, uint64_t since, uint64_t max_groups, gpumem_leaks_t* sum,
+                        gpumem_write_fn write, void* arg) {
+  leak_set set;
+  gpumem_status_t st = find(gm, since, false, &set);
+  if (st != GPUMEM_OK) return (int)st;
+  gm_emitter e = {write, arg, 0};
+  print_table(&e, &set, max_groups);
+  *sum = set.sum;
+  free(set.groups);
+  return e.rc;
 }
 
 void gm_live_groups_locked(gpumem_t* gm, char* out, size_t cap) {
@@ -273,17 +308,11 @@ void gm_live_groups_locked(gpumem_t* gm, char* out, size_t cap) {
   }
   for (uint64_t i = 0; i < set.sum.groups && i < 3 && n < cap; i++) {
     const leak_group* g = &set.groups[i];
-    char each[32], serials[48], tags[64] = "";
-    if (g->count > 1)
-      snprintf(serials, sizeof serials, "#%" PRIu64 "..#%" PRIu64, g->first_serial, g->last_serial);
-    else
-      snprintf(serials, sizeof serials, "#%" PRIu64, g->first_serial);
-    if (g->first_tag && g->first_tag == g->last_tag)
-      snprintf(tags, sizeof tags, ", tag %" PRIu64, g->first_tag);
-    else if (g->first_tag || g->last_tag)
-      snprintf(tags, sizeof tags, ", tags %" PRIu64 "..%" PRIu64, g->first_tag, g->last_tag);
-    n += (size_t)snprintf(out + n, cap - n, "%s %" PRIu64 " x %s (%s%s)", i ? "," : "", g->count,
-                          gm_format_bytes(g->requested, each, sizeof each), serials, tags);
+    char each[32], serials[48], tags[64];
+    tags_text(g, tags, sizeof tags);
+    n += (size_t)snprintf(out + n, cap - n, "%s %" PRIu64 " x %s (%s%s%s)", i ? "," : "", g->count,
+                          gm_format_bytes(g->requested, each, sizeof each),
+                          serials_text(g, serials, sizeof serials), tags[0] ? ", " : "", tags);
   }
   if (set.sum.count && n < cap) snprintf(out + n, cap - n, ".");
   free(set.groups);

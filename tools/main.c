@@ -1159,21 +1159,13 @@ static size_t explain_run_from(gpumem_t* gm, const trace_t* t, size_t start, siz
   int64_t best = -1;
   size_t best_event = 0;
   for (size_t i = start; i < stop; i++) {
-    const trace_event_t* e = &t->events[i];
-    gpumem_set_history_tag(gm, e->line);
-    if (e->op == TRACE_ALLOC) {
-      if (gpumem_malloc(gm, e->size, e->stream, &slots[e->id]) != GPUMEM_OK) return SIZE_MAX;
-      gpumem_stats_t st;
-      gpumem_get_stats(gm, &st);
-      if (st.reserved_bytes[GPUMEM_POOL_ALL].current > best) {
-        best = st.reserved_bytes[GPUMEM_POOL_ALL].current;
-        best_event = i;
-      }
-    } else if (e->op == TRACE_FREE) {
-      gpumem_free(gm, slots[e->id]);
-      slots[e->id] = NULL;
-    } else {
-      gpumem_record_stream(gm, slots[e->id], e->stream);
+    if (replay_event_tagged(gm, t, i, slots) != GPUMEM_OK) return SIZE_MAX;
+    if (t->events[i].op != TRACE_ALLOC) continue;
+    gpumem_stats_t st;
+    gpumem_get_stats(gm, &st);
+    if (st.reserved_bytes[GPUMEM_POOL_ALL].current > best) {
+      best = st.reserved_bytes[GPUMEM_POOL_ALL].current;
+      best_event = i;
     }
   }
   return best_event;

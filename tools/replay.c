@@ -493,6 +493,19 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   return result;
 }
 
+gpumem_status_t replay_event_tagged(gpumem_t* gm, const trace_t* trace, size_t i, void** slots) {
+  const trace_event_t* e = &trace->events[i];
+  gpumem_set_history_tag(gm, e->line);
+  if (e->op == TRACE_ALLOC) return gpumem_malloc(gm, e->size, e->stream, &slots[e->id]);
+  if (e->op == TRACE_FREE) {
+    if (slots[e->id]) gpumem_free(gm, slots[e->id]);
+    slots[e->id] = NULL;
+  } else if (slots[e->id]) {
+    gpumem_record_stream(gm, slots[e->id], e->stream);
+  }
+  return GPUMEM_OK;
+}
+
 gpumem_status_t replay_pass(gpumem_t* gm, const trace_t* trace, replay_result_t* result) {
   return run_pass(gm, trace, result, 0);
 }

@@ -178,6 +178,14 @@ gpumem_status_t replay_trace(const trace_t* trace, const replay_config_t* config
 gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* config,
                                  replay_result_t* result);
 
+/* Runs event i of trace on gm untimed, tagged with its trace line
+ * (gpumem_set_history_tag: snapshots and leak reports name the line);
+ * slots[id] holds each live allocation. Returns an allocation's status,
+ * GPUMEM_OK for frees and record_streams (of allocations that failed:
+ * nothing). For the tools that look at the allocator between events
+ * (explain, leaks, report). */
+gpumem_status_t replay_event_tagged(gpumem_t* gm, const trace_t* trace, size_t i, void** slots);
+
 const char* replay_policy_name(gpumem_policy_t policy);
 const char* replay_device_name(replay_device_t device);
 

@@ -8,13 +8,13 @@
 #include "report.h"
 
 #include <errno.h>
-#include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gpumem.h"
-#include "internal.h" /* gm_format_bytes */
+#include "internal.h" /* gm_format_bytes, gm_print_leak_table */
 #include "replay.h"
 #include "trace.h"
 
@@ -86,30 +86,25 @@ static int text_write(const char* s, size_t len, void* arg) {
 }
 
 /* The largest groups of gm's live allocations (tags: trace lines): a
- * sentence, then the table of gpumem_print_leaks (its own first line left
- * out) cut to its first TOP_GROUPS groups. */
+ * sentence, then the table of the leak report, its first TOP_GROUPS
+ * groups and a line for the rest. */
 static char* live_groups(gpumem_t* gm) {
-  text_t t = {NULL, 0, 0};
+  text_t table = {NULL, 0, 0}, t = {NULL, 0, 0};
   gpumem_leaks_t sum;
-  char b[32];
-  if (gpumem_find_leaks(gm, 0, &sum) != GPUMEM_OK) return NULL;
-  char head[160];
+  char b[32], head[160];
+  if (gm_print_leak_table(gm, 0, TOP_GROUPS, &sum, text_write, &table) != 0) {
+    free(table.s);
+    return NULL;
+  }
   int n = snprintf(head, sizeof head, "%llu allocations, %s, in %llu groups\n",
                    (unsigned long long)sum.count, gm_format_bytes(sum.bytes, b, sizeof b),
                    (unsigned long long)sum.groups);
-  if (text_write(head, (size_t)n, &t) != 0 || gpumem_print_leaks(gm, 0, text_write, &t) != 0) {
+  if (text_write(head, (size_t)n, &t) != 0 ||
+      (sum.count && text_write(table.s, table.len, &t) != 0)) {
     free(t.s);
-    return NULL;
+    t.s = NULL;
   }
-  char* report = strchr(t.s, '\n') + 1; /* the library's first line goes */
-  char* rest = strchr(report, '\n');
-  if (rest) memmove(report, rest + 1, strlen(rest + 1) + 1);
-  char* line = report;
-  for (int k = 0; line && k < TOP_GROUPS + 1; k++) {
-    line = strchr(line, '\n');
-    if (line) line++;
-  }
-  if (line && *line) strcpy(line, "  ...\n");
+  free(table.s);
   return t.s;
 }
 
@@ -119,36 +114,23 @@ static char* live_groups(gpumem_t* gm) {
 static int run_events(gpumem_t* gm, const trace_t* t, size_t stop, void** slots, run_t* r,
                       uint64_t* live) {
   for (size_t i = 0; i < stop; i++) {
-    const trace_event_t* e = &t->events[i];
-    gpumem_set_history_tag(gm, e->line);
-    if (e->op == TRACE_ALLOC) {
-      gpumem_status_t st = gpumem_malloc(gm, e->size, e->stream, &slots[e->id]);
-      if (st != GPUMEM_OK) {
-        if (st != GPUMEM_ERR_OUT_OF_MEMORY) return 1;
-        if (r && !r->oom) r->oom = 1, r->oom_event = i;
-        continue;
-      }
-      gpumem_stats_t st_now;
-      gpumem_get_stats(gm, &st_now);
-      uint64_t reserved = (uint64_t)st_now.reserved_bytes[GPUMEM_POOL_ALL].current;
-      uint64_t requested = (uint64_t)st_now.requested_bytes[GPUMEM_POOL_ALL].current;
-      size_t b = bucket_of(t, i);
-      if (r && reserved > r->reserved_max[b]) r->reserved_max[b] = reserved;
-      if (r && reserved > r->peak_reserved) r->peak_reserved = reserved, r->peak_event = i;
-      if (live && requested > live[b]) live[b] = requested;
-    } else if (e->op == TRACE_FREE) {
-      if (slots[e->id]) gpumem_free(gm, slots[e->id]);
-      slots[e->id] = NULL;
-      if (live) { /* the live series falls with frees too */
-        gpumem_stats_t st_now;
-        gpumem_get_stats(gm, &st_now);
-        uint64_t requested = (uint64_t)st_now.requested_bytes[GPUMEM_POOL_ALL].current;
-        size_t b = bucket_of(t, i);
-        if (requested > live[b]) live[b] = requested;
-      }
-    } else if (slots[e->id]) {
-      gpumem_record_stream(gm, slots[e->id], e->stream);
+    gpumem_status_t st = replay_event_tagged(gm, t, i, slots);
+    if (st != GPUMEM_OK) {
+      if (st != GPUMEM_ERR_OUT_OF_MEMORY) return 1;
+      if (r && !r->oom) r->oom = 1, r->oom_event = i;
+      continue;
     }
+    bool alloc = t->events[i].op == TRACE_ALLOC;
+    if (!alloc && !(live && t->events[i].op == TRACE_FREE)) continue;
+    /* reserved memory grows only at allocations; live bytes fall at frees */
+    gpumem_stats_t now;
+    gpumem_get_stats(gm, &now);
+    uint64_t reserved = (uint64_t)now.reserved_bytes[GPUMEM_POOL_ALL].current;
+    uint64_t requested = (uint64_t)now.requested_bytes[GPUMEM_POOL_ALL].current;
+    size_t b = bucket_of(t, i);
+    if (alloc && r && reserved > r->reserved_max[b]) r->reserved_max[b] = reserved;
+    if (alloc && r && reserved > r->peak_reserved) r->peak_reserved = reserved, r->peak_event = i;
+    if (live && requested > live[b]) live[b] = requested;
   }
   return 0;
 }
