@@ -71,18 +71,17 @@ MAX_HISTORY_ENTRIES = 1 << 22
 def _snapshot_of(handle, device, tag_file=None):
     """gpumem_snapshot_json of one allocator as a dict, in the shape of
     torch.cuda.memory._snapshot()."""
-    lib = _lib.load()
     name = tag_file.encode() if tag_file else None
-    cap = 1 << 20
-    while True:
-        buf = ctypes.create_string_buffer(cap)
-        n = lib.gpumem_binding_snapshot_json(handle, device, name, buf, cap)
-        if n == 0:
-            _lib.check(errors.ERR_INVALID_ARGUMENT, "memory_snapshot")
-        if n < cap:
-            break
-        cap = n + n // 4 + 1  # the state may grow between the two calls
-    snap = json.loads(buf.value.decode("utf-8", "replace"))
+    text = _lib.read_text(
+        _lib.load().gpumem_binding_snapshot_json,
+        handle,
+        device,
+        name,
+        cap=1 << 20,
+        failed=errors.ERR_INVALID_ARGUMENT,
+        what="memory_snapshot",
+    )
+    snap = json.loads(text)
     for seg in snap["segments"]:
         seg["segment_pool_id"] = tuple(seg["segment_pool_id"])
     return snap
@@ -90,17 +89,14 @@ def _snapshot_of(handle, device, tag_file=None):
 
 def _leaks_of(handle, since, as_json):
     """gpumem_print_leaks(_json) of one allocator: a dict, or the text."""
-    lib = _lib.load()
-    cap = 1 << 14
-    while True:
-        buf = ctypes.create_string_buffer(cap)
-        n = lib.gpumem_binding_leaks(handle, int(since), 1 if as_json else 0, buf, cap)
-        if n == 0:
-            _lib.check(errors.ERR_HOST_MEMORY, "leaks")
-        if n < cap:
-            break
-        cap = n + n // 4 + 1  # allocations may be made between the two calls
-    text = buf.value.decode("utf-8", "replace")
+    text = _lib.read_text(
+        _lib.load().gpumem_binding_leaks,
+        handle,
+        int(since),
+        1 if as_json else 0,
+        failed=errors.ERR_HOST_MEMORY,
+        what="leaks",
+    )
     return json.loads(text) if as_json else text
 
 

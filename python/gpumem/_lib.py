@@ -290,15 +290,19 @@ def parse_conf(conf, buf=None):
     return buf
 
 
-def read_text(fn, handle):
-    """Text of a gpumem_binding_stats_json/summary-style call."""
-    cap = 16384
+def read_text(fn, *args, cap=16384, failed=None, what=None):
+    """Text of a gpumem_binding_* call fn(*args, buf, cap), which returns the
+    length the text needs: called again with a larger buffer until it fits
+    (the state may grow between two calls). failed: the status to raise
+    (naming what) when fn returns 0, which it does only on failure."""
     while True:
         buf = ctypes.create_string_buffer(cap)
-        n = fn(handle, buf, cap)
+        n = fn(*args, buf, cap)
+        if n == 0 and failed is not None:
+            check(failed, what)
         if n < cap:
             return buf.value.decode("utf-8", "replace")
-        cap = n + 1
+        cap = n + n // 4 + 1
 
 
 def print_to_string(fn, handle):
