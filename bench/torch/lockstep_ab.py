@@ -1,14 +1,22 @@
-"""Step time of native PyTorch against gpumem, one step at a time, in turns.
+"""Step times of allocators trained in turns, one step at a time, on one GPU.
 
     python3 bench/torch/lockstep_ab.py WORKLOAD [--steps N] [--warmup W] [--conf C] [--out FILE]
+            [--sides SIDE...] [--peak BYTES] [--pairs NUM/DEN...]
     python3 bench/torch/lockstep_ab.py --summarize FILE.jsonl...
 
-Starts two processes of bench/torch/workloads.py WORKLOAD on the same GPU, one
-with PyTorch's native allocator and one with gpumem, and lets them train in
-turns: step k of one, then step k of the other (the order alternates: AB, BA,
-AB, ...), each step starting with the GPU idle and the other process blocked
-on a pipe. Both train the same batches (same seeds), so step k has the same
-shapes in both.
+Starts one process of bench/torch/workloads.py WORKLOAD per side on the same
+GPU (by default two: PyTorch's native allocator and gpumem) and lets them
+train in turns: step k of each, the order rotating every step (AB, BA, AB,
+... for two), each step starting with the GPU idle and the others blocked on
+a pipe. All train the same batches (same seeds), so step k has the same
+shapes in each.
+
+A side is ALLOCATOR (native, expandable, async, gpumem) or ALLOCATOR@LIMIT:
+the process's memory capped at LIMIT bytes (workloads.py --limit: gpumem's
+limit: key under gpumem, set_per_process_memory_fraction otherwise); LIMIT
+is a byte count or Rx, R times --peak (the job's peak allocated bytes, e.g.
+from an unlimited run's native side). --conf applies to every gpumem side.
+A side that runs out of memory stops there; the others go on.
 
 Why: on the GPU machines of 2026-11 the t5 workload leaves the GPU idle most
 of each step and its step time follows the host (run medians 152 to 223 ms for
@@ -19,10 +27,15 @@ with step k of the other a fraction of a second later, and what spread is
 left from step to step (sd of the log ratio ~0.15 for t5 on an H200 host)
 averages out over some hundreds of step pairs.
 
-Prints one JSON line: per-step times of each, the two medians and their
-ratio, and the geometric mean of the per-step ratios gpumem / native, each
-ratio with a bootstrap 95% interval (resampling step pairs). --summarize
-pools earlier runs' lines (from --out) per workload the same way.
+Prints one JSON line: per side its per-step times, median, peak reserved and
+allocated bytes, whether and where it ran out of memory, and under gpumem
+its statistics (device calls, pages mapped and unmapped, synchronizations:
+over the whole run and over the timed steps alone); per pair NUM/DEN (side
+indices, default every side against side 0) the ratio of the medians and
+the geometric mean of the per-step ratios, each with a bootstrap 95%
+interval (resampling step pairs). With the default sides the line also
+carries the native_* and gpumem_* keys of a plain comparison, which
+--summarize pools per workload over earlier runs' lines (from --out).
 """
 
 import argparse
@@ -35,26 +48,70 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ALLOCATORS = ("native", "expandable", "async", "gpumem")
 
 
-def start(workload, allocator, args):
-    cmd = [sys.executable, os.path.join(HERE, "workloads.py"), workload, "--allocator", allocator,
+def parse_side(spec, peak):
+    """SIDE -> (allocator, limit bytes or None); a clear error otherwise."""
+    allocator, _, limit = spec.partition("@")
+    if allocator not in ALLOCATORS:
+        raise ValueError("side %r: allocator must be one of %s" % (spec, ", ".join(ALLOCATORS)))
+    if not limit:
+        return allocator, None
+    relative = limit.endswith("x")
+    try:
+        value = float(limit[:-1]) if relative else int(limit)
+    except ValueError:
+        raise ValueError("side %r: LIMIT must be a byte count or a ratio such as 1.02x" % spec) from None
+    if relative and not peak:
+        raise ValueError("side %r: a limit relative to the peak needs --peak BYTES" % spec)
+    nbytes = int(value * peak) if relative else value
+    if nbytes <= 0:
+        raise ValueError("side %r: the limit must be positive" % spec)
+    return allocator, nbytes
+
+
+def parse_pair(text, count):
+    """NUM/DEN -> (num, den), side indices below count."""
+    try:
+        num, den = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError("pair %r: expected NUM/DEN, two side indices such as 1/0" % text) from None
+    if not (0 <= num < count and 0 <= den < count) or num == den:
+        raise ValueError("pair %r: indices must be two different sides among 0..%d" % (text, count - 1))
+    return num, den
+
+
+def start(workload, allocator, limit, args):
+    cmd = [sys.executable, args.worker, workload, "--allocator", allocator,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lockstep"]
     if allocator == "gpumem" and args.conf:
         cmd += ["--conf", args.conf]
+    if limit is not None:
+        cmd += ["--limit", str(limit)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
-def take_step(proc, name, k):
-    """Lets proc run step k; returns its ms."""
-    proc.stdin.write("go\n")
-    proc.stdin.flush()
+def take_step(proc):
+    """Lets proc run one step: ("ms", its ms), or ("stopped", its JSON
+    result) when it stopped before the step (out of memory: the worker
+    prints its result and ends), or ("died", exit status) without one."""
+    try:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass  # it ended already; its output says how
     for line in proc.stdout:
         if line.startswith("LOCKSTEP "):
-            return float(line.split()[2])
-        if line.startswith("{"):  # the worker's result before its last step: out of memory
-            raise SystemExit(f"lockstep_ab: {name} stopped at step {k}: {line.strip()}")
-    raise SystemExit(f"lockstep_ab: {name} ended without a result (exit {proc.wait()})")
+            return "ms", float(line.split()[2])
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue  # not the worker's result: some library's output
+            proc.wait()
+            return "stopped", result
+    return "died", proc.wait()
 
 
 def final_result(proc):
@@ -62,15 +119,20 @@ def final_result(proc):
     result = {}
     for line in proc.stdout:
         if line.startswith("{"):
-            result = json.loads(line)
-    proc.wait()
-    return result
+            try:
+                result = json.loads(line)
+            except ValueError:
+                pass
+    status = proc.wait()
+    return result or {"error": "exit %s without a result" % status}
 
 
-def compare(native, gpumem, seed=0, resamples=4000):
+def compare(native, gpumem, seed=0, resamples=4000, names=("native", "gpumem")):
     """Step times of the two (pairs: step k of each) compared: the ratio of
-    their medians and the geometric mean of the per-step ratios, each with
-    a bootstrap 95% interval over the step pairs."""
+    their medians (gpumem / native) and the geometric mean of the per-step
+    ratios, each with a bootstrap 95% interval over the step pairs. names
+    label the two in the keys."""
+    den, num = names
     pairs = list(zip(native, gpumem))
     logs = [math.log(g / n) for n, g in pairs]
     rnd = random.Random(seed)
@@ -85,14 +147,14 @@ def compare(native, gpumem, seed=0, resamples=4000):
     geo.sort()
     return {
         "step_pairs": len(pairs),
-        "native_median_ms": round(statistics.median(native), 3),
-        "gpumem_median_ms": round(statistics.median(gpumem), 3),
+        den + "_median_ms": round(statistics.median(native), 3),
+        num + "_median_ms": round(statistics.median(gpumem), 3),
         "ratio_of_medians": round(statistics.median(gpumem) / statistics.median(native), 4),
         "ratio_of_medians_ci95": [round(med_ratio[lo], 4), round(med_ratio[hi], 4)],
         "geo_mean_step_ratio": round(math.exp(statistics.fmean(logs)), 4),
         "step_ratio_ci95": [round(geo[lo], 4), round(geo[hi], 4)],
         "sd_log_step_ratio": round(statistics.stdev(logs), 4),
-        "gpumem_slower_steps": sum(1 for x in logs if x > 0),
+        num + "_slower_steps": sum(1 for x in logs if x > 0),
     }
 
 
@@ -103,6 +165,8 @@ def summarize(paths):
         for line in open(path):
             if line.startswith("{"):
                 d = json.loads(line)
+                if "native_step_ms" not in d:
+                    continue  # other sides than native and gpumem, or a side that stopped
                 groups.setdefault((d["workload"], d.get("conf"), d.get("device")), []).append(d)
     for (workload, conf, device), runs in groups.items():
         out = {"workload": workload, "conf": conf, "device": device, "runs": len(runs),
@@ -112,12 +176,106 @@ def summarize(paths):
         print(json.dumps(out))
 
 
+def side_report(label, allocator, limit, times, final, stopped_at):
+    """What one side's JSON line says about it."""
+    out = {
+        "label": label,
+        "allocator": allocator,
+        "limit": limit,
+        "conf": final.get("conf"),
+        "steps": len(times),
+        "median_ms": round(statistics.median(times), 3) if times else None,
+        "step_ms": [round(t, 3) for t in times],
+        "peak_reserved": final.get("peak_reserved"),
+        "peak_allocated": final.get("peak_allocated"),
+        "oom": bool(final.get("oom")),
+        "oom_message": final.get("oom_message"),
+        "stopped_at": stopped_at,
+    }
+    if "error" in final:
+        out["error"] = final["error"]
+    for key in ("gpumem", "gpumem_timed"):
+        if key in final:
+            out[key] = final[key]
+    return out
+
+
+def run(args, parsed, pairs):
+    """Trains the sides in turns (parsed: (allocator, limit) per side);
+    returns the JSON line's dict with the ratios of pairs."""
+    specs = args.sides
+    procs = [start(args.workload, alloc, limit, args) for alloc, limit in parsed]
+    ms = [[] for _ in specs]
+    finals = [None] * len(specs)
+    stopped_at = [None] * len(specs)
+    try:
+        for k in range(args.warmup + args.steps):
+            running = [i for i in range(len(specs)) if finals[i] is None]
+            if not running:
+                break
+            turn = k % len(running)
+            for i in running[turn:] + running[:turn]:
+                what, value = take_step(procs[i])
+                if what == "ms":
+                    if k >= args.warmup:
+                        ms[i].append(value)
+                    continue
+                stopped_at[i] = k
+                finals[i] = value if what == "stopped" else {"error": "exit %s before step %d" % (value, k)}
+                print("lockstep_ab: %s stopped at step %d: %s" % (
+                    specs[i], k, finals[i].get("oom_message") or finals[i].get("error") or "no reason given"),
+                      file=sys.stderr)
+        for i in range(len(specs)):
+            if finals[i] is None:
+                finals[i] = final_result(procs[i])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    sides = [side_report(specs[i], parsed[i][0], parsed[i][1], ms[i], finals[i], stopped_at[i])
+             for i in range(len(specs))]
+    result = {"workload": args.workload, "conf": args.conf, "steps": args.steps, "warmup": args.warmup,
+              "peak": args.peak, "device": next((f.get("device") for f in finals if f.get("device")), None),
+              "sides": sides, "pairs": []}
+    for num, den in pairs:
+        pair = {"num": specs[num], "den": specs[den]}
+        gone = [sides[i] for i in (num, den) if sides[i]["stopped_at"] is not None or sides[i]["steps"] == 0]
+        if gone:
+            pair["skipped"] = "; ".join("%s %s at step %s" % (g["label"], "ran out of memory" if g["oom"] else
+                                                               "failed", g["stopped_at"]) for g in gone)
+        else:
+            pair.update(compare(ms[den], ms[num], names=("den", "num")))
+        result["pairs"].append(pair)
+    if specs == ["native", "gpumem"] and not result["pairs"][0].get("skipped"):
+        # the plain comparison's keys, as --summarize and earlier tools read them
+        result.update(compare(ms[0], ms[1]))
+        result.update({
+            "native_step_ms": sides[0]["step_ms"],
+            "gpumem_step_ms": sides[1]["step_ms"],
+            "native_peak_reserved": sides[0]["peak_reserved"],
+            "gpumem_peak_reserved": sides[1]["peak_reserved"],
+            "gpumem_timed": sides[1].get("gpumem_timed"),
+        })
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", nargs="?")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--conf", default=None, help="GPUMEM_CONF of the gpumem process")
+    ap.add_argument("--conf", default=None, help="GPUMEM_CONF of the gpumem sides")
+    ap.add_argument("--sides", nargs="+", default=["native", "gpumem"], metavar="SIDE",
+                    help="ALLOCATOR or ALLOCATOR@LIMIT (bytes, or Rx: R times --peak); default: native gpumem")
+    ap.add_argument("--peak", type=int, default=None, metavar="BYTES",
+                    help="the job's peak allocated bytes, for limits given as Rx")
+    ap.add_argument("--pairs", nargs="+", default=None, metavar="NUM/DEN",
+                    help="ratios to report, as side indices (default: every side against side 0)")
+    # the program each side runs: workloads.py, or a stand-in speaking its
+    # protocol (bench/torch/test_harness.py)
+    ap.add_argument("--worker", default=os.environ.get("LOCKSTEP_WORKER") or os.path.join(HERE, "workloads.py"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     ap.add_argument("--summarize", nargs="+", metavar="JSONL",
                     help="train nothing: pool the runs in these files, one line per workload")
@@ -126,34 +284,17 @@ def main():
         return summarize(args.summarize)
     if not args.workload:
         ap.error("a workload, or --summarize")
-
-    names = ("native", "gpumem")
-    procs = {n: start(args.workload, n, args) for n in names}
-    ms = {n: [] for n in names}
     try:
-        for k in range(args.warmup + args.steps):
-            for n in names if k % 2 == 0 else names[::-1]:
-                t = take_step(procs[n], n, k)
-                if k >= args.warmup:
-                    ms[n].append(t)
-        finals = {n: final_result(procs[n]) for n in names}
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-
-    result = {"workload": args.workload, "conf": args.conf, "steps": args.steps,
-              "device": finals["native"].get("device")}
-    result.update(compare(ms["native"], ms["gpumem"]))
-    result.update({
-        "native_step_ms": [round(t, 3) for t in ms["native"]],
-        "gpumem_step_ms": [round(t, 3) for t in ms["gpumem"]],
-        "native_peak_reserved": finals["native"].get("peak_reserved"),
-        "gpumem_peak_reserved": finals["gpumem"].get("peak_reserved"),
-        "gpumem_timed": finals["gpumem"].get("gpumem_timed"),
-    })
+        parsed = [parse_side(spec, args.peak) for spec in args.sides]
+        if len(set(args.sides)) != len(args.sides):
+            raise ValueError("sides must differ: %s" % " ".join(args.sides))
+        pairs = ([parse_pair(p, len(args.sides)) for p in args.pairs] if args.pairs
+                 else [(j, 0) for j in range(1, len(args.sides))])
+    except ValueError as e:
+        ap.error(str(e))
+    result = run(args, parsed, pairs)
     line = json.dumps(result)
-    print(line)
+    print(line, flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write(line + "\n")

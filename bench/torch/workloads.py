@@ -1,11 +1,18 @@
-"""The four workloads of traces/README.md as the project's own programs,
-run under one allocator per process.
+"""The four workloads of traces/README.md as the project's own programs, and
+jobs as users write them, run under one allocator per process.
 
-    python3 bench/torch/workloads.py WORKLOAD --allocator native|expandable|gpumem
-            [--steps N] [--warmup W] [--fraction F] [--conf C] [--bisect PROBES]
+    python3 bench/torch/workloads.py WORKLOAD --allocator native|expandable|async|gpumem
+            [--steps N] [--warmup W] [--fraction F | --limit BYTES] [--conf C] [--bisect PROBES]
 
-WORKLOAD is gpt2_train, resnet50_train, llama_ckpt_train or
-t5_varlen_prefetch. Prints one JSON line: the median step time (ms, the
+WORKLOAD is one of the bundled four (gpt2_train, resnet50_train,
+llama_ckpt_train, t5_varlen_prefetch) or a user-style job:
+llama_finetune_varlen (a ~0.6B Llama fine-tuned on padded batches whose
+batch size 4-8 and length 256-2048 change every micro-step, gradient
+accumulation 2, AdamW, bf16 autocast), llama_generate_serve (generate()
+requests of batch 1-16 and prompt length 32-1024 on a ~0.4B Llama in bf16)
+or convnext_timm (timm's ConvNeXt-Base, fixed shapes). Models are built
+from configurations with random weights; shapes are drawn from seeds, so
+every process sees the same shapes at the same step. Prints one JSON line: the median step time (ms, the
 GPU synchronized around each step, after the warm-up steps), peak reserved
 and peak allocated bytes (torch.cuda.max_memory_reserved/allocated, which
 report gpumem's figures when gpumem is the allocator) and whether the run
@@ -18,7 +25,9 @@ collects once and freezes every object made so far (gc.freeze) before the
 timed steps, so the collector no longer walks the model's objects in them.
 
 --fraction caps the process at F of the device's memory
-(torch.cuda.set_per_process_memory_fraction) for the whole run.
+(torch.cuda.set_per_process_memory_fraction) for the whole run; --limit
+caps it at BYTES (gpumem's limit: key under gpumem, the same fraction call
+otherwise).
 --bisect P, after the timed run, looks for the smallest fraction under which
 the workload still trains (the same steps again, same batch shapes) with P probes between peak
 allocated (cannot fit below) and peak reserved (fits), in this same process:
@@ -27,7 +36,8 @@ and the cache emptied, so each probe starts from the weights alone, as a
 fresh process would after building its model.
 
 Allocators: native is PyTorch's caching allocator; expandable the same with
-PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; gpumem installs gpumem
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; async is PyTorch's
+cudaMallocAsync backend (backend:cudaMallocAsync); gpumem installs gpumem
 through gpumem.torch.enable (GPUMEM_CONF or --conf configures it).
 """
 
@@ -43,16 +53,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 
 
+def gpumem_conf(args):
+    """The gpumem configuration of this run: --conf (else GPUMEM_CONF) with
+    --limit added as gpumem's own cap."""
+    conf = args.conf if args.conf is not None else os.environ.get("GPUMEM_CONF", "")
+    if args.limit is not None:
+        conf = ",".join(x for x in (conf, "limit:%d" % args.limit) if x)
+    return conf or None
+
+
 def install_allocator(args):
     """Before torch touches CUDA."""
-    if args.allocator == "expandable":
+    torch_conf = {"expandable": "expandable_segments:True", "async": "backend:cudaMallocAsync"}
+    if args.allocator in torch_conf:
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (conf, "expandable_segments:True") if x)
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (conf, torch_conf[args.allocator]) if x)
     elif args.allocator == "gpumem":
         sys.path.insert(0, os.path.join(REPO, "python"))
         import gpumem.torch
 
-        gpumem.torch.enable(args.conf)
+        gpumem.torch.enable(gpumem_conf(args))
     import torch
 
     return torch
@@ -213,11 +233,165 @@ def t5_varlen_prefetch(torch, args):
     return model, make_state, step
 
 
+# ---- jobs as users write them: shapes drawn per step, gradient accumulation,
+# generate(). Shapes come from random.Random seeded with the step index, so
+# every process (and every probe of --bisect) sees the same shapes at step i.
+
+FINETUNE_ACCUMULATION = 2
+
+
+def llama_finetune_varlen(torch, args):
+    """A ~0.6B Llama-style decoder fine-tuned on padded batches: per
+    micro-step, batch size 4-8 and padded length 256-2048 (uniform), each
+    row's real length between half the padded length and all of it (right
+    padding, attention mask, labels -100 on padding); gradient accumulation
+    2, AdamW, bf16 autocast. One step = one optimizer step."""
+    import random
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=18,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        use_cache=False,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    model.train()
+
+    def micro_batch(i, k):
+        rnd = random.Random(1_000_003 * i + k)
+        b, s = rnd.randint(4, 8), rnd.randint(256, 2048)
+        lengths = [rnd.randint(s // 2, s) for _ in range(b)]
+        gen = torch.Generator().manual_seed(1_000_003 * i + k)
+        ids = torch.randint(1, cfg.vocab_size, (b, s), generator=gen)
+        mask = torch.zeros(b, s, dtype=torch.long)
+        for r, n in enumerate(lengths):
+            mask[r, :n] = 1
+        ids = ids * mask  # pad token 0 after each row's end
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids.to("cuda"), "attention_mask": mask.to("cuda"), "labels": labels.to("cuda")}
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=1e-5)}
+
+    def step(state, i):
+        total = None
+        for k in range(FINETUNE_ACCUMULATION):
+            batch = micro_batch(i, k)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**batch).loss / FINETUNE_ACCUMULATION
+            del batch
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            del loss
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return total
+
+    return model, make_state, step
+
+
+def llama_generate_serve(torch, args):
+    """generate() serving with a ~0.4B Llama-style decoder in bf16: per
+    request, batch 1-16 and padded prompt length 32-1024 (uniform), each
+    prompt between half and all of it (left padding, attention mask),
+    greedy, 32 new tokens (min_new_tokens too, so every process generates
+    the same number whatever the random weights pick). One step = one
+    generate() call; the cache grows token by token (DynamicCache)."""
+    import random
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1536,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # bf16 weights without an fp32 copy first
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model.eval()
+    new_tokens = 32
+
+    def request(i):
+        rnd = random.Random(2_000_003 * i)
+        b, s = rnd.randint(1, 16), rnd.randint(32, 1024)
+        lengths = [rnd.randint(max(1, s // 2), s) for _ in range(b)]
+        gen = torch.Generator().manual_seed(2_000_003 * i)
+        ids = torch.randint(3, cfg.vocab_size, (b, s), generator=gen)
+        mask = torch.zeros(b, s, dtype=torch.long)
+        for r, n in enumerate(lengths):
+            mask[r, s - n:] = 1
+        ids = ids * mask  # pad token 0 before each prompt
+        return ids.to("cuda"), mask.to("cuda")
+
+    def make_state():
+        return {}
+
+    def step(state, i):
+        ids, mask = request(i)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 use_cache=True)
+        return out[:, -1].sum()
+
+    return model, make_state, step
+
+
+def convnext_timm(torch, args):
+    """timm's ConvNeXt-Base built by name (random weights), fixed-shape
+    training: batch 64 x 224, AdamW, bf16 autocast, channels-last."""
+    import timm
+
+    model = timm.create_model("convnext_base", pretrained=False, num_classes=1000)
+    model = model.cuda().to(memory_format=torch.channels_last)
+    model.train()
+    lossf = torch.nn.CrossEntropyLoss()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=1e-4)}
+
+    def step(state, i):
+        x = torch.randn(64, 3, 224, 224, device="cuda", generator=gen).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lossf(model(x), y)
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
 WORKLOADS = {
     "gpt2_train": gpt2_train,
     "resnet50_train": resnet50_train,
     "llama_ckpt_train": llama_ckpt_train,
     "t5_varlen_prefetch": t5_varlen_prefetch,
+    "llama_finetune_varlen": llama_finetune_varlen,
+    "llama_generate_serve": llama_generate_serve,
+    "convnext_timm": convnext_timm,
 }
 
 
@@ -305,11 +479,14 @@ def release(torch, model):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("workload", choices=sorted(WORKLOADS))
-    ap.add_argument("--allocator", choices=["native", "expandable", "gpumem"], default="native")
+    ap.add_argument("--allocator", choices=["native", "expandable", "async", "gpumem"], default="native")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--fraction", type=float, default=None)
     ap.add_argument("--conf", default=None, help="GPUMEM_CONF for --allocator gpumem")
+    ap.add_argument("--limit", type=int, default=None, metavar="BYTES",
+                    help="cap the process's reserved memory at BYTES: gpumem's limit: key under gpumem, "
+                         "torch.cuda.set_per_process_memory_fraction(BYTES / device total) otherwise")
     ap.add_argument("--bisect", type=int, default=0, metavar="PROBES")
     ap.add_argument("--lockstep", action="store_true",
                     help="wait for a line on stdin before each step and print 'LOCKSTEP i ms' after it "
@@ -328,8 +505,14 @@ def main():
     torch.manual_seed(0)
     torch.cuda.init()
     total = torch.cuda.mem_get_info()[1]
+    if args.fraction is not None and args.limit is not None:
+        ap.error("--fraction and --limit are two ways to say the same thing: give one")
     if args.fraction is not None:
         torch.cuda.set_per_process_memory_fraction(args.fraction)
+    if args.limit is not None and args.allocator != "gpumem":
+        if not 0 < args.limit <= total:
+            ap.error("--limit %d is outside (0, %d], the device's memory" % (args.limit, total))
+        torch.cuda.set_per_process_memory_fraction(args.limit / total)
 
     t0 = time.perf_counter()
     model, make_state, step = WORKLOADS[args.workload](torch, args)
@@ -337,7 +520,9 @@ def main():
     issue = []
     counters_before = {}
     keep = ("num_syncs", "num_sync_all_streams", "num_pages_mapped", "num_pages_unmapped", "num_reclaims",
-            "num_alloc_retries", "num_device_alloc", "num_device_free", "allocation.all.allocated")
+            "num_alloc_retries", "num_device_alloc", "num_device_free", "allocation.all.allocated",
+            "num_ooms", "num_plans", "num_plan_drops", "num_planned_allocs", "num_pages_revived",
+            "num_pages_aliased", "num_move_guard_trips", "limit_bytes", "policy")
 
     def snapshot():
         import gpumem
@@ -364,7 +549,8 @@ def main():
     result = {
         "workload": args.workload,
         "allocator": args.allocator,
-        "conf": args.conf if args.allocator == "gpumem" else None,
+        "conf": gpumem_conf(args) if args.allocator == "gpumem" else None,
+        "limit": args.limit,
         "device": torch.cuda.get_device_name(),
         "device_total": total,
         "steps": len(times),

@@ -1,0 +1,141 @@
+"""Tests of the step-time harness (lockstep_ab.py, userjobs.py) with a
+stand-in worker (fake_workload.py): no torch, no GPU.
+
+    python3 -m unittest bench/torch/test_harness.py      (ctest: bench_harness)
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import fake_workload  # noqa: E402
+
+PEAK = fake_workload.PEAK
+
+
+def run(script, *args, env=None):
+    full = dict(os.environ, LOCKSTEP_WORKER=os.path.join(HERE, "fake_workload.py"), **(env or {}))
+    return subprocess.run([sys.executable, os.path.join(HERE, script), *args], capture_output=True, text=True,
+                          env=full, timeout=120)
+
+
+def lockstep(*args, env=None):
+    proc = run("lockstep_ab.py", *args, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+class LockstepTest(unittest.TestCase):
+    def test_default_sides_keep_the_plain_comparison(self):
+        r = lockstep("w", "--steps", "5", "--warmup", "1")
+        self.assertEqual([s["label"] for s in r["sides"]], ["native", "gpumem"])
+        self.assertEqual(r["step_pairs"], 5)
+        self.assertAlmostEqual(r["ratio_of_medians"], fake_workload.GPUMEM_SLOWDOWN, places=3)
+        self.assertEqual(len(r["native_step_ms"]), 5)
+        self.assertEqual(r["pairs"][0]["num"], "gpumem")
+        self.assertEqual(r["sides"][1]["gpumem"]["backend_calls.map"], 5)
+
+    def test_limits_relative_to_the_peak_and_a_side_out_of_memory(self):
+        r = lockstep("w", "--steps", "4", "--warmup", "1", "--peak", str(PEAK), "--sides", "expandable@1.01x",
+                     "gpumem@1.01x", "gpumem", "--pairs", "1/0", "1/2")
+        exp, capped, free = r["sides"]
+        self.assertEqual(exp["limit"], int(1.01 * PEAK))
+        self.assertTrue(exp["oom"])
+        self.assertEqual(exp["stopped_at"], fake_workload.OOM_STEP)
+        self.assertIsNone(capped["stopped_at"])
+        self.assertEqual(capped["limit"], int(1.01 * PEAK))
+        self.assertIsNone(free["limit"])
+        self.assertEqual(capped["steps"], 4)
+        self.assertIn("ran out of memory at step 2", r["pairs"][0]["skipped"])
+        self.assertAlmostEqual(r["pairs"][1]["ratio_of_medians"], fake_workload.LIMIT_SLOWDOWN, places=3)
+        self.assertNotIn("native_step_ms", r)  # not the plain comparison
+
+    def test_turns_rotate_and_skip_stopped_sides(self):
+        with tempfile.TemporaryDirectory() as d:
+            log = os.path.join(d, "order")
+            lockstep("w", "--steps", "4", "--warmup", "1", "--sides", "native", "expandable@1", "gpumem",
+                     env={"FAKE_LOG": log})
+            order = [line.split() for line in open(log)]
+        a, b, c = "native", "expandable@1", "gpumem"
+        # step 0: a b c; step 1: b c a; step 2: c a, then b stops (out of
+        # memory); the two left rotate by step: step 3 (c a), step 4 (a c)
+        self.assertEqual(order, [[a, "0"], [b, "0"], [c, "0"], [b, "1"], [c, "1"], [a, "1"], [c, "2"], [a, "2"],
+                                 [c, "3"], [a, "3"], [a, "4"], [c, "4"]])
+
+    def test_a_worker_that_dies_is_reported(self):
+        r = lockstep("crash", "--steps", "2", "--warmup", "0")
+        self.assertTrue(all("error" in s for s in r["sides"]))
+        self.assertIn("failed at step 0", r["pairs"][0]["skipped"])
+
+    def test_bad_sides_are_named(self):
+        for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
+                          (["--sides", "native", "gpumem@1.1x"], "needs --peak"),
+                          (["--sides", "native", "gpumem@lots"], "byte count or a ratio"),
+                          (["--sides", "native", "native"], "sides must differ"),
+                          (["--pairs", "0/2"], "indices must be two different sides")):
+            proc = run("lockstep_ab.py", "w", *args)
+            self.assertEqual(proc.returncode, 2, args)
+            self.assertIn(why, proc.stderr)
+
+    def test_summarize_pools_only_plain_comparisons(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "runs.jsonl")
+            for args in ([], ["--sides", "expandable", "gpumem"]):
+                lockstep("w", "--steps", "3", "--warmup", "0", "--out", out, *args)
+            proc = run("lockstep_ab.py", "--summarize", out)
+            lines = proc.stdout.strip().splitlines()
+        self.assertEqual(len(lines), 1)
+        self.assertEqual(json.loads(lines[0])["runs"], 1)
+
+
+class UserJobsTest(unittest.TestCase):
+    def drive(self, **env):
+        with tempfile.TemporaryDirectory() as d:
+            env = dict({"OUT": d, "STEPS": "4", "WARMUP": "1", "WORKLOADS": "a b", "LIMIT_WORKLOADS": "a"}, **env)
+            proc = run("userjobs.py", env=env)
+            self.assertEqual(proc.returncode, 0, proc.stderr)
+            rows = [json.loads(line) for line in open(os.path.join(d, "userjobs.jsonl"))]
+            text = open(os.path.join(d, "userjobs.txt")).read()
+        return rows, text, proc.stdout
+
+    def test_verdicts(self):
+        rows, text, stdout = self.drive()
+        verdicts = [(r["workload"], r["phase"], r["verdict"]) for r in rows]
+        self.assertEqual(verdicts, [("a", "free", "PASS"), ("a", "limit 1.02x", "FAIL"),
+                                    ("a", "limit 1.01x", "PASS"), ("b", "free", "PASS")])
+        self.assertIn("gpumem / expandable", rows[1]["why"])  # expandable fits at 1.02 x
+        self.assertIn("expandable out of memory", rows[2]["why"])  # not at 1.01 x
+        self.assertEqual(rows[1]["limit_bytes"], int(1.02 * PEAK))
+        self.assertIn("PASS a free:", stdout)
+        self.assertIn("| a | limit 1.01x | expandable@1.01x | 9.41 | 100.4 | 10.24 | 9.31 | out of memory at step 2 |",
+                      text)
+        self.assertIn("a limit 1.02x gpumem@1.02x: timed steps: map=2", text)
+
+    def test_gpumem_out_of_memory_under_the_limit_fails(self):
+        rows, _, _ = self.drive(WORKLOADS="a", FAKE_GPUMEM_FITS="1.015", LIMITS="1.01")
+        self.assertEqual(rows[1]["verdict"], "FAIL")
+        self.assertIn("gpumem out of memory at 1.01 x", rows[1]["why"])
+
+    def test_peak_from_a_native_run_when_the_free_phase_is_off(self):
+        rows, _, _ = self.drive(WORKLOADS="a", PHASES="limits", LIMITS="1.02")
+        self.assertEqual([r["phase"] for r in rows], ["limit 1.02x"])
+        self.assertEqual(rows[0]["peak"], PEAK)
+
+    def test_a_failing_workload_does_not_stop_the_others(self):
+        rows, text, _ = self.drive(WORKLOADS="crash b", LIMIT_WORKLOADS="crash")
+        self.assertEqual([(r["workload"], r["verdict"]) for r in rows],
+                         [("crash", "ERROR"), ("crash", "ERROR"), ("b", "PASS")])
+        self.assertIn("ERROR crash limits: no peak allocated", text)
+
+    def test_no_run_starts_past_the_deadline(self):
+        rows, _, _ = self.drive(WORKLOADS="a", DEADLINE="30")
+        self.assertTrue(all(r["verdict"] == "ERROR" and "DEADLINE" in r["why"] for r in rows[:1]))
+
+
+if __name__ == "__main__":
+    unittest.main()
