@@ -21,7 +21,8 @@ the end. A run that fails or times out is reported and the others go on;
 no run starts that could not end before DEADLINE seconds from the start.
 
 Environment (all optional):
-  WORKLOADS        "llama_finetune_varlen llama_generate_serve"
+  WORKLOADS        "llama_finetune_varlen llama_generate_serve" (any of
+                   bench/torch/workloads.py's: the bundled four too)
   LIMIT_WORKLOADS  the workloads of WORKLOADS but llama_generate_serve
   LIMITS           "1.02 1.01" (ratios of the job's peak allocated bytes)
   PHASES           "free limits"
