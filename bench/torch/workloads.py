@@ -495,6 +495,10 @@ def main():
         "--probe-steps", type=int, default=None, help="steps per probe (default: warm-up + steps, the same batches)"
     )
     args = ap.parse_args()
+    if args.fraction is not None and args.limit is not None:
+        ap.error("--fraction and --limit are two ways to say the same thing: give one")
+    if args.limit is not None and args.limit <= 0:
+        ap.error("--limit must be a positive number of bytes")
 
     torch = install_allocator(args)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -503,8 +507,6 @@ def main():
     torch.manual_seed(0)
     torch.cuda.init()
     total = torch.cuda.mem_get_info()[1]
-    if args.fraction is not None and args.limit is not None:
-        ap.error("--fraction and --limit are two ways to say the same thing: give one")
     if args.fraction is not None:
         torch.cuda.set_per_process_memory_fraction(args.fraction)
     if args.limit is not None and args.allocator != "gpumem":
