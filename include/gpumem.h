@@ -97,6 +97,11 @@ typedef enum gpumem_placement {
    * periods are placed by the plan in a plan arena per stream; requests
    * off the plan fall back to best fit. */
   GPUMEM_PLACEMENT_PLANNED = 1,
+  /* (the default) Planned while memory is capped (a limit, a fraction or a
+   * shared budget: pages then move one at a time and a plan keeps a
+   * repeating loop from moving them), best fit otherwise (nothing needs
+   * the memory a plan would save, and growth comes in large mappings). */
+  GPUMEM_PLACEMENT_AUTO = 2,
 } gpumem_placement_t;
 
 typedef struct gpumem_options {
@@ -107,7 +112,7 @@ typedef struct gpumem_options {
                           * With both set, the smaller cap holds. */
   gpumem_reclaim_t reclaim;
   /* Lazy reclaim lets reserved memory exceed the allocated high-water mark
-   * by this fraction before it moves pages (default 0.002). */
+   * by this fraction before it moves pages (default 0.02). */
   double headroom;
   /* PyTorch's max_split_size_mb: blocks at least this large are never
    * split for smaller requests; 0 = unlimited (the default). */
@@ -137,6 +142,14 @@ typedef struct gpumem_options {
    * every few allocations. Limits and device refusals still reclaim. 0
    * holds memory at the mark whatever it costs. */
   int move_guard;
+  /* Default policy, lazy reclaim: what moving pages that nobody needs may
+   * cost, in microseconds of mapping work (priced at an H100's measured
+   * cost per call, docs/design.md) per allocation, with at most 2 ms of it
+   * saved up. Moves for headroom beyond it wait, and memory grows instead
+   * (num_moves_deferred). Moves that a limit, a shared budget or the device
+   * asks for are never held back. Default 0.05; a negative value: no
+   * budget (memory held at the mark whatever it costs). */
+  double move_budget_us;
   /* Default policy, planned placement: 1 (the default) lets the streams of
    * a repeating step share one plan arena where separate arenas would hold
    * more than the step has live (streams that peak at different times).
@@ -173,20 +186,20 @@ typedef struct gpumem_options {
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 
-/* Fills defaults (policy default with planned placement and lazy reclaim,
- * no limit, map_max 1 GiB, move_guard on, stream_waits on, publish auto,
+/* Fills defaults (policy default with auto placement and lazy reclaim
+ * within a move budget of 0.05 us per allocation, headroom 0.02, no limit,
+ * map_max 1 GiB, move_guard on, stream_waits on, publish auto,
  * leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
- * placement (planned|bestfit), map_max (a size, as limit), move_guard
- * (on|off), stream_waits (on|off), publish (auto|on|off), leak_check
- * (on|off), oom_snapshot (a path without ','), shared_limit (a size),
- * shared_name (a name).
- * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
- * and the valid choices; opts is unchanged on failure. */
+ * placement (auto|planned|bestfit), map_max (a size, as limit), move_guard
+ * (on|off), move_budget (microseconds per allocation, >= 0, or unlimited), stream_waits (on|off),
+ * publish (auto|on|off), leak_check (on|off), oom_snapshot (a path without ','), shared_limit (a
+ * size), shared_name (a name). Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the
+ * key and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
 /* Parses "123", "4K", "1.5G", "2GiB" (binary units). */
 GPUMEM_API gpumem_status_t gpumem_parse_size(const char* text, size_t* out);
@@ -278,7 +291,10 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_pages_aliased, "Partly used pages shared by a request")        \
   X(num_move_guard_trips, "Move guard trips (grew instead of moving)") \
   X(num_plans_declined, "Plans declined (streams peak apart)")         \
-  X(num_plans_shared, "Plans whose streams share one arena")
+  X(num_plans_shared, "Plans whose streams share one arena")           \
+  X(num_moves_deferred, "Moves over the move budget (grew instead)")   \
+  X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
+  X(mapping_time_ns, "Time in mapping calls (ns, measured)")
 
 /* Backend primitives, counted per call by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \

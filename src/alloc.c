@@ -74,6 +74,16 @@ static size_t limit_from(const gpumem_options_t* o, size_t total) {
   return limit;
 }
 
+/* Planned placement pays where memory is capped: there pages must move
+ * to hold the cap, and a plan keeps a repeating loop from moving them.
+ * Uncapped, placement:auto uses best fit, whose pages stay where they are
+ * mapped, in large mappings (pages.c, map_run_limit). */
+static bool wants_planner(const gpumem_t* gm) {
+  if (!gm->virtual_memory) return false;
+  if (gm->opts.placement == GPUMEM_PLACEMENT_PLANNED) return true;
+  return gm->opts.placement == GPUMEM_PLACEMENT_AUTO && (gm->limit || gm->opts.shared_limit);
+}
+
 gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
                         gpumem_status_t* err) {
   gpumem_status_t dummy;
@@ -163,7 +173,7 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   gm->device_index = -1;
   /* the file itself is made at the first publication (publish.c) */
   gm->publish_wanted = gm_publish_wanted(gm);
-  if (use_vm && o.placement == GPUMEM_PLACEMENT_PLANNED) {
+  if (wants_planner(gm)) {
     gpumem_status_t pst = gm_plan_init(gm);
     if (pst != GPUMEM_OK) {
       gm_ptr_map_destroy(&gm->ptrs);
@@ -713,6 +723,9 @@ static gpumem_status_t apply_limit(gpumem_t* gm, size_t limit) {
   gpumem_status_t st = GPUMEM_OK;
   gm_lock_acquire(&gm->lock);
   gm->limit = limit;
+  /* Capped from now on: placement:auto plans loops that repeat. Without
+   * host memory for the planner it goes on with best fit. */
+  if (!gm->planner.enabled && wants_planner(gm)) (void)gm_plan_init(gm);
   /* Give back what the cache holds above the new cap; live memory stays. */
   if (over_limit(gm, 0)) st = free_cached_memory(gm);
   gm_publish_if_wanted(gm);

@@ -14,9 +14,10 @@
 
 #include "internal.h"
 
-#define VALID_KEYS                                                                      \
-  "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, " \
-  "move_guard, stream_waits, publish, leak_check, oom_snapshot, shared_limit, shared_name"
+#define VALID_KEYS                                                                           \
+  "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
+  "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
+  "shared_name"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -35,16 +36,16 @@ void gpumem_options_init(gpumem_options_t* opts) {
   opts->policy = GPUMEM_POLICY_DEFAULT;
   opts->limit_bytes = 0;
   opts->limit_fraction = 0.0;
-  /* Lazy reclaim with planned placement by default: reserved memory stays
-   * within 0.2-0.5% of peak live, and once a training loop repeats, the
-   * plan keeps its pages in place (no device call in the steady state).
-   * Measured on two H100s (BENCHMARKS.md, 2026-11-25): step times within
-   * 1% of native PyTorch on gpt2, resnet and llama; t5's runs spread too
-   * widely to tell. docs/design.md says why and what it costs. */
+  /* Memory moves only when something needs it: with no cap, growth comes
+   * in large mappings and pages move for headroom only within the move
+   * budget; under a cap, pages are fine-grained and a plan serves loops
+   * that repeat. docs/design.md ("The default policy") has the reasons and
+   * the measured trade-offs. */
   opts->reclaim = GPUMEM_RECLAIM_LAZY;
-  opts->headroom = 0.002;
+  opts->headroom = 0.02;
+  opts->move_budget_us = 0.05;
   opts->max_split_size = 0;
-  opts->placement = GPUMEM_PLACEMENT_PLANNED;
+  opts->placement = GPUMEM_PLACEMENT_AUTO;
   opts->own_backend = 0;
   /* Large mappings while nothing needs fine reclaim (pages.c says when):
    * on an H100 a mapping costs ~50-110 us to create, map and grant access
@@ -295,6 +296,7 @@ enum {
   KEY_OOM_SNAPSHOT,
   KEY_SHARED_LIMIT,
   KEY_SHARED_NAME,
+  KEY_MOVE_BUDGET,
   KEY_COUNT
 };
 
@@ -302,14 +304,15 @@ enum {
 static const char* const key_names[KEY_COUNT] = {
     "policy",       "limit",        "fraction",    "reclaim",      "headroom", "max_split_size_mb",
     "placement",    "map_max",      "move_guard",  "stream_waits", "publish",  "leak_check",
-    "oom_snapshot", "shared_limit", "shared_name",
+    "oom_snapshot", "shared_limit", "shared_name", "move_budget",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
 static const char* const reclaim_names[] = {"lazy", "eager", "pressure", NULL};
-static const char* const placement_names[] = {"planned", "bestfit", NULL};
+static const char* const placement_names[] = {"planned", "bestfit", "auto", NULL};
 static const char* const on_off_names[] = {"on", "off", NULL};
 static const char* const publish_names[] = {"auto", "on", "off", NULL};
+static const char* const unlimited_names[] = {"unlimited", NULL};
 
 /* Levenshtein distance between a (short) typed key and a valid key, capped
  * so an absurdly long key costs nothing; used only to suggest a spelling. */
@@ -393,8 +396,10 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
     }
     case KEY_PLACEMENT: {
       int c = parse_choice(value, placement_names);
-      if (c < 0) return bad_value(value, name, "one of: planned, bestfit");
-      o->placement = c == 0 ? GPUMEM_PLACEMENT_PLANNED : GPUMEM_PLACEMENT_BESTFIT;
+      if (c < 0) return bad_value(value, name, "one of: auto, planned, bestfit");
+      o->placement = c == 0   ? GPUMEM_PLACEMENT_PLANNED
+                     : c == 1 ? GPUMEM_PLACEMENT_BESTFIT
+                              : GPUMEM_PLACEMENT_AUTO;
       return GPUMEM_OK;
     }
     case KEY_MOVE_GUARD:
@@ -468,6 +473,19 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
         return bad_value(value, name, "a number in (0, 1]");
       }
       o->limit_fraction = v;
+      return GPUMEM_OK;
+    }
+    case KEY_MOVE_BUDGET: {
+      double v = 0;
+      if (parse_choice(value, unlimited_names) == 0) {
+        o->move_budget_us = -1.0;
+        return GPUMEM_OK;
+      }
+      if (!parse_number_span(value, &v) || !(v >= 0.0 && v <= 1e6)) {
+        return bad_value(value, name,
+                         "microseconds of mapping work per allocation, 0 to 1e6, or unlimited");
+      }
+      o->move_budget_us = v;
       return GPUMEM_OK;
     }
     case KEY_HEADROOM: {

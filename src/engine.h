@@ -379,8 +379,10 @@ struct gpumem {
   gm_spare_run* spare_runs;
   size_t num_spare_runs, spare_runs_capacity, spare_run_pages;
   size_t arena_size;
-  size_t map_max_pages; /* pages per physical allocation at most (>= 1) */
-  bool fine_mappings;   /* the device or limit refused once: one page per mapping */
+  size_t map_max_pages;     /* pages per physical allocation at most (>= 1) */
+  uint64_t mapping_call_t0; /* GM_MAP_CALL's start */
+  double move_spent_us;     /* move budget spent (pages.c, move_budget_left) */
+  bool fine_mappings;       /* the device or limit refused once: one page per mapping */
   /* The move guard (pages.c, note_move): pages mapped at a new address
    * outside plan arenas, counted in windows of allocations. */
   struct {
@@ -649,6 +651,19 @@ void gm_segment_install(gpumem_t* gm, gm_segment* seg, gm_block* b, gm_pool* poo
 #define GM_CALL(gm, kind, expr)                                      \
   (gm_call_begin(), (gm)->stats.backend_calls[GPUMEM_CALL_##kind]++, \
    gm_backend_status((gm), GPUMEM_CALL_##kind, (expr)))
+
+/* GM_CALL for the mapping calls (create_page, map, unmap, release_page),
+ * timed on the host's monotonic clock into stats.mapping_time_ns: on a GPU
+ * each takes tens of microseconds, so the two clock reads are noise, and
+ * the figure says what moving memory really cost this process. */
+uint64_t gm_now_ns(void);
+static inline gpumem_status_t gm_mapping_call_end(gpumem_t* gm, uint64_t t0, gpumem_status_t s) {
+  gm->stats.mapping_time_ns += (int64_t)(gm_now_ns() - t0);
+  return s;
+}
+#define GM_MAP_CALL(gm, kind, expr)     \
+  ((gm)->mapping_call_t0 = gm_now_ns(), \
+   gm_mapping_call_end((gm), (gm)->mapping_call_t0, GM_CALL(gm, kind, expr)))
 
 static inline bool gm_block_is_split(const gm_block* b) {
   return b->prev || b->next;

@@ -37,6 +37,7 @@
  * large-arena and spare pages count as large. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine.h"
 
@@ -177,12 +178,12 @@ void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
     gm_segment* at;
     size_t page;
     alias_forget(gm, k, &at, &page);
-    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + page * ps, ps));
+    GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + page * ps, ps));
   }
   for (size_t p = 0; p < seg->mapped_end; p++) {
     uint32_t ghost = seg->ghost_id[p];
     if (ghost) { /* its page lives on elsewhere or as spare */
-      GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+      GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
       ghost_forget(phys_of(gm, ghost), seg, p);
       seg->ghost_id[p] = 0;
     }
@@ -193,8 +194,8 @@ void gm_arena_destroy(gpumem_t* gm, gm_segment* seg) {
     if (!gm_arena_page_mapped(seg, p) || seg->run_start[p] != p) continue;
     size_t n = run_length(seg, p);
     gpumem_phys_t h = seg->handles[p];
-    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, n * ps));
-    GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, n * ps));
+    GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, n * ps));
+    GM_MAP_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, n * ps));
     p += n - 1;
   }
   GM_CALL(gm, release_range, gm->backend->release_range(gm->backend->ctx, seg->addr, seg->size));
@@ -277,7 +278,7 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
     gpumem_status_t st = drop_ghosts_of(gm, id);
     if (st != GPUMEM_OK) return st;
     gpumem_phys_t h = phys_of(gm, id)->handle;
-    st = GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
+    st = GM_MAP_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, ps));
     if (st != GPUMEM_OK) return st;
     gm->num_spare_pages--;
     phys_delete(gm, id);
@@ -458,7 +459,7 @@ static gpumem_status_t ghost_drop(gpumem_t* gm, gm_segment* seg, size_t p) {
   if (k == r->num_ghosts || r->ghost_sync_mark[k] > s->syncs) st = sync_stream_for_reclaim(gm, s);
   if (st != GPUMEM_OK) return st;
   size_t ps = gm->page_size;
-  st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+  st = GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
   if (st != GPUMEM_OK) return st;
   ghost_forget(phys_of(gm, seg->ghost_id[p]), seg, p);
   seg->ghost_id[p] = 0;
@@ -559,20 +560,20 @@ static void release_phys_everywhere(gpumem_t* gm, uint32_t id) {
   while (r->num_ghosts) {
     gm_segment* g = r->ghost_seg[0];
     size_t q = r->ghost_page[0];
-    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, g->addr + q * ps, ps));
+    GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, g->addr + q * ps, ps));
     ghost_forget(r, g, q);
     g->ghost_id[q] = 0;
   }
   if (r->live_seg) {
     gm_segment* seg = r->live_seg;
     size_t p = r->live_page;
-    GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
+    GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, ps));
     clear_mapped(seg, p);
     seg->live_id[p] = 0;
   } else {
     spare_take(gm, id);
   }
-  GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, r->handle, ps));
+  GM_MAP_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, r->handle, ps));
   phys_delete(gm, id);
 }
 
@@ -630,7 +631,8 @@ static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, 
     if (st == GPUMEM_OK) st = sync_stream_for_reclaim(gm, seg->pool->stream);
     if (st != GPUMEM_OK) return st;
     size_t pages = batch_end - p;
-    st = GM_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, pages * ps));
+    st = GM_MAP_CALL(gm, unmap,
+                     gm->backend->unmap(gm->backend->ctx, seg->addr + p * ps, pages * ps));
     if (st != GPUMEM_OK) return st;
     for (size_t q = p; q < batch_end;) {
       size_t m = run_length(seg, q);
@@ -783,6 +785,53 @@ void gm_guard_reset(gpumem_t* gm) {
   gm->guard.window_start = (uint64_t)gm->stats.allocation[GPUMEM_POOL_ALL].allocated;
 }
 
+uint64_t gm_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* The move budget (option move_budget_us). Moving pages that nobody needs
+ * (to hold reserved memory near the allocated high-water mark) is paid
+ * for in mapping calls, and on a GPU a call costs tens of microseconds
+ * whatever its size, so these moves spend from a budget that grows by
+ * move_budget_us per allocation and saves up at most GM_MOVE_BURST_US.
+ * Growth, and moves that a limit, a shared budget or the device asks for,
+ * are not charged and never held back. Why a budget per allocation: a
+ * training step's kernels take tens of microseconds or more per
+ * allocation, so 0.05 us of mapping work per allocation stays under a
+ * percent of a step on any job, and it is deterministic on the simulated
+ * device. The work is priced at an H100's measured cost per call
+ * (bench/gpu/vmm_cost.c): a page moved through a ghost costs an unmap of
+ * the ghost at its new address and a map with its access grant later; a
+ * whole run unmapped goes back to the device and is created and mapped
+ * again where it is needed. */
+#define GM_MOVE_BURST_US 2000.0
+#define GM_PRICE_PAGE_MOVE_US (19.6 + 35.1)
+#define GM_PRICE_RUN_MOVE_US (19.6 + 18.4 + 12.7 + 35.1)
+
+static bool move_budget_left(gpumem_t* gm) {
+  if (gm->opts.move_budget_us < 0) return true;
+  double earned = gm->opts.move_budget_us * (double)gm->num_mallocs;
+  if (gm->move_spent_us < earned - GM_MOVE_BURST_US) gm->move_spent_us = earned - GM_MOVE_BURST_US;
+  return gm->move_spent_us < earned;
+}
+
+/* Reclaims for headroom and charges what the moves will cost. */
+static gpumem_status_t reclaim_charged(gpumem_t* gm, size_t want) {
+  uint64_t runs0 = gm->stats.backend_calls[GPUMEM_CALL_release_page];
+  int64_t unmapped0 = gm->stats.num_pages_unmapped;
+  size_t got = 0;
+  gpumem_status_t st = gm_reclaim_from(gm, GM_RECLAIM_SPARE_SERVING, want, &got);
+  double runs = (double)(gm->stats.backend_calls[GPUMEM_CALL_release_page] - runs0);
+  double run_pages = (double)(gm->stats.num_pages_unmapped - unmapped0);
+  double pages = (double)got > run_pages ? (double)got - run_pages : 0.0;
+  double cost = runs * GM_PRICE_RUN_MOVE_US + pages * GM_PRICE_PAGE_MOVE_US;
+  gm->move_spent_us += cost;
+  gm->stats.move_work_us += (int64_t)(cost + 0.5);
+  return st;
+}
+
 /* Room for `need` more mapped pages for a request of `size` bytes in arena
  * seg: spare pages, or reserved memory allowed to grow, reclaiming first
  * where the setting or a limit says so. It creates nothing (map_range
@@ -823,9 +872,17 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
     if (now > hw) hw = now;
     reclaim_first = !guard_tripped(gm) && (double)grown > (double)hw * (1.0 + gm->opts.headroom);
   }
-  if (gm->limit && grown > gm->limit) reclaim_first = true;
-  if (gm->budget && !gm_budget_has_room(gm, (uint64_t)missing * ps)) reclaim_first = true;
-  if (!reclaim_first) return GPUMEM_OK;
+  bool needed = (gm->limit && grown > gm->limit) ||
+                (gm->budget && !gm_budget_has_room(gm, (uint64_t)missing * ps));
+  if (!needed) {
+    /* Only headroom asks: move within the budget, else grow. */
+    if (!reclaim_first) return GPUMEM_OK;
+    if (!move_budget_left(gm)) {
+      gm->stats.num_moves_deferred++;
+      return GPUMEM_OK;
+    }
+    return reclaim_charged(gm, missing);
+  }
   /* Without a plan serving, this reclaims from every pool. At a limit,
    * take a batch (1/32 of the limit) per pass: every pass synchronizes the
    * streams it takes pages from, and on llama under a 1.02 x limit this cut
@@ -851,7 +908,7 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
   }
   gpumem_phys_t h = 0;
   gpumem_status_t st =
-      GM_CALL(gm, create_page, gm->backend->create_page(gm->backend->ctx, size, &h));
+      GM_MAP_CALL(gm, create_page, gm->backend->create_page(gm->backend->ctx, size, &h));
   if (st != GPUMEM_OK) {
     if (gm->budget) gm_budget_give(gm, size);
     return st;
@@ -866,13 +923,13 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
     if (!id) room = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for a page record");
   }
   if (room != GPUMEM_OK) {
-    GM_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, size));
+    GM_MAP_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, size));
     if (gm->budget) gm_budget_give(gm, size);
     return room;
   }
   gm->stats.num_device_alloc++;
   gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, (int64_t)size);
-  st = GM_CALL(gm, map, gm->backend->map(gm->backend->ctx, seg->addr + p * ps, size, h));
+  st = GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, seg->addr + p * ps, size, h));
   if (st != GPUMEM_OK) {
     if (n == 1) {
       spare_push(gm, id);
@@ -905,7 +962,8 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
  * that fits from 1.0043 to 1.0689 x peak live (partly used mappings pin
  * their pages). */
 static size_t map_run_limit(const gpumem_t* gm) {
-  if (gm->opts.reclaim != GPUMEM_RECLAIM_PRESSURE || gm->limit || gm->fine_mappings) return 1;
+  if (gm->opts.reclaim == GPUMEM_RECLAIM_EAGER || gm->limit || gm->budget || gm->fine_mappings)
+    return 1;
   /* A plan that starts serving takes the regular arenas' free pages one by
    * one (provide_pages); whole-mapping reclaim left resnet at 1.0508 x
    * peak live under pressure with planned placement, against 1.0037. */
@@ -921,8 +979,8 @@ static gpumem_status_t map_spare(gpumem_t* gm, gm_segment* seg, size_t p, uint32
   if (seg->ghost_id[p]) st = ghost_drop(gm, seg, p);
   if (st == GPUMEM_OK) st = phys_claim_for(gm, id, seg->pool->stream);
   if (st != GPUMEM_OK) return st;
-  st = GM_CALL(gm, map,
-               gm->backend->map(gm->backend->ctx, seg->addr + p * ps, ps, phys_of(gm, id)->handle));
+  st = GM_MAP_CALL(
+      gm, map, gm->backend->map(gm->backend->ctx, seg->addr + p * ps, ps, phys_of(gm, id)->handle));
   if (st != GPUMEM_OK) return st;
   spare_take(gm, id);
   make_live(gm, seg, p, id);
@@ -1120,9 +1178,9 @@ gpumem_status_t gm_alias_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_blo
     gm_arena_busy(gm, b, 1);
     st = gm_arena_map_range(gm, seg, b->addr, last_page * ps - start);
     if (st == GPUMEM_OK)
-      st = GM_CALL(gm, map,
-                   gm->backend->map(gm->backend->ctx, seg->addr + last_page * ps, ps,
-                                    phys_of(gm, id)->handle));
+      st = GM_MAP_CALL(gm, map,
+                       gm->backend->map(gm->backend->ctx, seg->addr + last_page * ps, ps,
+                                        phys_of(gm, id)->handle));
     if (st != GPUMEM_OK) {
       gm_free_shadow(gm, here);
       gm_free_shadow(gm, there);

@@ -78,9 +78,10 @@ static void test_defaults(void) {
   CHECK(o.limit_bytes == 0);
   CHECK(o.limit_fraction == 0.0);
   CHECK(o.reclaim == GPUMEM_RECLAIM_LAZY);
-  CHECK(o.headroom == 0.002);
+  CHECK(o.headroom == 0.02);
+  CHECK(o.move_budget_us == 0.05);
   CHECK(o.max_split_size == 0);
-  CHECK(o.placement == GPUMEM_PLACEMENT_PLANNED);
+  CHECK(o.placement == GPUMEM_PLACEMENT_AUTO);
   CHECK(o.own_backend == 0);
   CHECK(o.map_max_bytes == GM_GIB);
   CHECK(o.move_guard == 1);
@@ -130,6 +131,14 @@ static void test_placement(void) {
   CHECK(parse_ok("placement:planned").placement == GPUMEM_PLACEMENT_PLANNED);
   CHECK(parse_ok("placement:bestfit").placement == GPUMEM_PLACEMENT_BESTFIT);
   CHECK(parse_ok("placement:PLANNED").placement == GPUMEM_PLACEMENT_PLANNED);
+  CHECK(parse_ok("placement:auto").placement == GPUMEM_PLACEMENT_AUTO);
+  CHECK(parse_ok("move_budget:0").move_budget_us == 0.0);
+  CHECK(parse_ok("move_budget:2.5").move_budget_us == 2.5);
+  CHECK(parse_ok("move_budget:unlimited").move_budget_us < 0);
+  CHECK(parse_ok("move_budget:Unlimited").move_budget_us < 0);
+  parse_fails("move_budget:-1", "bad value \"-1\" for key \"move_budget\"", "unlimited", NULL);
+  parse_fails("move_budget:fast", "\"fast\"", "microseconds", NULL);
+  parse_fails("move_budget:2e6", "\"2e6\"", "1e6", NULL);
   parse_fails("placement:first_fit", "bad value \"first_fit\" for key \"placement\"",
               "planned, bestfit", NULL);
   parse_fails("placment:planned", "unknown key \"placment\"", "did you mean \"placement\"", NULL);

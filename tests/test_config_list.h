@@ -14,6 +14,11 @@ typedef struct config {
   gpumem_reclaim_t reclaim;
   gpumem_placement_t placement;
   size_t map_pages; /* pages per physical allocation at most (0: one) */
+  /* 1: the library's own defaults for everything but the policy (large
+   * mappings while uncapped, the move budget, auto placement); 0: every
+   * page move the setting allows, whatever it costs (no move budget, the
+   * headroom of 0.2%), so that the tests reach every path that moves. */
+  int library_defaults;
 } config_t;
 
 /* The options of cfg on a device of page_size bytes per page. */
@@ -21,6 +26,9 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
+  if (cfg->library_defaults) return o;
+  o.move_budget_us = -1.0;
+  o.headroom = 0.002;
   o.reclaim = cfg->reclaim;
   o.placement = cfg->placement;
   o.map_max_bytes = cfg->map_pages * page_size;

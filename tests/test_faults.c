@@ -31,16 +31,18 @@
 #define S1 ((gpumem_stream_t)0x77)
 
 static const config_t configs[] = {
-    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
-    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0, 0},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0, 0},
     /* eager unmaps on free: the only policy whose free calls the device */
-    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT, 0, 0},
     /* planned placement maps plan arenas and moves pages when a plan starts */
     {"default/pressure/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_PLANNED, 0},
+     GPUMEM_PLACEMENT_PLANNED, 0, 0},
     /* several pages per physical allocation (map_max) */
     {"default/pressure/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_BESTFIT, 8},
+     GPUMEM_PLACEMENT_BESTFIT, 8, 0},
+    /* the library's defaults: large mappings, the move budget, auto placement */
+    {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
 };
 
 /* What one run injects. kind -2 means nothing (the baseline). */

@@ -63,20 +63,23 @@ static uint64_t rng_below(rng_t* r, uint64_t n) {
 /* ---- configurations ---- */
 
 static const config_t configs[] = {
-    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
-    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0},
-    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT, 0},
+    {"pytorch", GPUMEM_POLICY_PYTORCH, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0, 0},
+    {"default/lazy", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 0, 0},
+    {"default/eager", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_EAGER, GPUMEM_PLACEMENT_BESTFIT, 0, 0},
     {"default/pressure", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE, GPUMEM_PLACEMENT_BESTFIT,
-     0},
+     0, 0},
     /* Planned placement: the random phase rarely repeats, so these runs
      * also replay a loop (loop_phase) that does, and then changes. */
     {"default/lazy/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_PLANNED,
-     0},
+     0, 0},
     {"default/pressure/planned", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_PLANNED, 0},
+     GPUMEM_PLACEMENT_PLANNED, 0, 0},
     /* Several pages per mapping (until a limit or refusal): reclaimed only whole. */
     {"default/pressure/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
-     GPUMEM_PLACEMENT_BESTFIT, 8},
+     GPUMEM_PLACEMENT_BESTFIT, 8, 0},
+    /* What a user gets: large mappings uncapped, the move budget, and a
+     * planner from the limit phase's set_limit on (auto placement). */
+    {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one

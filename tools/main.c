@@ -87,6 +87,9 @@ static const char usage_replay[] =
     "  --steady N                append N repetitions of the trace's last period (a\n"
     "                            training step) and time them apart: a long run's\n"
     "                            steady state (traces that end in no period: as they are)\n"
+    "  --step-ms MS              a step's time on the GPU: the mapping work priced at an\n"
+    "                            H100's costs is also given as a share of the steps' time\n"
+    "  --steps N                 how many steps the trace holds (with --step-ms)\n"
     "  --json                    one JSON object per trace (and policy) per line\n"
     "  --compare                 pytorch, default and default with reclaim:pressure side by side,\n"
     "                            beside measured H200 figures\n"
@@ -180,6 +183,8 @@ enum {
   OPT_MIN_LIMIT,
   OPT_MIN_LIMIT_TOLERANCE,
   OPT_STEADY,
+  OPT_STEP_MS,
+  OPT_STEPS,
   OPT_JSON,
   OPT_COMPARE,
   OPT_SNAPSHOT,
@@ -204,6 +209,8 @@ static const option_spec_t all_options[] = {
     {"min-limit", OPT_MIN_LIMIT, 0},
     {"min-limit-tolerance", OPT_MIN_LIMIT_TOLERANCE, 1},
     {"steady", OPT_STEADY, 1},
+    {"step-ms", OPT_STEP_MS, 1},
+    {"steps", OPT_STEPS, 1},
     {"json", OPT_JSON, 0},
     {"compare", OPT_COMPARE, 0},
     {"snapshot", OPT_SNAPSHOT, 1},
@@ -315,6 +322,21 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
       case OPT_STEADY:
         if (!parse_count(value, 1, 10000, &cli->steady)) {
           return error("bad --steady '%s' (a number of repetitions, 1 to 10000)", value);
+        }
+        break;
+      case OPT_STEP_MS: {
+        char* end;
+        errno = 0;
+        double ms = strtod(value, &end);
+        if (errno || end == value || *end || !(ms > 0 && ms <= 1e7)) {
+          return error("bad --step-ms '%s' (a step's time in milliseconds, above 0)", value);
+        }
+        c->step_ms = ms;
+        break;
+      }
+      case OPT_STEPS:
+        if (!parse_count(value, 1, 100000000, &c->steps)) {
+          return error("bad --steps '%s' (the number of steps the trace holds, from 1)", value);
         }
         break;
       case OPT_DEVICE:
@@ -511,12 +533,19 @@ static double per_1k(uint64_t calls, uint64_t ops) {
  * us. Other calls (events, synchronizations) are left out. Measured
  * against replays through CUDA (2026-11-25, call H): synth_random's warm
  * pass 16.3 estimated, 16.9 us/op measured. */
+static double est_map_us(const uint64_t* calls) {
+  return 12.7 * (double)calls[GPUMEM_CALL_create_page] + 35.1 * (double)calls[GPUMEM_CALL_map] +
+         19.6 * (double)calls[GPUMEM_CALL_unmap] + 18.4 * (double)calls[GPUMEM_CALL_release_page];
+}
+
 static double est_map_us_per_op(const uint64_t* calls, uint64_t ops) {
-  if (!ops) return 0.0;
-  double us = 12.7 * (double)calls[GPUMEM_CALL_create_page] +
-              35.1 * (double)calls[GPUMEM_CALL_map] + 19.6 * (double)calls[GPUMEM_CALL_unmap] +
-              18.4 * (double)calls[GPUMEM_CALL_release_page];
-  return us / (double)ops;
+  return ops ? est_map_us(calls) / (double)ops : 0.0;
+}
+
+/* The second half of the cold pass as a share of its operations (steps
+ * are taken to be spread evenly over the operations). */
+static double half_share(const replay_result_t* r) {
+  return r->ops_cold ? (double)r->cold_half_ops / (double)r->ops_cold : 0.5;
 }
 
 static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
@@ -561,6 +590,15 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   if (c->device == REPLAY_DEVICE_SIM) {
     fprintf(f, ",\"est_h100_map_us_per_op_cold\":%.3f",
             est_map_us_per_op(r->backend_calls_cold, r->ops_cold));
+    fprintf(f, ",\"est_h100_map_us_per_op_cold_second_half\":%.3f",
+            est_map_us_per_op(r->cold_half_calls, r->cold_half_ops));
+    if (c->step_ms > 0 && c->steps > 0) {
+      double step_us = c->step_ms * 1000.0 * (double)c->steps;
+      fprintf(f, ",\"step_ms\":%g,\"steps\":%d,\"est_h100_map_share_of_time_cold\":%.5f",
+              c->step_ms, c->steps, est_map_us(r->backend_calls_cold) / step_us);
+      fprintf(f, ",\"est_h100_map_share_of_time_cold_second_half\":%.5f",
+              est_map_us(r->cold_half_calls) / (step_us * half_share(r)));
+    }
     if (r->warm_passes)
       fprintf(f, ",\"est_h100_map_us_per_op_warm\":%.3f",
               est_map_us_per_op(r->backend_calls_warm, r->ops_warm));
@@ -712,11 +750,19 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   print_calls_line(f, "calls (cold)", r->backend_calls_cold, r->ops_cold);
   if (r->warm_passes) print_calls_line(f, "calls (warm)", r->backend_calls_warm, r->ops_warm);
   if (c->device == REPLAY_DEVICE_SIM && sum_calls(r->backend_calls_cold)) {
-    fprintf(f, "  %-16s~%.2f us/op cold", "on an H100",
-            est_map_us_per_op(r->backend_calls_cold, r->ops_cold));
+    fprintf(f, "  %-16s~%.3f us/op over the first pass, ~%.3f over its second half", "on an H100",
+            est_map_us_per_op(r->backend_calls_cold, r->ops_cold),
+            est_map_us_per_op(r->cold_half_calls, r->cold_half_ops));
     if (r->warm_passes)
-      fprintf(f, ", ~%.2f us/op warm", est_map_us_per_op(r->backend_calls_warm, r->ops_warm));
-    fputs(" in mapping calls (estimated from per-call costs)\n", f);
+      fprintf(f, ", ~%.3f warm", est_map_us_per_op(r->backend_calls_warm, r->ops_warm));
+    fputs(" in mapping calls (priced per call)\n", f);
+    if (c->step_ms > 0 && c->steps > 0) {
+      double step_us = c->step_ms * 1000.0 * (double)c->steps;
+      fprintf(f,
+              "  %-16s%.3f%% of %d steps of %g ms in the first pass, %.3f%% in its second half\n",
+              "share of time", 100.0 * est_map_us(r->backend_calls_cold) / step_us, c->steps,
+              c->step_ms, 100.0 * est_map_us(r->cold_half_calls) / (step_us * half_share(r)));
+    }
   }
   fprintf(f, "  %-16scold %lld, warm %lld\n", "syncs", (long long)r->num_syncs_cold,
           (long long)r->num_syncs_warm);
@@ -865,17 +911,18 @@ static void row_print(row_t* r) {
 
 /* One table for every trace under both policies: what ANCHORS.md reports
  * for the peers, computed here for gpumem, with the measured H200 figures
- * beside it. Rows are printed as each trace finishes. */
+ * beside it, and what the default's mapping calls would cost on a GPU.
+ * Rows are printed as each trace finishes. */
 static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
-  /* pytorch, default (planned placement, lazy reclaim), default with
-   * reclaim:pressure and best fit (no page moves while the job runs) */
+  /* pytorch; default; default holding memory at the high-water mark
+   * whatever the moves cost (planned placement, no move budget) */
   enum { NCOL = 3 };
   static const gpumem_policy_t policies[NCOL] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT,
                                                  GPUMEM_POLICY_DEFAULT};
-  char pressure_conf[512];
-  snprintf(pressure_conf, sizeof pressure_conf, "%s%sreclaim:pressure,placement:bestfit",
-           cli->config.conf ? cli->config.conf : "",
-           cli->config.conf && cli->config.conf[0] ? "," : "");
+  char hold_conf[512];
+  snprintf(
+      hold_conf, sizeof hold_conf, "%s%splacement:planned,move_budget:unlimited,headroom:0.002",
+      cli->config.conf ? cli->config.conf : "", cli->config.conf && cli->config.conf[0] ? "," : "");
   const int mins = cli->min_limit;
   int failed = 0;
   int name_w = 5; /* "trace" */
@@ -901,22 +948,22 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
     printf(
         "Peak reserved / peak live: gpumem replayed here (%s device, %s), beside figures\n"
         "MEASURED on an NVIDIA H200 and quoted from ANCHORS.md. Columns: pytorch = the pytorch\n"
-        "policy; default = the default policy (virtual memory, free pages moved to keep reserved\n"
-        "near live, planned placement of repeating steps); pressure = the default policy with\n"
-        "reclaim:pressure,placement:bestfit (pages move only when memory runs short).\n\n",
+        "policy; default = the default policy (memory moves only when something needs it);\n"
+        "hold = the default holding reserved memory at the high-water mark whatever it costs\n"
+        "(placement:planned,move_budget:unlimited,headroom:0.002).\n\n",
         cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit_note);
-    row_add(&row, "%-*s %10s | %-25s | %-22s | %-25s | %-25s", name_w, "", "", "replayed here",
-            "H200, from ANCHORS.md", "warm ns/op", "calls/1k ops (cold)");
+    row_add(&row, "%-*s %10s | %-25s | %-22s | %-16s | %-16s", name_w, "", "", "replayed here",
+            "H200, from ANCHORS.md", "us/op, 1st pass", "us/op, 2nd half");
     if (mins) row_add(&row, " | %-25s | %-22s", "min limit", "H200 min cap (ANCHORS)");
     row_print(&row);
-    row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s  %7s", name_w,
-            "trace", "peak live", "pytorch", "default", "pressur", "PyTorch", "best peer",
-            "pytorch", "default", "pressur", "pytorch", "default", "pressur");
+    row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, "trace",
+            "peak live", "pytorch", "default", "hold", "PyTorch", "best peer", "default", "hold",
+            "default", "hold");
     if (mins)
-      row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", "pytorch", "default", "pressur", "PyTorch",
+      row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", "pytorch", "default", "hold", "PyTorch",
               "best peer");
     row_print(&row);
-    int width = name_w + 1 + 10 + 3 + 25 + 3 + 22 + 3 + 25 + 3 + 25 + (mins ? 3 + 25 + 3 + 22 : 0);
+    int width = name_w + 1 + 10 + 3 + 25 + 3 + 22 + 3 + 16 + 3 + 16 + (mins ? 3 + 25 + 3 + 22 : 0);
     for (int i = 0; i < width && row.len < sizeof row.text - 1; i++) row.text[row.len++] = '-';
     row_print(&row);
   }
@@ -929,35 +976,31 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
       replay_config_t c = cli->config;
       c.policy = policies[p];
       c.policy_set = 1;
-      if (p == 2) c.conf = pressure_conf;
+      if (p == 2) c.conf = hold_conf;
       ok[p] = run_one(t, &c, mins, progress, &r[p]) == 0;
       if (!ok[p]) failed = 1;
       if (ok[p] && cli->json) print_json(stdout, t, &c, &r[p], anchor);
     }
     if (cli->json) continue;
 
-    char live[32], c[NCOL][16], a0[32], a1[32], w[NCOL][16], k[NCOL][16];
+    char live[32], c[NCOL][16], a0[32], a1[32], w[NCOL][16], h[NCOL][16];
     snprintf(live, sizeof live, "%.3f GiB", (double)t->peak_live_bytes / GIB);
     cell_anchor(a0, sizeof a0, anchor ? anchor->torch_reserved : 0, NULL);
     cell_anchor(a1, sizeof a1, anchor ? anchor->best_reserved : 0,
                 anchor ? anchor->best_peer : NULL);
     for (int p = 0; p < NCOL; p++) {
       cell_ratio(c[p], sizeof c[p], &r[p], ok[p]);
-      if (ok[p] && r[p].ns_per_op_warm >= 0) {
-        snprintf(w[p], sizeof w[p], "%.1f", r[p].ns_per_op_warm);
-      } else {
-        snprintf(w[p], sizeof w[p], "-");
-      }
-      if (ok[p]) {
-        snprintf(k[p], sizeof k[p], "%.2f",
-                 per_1k(sum_calls(r[p].backend_calls_cold), r[p].ops_cold));
-      } else {
-        snprintf(k[p], sizeof k[p], "-");
+      snprintf(w[p], sizeof w[p], "-");
+      snprintf(h[p], sizeof h[p], "-");
+      if (ok[p] && cli->config.device == REPLAY_DEVICE_SIM) {
+        snprintf(w[p], sizeof w[p], "%.3f",
+                 est_map_us_per_op(r[p].backend_calls_cold, r[p].ops_cold));
+        snprintf(h[p], sizeof h[p], "%.3f",
+                 est_map_us_per_op(r[p].cold_half_calls, r[p].cold_half_ops));
       }
     }
-    row_add(&row, "%-*.*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s  %7s",
-            name_w, name_w, t->name, live, c[0], c[1], c[2], a0, a1, w[0], w[1], w[2], k[0], k[1],
-            k[2]);
+    row_add(&row, "%-*.*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, name_w,
+            t->name, live, c[0], c[1], c[2], a0, a1, w[1], w[2], h[1], h[2]);
     if (mins) {
       char m[NCOL][16], x0[32], x1[32];
       for (int p = 0; p < NCOL; p++) cell_min(m[p], sizeof m[p], &r[p], ok[p]);
@@ -971,19 +1014,18 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
 
   if (!cli->json) {
     printf(
-        "\nreplayed here: peak reserved after the cold pass / peak live (OOM: ran out of memory"
+        "\nreplayed here: peak reserved in the first pass / peak live (OOM: ran out of memory"
         " under the limit).\n"
         "H200 columns: measured on an NVIDIA H200 with PyTorch 2.11 (ANCHORS.md), not computed"
         " by this run;\n"
         "  PyTorch = its native caching allocator; best peer = the better of expandable"
         " segments (exp)\n"
         "  and cudaMallocAsync (async). '-': trace not in ANCHORS.md.\n"
-        "warm ns/op: host time per alloc or free on this machine, median of %d warm passes"
-        " (ANCHORS' times are\n"
-        "  from another machine: compare them only with a replay on that machine).\n"
-        "calls/1k ops: backend calls (device primitives) per 1000 allocs and frees, cold"
-        " pass.\n",
-        cli->config.warm_passes);
+        "us/op: the mapping calls of the first pass (a job that never repeats: the whole job),"
+        " and of its\n"
+        "  second half (a long job's steady state), priced at an H100's measured cost per call"
+        " (create 12.7 us,\n"
+        "  map with access 35.1, unmap 19.6, release 18.4), per alloc or free.\n");
     if (mins) {
       printf(
           "min limit: smallest hard limit under which the trace replays, / peak live"
@@ -1000,8 +1042,8 @@ static int cmd_replay(int argc, char** argv) {
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_LIMIT_RATIO) |
                      (1u << OPT_CONF) | (1u << OPT_PASSES) | (1u << OPT_DEVICE) |
                      (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) |
-                     (1u << OPT_MIN_LIMIT_TOLERANCE) | (1u << OPT_STEADY) | (1u << OPT_JSON) |
-                     (1u << OPT_COMPARE) | (1u << OPT_HELP);
+                     (1u << OPT_MIN_LIMIT_TOLERANCE) | (1u << OPT_STEADY) | (1u << OPT_STEP_MS) |
+                     (1u << OPT_STEPS) | (1u << OPT_JSON) | (1u << OPT_COMPARE) | (1u << OPT_HELP);
   int rc = parse_args(argc, argv, allowed, usage_replay, &cli);
   if (rc == 0 && cli.help) {
     fputs(usage_replay, stdout);
@@ -1009,6 +1051,10 @@ static int cmd_replay(int argc, char** argv) {
     rc = usage_error(usage_replay, "no trace given");
   } else if (rc == 0 && cli.compare && cli.config.policy_set) {
     rc = usage_error(usage_replay, "--compare replays both policies: drop --policy");
+  } else if (rc == 0 && (cli.config.step_ms > 0) != (cli.config.steps > 0)) {
+    rc = usage_error(usage_replay,
+                     "--step-ms and --steps go together (a step's time, and how "
+                     "many steps the trace holds)");
   }
   if (rc != 0 || cli.help) {
     free(cli.traces);

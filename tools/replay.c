@@ -389,6 +389,9 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   size_t split = r->passes_run == 0 && t->steady_from_event ? t->steady_from_event : SIZE_MAX;
   uint64_t t_split = 0, ops_split = 0;
   gpumem_stats_t at_split;
+  size_t half = r->passes_run == 0 ? n / 2 : SIZE_MAX;
+  uint64_t ops_half = 0;
+  gpumem_stats_t at_half;
   uint64_t t0 = now_ns();
   for (i = 0; i < n; i++) {
     const trace_event_t* e = &ev[i];
@@ -396,6 +399,11 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
       t_split = now_ns();
       ops_split = ops;
       gpumem_get_stats(gm, &at_split);
+    }
+    if (i == half) {
+      ops_half = ops;
+      gpumem_get_stats(gm, &at_half);
+      at_half.backend_calls[GPUMEM_CALL_mem_info]--; /* the query's own */
     }
     if (e->op == TRACE_ALLOC) {
       void* p = NULL;
@@ -445,6 +453,7 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   /* gpumem_get_stats counts its own query of the device's free memory:
    * the pass did not make that call. */
   r->last_pass_end.backend_calls[GPUMEM_CALL_mem_info]--;
+  if (half != SIZE_MAX && i > half) r->last_pass_end.backend_calls[GPUMEM_CALL_mem_info]--;
   if (split != SIZE_MAX && i >= split && !failed_alloc && !failed_other) {
     r->steady_ops = ops - ops_split;
     r->steady_ns_per_op = r->steady_ops ? (double)(t1 - t_split) / (double)r->steady_ops : 0;
@@ -454,6 +463,11 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   }
   for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
     r->last_pass_calls[k] = r->last_pass_end.backend_calls[k] - before.backend_calls[k];
+  }
+  if (half != SIZE_MAX && i > half) {
+    r->cold_half_ops = ops - ops_half;
+    for (int k = 0; k < GPUMEM_CALL_COUNT; k++)
+      r->cold_half_calls[k] = r->last_pass_end.backend_calls[k] - at_half.backend_calls[k];
   }
   r->last_pass_syncs = r->last_pass_end.num_syncs - before.num_syncs;
   r->last_pass_retries = r->last_pass_end.num_alloc_retries - before.num_alloc_retries;

@@ -45,6 +45,10 @@ typedef struct replay_config {
   double min_limit_tolerance;
   replay_progress_fn progress;
   void* progress_arg;
+  /* For pricing only (the replay ignores them): a step's time on the GPU
+   * in ms and how many steps the trace holds; 0 = not given. */
+  double step_ms;
+  int steps;
 } replay_config_t;
 
 void replay_config_init(replay_config_t* config);
@@ -116,6 +120,10 @@ typedef struct replay_result {
   gpumem_status_t oom_status; /* usually GPUMEM_ERR_OUT_OF_MEMORY */
   char oom_message[2048];     /* gpumem_last_error() of the failure */
 
+  /* Of the cold pass: its second half (events from the middle on), a long
+   * job's steady state when the job never repeats exactly. */
+  uint64_t cold_half_ops;
+  uint64_t cold_half_calls[GPUMEM_CALL_COUNT];
   /* Of the cold pass of a trace made by trace_repeat_tail: the appended
    * repetitions alone (a long run's steady state). steady_ops 0 = none. */
   uint64_t steady_ops;
