@@ -58,7 +58,8 @@ def _read(path):
 def version():
     """CMakeLists.txt's project version, after checking that the package
     and the C header say the same."""
-    cmake = re.search(r"project\(gpumem VERSION (\d+)\.(\d+)\.(\d+)", _read(os.path.join(ROOT, "CMakeLists.txt")))
+    cmakelists = _read(os.path.join(ROOT, "CMakeLists.txt"))
+    cmake = re.search(r"project\(gpumem VERSION (\d+)\.(\d+)\.(\d+)", cmakelists)
     if not cmake:
         raise BuildError("gpumem build: no 'project(gpumem VERSION x.y.z' in CMakeLists.txt")
     text = ".".join(cmake.groups())
@@ -72,7 +73,9 @@ def version():
             % (py.group(1) if py else "missing", text)
         )
     if not (major and minor) or (major.group(1), minor.group(1)) != cmake.groups()[:2]:
-        raise BuildError("gpumem build: include/gpumem.h's GPUMEM_VERSION_MAJOR/MINOR differ from CMakeLists.txt's %s" % text)
+        raise BuildError(
+            "gpumem build: include/gpumem.h's GPUMEM_VERSION_MAJOR/MINOR differ from CMakeLists.txt's %s" % text
+        )
     return text
 
 

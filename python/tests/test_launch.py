@@ -78,7 +78,8 @@ class LauncherTest(unittest.TestCase):
 
     def test_module_runs_as_main(self):
         self.write("mods/fake_trainer.py", "import sys\nprint('module', __name__, sys.argv[1:])\n")
-        r = self.launch(["-m", "fake_trainer", "a", "b"], env_extra={"PYTHONPATH": PYTHON_DIR + ":" + self.dir + "/mods"})
+        mods = os.path.join(self.dir, "mods")
+        r = self.launch(["-m", "fake_trainer", "a", "b"], env_extra={"PYTHONPATH": PYTHON_DIR + ":" + mods})
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("ENABLED conf=None verbose=False", r.stderr)
         self.assertIn("module __main__ ['a', 'b']", r.stdout)
@@ -141,7 +142,8 @@ class RunCommandTest(unittest.TestCase):
             print("before import", "torch" in sys.modules)
             import torch
             import torch  # once per process
-            child = "import gpumem._launch as L, sys; L.enable_torch = lambda c, v: print('CHILD ENABLED'); import torch"
+            child = ("import gpumem._launch as L, sys; "
+                     "L.enable_torch = lambda c, v: print('CHILD ENABLED'); import torch")
             subprocess.run([sys.executable, "-c", child], check=True)
             """
         )
