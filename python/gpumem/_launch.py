@@ -169,8 +169,9 @@ def main(argv=None):
     else:
         sys.argv = [target] + args
         # As `python script.py`: the script's directory first on sys.path
-        # (python -m put the working directory there).
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        # where python -m put the working directory (neither, under -P).
+        if not getattr(sys.flags, "safe_path", False):
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
         runpy.run_path(target, run_name="__main__")
     return 0
 

@@ -4,6 +4,10 @@
     gpumem.torch.enable("limit:40G")      # before the first CUDA tensor
     ...                                   # the program, unchanged
 
+or, with no edit to the program at all (gpumem/_launch.py):
+
+    python -m gpumem.torch [--conf STRING] script.py args...
+
 enable() installs gpumem through torch.cuda.memory.CUDAPluggableAllocator
 and makes the torch.cuda memory functions that PyTorch disables for
 pluggable allocators report gpumem's figures again (memory_stats,
