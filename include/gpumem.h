@@ -26,6 +26,9 @@ extern "C" {
 
 #define GPUMEM_VERSION_MAJOR 0
 #define GPUMEM_VERSION_MINOR 1
+/* GPUMEM_VERSION_MAJOR * 1000 + GPUMEM_VERSION_MINOR, as gpumem_version()
+ * returns it: bindings loading the library at run time compare the two. */
+#define GPUMEM_VERSION (GPUMEM_VERSION_MAJOR * 1000 + GPUMEM_VERSION_MINOR)
 
 typedef struct gpumem gpumem_t;
 typedef struct gpumem_backend gpumem_backend_t;
@@ -47,6 +50,9 @@ typedef enum gpumem_status {
   GPUMEM_ERR_IO = 9,               /* file could not be read or parsed */
 } gpumem_status_t;
 
+/* GPUMEM_VERSION of the library actually loaded (which may differ from the
+ * header a program was compiled with). */
+GPUMEM_API int gpumem_version(void);
 /* Short fixed text for a status. */
 GPUMEM_API const char* gpumem_strerror(gpumem_status_t status);
 /* Detail of the last failure on this thread (the OOM report, the bad key...);

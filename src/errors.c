@@ -1,5 +1,5 @@
-/* Status texts and the thread-local detail message behind
- * gpumem_last_error(): every interesting failure leaves one here. */
+/* The library's version, status texts and the thread-local detail message
+ * behind gpumem_last_error(): every interesting failure leaves one here. */
 #include <stdarg.h>
 #include <stdio.h>
 
@@ -9,6 +9,10 @@ static _Thread_local char last_error[4096];
 /* Messages written on this thread, and that count when the running backend
  * call began: a call that fails without writing one is named (GM_CALL). */
 static _Thread_local uint64_t messages_written, written_at_call;
+
+int gpumem_version(void) {
+  return GPUMEM_VERSION;
+}
 
 const char* gpumem_strerror(gpumem_status_t status) {
   switch (status) {

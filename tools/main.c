@@ -17,6 +17,7 @@
 #include "internal.h" /* gm_format_bytes */
 #include "replay.h"
 #include "report.h"
+#include "run.h"
 #include "top.h"
 #include "trace.h"
 
@@ -64,6 +65,7 @@ static const char usage_main[] =
     "  leaks     the allocations a trace leaves live at its end\n"
     "  report    one HTML page about a trace: memory over time, the peak, leaks\n"
     "  top       the memory of every process using gpumem on this machine, live\n"
+    "  run       run a command with gpumem as PyTorch's allocator in its Python processes\n"
     "\n"
     "Run 'gpumem <command> --help' for a command's options.\n";
 
@@ -1387,6 +1389,7 @@ typedef struct command {
 static const command_t commands[] = {
     {"replay", cmd_replay}, {"summary", cmd_summary},  {"explain", cmd_explain},
     {"leaks", cmd_leaks},   {"report", gm_cli_report}, {"top", gm_cli_top},
+    {"run", gm_cli_run},
 };
 
 int main(int argc, char** argv) {

@@ -18,6 +18,7 @@ per-device allocators that PyTorch and CuPy use once enabled.
 """
 
 from . import errors
+from ._lib import VERSION as __version__
 from ._lib import load as load_library
 from ._lib import path as library_path
 from ._core import (
@@ -60,7 +61,6 @@ from .errors import (
     UnsupportedError,
 )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "Allocator",

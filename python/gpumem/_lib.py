@@ -3,13 +3,17 @@
 The package is pure Python: everything goes through ctypes into the shared
 library the C build produces. The library is looked for, in order:
 
-1. the file named by the GPUMEM_LIBRARY environment variable;
-2. libgpumem.so beside this package (a copy installed with it);
+1. the file named by the GPUMEM_LIBRARY environment variable (only it,
+   when set: an explicit choice that cannot be used is an error, not a
+   reason to pick another library);
+2. libgpumem.so inside this package (what `pip install` builds and ships);
 3. the build tree of a source checkout (<repo>/build/libgpumem.so, the
    package living in <repo>/python/gpumem);
 4. the system's library path (ctypes.util.find_library("gpumem")).
 
-When none loads, LibraryNotFoundError lists every place tried and why.
+A library is used only if it exports every entry point the package calls
+and gpumem_version() says it is this package's version (VERSION). When none
+qualifies, LibraryNotFoundError lists every place tried and why.
 """
 
 import ctypes
@@ -18,6 +22,13 @@ import os
 import threading
 
 from . import errors
+
+# The package's version; the library's gpumem_version() must be its major
+# * 1000 + minor (GPUMEM_VERSION in include/gpumem.h). The build backend
+# checks that it agrees with CMakeLists.txt's project version.
+VERSION = "0.1.0"
+_MAJOR, _MINOR = (int(x) for x in VERSION.split(".")[:2])
+ABI_VERSION = _MAJOR * 1000 + _MINOR
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
@@ -82,6 +93,7 @@ class SharedBudget(ctypes.Structure):
 
 # name: (restype, argtypes). Only what the package calls.
 _PROTOTYPES = {
+    "gpumem_version": (cint, []),
     "gpumem_strerror": (cstr, [cint]),
     "gpumem_last_error": (cstr, []),
     "gpumem_options_init": (None, [vp]),
@@ -153,7 +165,7 @@ def candidates():
     env = os.environ.get("GPUMEM_LIBRARY")
     if env:
         yield env, "GPUMEM_LIBRARY"
-    yield os.path.join(_PKG_DIR, "libgpumem.so"), "beside the package"
+    yield os.path.join(_PKG_DIR, "libgpumem.so"), "inside the package"
     repo = os.path.dirname(os.path.dirname(_PKG_DIR))
     yield os.path.join(repo, "build", "libgpumem.so"), "source checkout build tree"
     found = ctypes.util.find_library("gpumem")
@@ -175,6 +187,29 @@ def _bind(lib):
     return missing
 
 
+def _version_text(v):
+    return "%d.%d" % (v // 1000, v % 1000)
+
+
+def _try(path):
+    """The library at path, bound, or None and why it cannot be used."""
+    if os.sep in path and not os.path.exists(path):
+        return None, "no such file"
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as e:
+        return None, str(e)
+    if not hasattr(lib, "gpumem_version"):
+        return None, "a gpumem library older than this package (no gpumem_version); rebuild it"
+    missing = _bind(lib)
+    if missing:
+        return None, "lacks %s" % ", ".join(missing)
+    version = lib.gpumem_version()
+    if version != ABI_VERSION:
+        return None, "is gpumem %s, this package is %s" % (_version_text(version), VERSION)
+    return lib, None
+
+
 def load():
     """The loaded library (cached). Raises LibraryNotFoundError."""
     global _lib, _lib_path
@@ -186,37 +221,25 @@ def load():
         tried = []
         env_set = bool(os.environ.get("GPUMEM_LIBRARY"))
         for path, how in candidates():
-            is_file_path = os.sep in path
-            if is_file_path and not os.path.exists(path):
-                tried.append("  %s (%s): no such file" % (path, how))
-                if how == "GPUMEM_LIBRARY":
-                    # An explicit choice that does not exist is an error,
-                    # not a reason to pick some other library silently.
-                    break
-                continue
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError as e:
-                tried.append("  %s (%s): %s" % (path, how, e))
+            lib, why = _try(path)
+            if lib is None:
+                tried.append("  %s (%s): %s" % (path, how, why))
                 if how == "GPUMEM_LIBRARY":
                     break
-                continue
-            missing = _bind(lib)
-            if missing:
-                tried.append("  %s (%s): lacks %s" % (path, how, ", ".join(missing)))
                 continue
             _lib = lib
-            _lib_path = os.path.abspath(path) if is_file_path else _loaded_path(lib, path)
+            _lib_path = os.path.abspath(path) if os.sep in path else _loaded_path(lib, path)
             return _lib
-        hint = (
-            "set GPUMEM_LIBRARY to the libgpumem.so you built"
-            if not env_set
-            else "GPUMEM_LIBRARY names a file that cannot be used"
-        )
+        if env_set:
+            hint = "GPUMEM_LIBRARY names a library that cannot be used: unset it or point it at one that can"
+        else:
+            hint = (
+                "reinstall the package (pip install <gpumem checkout> builds the library into it), "
+                "or build it with `make build` in the checkout and set GPUMEM_LIBRARY to build/libgpumem.so"
+            )
         raise errors.LibraryNotFoundError(
-            "gpumem: cannot load libgpumem.so; tried:\n%s\nBuild it with `make build` in the "
-            "gpumem checkout and %s, or copy it beside the package (%s)."
-            % ("\n".join(tried), hint, _PKG_DIR)
+            "gpumem: cannot load libgpumem.so %s; tried:\n%s\n%s."
+            % (VERSION, "\n".join(tried), hint)
         )
 
 

@@ -4,6 +4,10 @@
     gpumem.torch.enable("limit:40G")      # before the first CUDA tensor
     ...                                   # the program, unchanged
 
+or, with no edit to the program at all (gpumem/_launch.py):
+
+    python -m gpumem.torch [--conf STRING] script.py args...
+
 enable() installs gpumem through torch.cuda.memory.CUDAPluggableAllocator
 and makes the torch.cuda memory functions that PyTorch disables for
 pluggable allocators report gpumem's figures again (memory_stats,
@@ -604,3 +608,12 @@ set_per_process_memory_fraction = _alloc.set_per_process_memory_fraction
 mem_get_info = _alloc.mem_get_info
 memory_snapshot = _alloc.memory_snapshot
 record_memory_history = _alloc.record_memory_history
+
+
+if __name__ == "__main__":
+    # `python -m gpumem.torch script.py`: this file is running as __main__,
+    # a copy apart from the gpumem.torch module the script imports; the
+    # launcher enables that one (see gpumem/_launch.py).
+    from gpumem._launch import main as _launch_main
+
+    sys.exit(_launch_main())

@@ -76,6 +76,31 @@ class LibraryTest(unittest.TestCase):
         self.assertIn("/nonexistent/libgpumem.so", out)
         self.assertIn("GPUMEM_LIBRARY", out)
 
+    def test_library_of_another_version_is_refused(self):
+        from gpumem import _lib
+
+        self.assertEqual(_lib.load().gpumem_version(), _lib.ABI_VERSION)
+        saved = _lib.ABI_VERSION
+        _lib.ABI_VERSION = saved + 1
+        try:
+            lib, why = _lib._try(_lib.path())
+        finally:
+            _lib.ABI_VERSION = saved
+        self.assertIsNone(lib)
+        self.assertIn("is gpumem 0.1, this package is %s" % gpumem.__version__, why)
+
+    def test_library_without_version_is_refused(self):
+        import ctypes.util
+
+        from gpumem import _lib
+
+        other = ctypes.util.find_library("z") or ctypes.util.find_library("m")
+        if not other:
+            self.skipTest("no libz or libm to load")
+        lib, why = _lib._try(other)
+        self.assertIsNone(lib)
+        self.assertIn("no gpumem_version", why)
+
     def test_not_found_anywhere_lists_candidates(self):
         from gpumem import _lib
 
@@ -90,7 +115,7 @@ class LibraryTest(unittest.TestCase):
             else:
                 os.environ["GPUMEM_LIBRARY"] = old
         self.assertEqual(
-            hows, ["GPUMEM_LIBRARY", "beside the package", "source checkout build tree", "system library path"]
+            hows, ["GPUMEM_LIBRARY", "inside the package", "source checkout build tree", "system library path"]
         )
 
 

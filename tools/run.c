@@ -1,0 +1,147 @@
+/* gpumem run: starts a command with gpumem as PyTorch's CUDA allocator in
+ * every Python process of it that imports torch, with no edit to the
+ * program. The work happens in Python (gpumem/_bootstrap/sitecustomize.py
+ * of the package): this command checks the configuration, points
+ * PYTHONPATH at that hook, switches it on and replaces itself with the
+ * command, whose children (torchrun's workers) inherit all of it. */
+#include "run.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "gpumem.h"
+
+#define EXIT_USAGE 2
+#define HOOK "/_bootstrap/sitecustomize.py"
+
+static const char usage_run[] =
+    "usage: gpumem run [--conf STRING] [--verbose] [--] COMMAND [ARGS...]\n"
+    "\n"
+    "Runs COMMAND with gpumem as PyTorch's CUDA allocator in every Python\n"
+    "process of it that imports torch (the command itself, torchrun's workers,\n"
+    "what they start); the program is not edited:\n"
+    "\n"
+    "  gpumem run -- python train.py --lr 3e-4\n"
+    "  gpumem run --conf limit:40G -- torchrun --nproc-per-node 8 train.py\n"
+    "\n"
+    "options:\n"
+    "  --conf STRING   configuration, GPUMEM_CONF grammar (key:value,...), checked\n"
+    "                  here; without it GPUMEM_CONF from the environment applies\n"
+    "  --verbose       each such process says on stderr that gpumem is enabled,\n"
+    "                  and its peak memory when it exits\n"
+    "  -h, --help      this text\n"
+    "\n"
+    "The directory of gpumem's Python start-up hook goes first on PYTHONPATH\n"
+    "and GPUMEM_ENABLE_TORCH=1 switches it on: the hook enables gpumem.torch as\n"
+    "torch is imported, then runs the sitecustomize it shadows, if any.\n";
+
+static int run_usage_error(const char* what, const char* arg) {
+  fprintf(stderr, "gpumem run: %s%s%s%s\n\n%s", what, arg ? " '" : "", arg ? arg : "",
+          arg ? "'" : "", usage_run);
+  return EXIT_USAGE;
+}
+
+/* Whether dir holds the package's start-up hook. */
+static int has_hook(const char* dir) {
+  char path[PATH_MAX];
+  int n = snprintf(path, sizeof path, "%s" HOOK, dir);
+  return n > 0 && (size_t)n < sizeof path && access(path, R_OK) == 0;
+}
+
+/* The gpumem Python package that belongs with this binary: the one it is
+ * shipped in (gpumem/bin/gpumem), the checkout it was built from
+ * (build/gpumem beside python/gpumem, or the source directory CMake saw).
+ * exe_dir receives the binary's directory. 0 when found. */
+static int find_package(char* pkg, char* exe_dir, size_t cap) {
+  ssize_t n = readlink("/proc/self/exe", exe_dir, cap - 1);
+  if (n <= 0) return -1;
+  exe_dir[n] = '\0';
+  char* slash = strrchr(exe_dir, '/');
+  if (slash) *slash = '\0';
+  const char* layouts[] = {"%s/..", "%s/../python/gpumem", NULL};
+  char candidate[PATH_MAX];
+  for (int i = 0; layouts[i]; i++) {
+    int len = snprintf(candidate, sizeof candidate, layouts[i], exe_dir);
+    if (len > 0 && (size_t)len < sizeof candidate && has_hook(candidate) &&
+        realpath(candidate, pkg))
+      return 0;
+  }
+#ifdef GPUMEM_SOURCE_DIR
+  if (has_hook(GPUMEM_SOURCE_DIR "/python/gpumem") &&
+      realpath(GPUMEM_SOURCE_DIR "/python/gpumem", pkg))
+    return 0;
+#endif
+  return -1;
+}
+
+int gm_cli_run(int argc, char** argv) {
+  const char* conf = NULL;
+  int verbose = 0, i = 0;
+  for (; i < argc; i++) {
+    const char* a = argv[i];
+    if (strcmp(a, "--") == 0) {
+      i++;
+      break;
+    }
+    if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      fputs(usage_run, stdout);
+      return 0;
+    }
+    if (strcmp(a, "--verbose") == 0) {
+      verbose = 1;
+    } else if (strcmp(a, "--conf") == 0) {
+      if (i + 1 >= argc) return run_usage_error("--conf needs a value", NULL);
+      conf = argv[++i];
+    } else if (strncmp(a, "--conf=", 7) == 0) {
+      conf = a + 7;
+    } else if (a[0] == '-') {
+      return run_usage_error("unknown option", a);
+    } else {
+      break; /* the command starts here */
+    }
+  }
+  if (i >= argc) return run_usage_error("no command to run", NULL);
+
+  if (conf) {
+    /* A bad key is reported now, not in every process the command starts. */
+    gpumem_options_t opts;
+    gpumem_options_init(&opts);
+    if (gpumem_options_parse(&opts, conf) != GPUMEM_OK) {
+      fprintf(stderr, "gpumem run: --conf: %s\n", gpumem_last_error());
+      return EXIT_USAGE;
+    }
+  }
+  char pkg[PATH_MAX], exe_dir[PATH_MAX];
+  if (find_package(pkg, exe_dir, sizeof exe_dir) != 0) {
+    fprintf(stderr,
+            "gpumem run: cannot find the gpumem Python package that belongs with this program "
+            "(looked for gpumem" HOOK
+            " beside it and in python/gpumem of its checkout); "
+            "install it with pip install <gpumem checkout>\n");
+    return EXIT_FAILURE;
+  }
+
+  char path[2 * PATH_MAX + 32];
+  const char* old = getenv("PYTHONPATH");
+  snprintf(path, sizeof path, "%s/_bootstrap%s%s", pkg, old && *old ? ":" : "", old ? old : "");
+  char library[PATH_MAX + 16];
+  snprintf(library, sizeof library, "%s/libgpumem.so", exe_dir);
+  const char* env_library = getenv("GPUMEM_LIBRARY");
+  /* A build tree's binary sits beside the library it was built with. */
+  int use_library = (!env_library || !*env_library) && access(library, R_OK) == 0;
+  if (setenv("PYTHONPATH", path, 1) != 0 || setenv("GPUMEM_ENABLE_TORCH", "1", 1) != 0 ||
+      (conf && setenv("GPUMEM_CONF", conf, 1) != 0) ||
+      (verbose && setenv("GPUMEM_TORCH_VERBOSE", "1", 1) != 0) ||
+      (use_library && setenv("GPUMEM_LIBRARY", library, 1) != 0)) {
+    fprintf(stderr, "gpumem run: cannot set the environment: %s\n", strerror(errno));
+    return EXIT_FAILURE;
+  }
+  execvp(argv[i], argv + i);
+  int err = errno;
+  fprintf(stderr, "gpumem run: cannot run '%s': %s\n", argv[i], strerror(err));
+  return err == ENOENT ? 127 : 126; /* as env(1) and the shells */
+}
