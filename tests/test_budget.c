@@ -5,6 +5,7 @@
  * operation with gpumem_check on both, the default policy reclaims rather
  * than fails, a process that dies holding memory is reaped, a forked child
  * is refused, and bad names, sizes and files are errors that name them. */
+#include <fcntl.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -229,8 +230,10 @@ static void test_bad_input(void) {
   char conf[256];
   budget_conf(conf, sizeof conf, "policy:default", GIB, ++name_seq);
   char path[200];
-  snprintf(path, sizeof path, "%s/gpumem-budget.t%d-%d.-1", dir, (int)getpid(), name_seq);
-  FILE* bad = fopen(path, "w");
+  snprintf(path, sizeof path, "%s/gpumem-budget.u%u.t%d-%d.-1", dir, (unsigned)geteuid(),
+           (int)getpid(), name_seq);
+  int bad_fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+  FILE* bad = bad_fd >= 0 ? fdopen(bad_fd, "w") : NULL;
   if (bad) {
     fputs("not a budget", bad);
     fclose(bad);
