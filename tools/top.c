@@ -37,9 +37,11 @@ static const char usage_top[] =
     "  --dir DIR             where the figures are published (default\n"
     "                        $GPUMEM_PUBLISH_DIR or /dev/shm)\n"
     "  --clean               remove what exited processes left, then show the rest\n"
+    "  --max-rows N          allocators held per refresh (default 65536); more are\n"
+    "                        counted and said, live processes kept first\n"
     "  -h, --help            this text\n";
 
-/* The most records one refresh holds (about 36 MiB of them). */
+/* The most records one refresh holds by default (about 30 MiB of them). */
 #define MAX_ROWS 65536
 
 typedef struct rows {
@@ -47,13 +49,14 @@ typedef struct rows {
   size_t count, cap;
   size_t dropped;     /* records past MAX_ROWS, not shown */
   size_t next_exited; /* where to look for an exited record a live one may replace */
+  size_t max;         /* --max-rows */
 } rows_t;
 
 static int collect(const gpumem_published_t* p, void* arg) {
   rows_t* r = arg;
-  if (r->count == r->cap && r->cap < MAX_ROWS) {
+  if (r->count == r->cap && r->cap < r->max) {
     size_t cap = r->cap ? r->cap * 2 : 256;
-    if (cap > MAX_ROWS) cap = MAX_ROWS;
+    if (cap > r->max) cap = r->max;
     gpumem_published_t* grown = realloc(r->items, cap * sizeof *grown);
     if (grown) {
       r->items = grown;
@@ -194,8 +197,8 @@ static void print_table(const rows_t* r, const char* dir) {
   }
   printf("\n");
   if (r->dropped) {
-    printf("\n%zu more allocator record%s not shown (more than %d; live processes shown first)\n",
-           r->dropped, r->dropped == 1 ? "" : "s", MAX_ROWS);
+    printf("\n%zu more allocator record%s not shown (more than %zu; live processes shown first)\n",
+           r->dropped, r->dropped == 1 ? "" : "s", r->max);
   }
 }
 
@@ -217,6 +220,7 @@ static int remove_exited(const rows_t* r) {
 int gm_cli_top(int argc, char** argv) {
   int once = 0, json = 0, clean = 0;
   double interval = 1.0;
+  long max_rows = MAX_ROWS;
   const char* dir = NULL;
   for (int i = 0; i < argc; i++) {
     const char* a = argv[i];
@@ -235,6 +239,13 @@ int gm_cli_top(int argc, char** argv) {
         fprintf(stderr, "gpumem top: bad --interval '%s' (seconds, 0.1 to 3600)\n", argv[i]);
         return 2;
       }
+    } else if (strcmp(a, "--max-rows") == 0 && i + 1 < argc) {
+      char* end;
+      max_rows = strtol(argv[++i], &end, 10);
+      if (*end || max_rows < 1 || max_rows > 1000000) {
+        fprintf(stderr, "gpumem top: bad --max-rows '%s' (1 to 1000000)\n", argv[i]);
+        return 2;
+      }
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       fputs(usage_top, stdout);
       return 0;
@@ -245,7 +256,7 @@ int gm_cli_top(int argc, char** argv) {
   }
   const char* shown_dir = dir ? dir : getenv("GPUMEM_PUBLISH_DIR");
   if (!shown_dir || !shown_dir[0]) shown_dir = "/dev/shm";
-  rows_t r = {NULL, 0, 0, 0, 0};
+  rows_t r = {NULL, 0, 0, 0, 0, (size_t)max_rows};
   int rc = 0;
   for (;;) {
     r.count = r.dropped = r.next_exited = 0;
@@ -265,8 +276,8 @@ int gm_cli_top(int argc, char** argv) {
     if (json) {
       print_json(&r);
       if (r.dropped) {
-        fprintf(stderr, "gpumem top: %zu more allocator records not shown (more than %d)\n",
-                r.dropped, MAX_ROWS);
+        fprintf(stderr, "gpumem top: %zu more allocator records not shown (more than %zu)\n",
+                r.dropped, r.max);
       }
       break;
     }
