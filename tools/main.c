@@ -385,9 +385,10 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
     }
     /* 0 means "no limit" inside; a limit that rounds to 0 is a mistake */
     if (bytes == 0) {
-      return error("bad --limit '%s': expected a size of at least 1 byte (leave --limit out "
-                   "for none)",
-                   limit_text);
+      return error(
+          "bad --limit '%s': expected a size of at least 1 byte (leave --limit out "
+          "for none)",
+          limit_text);
     }
     cli->config.limit_bytes = bytes;
   }
