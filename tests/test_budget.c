@@ -219,11 +219,24 @@ static void test_bad_input(void) {
   CHECK_STATUS(gpumem_options_parse(&o, "shared_name:0123456789012345678901234567890123456789"),
                GPUMEM_ERR_CONFIG);
   CHECK(o.shared_limit == 0 && o.shared_name[0] == '\0');
+  CHECK_STATUS(gpumem_options_parse(&o, "shared_group:a/b"), GPUMEM_ERR_CONFIG);
+  CHECK(strstr(gpumem_last_error(), "a group's name") != NULL && o.shared_group[0] == '\0');
+  CHECK_STATUS(gpumem_options_parse(&o, "shared_group:gpu-users"), GPUMEM_OK);
+  CHECK(strcmp(o.shared_group, "gpu-users") == 0);
   fx_t f = fx_new("policy:default", 8 * GIB, 0);
   gpumem_shared_budget_t info;
   if (f.gm) {
     CHECK_STATUS(gpumem_shared_budget(f.gm, &info), GPUMEM_ERR_UNSUPPORTED);
     CHECK_STATUS(gpumem_shared_budget(f.gm, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+  }
+  fx_done(&f);
+  /* A group that does not exist: refused, naming it. */
+  f = fx_new("policy:default,shared_limit:1G,shared_group:no-such-group-gpumem", 8 * GIB, 0);
+  if (f.gm) {
+    void* p = NULL;
+    CHECK_STATUS(gpumem_malloc(f.gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+    CHECK_MSG(strstr(gpumem_last_error(), "no group named no-such-group-gpumem"), "%s",
+              gpumem_last_error());
   }
   fx_done(&f);
   /* A file of the budget's name that is not one: refused, said, consistent. */
