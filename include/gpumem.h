@@ -188,6 +188,11 @@ typedef struct gpumem_options {
   size_t shared_limit;
   /* The budget's name: letters, digits, '_', '-', '.' (empty: "default"). */
   char shared_name[40];
+  /* A group whose members share the budget (docs/security.md): the budget
+   * then lives in DIR/gpumem-group.<group>/, a directory of that group
+   * closed to other users, mode 0660. Empty (the default): the budget is
+   * this user's alone (mode 0600, its uid in the file's name). */
+  char shared_group[40];
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
@@ -202,10 +207,12 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
  * placement (auto|planned|bestfit), map_max (a size, as limit), move_guard
- * (on|off), move_budget (microseconds per allocation, >= 0, or unlimited), stream_waits (on|off),
- * publish (auto|on|off), leak_check (on|off), oom_snapshot (a path without ','), shared_limit (a
- * size), shared_name (a name). Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the
- * key and the valid choices; opts is unchanged on failure. */
+ * (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
+ * stream_waits (on|off), publish (auto|on|off), leak_check (on|off),
+ * oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
+ * name), shared_group (a group's name). Unknown keys and bad values fail
+ * with GPUMEM_ERR_CONFIG naming the key and the valid choices; opts is
+ * unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
 /* Parses "123", "4K", "1.5G", "2GiB" (binary units). */
 GPUMEM_API gpumem_status_t gpumem_parse_size(const char* text, size_t* out);
@@ -511,6 +518,7 @@ typedef struct gpumem_published {
   int64_t limit_bytes, device_total;
   int64_t num_allocations, num_ooms, num_alloc_retries;
   char path[256]; /* the file it was read from */
+  unsigned uid;   /* the file's owner (a reader trusts its own files; root all) */
 } gpumem_published_t;
 
 /* Returns nonzero to stop the scan. */
@@ -522,7 +530,9 @@ typedef int (*gpumem_published_fn)(const gpumem_published_t* p, void* arg);
  * publication is off (option publish) or its file could not be made. */
 GPUMEM_API gpumem_status_t gpumem_publish(gpumem_t* gm);
 /* Calls fn for every allocator published in dir (NULL: $GPUMEM_PUBLISH_DIR
- * or /dev/shm), live processes and files left by dead ones alike. Returns
+ * or /dev/shm), live processes and files left by dead ones alike: regular
+ * files of this user (root: of any user), never links, FIFOs or pages of
+ * another layout (docs/security.md). Returns
  * how many were read, or -1 (gpumem_last_error) when dir cannot be read. */
 GPUMEM_API int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg);
 

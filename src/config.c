@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name"
+  "shared_name, shared_group"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -297,14 +297,18 @@ enum {
   KEY_SHARED_LIMIT,
   KEY_SHARED_NAME,
   KEY_MOVE_BUDGET,
+  KEY_SHARED_GROUP,
   KEY_COUNT
 };
 
 /* Same order as the enum above and VALID_KEYS. */
 static const char* const key_names[KEY_COUNT] = {
-    "policy",       "limit",        "fraction",    "reclaim",      "headroom", "max_split_size_mb",
-    "placement",    "map_max",      "move_guard",  "stream_waits", "publish",  "leak_check",
-    "oom_snapshot", "shared_limit", "shared_name", "move_budget",
+    "policy",       "limit",        "fraction",
+    "reclaim",      "headroom",     "max_split_size_mb",
+    "placement",    "map_max",      "move_guard",
+    "stream_waits", "publish",      "leak_check",
+    "oom_snapshot", "shared_limit", "shared_name",
+    "move_budget",  "shared_group",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -434,7 +438,9 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       o->shared_limit = bytes;
       return GPUMEM_OK;
     }
-    case KEY_SHARED_NAME: {
+    case KEY_SHARED_NAME:
+    case KEY_SHARED_GROUP: {
+      char* dst = k == KEY_SHARED_NAME ? o->shared_name : o->shared_group;
       bool ok = value.n > 0 && value.n < sizeof o->shared_name;
       for (size_t i = 0; ok && i < value.n; i++) {
         char c = value.p[i];
@@ -442,10 +448,13 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
              c == '_' || c == '-' || c == '.';
       }
       if (!ok) {
-        return bad_value(value, name, "1 to 39 letters, digits, '_', '-' or '.' (it names a file)");
+        return bad_value(value, name,
+                         k == KEY_SHARED_NAME
+                             ? "1 to 39 letters, digits, '_', '-' or '.' (it names a file)"
+                             : "a group's name: 1 to 39 letters, digits, '_', '-' or '.'");
       }
-      memcpy(o->shared_name, value.p, value.n);
-      o->shared_name[value.n] = '\0';
+      memcpy(dst, value.p, value.n);
+      dst[value.n] = '\0';
       return GPUMEM_OK;
     }
     case KEY_LIMIT: {

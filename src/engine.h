@@ -404,6 +404,8 @@ struct gpumem {
   int64_t published_reserved;
   int device_index; /* CUDA ordinal of a gpumem_default instance, else -1 */
   struct gm_publication* publication;
+  int publish_fd;  /* holds the life lock readers test (shmfile.h) */
+  int publish_pid; /* the process that made the page */
   char publish_path[256];
 
   gm_oom_callback* callbacks;
@@ -740,8 +742,6 @@ GM_COLD void gm_live_groups_locked(gpumem_t* gm, char* out, size_t cap);
 
 /* $GPUMEM_PUBLISH_DIR or /dev/shm: where publication and budget files live. */
 const char* gm_publish_dir(void);
-/* Whether process pid still runs (one of another user counts). */
-bool gm_process_alive(int pid);
 bool gm_publish_wanted(const gpumem_t* gm);
 GM_COLD void gm_publish_now(gpumem_t* gm);
 void gm_publish_close(gpumem_t* gm);

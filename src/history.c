@@ -10,6 +10,7 @@
  * PyTorch's segment events cannot say, so the snapshot's segments show the
  * mapped pages as they are at the moment of the snapshot instead. */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -296,18 +297,37 @@ static void oom_snapshot_path(const char* pattern, char* out, size_t cap) {
   out[n] = '\0';
 }
 
+/* The snapshot goes to a file made afresh beside the target (mkostemp:
+ * O_EXCL, mode 0600), then renamed over it: a link, FIFO or another
+ * user's file planted at the target (as in a shared /tmp) is replaced as a
+ * name or refused, never followed, truncated or written through. */
 bool gm_oom_snapshot(gpumem_t* gm, char* said, size_t said_cap) {
-  char path[sizeof gm->opts.oom_snapshot + 32];
+  char path[sizeof gm->opts.oom_snapshot + 32], tmp[sizeof path + 8];
   oom_snapshot_path(gm->opts.oom_snapshot, path, sizeof path);
-  FILE* f = fopen(path, "w");
+  snprintf(tmp, sizeof tmp, "%s.XXXXXX", path);
+  int fd = mkostemp(tmp, O_CLOEXEC);
+  FILE* f = fd >= 0 ? fdopen(fd, "w") : NULL;
   if (!f) {
-    snprintf(said, said_cap, "could not write the snapshot to %s: %s", path, strerror(errno));
+    int e = errno;
+    if (fd >= 0) {
+      close(fd);
+      unlink(tmp);
+    }
+    snprintf(said, said_cap, "could not write the snapshot to %s: %s", path, strerror(e));
     return false;
   }
   gm_emitter e = {gpumem_write_to_file, f, 0};
   snapshot_locked(gm, gm->device_index >= 0 ? gm->device_index : 0, NULL, &e);
   bool ok = e.rc == 0;
   if (fclose(f) != 0) ok = false;
+  if (ok && rename(tmp, path) != 0) {
+    int err = errno;
+    unlink(tmp);
+    snprintf(said, said_cap, "could not write the snapshot to %s: %s%s", path, strerror(err),
+             err == EPERM || err == EACCES ? " (the name is another user's)" : "");
+    return false;
+  }
+  if (!ok) unlink(tmp);
   snprintf(said, said_cap, ok ? "snapshot written to %s" : "writing the snapshot to %s failed",
            path);
   return ok;

@@ -1,26 +1,35 @@
 /* Publication: each allocator's figures in a small file that other
- * processes map and read (`gpumem top`), so that memory can be watched
- * from outside the processes that hold it.
+ * processes read (`gpumem top`), so that memory can be watched from
+ * outside the processes that hold it.
  *
  * One file per allocator, DIR/gpumem.<pid>.<instance>, DIR being
- * $GPUMEM_PUBLISH_DIR or /dev/shm (memory, not disk). The page is written
- * under the allocator's lock as a sequence lock: seq is odd while the
- * figures change, and a reader copies the page and keeps the copy only if
- * seq was even and unchanged around it. Writing costs ~20 stores, so the
- * hot path publishes one operation in 64, and at once whenever reserved
- * memory changed, after an out-of-memory failure, empty_cache or a new
- * limit: a reader is at most 63 allocations or frees behind on allocated
- * bytes and never behind on reserved ones. The file goes when the
- * allocator is destroyed or the process exits; a process that is killed
- * leaves it, and readers tell such a file by its process being gone
- * (gpumem top --clean removes it). A file that cannot be made turns
- * publication off for that allocator: it still allocates. */
+ * $GPUMEM_PUBLISH_DIR or /dev/shm (memory, not disk). The file is made
+ * afresh (O_EXCL|O_NOFOLLOW, mode 0600: its user's alone; a name someone
+ * else holds is passed over for the next instance number), so no other
+ * user can point it elsewhere, read it or truncate it under the mapping
+ * (docs/security.md). The writer maps it; the page is written under the
+ * allocator's lock as a sequence lock: seq is odd while the figures
+ * change, and a reader copies the page and keeps the copy only if seq was
+ * even and unchanged around it. Readers copy with pread, never a mapping,
+ * so a file truncated under them is a short read, not SIGBUS. Writing
+ * costs ~20 stores, so the hot path publishes one operation in 64, and at
+ * once whenever reserved memory changed, after an out-of-memory failure,
+ * empty_cache or a new limit: a reader is at most 63 allocations or frees
+ * behind on allocated bytes and never behind on reserved ones.
+ *
+ * The writer holds a lock on the file's first byte for its life (an OFD
+ * lock, shmfile.h): readers tell a live writer by that lock, which the
+ * kernel drops when the process dies, in whatever pid namespace. The file
+ * goes when the allocator is destroyed or the process exits; a process
+ * that is killed leaves it, shown as exited (gpumem top --clean removes
+ * it). A file that cannot be made turns publication off for that
+ * allocator: it still allocates. */
 #include <errno.h>
 #include <fcntl.h>
 #include <dirent.h>
 #include <inttypes.h>
+#include <stddef.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,9 +40,10 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "shmfile.h"
 
 #define PUBLISH_MAGIC 0x3162757070756d67ull /* "gmuppub1" */
-#define PUBLISH_VERSION 1u
+#define PUBLISH_VERSION 2u                  /* 2: liveness by the writer's lock */
 #define PUBLISH_PREFIX "gpumem."
 
 struct gm_publication {
@@ -132,23 +142,33 @@ bool gm_publish_wanted(const gpumem_t* gm) {
   return gm->backend->name && strcmp(gm->backend->name, "cuda") == 0;
 }
 
+/* Instance numbers a process tries before publication gives up: names
+ * another user planted are passed over, not opened. */
+#define PUBLISH_NAME_TRIES 16
+
 /* Makes the file and maps it; false (publication off) when it cannot. */
 static bool publish_open(gpumem_t* gm) {
-  unsigned instance = atomic_fetch_add(&next_instance, 1u);
   char path[sizeof gm->publish_path];
-  int n = snprintf(path, sizeof path, "%s/" PUBLISH_PREFIX "%d.%u", gm_publish_dir(), (int)getpid(),
-                   instance);
-  if (n < 0 || (size_t)n >= sizeof path) return false;
-  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  unsigned instance = 0;
+  int fd = -1, n = 0;
+  for (int tries = 0; fd < 0 && tries < PUBLISH_NAME_TRIES; tries++) {
+    instance = atomic_fetch_add(&next_instance, 1u);
+    n = snprintf(path, sizeof path, "%s/" PUBLISH_PREFIX "%d.%u", gm_publish_dir(), (int)getpid(),
+                 instance);
+    if (n < 0 || (size_t)n >= sizeof path) return false;
+    fd = gm_shm_create_at(AT_FDCWD, path, 0600);
+    if (fd < 0 && errno != EEXIST) return false;
+  }
   if (fd < 0) return false;
   struct gm_publication* page = MAP_FAILED;
-  if (ftruncate(fd, (off_t)sizeof *page) == 0)
+  if (ftruncate(fd, (off_t)sizeof *page) == 0 && gm_life_lock(fd, 0))
     page = mmap(NULL, sizeof *page, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
   if (page == MAP_FAILED) {
+    close(fd);
     unlink(path);
     return false;
   }
+  gm_life_fd_register(fd);
   memset(page, 0, sizeof *page);
   page->version = PUBLISH_VERSION;
   page->size = (uint32_t)sizeof *page;
@@ -164,6 +184,8 @@ static bool publish_open(gpumem_t* gm) {
   atomic_thread_fence(memory_order_release);
   page->magic = PUBLISH_MAGIC;
   gm->publication = page;
+  gm->publish_fd = fd;
+  gm->publish_pid = (int)getpid();
   memcpy(gm->publish_path, path, (size_t)n + 1);
   exit_file_add(path);
   return true;
@@ -202,7 +224,12 @@ void gm_publish_now(gpumem_t* gm) {
 void gm_publish_close(gpumem_t* gm) {
   if (!gm->publication) return;
   munmap(gm->publication, sizeof *gm->publication);
-  unlink(gm->publish_path);
+  if (gm->publish_pid == (int)getpid()) {
+    /* a forked child's copy of the descriptor was closed at the fork */
+    unlink(gm->publish_path);
+    gm_life_fd_unregister(gm->publish_fd);
+    close(gm->publish_fd);
+  }
   exit_file_remove(gm->publish_path);
   gm->publication = NULL;
 }
@@ -221,31 +248,28 @@ gpumem_status_t gpumem_publish(gpumem_t* gm) {
 
 /* ---- reading ---- */
 
-/* A consistent copy of the page at path; false when it is not one. */
-static bool read_page(const char* path, struct gm_publication* out) {
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return false;
+/* A consistent copy of the page at path, *alive set by the writer's
+ * lock; false when it is not one. The file is not trusted: it may be a
+ * link, a FIFO, another user's, or shrink while read (docs/security.md). */
+static bool read_page(const char* path, struct gm_publication* out, bool* alive, uid_t* owner) {
   struct stat st;
-  const struct gm_publication* p = MAP_FAILED;
-  if (fstat(fd, &st) == 0 && (size_t)st.st_size == sizeof *p)
-    p = mmap(NULL, sizeof *p, PROT_READ, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED) return false;
+  int fd = gm_shm_open_read(path, sizeof *out, &st);
+  if (fd < 0) return false;
   bool ok = false;
+  const off_t seq_at = (off_t)offsetof(struct gm_publication, seq);
   for (int tries = 0; tries < 1000 && !ok; tries++) {
-    uint64_t before = atomic_load_explicit(&p->seq, memory_order_acquire);
+    uint64_t before = 0, after = 0;
+    if (!gm_pread_all(fd, &before, sizeof before, seq_at)) break;
     if (before & 1) continue;
-    memcpy(out, (const void*)p, sizeof *out);
-    atomic_thread_fence(memory_order_acquire);
-    ok = atomic_load_explicit(&p->seq, memory_order_relaxed) == before;
+    if (!gm_pread_all(fd, out, sizeof *out, 0)) break;
+    if (!gm_pread_all(fd, &after, sizeof after, seq_at)) break;
+    ok = after == before;
   }
-  munmap((void*)p, sizeof *p);
+  *alive = ok && gm_life_lock_held(fd, 0);
+  *owner = st.st_uid;
+  close(fd);
   return ok && out->magic == PUBLISH_MAGIC && out->version == PUBLISH_VERSION &&
          out->size == sizeof *out;
-}
-
-bool gm_process_alive(int pid) {
-  return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
 }
 
 int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg) {
@@ -269,11 +293,14 @@ int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg) {
     int n = snprintf(out.path, sizeof out.path, "%s/%s", dir, e->d_name);
     if (n < 0 || (size_t)n >= sizeof out.path) continue;
     struct gm_publication p;
-    if (!read_page(out.path, &p)) continue;
+    bool alive = false;
+    uid_t owner = 0;
+    if (!read_page(out.path, &p, &alive, &owner)) continue;
     out.pid = p.pid;
+    out.uid = (unsigned)owner;
     out.device = p.device;
     out.instance = p.instance;
-    out.alive = gm_process_alive(p.pid);
+    out.alive = alive;
     out.virtual_memory = (int)p.virtual_memory;
     memcpy(out.process, p.process, sizeof out.process);
     out.process[sizeof out.process - 1] = '\0';

@@ -104,6 +104,13 @@ expect_rc 2 "replay without a trace"
 run "$BIN" replay "$TINY" --limit
 expect_rc 2 "--limit without a value"
 
+# A limit of 0 (or one that rounds to 0) is refused, not read as "none".
+for zero in 0 0.1; do
+  run "$BIN" replay "$TINY" --limit "$zero"
+  expect_rc 1 "--limit $zero"
+  expect_in "bad --limit '$zero': expected a size of at least 1 byte" "$err" "--limit $zero"
+done
+
 run "$BIN" summary --min-limit "$TINY"
 expect_rc 2 "summary does not take --min-limit"
 

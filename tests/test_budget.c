@@ -5,6 +5,7 @@
  * operation with gpumem_check on both, the default policy reclaims rather
  * than fails, a process that dies holding memory is reaped, a forked child
  * is refused, and bad names, sizes and files are errors that name them. */
+#include <fcntl.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -218,6 +219,10 @@ static void test_bad_input(void) {
   CHECK_STATUS(gpumem_options_parse(&o, "shared_name:0123456789012345678901234567890123456789"),
                GPUMEM_ERR_CONFIG);
   CHECK(o.shared_limit == 0 && o.shared_name[0] == '\0');
+  CHECK_STATUS(gpumem_options_parse(&o, "shared_group:a/b"), GPUMEM_ERR_CONFIG);
+  CHECK(strstr(gpumem_last_error(), "a group's name") != NULL && o.shared_group[0] == '\0');
+  CHECK_STATUS(gpumem_options_parse(&o, "shared_group:gpu-users"), GPUMEM_OK);
+  CHECK(strcmp(o.shared_group, "gpu-users") == 0);
   fx_t f = fx_new("policy:default", 8 * GIB, 0);
   gpumem_shared_budget_t info;
   if (f.gm) {
@@ -225,12 +230,23 @@ static void test_bad_input(void) {
     CHECK_STATUS(gpumem_shared_budget(f.gm, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
   }
   fx_done(&f);
+  /* A group that does not exist: refused, naming it. */
+  f = fx_new("policy:default,shared_limit:1G,shared_group:no-such-group-gpumem", 8 * GIB, 0);
+  if (f.gm) {
+    void* p = NULL;
+    CHECK_STATUS(gpumem_malloc(f.gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+    CHECK_MSG(strstr(gpumem_last_error(), "no group named no-such-group-gpumem"), "%s",
+              gpumem_last_error());
+  }
+  fx_done(&f);
   /* A file of the budget's name that is not one: refused, said, consistent. */
   char conf[256];
   budget_conf(conf, sizeof conf, "policy:default", GIB, ++name_seq);
   char path[200];
-  snprintf(path, sizeof path, "%s/gpumem-budget.t%d-%d.-1", dir, (int)getpid(), name_seq);
-  FILE* bad = fopen(path, "w");
+  snprintf(path, sizeof path, "%s/gpumem-budget.u%u.t%d-%d.-1", dir, (unsigned)geteuid(),
+           (int)getpid(), name_seq);
+  int bad_fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+  FILE* bad = bad_fd >= 0 ? fdopen(bad_fd, "w") : NULL;
   if (bad) {
     fputs("not a budget", bad);
     fclose(bad);

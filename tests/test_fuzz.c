@@ -7,17 +7,25 @@
  * build runs this too), and a refusal must change nothing: the options
  * stay as they were, no trace comes back. A trace that parses is replayed
  * on the simulated device with gpumem_check after every event, and its
- * counts must agree with its events.
+ * counts must agree with its events. Beside the publication pages lie
+ * what a hostile user can plant (docs/security.md): FIFOs, links,
+ * directories, files of every size, files changing size while read, and
+ * more records than gpumem top holds; a scan must skip them without
+ * blocking or SIGBUS, and top must say what it could not show.
  *
  *   test_fuzz [ROUNDS]   (default 20000 per target; GPUMEM_FUZZ_SEED=N)
  */
+#include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "gpumem.h"
@@ -284,6 +292,144 @@ static void fuzz_publication(long rounds) {
   rmdir(dir);
 }
 
+typedef struct resizer {
+  char path[300];
+  volatile int stop;
+} resizer_t;
+
+/* Changes a page's size between every size a reader checks for. */
+static void* resize_loop(void* arg) {
+  resizer_t* z = arg;
+  static const off_t sizes[] = {0, 191, 192, 193, 8, 4096};
+  for (unsigned i = 0; !z->stop; i++) {
+    if (truncate(z->path, sizes[i % 6]) != 0) break;
+  }
+  return NULL;
+}
+
+static size_t run_top_output(const char* dir, const char* args, char* out, size_t cap) {
+  char exe[512], cmd[1400];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  out[0] = '\0';
+  if (n <= 0) return 0;
+  exe[n] = '\0';
+  char* slash = strrchr(exe, '/');
+  if (slash) *slash = '\0';
+  snprintf(cmd, sizeof cmd, "%s/../gpumem top %s --dir %s 2>&1", exe, args, dir);
+  FILE* f = popen(cmd, "r");
+  if (!f) return 0;
+  size_t len = fread(out, 1, cap - 1, f);
+  out[len] = '\0';
+  pclose(f);
+  return len;
+}
+
+/* One live page among what a hostile user plants, rounds times a fresh
+ * random mix: every scan reads the live page, never blocks on a FIFO
+ * (the alarm would end the test), never dies of SIGBUS on a file that
+ * shrinks under it, and reads no more pages than regular 192-byte files
+ * lie there. Then more dead records than top holds. */
+static void fuzz_hostile_entries(long rounds) {
+  char dir[] = "/tmp/gpumem_fuzz_hostile_XXXXXX";
+  if (!mkdtemp(dir)) {
+    CHECK_MSG(false, "mkdtemp failed");
+    return;
+  }
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+  gpumem_backend_t* sim = gpumem_sim_create(NULL);
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.publish = GPUMEM_PUBLISH_ON;
+  gpumem_t* gm = sim ? gpumem_create(sim, &o, NULL) : NULL;
+  CHECK(gm != NULL && gpumem_publish(gm) == GPUMEM_OK);
+  scan_seen_t seen = {0, ""};
+  CHECK(gpumem_published_scan(dir, count_one, &seen) == 1);
+  char live[256], page[192];
+  snprintf(live, sizeof live, "%s", seen.path);
+  int fd = open(live, O_RDONLY);
+  CHECK(fd >= 0 && read(fd, page, sizeof page) == (ssize_t)sizeof page);
+  if (fd >= 0) close(fd);
+  resizer_t z = {"", 0};
+  snprintf(z.path, sizeof z.path, "%s/gpumem.424242.0", dir);
+  pthread_t t;
+  bool resizing = false;
+  alarm(600);
+  long kinds[7] = {0};
+  for (long r = 0; r < rounds; r++) {
+    int planted = 1 + (int)below(6), whole = 0;
+    char names[8][300];
+    for (int k = 0; k < planted; k++) {
+      snprintf(names[k], sizeof names[k], "%s/gpumem.%d.%d", dir, 500000 + (int)r, k);
+      int kind = (int)below(7);
+      kinds[kind]++;
+      if (kind == 0) {
+        CHECK(mkfifo(names[k], 0600) == 0);
+      } else if (kind == 1) {
+        CHECK(symlink(below(2) ? live : "/nonexistent/gpumem", names[k]) == 0);
+      } else if (kind == 2) {
+        CHECK(mkdir(names[k], 0700) == 0);
+      } else if (kind == 3) {
+        CHECK(symlink("/dev/zero", names[k]) == 0);
+      } else {
+        /* a copy of the live page, of a random size, some bytes changed */
+        static const size_t sizes[] = {0, 1, 191, 192, 192, 192, 193, 4096};
+        size_t len = sizes[below(8)];
+        char buf[4096];
+        memset(buf, 0, sizeof buf);
+        memcpy(buf, page, sizeof page);
+        if (below(2)) buf[below(192)] = (char)rng();
+        int w = open(names[k], O_WRONLY | O_CREAT | O_EXCL, 0600);
+        CHECK(w >= 0 && write(w, buf, len) == (ssize_t)len);
+        if (w >= 0) close(w);
+        whole += len == 192;
+      }
+    }
+    if (!resizing) {
+      int w = open(z.path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+      CHECK(w >= 0 && write(w, page, sizeof page) == (ssize_t)sizeof page);
+      if (w >= 0) close(w);
+      resizing = pthread_create(&t, NULL, resize_loop, &z) == 0;
+    }
+    seen.n = 0;
+    int got = gpumem_published_scan(dir, count_one, &seen);
+    /* the live page, the resized one when whole, the planted whole ones */
+    CHECK_MSG(got >= 1 && got <= 2 + whole, "round %ld: %d pages read, %d whole planted", r, got,
+              whole);
+    for (int k = 0; k < planted; k++) {
+      if (unlink(names[k]) != 0) rmdir(names[k]);
+    }
+  }
+  alarm(0);
+  z.stop = 1;
+  if (resizing) pthread_join(t, NULL);
+  unlink(z.path);
+  printf("hostile entries: %ld FIFOs, %ld links, %ld directories, %ld device links, %ld files\n",
+         kinds[0], kinds[1], kinds[2], kinds[3], kinds[4] + kinds[5] + kinds[6]);
+  /* more records than top holds: the live one kept, the rest counted */
+  for (int i = 0; i < 300; i++) {
+    char path[300];
+    snprintf(path, sizeof path, "%s/gpumem.999998.%d", dir, i);
+    int w = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    CHECK(w >= 0 && write(w, page, sizeof page) == (ssize_t)sizeof page);
+    if (w >= 0) close(w);
+  }
+  static char out[1 << 20];
+  run_top_output(dir, "--once --max-rows 100", out, sizeof out);
+  char mine[32];
+  snprintf(mine, sizeof mine, "\n%8d  ", (int)getpid());
+  CHECK_MSG(strstr(out, "100 allocators published") &&
+                strstr(out, "201 more allocator records not shown (more than 100") &&
+                strstr(out, mine) && strstr(out, "1 running"),
+            "%.600s", out);
+  run_top_output(dir, "--clean --once", out, sizeof out);
+  CHECK_MSG(strstr(out, "removed 300 files") && strstr(out, "1 allocator published"), "%.300s",
+            out);
+  gpumem_destroy(gm);
+  gpumem_sim_destroy(sim);
+  unsetenv("GPUMEM_PUBLISH_DIR");
+  rmdir(dir);
+}
+
 int main(int argc, char** argv) {
   long rounds = argc > 1 ? atol(argv[1]) : 20000;
   if (rounds <= 0) rounds = 20000;
@@ -294,5 +440,6 @@ int main(int argc, char** argv) {
   fuzz_conf(rounds);
   fuzz_traces(rounds);
   fuzz_publication(rounds / 4);
+  fuzz_hostile_entries(rounds / 20);
   return test_finish("test_fuzz");
 }

@@ -407,6 +407,13 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
                    gpumem_last_error()[0] ? detail(gpumem_last_error())
                                           : "expected bytes with an optional K/M/G/T suffix");
     }
+    /* 0 means "no limit" inside; a limit that rounds to 0 is a mistake */
+    if (bytes == 0) {
+      return error(
+          "bad --limit '%s': expected a size of at least 1 byte (leave --limit out "
+          "for none)",
+          limit_text);
+    }
     cli->config.limit_bytes = bytes;
   }
   if (ratio_text) {

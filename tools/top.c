@@ -2,7 +2,13 @@
  * read from outside the processes that hold the memory: what each has
  * allocated and reserved, its peak and limit, its out-of-memory failures,
  * with a total per device. Refreshes every second until interrupted;
- * --once prints one table, --json one JSON array. */
+ * --once prints one table, --json one JSON array.
+ *
+ * What it reads was written by other processes and may be hostile (the
+ * scan in src/publish.c already skips links, FIFOs, other users' files and
+ * broken pages): names are printed with control bytes replaced, figures
+ * are summed without overflow, and records beyond what it holds are
+ * counted and said, live processes kept before exited ones. */
 #include "top.h"
 
 #include <errno.h>
@@ -31,19 +37,61 @@ static const char usage_top[] =
     "  --dir DIR             where the figures are published (default\n"
     "                        $GPUMEM_PUBLISH_DIR or /dev/shm)\n"
     "  --clean               remove what exited processes left, then show the rest\n"
+    "  --max-rows N          allocators held per refresh (default 65536); more are\n"
+    "                        counted and said, live processes kept first\n"
     "  -h, --help            this text\n";
 
-#define MAX_ROWS 4096
+/* The most records one refresh holds by default (about 30 MiB of them). */
+#define MAX_ROWS 65536
 
 typedef struct rows {
   gpumem_published_t* items;
-  size_t count;
+  size_t count, cap;
+  size_t dropped;     /* records past MAX_ROWS, not shown */
+  size_t next_exited; /* where to look for an exited record a live one may replace */
+  size_t max;         /* --max-rows */
 } rows_t;
 
 static int collect(const gpumem_published_t* p, void* arg) {
   rows_t* r = arg;
-  if (r->count < MAX_ROWS) r->items[r->count++] = *p;
+  if (r->count == r->cap && r->cap < r->max) {
+    size_t cap = r->cap ? r->cap * 2 : 256;
+    if (cap > r->max) cap = r->max;
+    gpumem_published_t* grown = realloc(r->items, cap * sizeof *grown);
+    if (grown) {
+      r->items = grown;
+      r->cap = cap;
+    }
+  }
+  if (r->count < r->cap) {
+    r->items[r->count++] = *p;
+    return 0;
+  }
+  /* full: a live process takes the place of an exited one */
+  while (p->alive && r->next_exited < r->count && r->items[r->next_exited].alive) r->next_exited++;
+  if (p->alive && r->next_exited < r->count) r->items[r->next_exited++] = *p;
+  r->dropped++;
   return 0;
+}
+
+/* s with every byte a terminal could act on (controls, DEL, non-ASCII)
+ * shown as '?': a process names itself (/proc/self/comm), and its name
+ * must not clear the screen or retitle the window. */
+static const char* printable(const char* s, char* out, size_t cap) {
+  size_t n = 0;
+  for (; *s && n + 1 < cap; s++) {
+    unsigned char c = (unsigned char)*s;
+    out[n++] = c >= 0x20 && c < 0x7f ? (char)c : '?';
+  }
+  out[n] = '\0';
+  return out;
+}
+
+/* Sums of published figures, which another process wrote: negative ones
+ * count as 0, and the sum stops at INT64_MAX rather than overflow. */
+static int64_t add_figure(int64_t sum, int64_t figure) {
+  if (figure <= 0) return sum;
+  return sum > INT64_MAX - figure ? INT64_MAX : sum + figure;
 }
 
 static int by_device_then_pid(const void* a, const void* b) {
@@ -78,12 +126,12 @@ static void print_json(const rows_t* r) {
         ",\"allocated_bytes\":%lld,\"allocated_peak\":%lld,\"reserved_bytes\":%lld,"
         "\"reserved_peak\":%lld,\"active_bytes\":%lld,\"requested_bytes\":%lld,"
         "\"limit_bytes\":%lld,\"device_total\":%lld,\"num_allocations\":%lld,\"num_ooms\":%lld,"
-        "\"num_alloc_retries\":%lld,\"updated_unix_ms\":%llu,\"path\":",
+        "\"num_alloc_retries\":%lld,\"updated_unix_ms\":%llu,\"uid\":%u,\"path\":",
         (long long)p->allocated_bytes, (long long)p->allocated_peak, (long long)p->reserved_bytes,
         (long long)p->reserved_peak, (long long)p->active_bytes, (long long)p->requested_bytes,
         (long long)p->limit_bytes, (long long)p->device_total, (long long)p->num_allocations,
         (long long)p->num_ooms, (long long)p->num_alloc_retries,
-        (unsigned long long)p->updated_unix_ms);
+        (unsigned long long)p->updated_unix_ms, p->uid);
     json_text(p->path);
     putchar('}');
   }
@@ -102,7 +150,7 @@ static void print_table(const rows_t* r, const char* dir) {
   uint64_t now = now_unix_ms();
   for (size_t i = 0; i < r->count; i++) {
     const gpumem_published_t* p = &r->items[i];
-    char updated[32];
+    char updated[32], name[sizeof p->process], policy[sizeof p->policy];
     if (!p->alive)
       snprintf(updated, sizeof updated, "exited");
     else if (!p->updated_unix_ms)
@@ -115,8 +163,10 @@ static void print_table(const rows_t* r, const char* dir) {
       snprintf(dev, sizeof dev, "%d", p->device);
     else
       snprintf(dev, sizeof dev, "-");
-    printf("%8d  %-16.16s %4s  %-8s %12s %12s %14s %12s %5lld  %s\n", p->pid, p->process, dev,
-           p->policy, gm_format_bytes((uint64_t)p->allocated_bytes, b1, sizeof b1),
+    printf("%8d  %-16.16s %4s  %-8s %12s %12s %14s %12s %5lld  %s\n", p->pid,
+           printable(p->process, name, sizeof name), dev,
+           printable(p->policy, policy, sizeof policy),
+           gm_format_bytes((uint64_t)p->allocated_bytes, b1, sizeof b1),
            gm_format_bytes((uint64_t)p->reserved_bytes, b2, sizeof b2),
            gm_format_bytes((uint64_t)p->reserved_peak, b3, sizeof b3),
            p->limit_bytes ? gm_format_bytes((uint64_t)p->limit_bytes, b4, sizeof b4) : "none",
@@ -129,8 +179,8 @@ static void print_table(const rows_t* r, const char* dir) {
     int procs = 0;
     for (; i < r->count && r->items[i].device == device; i++) {
       if (!r->items[i].alive) continue;
-      allocated += r->items[i].allocated_bytes;
-      reserved += r->items[i].reserved_bytes;
+      allocated = add_figure(allocated, r->items[i].allocated_bytes);
+      reserved = add_figure(reserved, r->items[i].reserved_bytes);
       if (r->items[i].device_total > total) total = r->items[i].device_total;
       procs++;
     }
@@ -146,6 +196,10 @@ static void print_table(const rows_t* r, const char* dir) {
            gm_format_bytes((uint64_t)total, b3, sizeof b3));
   }
   printf("\n");
+  if (r->dropped) {
+    printf("\n%zu more allocator record%s not shown (more than %zu; live processes shown first)\n",
+           r->dropped, r->dropped == 1 ? "" : "s", r->max);
+  }
 }
 
 static int remove_exited(const rows_t* r) {
@@ -155,7 +209,9 @@ static int remove_exited(const rows_t* r) {
     if (unlink(r->items[i].path) == 0) {
       removed++;
     } else {
-      fprintf(stderr, "gpumem top: cannot remove %s: %s\n", r->items[i].path, strerror(errno));
+      char path[sizeof r->items[i].path];
+      fprintf(stderr, "gpumem top: cannot remove %s: %s\n",
+              printable(r->items[i].path, path, sizeof path), strerror(errno));
     }
   }
   return removed;
@@ -164,6 +220,7 @@ static int remove_exited(const rows_t* r) {
 int gm_cli_top(int argc, char** argv) {
   int once = 0, json = 0, clean = 0;
   double interval = 1.0;
+  long max_rows = MAX_ROWS;
   const char* dir = NULL;
   for (int i = 0; i < argc; i++) {
     const char* a = argv[i];
@@ -182,6 +239,13 @@ int gm_cli_top(int argc, char** argv) {
         fprintf(stderr, "gpumem top: bad --interval '%s' (seconds, 0.1 to 3600)\n", argv[i]);
         return 2;
       }
+    } else if (strcmp(a, "--max-rows") == 0 && i + 1 < argc) {
+      char* end;
+      max_rows = strtol(argv[++i], &end, 10);
+      if (*end || max_rows < 1 || max_rows > 1000000) {
+        fprintf(stderr, "gpumem top: bad --max-rows '%s' (1 to 1000000)\n", argv[i]);
+        return 2;
+      }
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       fputs(usage_top, stdout);
       return 0;
@@ -192,14 +256,10 @@ int gm_cli_top(int argc, char** argv) {
   }
   const char* shown_dir = dir ? dir : getenv("GPUMEM_PUBLISH_DIR");
   if (!shown_dir || !shown_dir[0]) shown_dir = "/dev/shm";
-  rows_t r = {calloc(MAX_ROWS, sizeof(gpumem_published_t)), 0};
-  if (!r.items) {
-    fprintf(stderr, "gpumem top: out of host memory\n");
-    return 1;
-  }
+  rows_t r = {NULL, 0, 0, 0, 0, (size_t)max_rows};
   int rc = 0;
   for (;;) {
-    r.count = 0;
+    r.count = r.dropped = r.next_exited = 0;
     if (gpumem_published_scan(shown_dir, collect, &r) < 0) {
       fprintf(stderr, "gpumem top: %s\n", gpumem_last_error());
       rc = 1;
@@ -215,6 +275,10 @@ int gm_cli_top(int argc, char** argv) {
     qsort(r.items, r.count, sizeof *r.items, by_device_then_pid);
     if (json) {
       print_json(&r);
+      if (r.dropped) {
+        fprintf(stderr, "gpumem top: %zu more allocator records not shown (more than %zu)\n",
+                r.dropped, r.max);
+      }
       break;
     }
     if (!once) fputs("\033[H\033[2J", stdout);

@@ -11,6 +11,8 @@ import atexit
 import ctypes
 import gc
 import json
+import math
+import operator
 import sys
 import threading
 import warnings
@@ -18,27 +20,88 @@ import warnings
 from . import _lib, errors
 
 
+# ctypes cuts an int to its C type's width without a word (2**64 + 4096
+# passed as size_t is 4096): every integer crossing into C is checked here
+# against its C type's range, and a wrong type raises gpumem's error.
+_SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
+_PTR_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_void_p))) - 1
+_U64_MAX = (1 << 64) - 1
+_INT_MAX = (1 << 31) - 1
+
+
+class ArgumentTypeError(errors.InvalidArgumentError, TypeError):
+    """An argument of the wrong type: gpumem's InvalidArgumentError, and a
+    TypeError as Python code expects."""
+
+
+def _checked_int(value, what, low=0, high=_SIZE_MAX):
+    """value as an int in [low, high]; InvalidArgumentError otherwise (a
+    bool, a float, a str and an int out of range alike)."""
+    if isinstance(value, bool):
+        raise ArgumentTypeError("gpumem: %s must be an int, not a bool" % what)
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ArgumentTypeError(
+            "gpumem: %s must be an int, not %s" % (what, type(value).__name__)
+        ) from None
+    if not low <= value <= high:
+        raise errors.InvalidArgumentError(
+            "gpumem: %s %d is out of range (%d to %d)" % (what, value, low, high)
+        )
+    return value
+
+
+def _checked_fraction(fraction):
+    """A fraction as a float; InvalidArgumentError for a wrong type (the
+    library refuses values outside (0, 1] itself, naming them)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ArgumentTypeError(
+            "gpumem: fraction must be a number, not %s" % type(fraction).__name__
+        )
+    if not math.isfinite(fraction):
+        raise errors.InvalidArgumentError("gpumem: fraction %r is not a finite number" % fraction)
+    return float(fraction)
+
+
+def _checked_conf(conf):
+    """A configuration string (or None) that C will read whole: a NUL would
+    end it early, silently."""
+    if conf is None:
+        return None
+    if not isinstance(conf, str):
+        raise errors.ConfigError("gpumem: conf must be a str, not %s" % type(conf).__name__)
+    if "\0" in conf:
+        raise errors.ConfigError(
+            "gpumem: conf contains a NUL character at %d (it would end the string there)"
+            % conf.index("\0")
+        )
+    return conf
+
+
 def _stream_handle(stream):
     """The integer handle of a stream given as an int, None, or a torch /
     CuPy stream object."""
     if stream is None:
         return 0
-    if isinstance(stream, int):
-        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return _checked_int(stream, "stream handle", 0, _PTR_MAX)
     for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
         value = getattr(stream, attr, None)
         if isinstance(value, int):
-            return value
-    raise TypeError("stream must be an int handle or a torch/CuPy stream, not %r" % (stream,))
+            return _checked_int(value, "stream handle", 0, _PTR_MAX)
+    raise ArgumentTypeError(
+        "gpumem: stream must be an int handle or a torch/CuPy stream, not %r" % (stream,)
+    )
 
 
 def _ptr_value(ptr):
-    if isinstance(ptr, int):
-        return ptr
+    if isinstance(ptr, int) and not isinstance(ptr, bool):
+        return _checked_int(ptr, "pointer", 0, _PTR_MAX)
     value = getattr(ptr, "data_ptr", None)  # a torch tensor
     if callable(value):
-        return value()
-    raise TypeError("pointer must be an int address, not %r" % (ptr,))
+        return _checked_int(value(), "pointer", 0, _PTR_MAX)
+    raise ArgumentTypeError("gpumem: pointer must be an int address, not %r" % (ptr,))
 
 
 def flatten_stats(obj, prefix=""):
@@ -92,7 +155,7 @@ def _leaks_of(handle, since, as_json):
     text = _lib.read_text(
         _lib.load().gpumem_binding_leaks,
         handle,
-        int(since),
+        _checked_int(since, "since", 0, _U64_MAX),
         1 if as_json else 0,
         failed=errors.ERR_HOST_MEMORY,
         what="leaks",
@@ -143,14 +206,14 @@ class Allocator:
         self._backend_kind = None
         self._owned = True
         self._lock = threading.Lock()
-        opts = _lib.parse_conf(conf)  # raises ConfigError before touching a device
+        opts = _lib.parse_conf(_checked_conf(conf))  # raises ConfigError before touching a device
         if device == "sim":
             sim = _lib.SimOptions()
             lib.gpumem_sim_options_init(ctypes.byref(sim))
             if capacity is not None:
-                sim.capacity = int(capacity)
+                sim.capacity = _checked_int(capacity, "capacity", 0, _U64_MAX)
             if page_size is not None:
-                sim.page_size = int(page_size)
+                sim.page_size = _checked_int(page_size, "page_size", 0, _U64_MAX)
             sim.host_backed = 1 if host_backed else 0
             backend = lib.gpumem_sim_create(ctypes.byref(sim))
             if not backend:
@@ -252,8 +315,9 @@ class Allocator:
     def malloc(self, size, stream=0):
         """Allocates size bytes usable on stream; returns the device address
         (0 for size 0). Raises OutOfMemoryError with gpumem's report."""
-        if size < 0:
+        if isinstance(size, int) and size < 0:
             raise errors.InvalidArgumentError("gpumem: malloc size %d is negative" % size)
+        size = _checked_int(size, "malloc size")
         out = ctypes.c_void_p(0)
         _lib.check(self._lib.gpumem_malloc(self._h(), size, _stream_handle(stream), ctypes.byref(out)))
         return out.value or 0
@@ -284,11 +348,12 @@ class Allocator:
         """Caps reserved memory at nbytes (an int, or a size string like "4G")."""
         if isinstance(nbytes, str):
             nbytes = parse_size(nbytes)
-        _lib.check(self._lib.gpumem_set_limit(self._h(), int(nbytes)))
+        nbytes = _checked_int(nbytes, "limit")
+        _lib.check(self._lib.gpumem_set_limit(self._h(), nbytes))
 
     def set_limit_fraction(self, fraction):
         """Caps reserved memory at fraction (0, 1] of the device's memory."""
-        _lib.check(self._lib.gpumem_set_limit_fraction(self._h(), float(fraction)))
+        _lib.check(self._lib.gpumem_set_limit_fraction(self._h(), _checked_fraction(fraction)))
 
     def remove_limit(self):
         self._lib.gpumem_remove_limit(self._h())
@@ -323,20 +388,21 @@ class Allocator:
         """Records the last max_entries allocations, frees and out-of-memory
         failures (torch.cuda.memory._record_memory_history); 0 or None stops
         and forgets them."""
-        n = min(int(max_entries or 0), MAX_HISTORY_ENTRIES)
+        n = min(_checked_int(max_entries or 0, "max_entries"), MAX_HISTORY_ENTRIES)
         _lib.check(self._lib.gpumem_record_history(self._h(), n), "record_memory_history")
 
     def set_history_tag(self, tag):
         """Events recorded and allocations made from now on carry tag (an
         int; 0 none): the snapshot shows it as their frame's line, leak
         reports as their tags."""
-        self._lib.gpumem_set_history_tag(self._h(), int(tag))
+        self._lib.gpumem_set_history_tag(self._h(), _checked_int(tag, "tag", 0, _U64_MAX))
 
     def memory_snapshot(self, device=0, tag_file=None):
         """Segments, blocks and recorded events as the dict
         torch.cuda.memory._snapshot() returns (pickle it for PyTorch's
         memory_viz), plus "gpumem": what that shape has no room for."""
-        snap = _snapshot_of(self._h(), int(device), tag_file)
+        device = _checked_int(device, "device", 0, _INT_MAX)
+        snap = _snapshot_of(self._h(), device, tag_file)
         snap["gpumem"] = {int(device): snap["gpumem"]}
         return snap
 
@@ -430,7 +496,7 @@ def parse_size(text):
 def check_conf(conf):
     """Raises ConfigError (naming the key) when conf is not a valid
     configuration string."""
-    _lib.parse_conf(conf)
+    _lib.parse_conf(_checked_conf(conf))
 
 
 # ---- the per-device allocators (the ones PyTorch and CuPy use) ----------
@@ -725,7 +791,7 @@ def set_per_process_memory_fraction(fraction, device=None):
         raise TypeError("Invalid type for fraction argument, must be `float`")
     if fraction < 0 or fraction > 1:
         raise ValueError("Invalid fraction value: %r. Allowed range: 0~1" % (fraction,))
-    allocator(device).set_limit_fraction(float(fraction))
+    allocator(device).set_limit_fraction(_checked_fraction(fraction))
 
 
 def get_per_process_memory_fraction(device=None):

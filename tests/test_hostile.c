@@ -1,0 +1,692 @@
+/* Files in shared directories against a hostile local user (the trust
+ * model of docs/security.md): every attack of the audit, each shown to
+ * leave files outside gpumem's own untouched, to cause no crash or hang,
+ * and to be refused or repaired with a message that names the file.
+ *
+ * The directory stands in for /dev/shm (mode 1777, GPUMEM_PUBLISH_DIR).
+ * The attacker is a forked child that drops to an unused uid (60001;
+ * 60002 and 60003 are more users), so the attacks that need a second user
+ * run only as root; without root they are skipped, saying so. Where pid
+ * namespaces can be made (unshare, as root) a process in one shares a
+ * budget and a publication with the host. */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "shmfile.h"
+#include "test_util.h"
+
+#define MIB ((size_t)1 << 20)
+#define GIB ((size_t)1 << 30)
+#define ATTACKER 60001
+#define OTHER 60002
+#define OUTSIDER 60003
+
+static char dir[128];  /* the shared directory, mode 1777 */
+static char safe[128]; /* files the attacker aims at, root's alone */
+static bool root;
+
+/* The budget's layout (src/budget.c), for writing over it as a corrupt
+ * or hostile writer would. */
+#define SLOTS_AT 32
+#define SLOT_SIZE 16
+#define BUDGET_SIZE (SLOTS_AT + 120 * SLOT_SIZE)
+
+static const char* why_no_second_user = "needs root (to act as a second user)";
+
+static void skip(const char* what) {
+  printf("test_hostile: SKIPPED %s: %s\n", what, why_no_second_user);
+}
+
+/* In a child: become uid (group gid, supplementary groups), or die. */
+static void become(uid_t uid, gid_t gid, int ngroups, const gid_t* groups) {
+  if (setgroups((size_t)ngroups, groups) != 0 || setresgid(gid, gid, gid) != 0 ||
+      setresuid(uid, uid, uid) != 0)
+    _exit(99);
+}
+
+static int wait_child(pid_t pid) {
+  int status = 0;
+  if (pid <= 0 || waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void write_file(const char* path, const char* text) {
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd >= 0) {
+    CHECK(write(fd, text, strlen(text)) == (ssize_t)strlen(text));
+    close(fd);
+  }
+}
+
+static bool file_is(const char* path, const char* text) {
+  char buf[256] = "";
+  int fd = open(path, O_RDONLY);
+  if (fd < 0) return false;
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  return n == (ssize_t)strlen(text) && memcmp(buf, text, (size_t)n) == 0;
+}
+
+static gpumem_t* make(const char* conf, gpumem_backend_t** sim) {
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = 8 * GIB;
+  *sim = gpumem_sim_create(&so);
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  if (!*sim || gpumem_options_parse(&o, conf) != GPUMEM_OK) return NULL;
+  return gpumem_create(*sim, &o, NULL);
+}
+
+static void done(gpumem_t* gm, gpumem_backend_t* sim) {
+  if (gm) CHECK_MSG(gpumem_check(gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  gpumem_destroy(gm);
+  gpumem_sim_destroy(sim);
+}
+
+typedef struct seen {
+  int count, alive;
+  gpumem_published_t last;
+} seen_t;
+
+static int collect(const gpumem_published_t* p, void* arg) {
+  seen_t* s = arg;
+  s->count++;
+  s->alive += p->alive;
+  s->last = *p;
+  return 0;
+}
+
+static seen_t scan(void) {
+  seen_t s;
+  memset(&s, 0, sizeof s);
+  gpumem_published_scan(dir, collect, &s);
+  return s;
+}
+
+static char budget_path[400];
+static const char* budget_of(const char* name) {
+  snprintf(budget_path, sizeof budget_path, "%s/gpumem-budget.u%u.%s.-1", dir, (unsigned)geteuid(),
+           name);
+  return budget_path;
+}
+
+/* Row 1: links at the next publication names, planted by another user,
+ * pointing at a file of root's. */
+static void test_publication_links(void) {
+  if (!root) return skip("publication links");
+  char target[300];
+  snprintf(target, sizeof target, "%s/precious", safe);
+  write_file(target, "precious");
+  pid_t me = getpid();
+  pid_t child = fork();
+  if (child == 0) {
+    become(ATTACKER, ATTACKER, 0, NULL);
+    char link[400];
+    for (int i = 0; i < 64; i++) {
+      snprintf(link, sizeof link, "%s/gpumem.%d.%d", dir, (int)me, i);
+      if (symlink(target, link) != 0) _exit(1);
+    }
+    _exit(0);
+  }
+  CHECK(wait_child(child) == 0);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("publish:on", &sim);
+  void* p = NULL;
+  /* every name it may try is a link: publication stays off, allocation works */
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_ERR_UNSUPPORTED);
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  done(gm, sim);
+  CHECK_MSG(file_is(target, "precious"), "the link's target was written");
+  /* with a few names free, it publishes under one of its own */
+  char link[400];
+  for (int i = 20; i < 64; i++) { /* the next allocator tries 16 on */
+    snprintf(link, sizeof link, "%s/gpumem.%d.%d", dir, (int)me, i);
+    unlink(link);
+  }
+  gm = make("publish:on", &sim);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  seen_t s = scan();
+  struct stat st;
+  CHECK_MSG(s.count == 1 && s.alive == 1 && lstat(s.last.path, &st) == 0 && S_ISREG(st.st_mode) &&
+                (st.st_mode & 0777) == 0600,
+            "%d pages", s.count);
+  done(gm, sim);
+  CHECK(file_is(target, "precious"));
+  for (int i = 0; i < 20; i++) {
+    snprintf(link, sizeof link, "%s/gpumem.%d.%d", dir, (int)me, i);
+    unlink(link);
+  }
+}
+
+/* Row 2: a dangling link at the budget's name. */
+static void test_budget_link(void) {
+  char target[300];
+  snprintf(target, sizeof target, "%s/made-through-link", safe);
+  CHECK(symlink(target, budget_of("linked")) == 0);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch,shared_limit:1G,shared_name:linked", &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+  CHECK_MSG(strstr(gpumem_last_error(), "symbolic link") &&
+                strstr(gpumem_last_error(), budget_of("linked")),
+            "%s", gpumem_last_error());
+  done(gm, sim);
+  CHECK_MSG(access(target, F_OK) != 0, "a file was made where the link points");
+  unlink(budget_of("linked"));
+}
+
+/* Row 3: a link at the out-of-memory snapshot's path (in a directory
+ * anyone can write, as /tmp). */
+static void test_snapshot_link(void) {
+  char target[300], conf[600], path[400];
+  snprintf(target, sizeof target, "%s/precious-snapshot", safe);
+  write_file(target, "precious");
+  snprintf(path, sizeof path, "%s/oom-%d.json", dir, (int)getpid());
+  if (root) {
+    pid_t child = fork();
+    if (child == 0) {
+      become(ATTACKER, ATTACKER, 0, NULL);
+      _exit(symlink(target, path) == 0 ? 0 : 1);
+    }
+    CHECK(wait_child(child) == 0);
+  } else {
+    CHECK(symlink(target, path) == 0);
+  }
+  snprintf(conf, sizeof conf, "policy:pytorch,limit:64M,oom_snapshot:%s/oom-%%p.json", dir);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make(conf, &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, 100 * MIB, 0, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  done(gm, sim);
+  CHECK_MSG(file_is(target, "precious"), "the snapshot went through the link");
+  struct stat st;
+  /* root may replace the name (its target untouched); another user is refused */
+  CHECK(lstat(path, &st) == 0 && (S_ISLNK(st.st_mode) || st.st_uid == geteuid()));
+  unlink(path);
+}
+
+/* Rows 4 and 5: another user's budget file, made first, plain or well
+ * formed with an absurd content, at the name every user once shared and at
+ * this user's own name. */
+static void test_budget_squatted(void) {
+  if (!root) return skip("budget made by another user");
+  pid_t child = fork();
+  if (child == 0) {
+    become(ATTACKER, ATTACKER, 0, NULL);
+    char path[400], buf[BUDGET_SIZE];
+    memset(buf, 0xff, sizeof buf); /* totals of 2^64-1, slots of pid -1 */
+    snprintf(path, sizeof path, "%s/gpumem-budget.squat.-1", dir);
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+    snprintf(path, sizeof path, "%s/gpumem-budget.u0.squat.-1", dir);
+    int fd2 = open(path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+    _exit(fd >= 0 && fd2 >= 0 && write(fd, buf, sizeof buf) == (ssize_t)sizeof buf &&
+                  write(fd2, buf, sizeof buf) == (ssize_t)sizeof buf
+              ? 0
+              : 1);
+  }
+  CHECK(wait_child(child) == 0);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch,shared_limit:1G,shared_name:squat", &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+  const char* e = gpumem_last_error();
+  CHECK_MSG(strstr(e, "refusing") && strstr(e, "belongs to uid 60001") && strstr(e, "rm ") &&
+                strstr(e, "GPUMEM_PUBLISH_DIR"),
+            "%s", e);
+  CHECK(gpumem_check(gm) == 0);
+  done(gm, sim);
+  /* two other users, each with the budget name "squat": neither stops the other */
+  for (int uid = OTHER; uid <= OUTSIDER; uid++) {
+    child = fork();
+    if (child == 0) {
+      become((uid_t)uid, (gid_t)uid, 0, NULL);
+      umask(022);
+      gpumem_backend_t* s2;
+      gpumem_t* g2 = make("policy:pytorch,shared_limit:1G,shared_name:squat", &s2);
+      void* q = NULL;
+      gpumem_status_t st = gpumem_malloc(g2, 600 * MIB, 0, &q);
+      if (st != GPUMEM_OK) fprintf(stderr, "uid %d: %s\n", uid, gpumem_last_error());
+      _exit(st == GPUMEM_OK ? 0 : 1); /* the file stays, as a killed process's */
+    }
+    CHECK_MSG(wait_child(child) == 0, "user %d could not use its budget", uid);
+  }
+}
+
+/* Rows 5, 6 and 8 from inside: this user's own budget written over (by a
+ * member of its group, or a bug) with slots of absent processes holding
+ * 900 MiB each, a stored total of 2^64-1, the live holder's bytes set to
+ * 0: the budget counts only slots whose holder lives, the holder's next
+ * take writes its true figure back, and releases never wrap. */
+static void test_budget_repairs(void) {
+  gpumem_backend_t *sa, *sb;
+  gpumem_t* a = make("policy:pytorch,shared_limit:1G,shared_name:repair", &sa);
+  void *p = NULL, *p2 = NULL, *q = NULL;
+  CHECK_STATUS(gpumem_malloc(a, 600 * MIB, 0, &p), GPUMEM_OK);
+  int fd = open(budget_of("repair"), O_RDWR);
+  CHECK(fd >= 0);
+  char slots[120 * SLOT_SIZE];
+  uint64_t junk[2] = {UINT64_MAX, UINT64_MAX};
+  CHECK(pread(fd, slots, sizeof slots, SLOTS_AT) == (ssize_t)sizeof slots);
+  for (int i = 1; i < 120; i++) {
+    int32_t pid = 1;
+    uint64_t bytes = 900 * MIB;
+    memcpy(slots + i * SLOT_SIZE, &pid, 4);
+    memcpy(slots + i * SLOT_SIZE + 8, &bytes, 8);
+  }
+  memset(slots + 8, 0, 8); /* a's own slot: 0 where it holds 600 MiB */
+  CHECK(pwrite(fd, slots, sizeof slots, SLOTS_AT) == (ssize_t)sizeof slots);
+  CHECK(pwrite(fd, junk, sizeof junk, 16) == (ssize_t)sizeof junk);
+  close(fd);
+  CHECK_STATUS(gpumem_malloc(a, 30 * MIB, 0, &p2), GPUMEM_OK); /* rewrites a's slot */
+  gpumem_t* b = make("policy:pytorch,shared_limit:1G,shared_name:repair", &sb);
+  CHECK_STATUS(gpumem_malloc(b, 600 * MIB, 0, &q), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(), "(1 live)"), "%s", gpumem_last_error());
+  CHECK_STATUS(gpumem_malloc(b, 300 * MIB, 0, &q), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(b, q), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(a, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(a, p2), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(a), GPUMEM_OK); /* releases all: no wrap */
+  CHECK_STATUS(gpumem_malloc(b, 1000 * MIB, 0, &q), GPUMEM_OK);
+  gpumem_shared_budget_t info;
+  CHECK_STATUS(gpumem_shared_budget(b, &info), GPUMEM_OK);
+  CHECK_MSG(info.total == info.mine && info.allocators == 2, "total %" PRIu64 ", %d allocators",
+            info.total, info.allocators);
+  CHECK_STATUS(gpumem_free(b, q), GPUMEM_OK);
+  done(b, sb);
+  done(a, sa);
+}
+
+/* Row 7: the budget truncated (or cut) under its users; a publication
+ * page another user tries to truncate. */
+static void test_truncated(void) {
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch,shared_limit:1G,shared_name:cut", &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, 100 * MIB, 0, &p), GPUMEM_OK);
+  CHECK(truncate(budget_of("cut"), 0) == 0);
+  void* q = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, 200 * MIB, 0, &q), GPUMEM_ERR_BACKEND);
+  CHECK_MSG(strstr(gpumem_last_error(), "is not a budget of this gpumem") &&
+                strstr(gpumem_last_error(), "rm "),
+            "%s", gpumem_last_error());
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  done(gm, sim);
+  unlink(budget_of("cut"));
+  if (!root) return skip("publication truncated by another user");
+  gm = make("publish:on", &sim);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  seen_t s = scan();
+  char path[256];
+  snprintf(path, sizeof path, "%s", s.last.path);
+  pid_t child = fork();
+  if (child == 0) {
+    become(ATTACKER, ATTACKER, 0, NULL);
+    _exit(open(path, O_RDWR) < 0 && errno == EACCES && truncate(path, 0) != 0 ? 0 : 1);
+  }
+  CHECK_MSG(wait_child(child) == 0, "another user could open %s to write", path);
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  done(gm, sim);
+}
+
+/* Row 9: liveness is the holder's lock, not its pid. The pid in a slot or
+ * a page is made one that no longer runs here (as a process in another pid
+ * namespace shows): the holder is still counted and shown alive. Then, if
+ * this machine lets root make a pid namespace, a process really in one. */
+static void test_liveness(void) {
+  pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  CHECK(wait_child(gone) == 0);
+  gpumem_backend_t *sa, *sb;
+  gpumem_t* a = make("policy:pytorch,publish:on,shared_limit:1G,shared_name:alive", &sa);
+  void *p = NULL, *q = NULL;
+  CHECK_STATUS(gpumem_malloc(a, 600 * MIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_publish(a), GPUMEM_OK);
+  int fd = open(budget_of("alive"), O_RDWR);
+  int32_t pid = (int32_t)gone;
+  CHECK(fd >= 0 && pwrite(fd, &pid, 4, SLOTS_AT) == 4);
+  close(fd);
+  seen_t s = scan();
+  fd = open(s.last.path, O_RDWR);
+  CHECK(fd >= 0 && pwrite(fd, &pid, 4, 24) == 4); /* the page's pid */
+  close(fd);
+  gpumem_t* b = make("policy:pytorch,shared_limit:1G,shared_name:alive", &sb);
+  CHECK_STATUS(gpumem_malloc(b, 600 * MIB, 0, &q), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(), "other allocators 600.00 MiB (1 live)"), "%s",
+            gpumem_last_error());
+  s = scan();
+  CHECK_MSG(s.count == 1 && s.alive == 1 && s.last.pid == (int)gone,
+            "a page whose pid is gone was read as exited");
+  CHECK_STATUS(gpumem_free(a, p), GPUMEM_OK);
+  done(a, sa);
+  done(b, sb);
+  if (!root) return skip("pid namespaces");
+  /* a process in a pid namespace of its own */
+  int ready[2], go[2];
+  CHECK(pipe(ready) == 0 && pipe(go) == 0);
+  pid_t outer = fork();
+  if (outer == 0) {
+    if (unshare(CLONE_NEWPID) != 0) _exit(77);
+    pid_t inner = fork(); /* pid 1 there */
+    if (inner == 0) {
+      gpumem_backend_t* si;
+      gpumem_t* gi = make("policy:pytorch,publish:on,shared_limit:1G,shared_name:ns", &si);
+      void* r = NULL;
+      char c = gi && gpumem_malloc(gi, 600 * MIB, 0, &r) == GPUMEM_OK &&
+                       gpumem_publish(gi) == GPUMEM_OK && getpid() == 1
+                   ? 'y'
+                   : 'n';
+      (void)!write(ready[1], &c, 1);
+      (void)!read(go[0], &c, 1);
+      _exit(0);
+    }
+    _exit(wait_child(inner));
+  }
+  close(ready[1]);
+  close(go[0]);
+  char c = 0;
+  if (read(ready[0], &c, 1) != 1) {
+    int rc = wait_child(outer);
+    if (rc == 77) printf("test_hostile: SKIPPED pid namespaces: unshare refused here\n");
+    CHECK(rc == 77);
+    close(ready[0]);
+    close(go[1]);
+    return;
+  }
+  CHECK_MSG(c == 'y', "the process in its own pid namespace could not allocate");
+  gpumem_t* h = make("policy:pytorch,shared_limit:1G,shared_name:ns", &sb);
+  CHECK_STATUS(gpumem_malloc(h, 600 * MIB, 0, &q), GPUMEM_ERR_OUT_OF_MEMORY);
+  s = scan();
+  CHECK_MSG(s.count == 1 && s.alive == 1 && s.last.pid == 1, "%d pages, %d alive, pid %d", s.count,
+            s.alive, s.last.pid);
+  CHECK(write(go[1], "x", 1) == 1);
+  CHECK(wait_child(outer) == 0);
+  /* gone now: its slot no longer counts, its page reads as exited */
+  CHECK_STATUS(gpumem_malloc(h, 600 * MIB, 0, &q), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(h, q), GPUMEM_OK);
+  s = scan();
+  CHECK(s.count == 1 && s.alive == 0);
+  if (s.count == 1) unlink(s.last.path);
+  done(h, sb);
+  close(ready[0]);
+  close(go[1]);
+}
+
+/* Row 10: a FIFO among the pages (a scan must not block on it) and a page
+ * flipping between its size and 0 while scans read it. */
+typedef struct flipper {
+  char path[300];
+  volatile int stop;
+} flipper_t;
+
+static void* flip(void* arg) {
+  flipper_t* f = arg;
+  while (!f->stop) {
+    CHECK(truncate(f->path, 0) == 0);
+    CHECK(truncate(f->path, 192) == 0);
+  }
+  return NULL;
+}
+
+static void test_fifo_and_flipping(void) {
+  char fifo[300];
+  snprintf(fifo, sizeof fifo, "%s/gpumem.x", dir);
+  CHECK(mkfifo(fifo, 0666) == 0);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("publish:on", &sim);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  alarm(60); /* a blocked open would end the test here */
+  seen_t s = scan();
+  CHECK(s.count == 1);
+  flipper_t f = {"", 0};
+  snprintf(f.path, sizeof f.path, "%s/gpumem.777.0", dir);
+  int fd = open(s.last.path, O_RDONLY), out = open(f.path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+  char page[192];
+  CHECK(fd >= 0 && out >= 0 && read(fd, page, sizeof page) == 192 &&
+        write(out, page, sizeof page) == 192);
+  close(fd);
+  close(out);
+  pthread_t t;
+  CHECK(pthread_create(&t, NULL, flip, &f) == 0);
+  int both = 0;
+  for (int i = 0; i < 2000; i++) both += scan().count == 2;
+  f.stop = 1;
+  pthread_join(t, NULL);
+  alarm(0);
+  printf("test_hostile: a flipping page read whole in %d of 2000 scans\n", both);
+  unlink(f.path);
+  unlink(fifo);
+  done(gm, sim);
+}
+
+/* Rows 11 and 12 through the command: a process named with escape
+ * sequences, pages with INT64_MAX figures, and 5,000 fake ones beside the
+ * real page. */
+static void run_top(const char* args, char* out, size_t cap) {
+  char exe[512], cmd[1200];
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  out[0] = '\0';
+  if (n <= 0) return;
+  exe[n] = '\0';
+  char* slash = strrchr(exe, '/');
+  if (slash) *slash = '\0';
+  snprintf(cmd, sizeof cmd, "%s/../gpumem top %s --dir %s 2>&1", exe, args, dir);
+  FILE* f = popen(cmd, "r");
+  if (!f) return;
+  size_t len = fread(out, 1, cap - 1, f);
+  out[len] = '\0';
+  pclose(f);
+}
+
+static void test_top(void) {
+  static char out[1 << 22];
+  int ready[2], go[2];
+  CHECK(pipe(ready) == 0 && pipe(go) == 0);
+  pid_t child = fork();
+  if (child == 0) {
+    prctl(PR_SET_NAME, "\033[2J\033]0;pwn\a", 0, 0, 0);
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make("publish:on", &sim);
+    char c = gm && gpumem_publish(gm) == GPUMEM_OK ? 'y' : 'n';
+    (void)!write(ready[1], &c, 1);
+    (void)!read(go[0], &c, 1);
+    _exit(0);
+  }
+  char c = 0;
+  CHECK(read(ready[0], &c, 1) == 1 && c == 'y');
+  run_top("--once", out, sizeof out);
+  CHECK_MSG(strchr(out, '\033') == NULL && strchr(out, '\a') == NULL && strstr(out, "?[2J?]0;pwn?"),
+            "escape sequences reached the terminal: %s", out);
+  /* two pages with INT64_MAX figures, copies of the live one */
+  seen_t s = scan();
+  char page[192];
+  int fd = open(s.last.path, O_RDONLY);
+  CHECK(fd >= 0 && read(fd, page, sizeof page) == 192);
+  close(fd);
+  int64_t big = INT64_MAX;
+  for (int at = 104; at < 136; at += 8) memcpy(page + at, &big, 8); /* allocated..reserved_peak */
+  char path[400];
+  int held[2];
+  for (int i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, (int)child, 100 + i);
+    held[i] = open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+    /* held as a live writer holds its page */
+    CHECK(held[i] >= 0 && write(held[i], page, sizeof page) == 192 && gm_life_lock(held[i], 0));
+  }
+  run_top("--once", out, sizeof out);
+  CHECK_MSG(strstr(out, "3 allocators published") && strstr(out, "3 running, allocated 8.00 EiB"),
+            "%s", out);
+  for (int i = 0; i < 2; i++) {
+    snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, (int)child, 100 + i);
+    unlink(path);
+    close(held[i]);
+  }
+  /* 5,000 fake pages of a dead process: the live one is still shown */
+  memset(page + 104, 0, 32);
+  for (int i = 0; i < 5000; i++) {
+    snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, 999999, i);
+    int o = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    CHECK(o >= 0 && write(o, page, sizeof page) == 192);
+    close(o);
+  }
+  run_top("--once", out, sizeof out);
+  char live[64];
+  snprintf(live, sizeof live, "%8d  ?[2J?]0;pwn?", (int)child);
+  CHECK_MSG(strstr(out, "5001 allocators published") && strstr(out, live), "%.400s", out);
+  run_top("--clean --once", out, sizeof out);
+  CHECK_MSG(strstr(out, "removed 5000 files") && strstr(out, "1 allocator published"), "%.400s",
+            out);
+  CHECK(write(go[1], "x", 1) == 1);
+  CHECK(wait_child(child) == 0);
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+}
+
+/* Row 13: a directory so long that budget paths would be cut. */
+static void test_long_dir(void) {
+  char longdir[400];
+  memset(longdir, 'd', sizeof longdir);
+  snprintf(longdir, sizeof longdir, "%s/", dir);
+  size_t n = strlen(longdir);
+  memset(longdir + n, 'd', 284 - n);
+  longdir[284] = '\0';
+  setenv("GPUMEM_PUBLISH_DIR", longdir, 1);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch,shared_limit:1G,shared_name:alpha", &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+  CHECK_MSG(strstr(gpumem_last_error(), "choose a shorter GPUMEM_PUBLISH_DIR"), "%s",
+            gpumem_last_error());
+  done(gm, sim);
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+}
+
+/* Opt-in sharing: two users of one group share a budget in the group's
+ * directory; a user outside the group cannot open it. */
+static void test_group_budget(void) {
+  if (!root) return skip("a budget shared by two users");
+  struct group* g = getgrnam("users");
+  if (!g) g = getgrnam("nogroup");
+  if (!g) {
+    printf("test_hostile: SKIPPED group budget: no group 'users' or 'nogroup'\n");
+    return;
+  }
+  gid_t gid = g->gr_gid;
+  char conf[200];
+  snprintf(conf, sizeof conf, "policy:pytorch,shared_limit:1G,shared_name:team,shared_group:%s",
+           g->gr_name);
+  int ready[2], go[2];
+  CHECK(pipe(ready) == 0 && pipe(go) == 0);
+  pid_t first = fork();
+  if (first == 0) {
+    become(ATTACKER, ATTACKER, 1, &gid);
+    umask(077); /* the file is made 0660 whatever the umask */
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make(conf, &sim);
+    void* p = NULL;
+    gpumem_status_t st = gpumem_malloc(gm, 600 * MIB, 0, &p);
+    if (st != GPUMEM_OK) fprintf(stderr, "first member: %s\n", gpumem_last_error());
+    char c = st == GPUMEM_OK ? 'y' : 'n';
+    (void)!write(ready[1], &c, 1);
+    (void)!read(go[0], &c, 1);
+    _exit(0);
+  }
+  char c = 0;
+  CHECK(read(ready[0], &c, 1) == 1 && c == 'y');
+  pid_t second = fork();
+  if (second == 0) {
+    become(OTHER, OTHER, 1, &gid);
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make(conf, &sim);
+    void* p = NULL;
+    bool refused = gpumem_malloc(gm, 600 * MIB, 0, &p) == GPUMEM_ERR_OUT_OF_MEMORY &&
+                   strstr(gpumem_last_error(), "other allocators 600.00 MiB (1 live)");
+    if (!refused) fprintf(stderr, "second member: %s\n", gpumem_last_error());
+    bool fits = gpumem_malloc(gm, 300 * MIB, 0, &p) == GPUMEM_OK;
+    _exit(refused && fits && gpumem_check(gm) == 0 ? 0 : 1);
+  }
+  CHECK_MSG(wait_child(second) == 0, "the second member did not share the budget");
+  pid_t outsider = fork();
+  if (outsider == 0) {
+    become(OUTSIDER, OUTSIDER, 0, NULL);
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make(conf, &sim);
+    void* p = NULL;
+    _exit(gpumem_malloc(gm, MIB, 0, &p) == GPUMEM_ERR_BACKEND &&
+                  strstr(gpumem_last_error(), "Permission denied")
+              ? 0
+              : 1);
+  }
+  CHECK_MSG(wait_child(outsider) == 0, "a user outside the group opened its budget");
+  CHECK(write(go[1], "x", 1) == 1);
+  CHECK(wait_child(first) == 0);
+  char gdir[300];
+  snprintf(gdir, sizeof gdir, "%s/gpumem-group.%s", dir, g->gr_name);
+  struct stat st;
+  CHECK_MSG(stat(gdir, &st) == 0 && st.st_gid == gid && (st.st_mode & 07777) == 03770,
+            "the group's directory is mode %04o", (unsigned)(st.st_mode & 07777));
+  close(ready[0]);
+  close(ready[1]);
+  close(go[0]);
+  close(go[1]);
+}
+
+/* Whether this root can become another user at all (a container may not
+ * let it). */
+static bool can_switch_user(void) {
+  pid_t child = fork();
+  if (child == 0) {
+    become(ATTACKER, ATTACKER, 0, NULL);
+    _exit(0);
+  }
+  return wait_child(child) == 0;
+}
+
+int main(void) {
+  root = geteuid() == 0;
+  if (root && !can_switch_user()) {
+    root = false;
+    why_no_second_user = "this root cannot switch to uid 60001 (setresuid refused)";
+  }
+  snprintf(dir, sizeof dir, "/tmp/gpumem_hostile_XXXXXX");
+  snprintf(safe, sizeof safe, "/tmp/gpumem_hostile_safe_XXXXXX");
+  if (!mkdtemp(dir) || !mkdtemp(safe) || chmod(dir, 01777) != 0) {
+    perror("test_hostile: mkdtemp");
+    return 1;
+  }
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+  test_publication_links();
+  test_budget_link();
+  test_snapshot_link();
+  test_budget_squatted();
+  test_budget_repairs();
+  test_truncated();
+  test_liveness();
+  test_fifo_and_flipping();
+  test_top();
+  test_long_dir();
+  test_group_budget();
+  char cmd[400];
+  snprintf(cmd, sizeof cmd, "rm -rf %s %s", dir, safe);
+  if (system(cmd) != 0) printf("test_hostile: could not remove %s\n", dir);
+  return test_finish("test_hostile");
+}
