@@ -50,7 +50,7 @@ typedef enum gpumem_status {
 /* Short fixed text for a status. */
 GPUMEM_API const char* gpumem_strerror(gpumem_status_t status);
 /* Detail of the last failure on this thread (the OOM report, the bad key...);
- * "" when none. Valid until the next failing gpumem call on this thread. */
+ * "" when none. Valid until the next failing gpumem function on this thread. */
 GPUMEM_API const char* gpumem_last_error(void);
 /* Replaces this thread's detail message (printf format); for backends. */
 GPUMEM_API void gpumem_set_last_error(const char* fmt, ...)
@@ -280,7 +280,7 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_plans_declined, "Plans declined (streams peak apart)")         \
   X(num_plans_shared, "Plans whose streams share one arena")
 
-/* Backend primitives, counted per call by the allocator. */
+/* Backend primitives, each use counted by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \
   X(reserve)                    \
   X(release_range)              \

@@ -37,7 +37,7 @@ void gpumem_options_init(gpumem_options_t* opts) {
   opts->limit_fraction = 0.0;
   /* Lazy reclaim with planned placement by default: reserved memory stays
    * within 0.2-0.5% of peak live, and once a training loop repeats, the
-   * plan keeps its pages in place (no device call in the steady state).
+   * plan keeps its pages in place (no device calls in the steady state).
    * Measured on two H100s (BENCHMARKS.md, 2026-11-25): step times within
    * 1% of native PyTorch on gpt2, resnet and llama; t5's runs spread too
    * widely to tell. docs/design.md says why and what it costs. */

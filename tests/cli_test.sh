@@ -276,7 +276,7 @@ run "$BIN" replay --compare --passes 1 "$TINY"
 expect_rc 0 "replay --compare"
 expect_in "pytorch" "$out" "replay --compare"
 expect_in "default" "$out" "replay --compare"
-expect_in "ANCHORS.md" "$out" "replay --compare"
+expect_in "BENCHMARKS.md" "$out" "replay --compare"
 expect_in "tiny" "$out" "replay --compare"
 
 run "$BIN" replay --compare --policy pytorch "$TINY"
