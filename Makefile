@@ -22,8 +22,19 @@ sanitize:
 	  ctest --output-on-failure -j $(JOBS)
 
 # The main job: replay the bundled traces under both policies on the
-# simulated device and print one comparison table.
-demo: build
+# simulated device and print one comparison table. The build is quiet: one
+# line when the command line must be (re)built, the build's log only if it fails.
+demo:
+	@if [ ! -x $(BUILD)/gpumem ] || [ -n "$$(find src include tools CMakeLists.txt -newer $(BUILD)/gpumem 2>/dev/null | head -n 1)" ]; then \
+	  echo "building gpumem..."; \
+	fi; \
+	log=$$(mktemp) || exit 1; \
+	if { cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) && \
+	     cmake --build $(BUILD) -j $(JOBS) --target gpumem_cli; } >"$$log" 2>&1; then \
+	  rm -f "$$log"; \
+	else \
+	  cat "$$log"; rm -f "$$log"; echo "make demo: the build failed (log above)" >&2; exit 1; \
+	fi
 	@$(BUILD)/gpumem replay --compare traces/*.trace.gz
 
 bench: build

@@ -56,7 +56,7 @@ GPUMEM_API int gpumem_version(void);
 /* Short fixed text for a status. */
 GPUMEM_API const char* gpumem_strerror(gpumem_status_t status);
 /* Detail of the last failure on this thread (the OOM report, the bad key...);
- * "" when none. Valid until the next failing gpumem call on this thread. */
+ * "" when none. Valid until the next failing gpumem function on this thread. */
 GPUMEM_API const char* gpumem_last_error(void);
 /* Replaces this thread's detail message (printf format); for backends. */
 GPUMEM_API void gpumem_set_last_error(const char* fmt, ...)
@@ -309,7 +309,7 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
   X(mapping_time_ns, "Time in mapping calls (ns, measured)")
 
-/* Backend primitives, counted per call by the allocator. */
+/* Backend primitives, each use counted by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \
   X(reserve)                    \
   X(release_range)              \

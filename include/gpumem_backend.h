@@ -76,8 +76,8 @@ struct gpumem_backend {
   /* (optional) makes stream's work queued from now on wait, on the device,
    * for the event's latest record (cuStreamWaitEvent); the host does not
    * wait. Without it (or with the option stream_waits:off) the streams of
-   * a plan never share an arena (docs/design.md, "Plans on several
-   * streams"). */
+   * a plan never share an arena (docs/design.md, "Planned placement",
+   * several streams). */
   gpumem_status_t (*stream_wait)(void* ctx, gpumem_stream_t stream, gpumem_event_t event);
 
   /* (optional) frees the backend itself; called by gpumem_destroy when the

@@ -423,7 +423,7 @@ static void absorb_neighbour(gpumem_t* gm, gm_block* b, gm_block* n, int64_t* sp
 
 /* b (allocated, pending or a shadow) becomes free, merged with its free
  * neighbours, indexed; returns the merged block. Inlined into the free
- * path: as a call it cost ~12 instructions per operation. */
+ * path: as an out-of-line function it cost ~12 instructions per operation. */
 static inline __attribute__((always_inline)) gm_block* release_block(gpumem_t* gm, gm_block* b,
                                                                      bool small) {
   int64_t split_count = 0, split_bytes = 0;

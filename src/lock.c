@@ -13,7 +13,7 @@ static inline void cpu_relax(void) {
 
 void gm_lock_acquire_slow(gm_lock* l) {
   /* Spin a little first: the holder is most likely inside one short
-   * allocator call on another core. */
+   * allocator function on another core. */
   for (int spin = 0; spin < 100; spin++) {
     int expected = 0;
     if (atomic_load_explicit(&l->state, memory_order_relaxed) == 0 &&

@@ -3,7 +3,7 @@
  * streams is not reusable until events recorded on those streams at the
  * time of the free have completed; until then it is PENDING, counted as
  * active, and referenced from a FIFO of (event, block) pairs. Events are
- * pooled: creating one per free would put a driver call on the free path.
+ * pooled: creating one per free would put a driver function on the free path.
  *
  * In a plan arena shared by several streams (plan.c) the order is kept on
  * the device instead: a stream that takes a block of the arena first

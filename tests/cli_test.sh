@@ -283,7 +283,7 @@ run "$BIN" replay --compare --passes 1 "$TINY"
 expect_rc 0 "replay --compare"
 expect_in "pytorch" "$out" "replay --compare"
 expect_in "default" "$out" "replay --compare"
-expect_in "ANCHORS.md" "$out" "replay --compare"
+expect_in "BENCHMARKS.md" "$out" "replay --compare"
 expect_in "tiny" "$out" "replay --compare"
 
 run "$BIN" replay --compare --policy pytorch "$TINY"
@@ -291,7 +291,7 @@ expect_rc 2 "replay --compare with --policy"
 
 run "$BIN" replay --compare --json --passes 1 "$TINY"
 expect_rc 0 "replay --compare --json"
-expect_true "compare --json: not three lines (pytorch, default, pressure): $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 3 ]
+expect_true "compare --json: not three lines (pytorch, default, hold): $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 3 ]
 
 # ---- steady state ----
 

@@ -1,6 +1,6 @@
 /* Fault injection: a small deterministic workload (allocations, frees,
  * record_stream, empty_cache and limits across two streams) runs again and
- * again while the simulated device fails its N-th call of one kind (or of
+ * again while the simulated device fails its N-th use of one kind (or of
  * any kind), once or from then on, with a device error or out of memory.
  *
  * Whatever fails, every operation must answer OK or a status the failure

@@ -52,7 +52,7 @@ static long test_checks_failed;
   } while (0)
 
 /* Messages persist until the next failure: clear it so that a message
- * checked after a call is that call's own. */
+ * checked after one operation is that operation's own. */
 static inline void clear_error(void) {
   gpumem_set_last_error("%s", "");
 }
@@ -63,7 +63,7 @@ static inline int test_finish(const char* name) {
 }
 
 /* A growing text sink (gpumem_write_fn) for output tests; it can fail from
- * a given call on, to test that the output stops and its value comes back. */
+ * a given write on, to test that the output stops and its value comes back. */
 typedef struct sink {
   char* text;
   size_t len, cap;

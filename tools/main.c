@@ -24,9 +24,9 @@
 #define EXIT_USAGE 2
 #define GIB 1073741824.0
 
-/* ---- measured figures quoted from ANCHORS.md -------------------------- */
+/* ---- measured figures quoted from BENCHMARKS.md ----------------------- */
 
-/* These are measurements on an NVIDIA H200 (/work/shared/ANCHORS.md), not
+/* These are measurements on an NVIDIA H200 (BENCHMARKS.md, "Peers"), not
  * anything this program computes; they are shown beside our replay so the
  * reader can see where gpumem stands. Keyed by trace basename. */
 typedef struct anchor {
@@ -540,7 +540,7 @@ static double per_1k(uint64_t calls, uint64_t ops) {
  * on an H100 (bench/gpu/vmm_cost.c, 2026-11-22, docs/design.md): create
  * 12.7 us, map with its access grant 35.1 us, unmap 19.6 us, release 18.4
  * us. Other calls (events, synchronizations) are left out. Measured
- * against replays through CUDA (2026-11-25, call H): synth_random's warm
+ * against replays through CUDA (2026-11-25, on an H100): synth_random's warm
  * pass 16.3 estimated, 16.9 us/op measured. */
 static double est_map_us(const uint64_t* calls) {
   return 12.7 * (double)calls[GPUMEM_CALL_create_page] + 35.1 * (double)calls[GPUMEM_CALL_map] +
@@ -918,7 +918,7 @@ static void row_print(row_t* r) {
   r->len = 0;
 }
 
-/* One table for every trace under both policies: what ANCHORS.md reports
+/* One table for every trace under both policies: what BENCHMARKS.md reports
  * for the peers, computed here for gpumem, with the measured H200 figures
  * beside it, and what the default's mapping calls would cost on a GPU.
  * Rows are printed as each trace finishes. */
@@ -956,14 +956,14 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
     }
     printf(
         "Peak reserved / peak live: gpumem replayed here (%s device, %s), beside figures\n"
-        "MEASURED on an NVIDIA H200 and quoted from ANCHORS.md. Columns: pytorch = the pytorch\n"
+        "MEASURED on an NVIDIA H200 and quoted from BENCHMARKS.md. Columns: pytorch = the pytorch\n"
         "policy; default = the default policy (memory moves only when something needs it);\n"
         "hold = the default holding reserved memory at the high-water mark whatever it costs\n"
         "(placement:planned,move_budget:unlimited,headroom:0.002).\n\n",
         cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit_note);
     row_add(&row, "%-*s %10s | %-25s | %-22s | %-16s | %-16s", name_w, "", "", "replayed here",
-            "H200, from ANCHORS.md", "us/op, 1st pass", "us/op, 2nd half");
-    if (mins) row_add(&row, " | %-25s | %-22s", "min limit", "H200 min cap (ANCHORS)");
+            "H200, BENCHMARKS.md", "us/op, 1st pass", "us/op, 2nd half");
+    if (mins) row_add(&row, " | %-25s | %-22s", "min limit", "H200 min cap (measured)");
     row_print(&row);
     row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, "trace",
             "peak live", "pytorch", "default", "hold", "PyTorch", "best peer", "default", "hold",
@@ -1025,11 +1025,11 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
     printf(
         "\nreplayed here: peak reserved in the first pass / peak live (OOM: ran out of memory"
         " under the limit).\n"
-        "H200 columns: measured on an NVIDIA H200 with PyTorch 2.11 (ANCHORS.md), not computed"
+        "H200 columns: measured on an NVIDIA H200 with PyTorch 2.11 (BENCHMARKS.md), not computed"
         " by this run;\n"
         "  PyTorch = its native caching allocator; best peer = the better of expandable"
         " segments (exp)\n"
-        "  and cudaMallocAsync (async). '-': trace not in ANCHORS.md.\n"
+        "  and cudaMallocAsync (async). '-': no H200 measurement of this trace.\n"
         "us/op: the mapping calls of the first pass (a job that never repeats: the whole job),"
         " and of its\n"
         "  second half (a long job's steady state), priced at an H100's measured cost per call"

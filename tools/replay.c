@@ -1,5 +1,5 @@
 /* Trace replay: drives an allocator with a trace's events and measures what
- * ANCHORS.md measures for the peers (peak reserved over peak live, host ns
+ * BENCHMARKS.md shows for the peers (peak reserved over peak live, host ns
  * per operation cold and warm, the smallest workable limit), plus what only
  * we can see (backend calls, syncs, retries). Owns the device setup for a
  * replay (simulated by default, CUDA on request, with real streams in

@@ -2,7 +2,7 @@
  * the cold-plus-warm measurement the command line and the benchmarks
  * report (replay_trace), and the bisection for the smallest memory limit
  * under which the trace still runs (replay_min_limit). Numbers follow the
- * definitions of /work/shared/ANCHORS.md, so they sit beside the peers'. */
+ * definitions of BENCHMARKS.md ("Peers"), so they sit beside the peers'. */
 #ifndef GPUMEM_TOOLS_REPLAY_H
 #define GPUMEM_TOOLS_REPLAY_H
 

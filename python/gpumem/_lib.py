@@ -314,7 +314,7 @@ def parse_conf(conf, buf=None):
 
 
 def read_text(fn, *args, cap=16384, failed=None, what=None):
-    """Text of a gpumem_binding_* call fn(*args, buf, cap), which returns the
+    """Text of a gpumem_binding_* function fn(*args, buf, cap), which returns the
     length the text needs: called again with a larger buffer until it fits
     (the state may grow between two calls). failed: the status to raise
     (naming what) when fn returns 0, which it does only on failure."""

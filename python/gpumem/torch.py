@@ -476,7 +476,7 @@ def enable(conf=None, shim=True):
         if torch.cuda.is_initialized():
             raise RuntimeError(
                 "gpumem.torch.enable() was called too late: PyTorch has already initialized CUDA "
-                "and its native allocator. Call it before the first CUDA tensor (at the top of the "
+                "and its native allocator. Enable it before the first CUDA tensor (at the top of the "
                 "program, before torch.cuda.init(), .cuda(), .to('cuda') or model loading)."
             )
         lib = _lib.require("gpumem_torch_malloc", "gpumem.torch.enable", "torch")

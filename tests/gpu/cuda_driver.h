@@ -127,7 +127,7 @@ static inline drv_ctx drv_current(void) {
 /* GPUMEM_TEST_NO_DRIVER_ERRORS=1: the tests leave out the checks that make
  * the driver refuse on purpose (out of memory at the device's limit, a map
  * at an unreserved address, a bad free). compute-sanitizer reports every
- * failed driver call as an error; without those checks its count is of
+ * failed driver function as an error; without those checks its count is of
  * real errors only. */
 static inline bool drv_no_provoked_errors(void) {
   const char* v = getenv("GPUMEM_TEST_NO_DRIVER_ERRORS");
