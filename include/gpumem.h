@@ -612,6 +612,9 @@ typedef void (*gpumem_torch_fail_fn)(const char* func, const char* file, uint32_
 /* Installs (or, with NULL, removes) the hook gpumem_torch_malloc calls
  * before it would return NULL. */
 GPUMEM_API void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn);
+/* The largest allocation that needs no reclaim or device refusal: for
+ * torch's cacheInfo (cuDNN's benchmark mode sizes workspaces by it). */
+GPUMEM_API uint64_t gpumem_torch_largest_free(int device);
 
 /* CuPy CFunctionAllocator: malloc and free. param is NULL (the device's
  * binding allocator) or the gpumem_t* to use. Allocations belong to stream
