@@ -517,6 +517,10 @@ static gpumem_status_t revive(gpumem_t* gm, gm_segment* seg, size_t p, bool* don
     if (gm_page_busy(from, q) || (from->plan_serving && from != seg) || from->pool->is_private)
       return GPUMEM_OK;
     if (from->pool->stream != to) {
+      /* (a cross-stream revival waits for a stream: not during a capture) */
+      if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm) &&
+          from->pool->stream->frees_since_sync)
+        return GPUMEM_OK;
       gpumem_status_t st = sync_stream_for_reclaim(gm, from->pool->stream);
       if (st != GPUMEM_OK) return st;
     }
@@ -796,6 +800,8 @@ void gm_guard_reset(gpumem_t* gm) {
  * does, one mapping per run). */
 static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need, size_t size) {
   if (gm->num_spare_pages >= need) return GPUMEM_OK;
+  /* During a graph capture reclaim may need synchronizations: grow. */
+  if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm)) return GPUMEM_OK;
   /* Planned placement: pages move when the workload changes phase, not as
    * it runs. In the first period after a plan starts serving, its arena
    * fills up while the regular arenas drain of the step's blocks (the plan
