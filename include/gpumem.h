@@ -536,6 +536,54 @@ GPUMEM_API gpumem_status_t gpumem_publish(gpumem_t* gm);
  * how many were read, or -1 (gpumem_last_error) when dir cannot be read. */
 GPUMEM_API int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg);
 
+/* ---- graph-private pools (src/graphpool.c) ----------------------------- */
+
+/* CUDA graphs and torch.cuda.MemPool. While a pool is routed to, the
+ * allocations made on the streams it takes come from memory private to the
+ * pool (pool_id: any nonzero number the caller chooses): blocks freed there
+ * stay reserved for the pool until it is released, so a captured graph
+ * finds its memory at the same addresses at every replay; page reclaim,
+ * plans and aliases never move or share a page under a private pool. A
+ * pool is made at its first retain or begin (use count 1) and its memory
+ * goes back to the device when its use count falls to 0 and its last
+ * allocation is freed. While any pool is routed to, a capture may be
+ * underway: the allocator then makes no synchronization and no event query
+ * on a stream the backend reports capturing, and frees that would record
+ * events on other streams wait until no stream captures. */
+typedef int (*gpumem_stream_filter_fn)(gpumem_stream_t stream, void* arg);
+/* Makes the pool if it does not exist, else adds one to its use count (a
+ * torch.cuda.MemPool's creation). */
+GPUMEM_API gpumem_status_t gpumem_retain_pool(gpumem_t* gm, uint64_t pool_id);
+/* Retains the pool and routes to it the allocations on streams filter
+ * accepts (filter NULL: every stream). One routing per pool at a time. */
+GPUMEM_API gpumem_status_t gpumem_begin_allocate_to_pool(gpumem_t* gm, uint64_t pool_id,
+                                                         gpumem_stream_filter_fn filter, void* arg);
+/* The same for the streams the backend reports capturing under capture_id
+ * (stream_capture_info; GPUMEM_ERR_UNSUPPORTED without that slot). */
+GPUMEM_API gpumem_status_t gpumem_begin_allocate_to_pool_capture(gpumem_t* gm, uint64_t pool_id,
+                                                                 uint64_t capture_id);
+/* Stops routing to the pool (its memory stays private to it). */
+GPUMEM_API gpumem_status_t gpumem_end_allocate_to_pool(gpumem_t* gm, uint64_t pool_id);
+/* Takes one from the pool's use count; at 0 its cached memory goes back to
+ * the device, and the rest as its last allocations are freed. */
+GPUMEM_API gpumem_status_t gpumem_release_pool(gpumem_t* gm, uint64_t pool_id);
+
+typedef struct gpumem_pool_info {
+  uint32_t struct_size;
+  int exists;
+  int use_count;
+  int routed;           /* allocations are being routed to it now */
+  uint64_t allocations; /* live allocations (and frees waiting for streams) */
+  uint64_t allocated_bytes;
+  uint64_t reserved_bytes; /* mapped pages or segments held by the pool */
+} gpumem_pool_info_t;
+/* What pool_id holds now (exists 0 when there is no such pool). */
+GPUMEM_API gpumem_status_t gpumem_pool_info(gpumem_t* gm, uint64_t pool_id,
+                                            gpumem_pool_info_t* out);
+/* Writes up to cap addresses of the pool's live allocations to ptrs and
+ * returns how many it holds (torch's checkPoolLiveAllocations). */
+GPUMEM_API size_t gpumem_pool_allocations(gpumem_t* gm, uint64_t pool_id, void** ptrs, size_t cap);
+
 /* ---- checking --------------------------------------------------------- */
 
 /* Verifies every invariant of the allocator's structures; returns the
@@ -596,6 +644,9 @@ typedef void (*gpumem_torch_fail_fn)(const char* func, const char* file, uint32_
 /* Installs (or, with NULL, removes) the hook gpumem_torch_malloc calls
  * before it would return NULL. */
 GPUMEM_API void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn);
+/* The largest allocation that needs no reclaim or device refusal: for
+ * torch's cacheInfo (cuDNN's benchmark mode sizes workspaces by it). */
+GPUMEM_API uint64_t gpumem_torch_largest_free(int device);
 
 /* CuPy CFunctionAllocator: malloc and free. param is NULL (the device's
  * binding allocator) or the gpumem_t* to use. Allocations belong to stream

@@ -83,6 +83,15 @@ struct gpumem_backend {
   /* (optional) frees the backend itself; called by gpumem_destroy when the
    * allocator owns the backend (options.own_backend). */
   void (*destroy)(gpumem_backend_t* self);
+
+  /* (optional) whether stream is capturing a graph now and under which
+   * capture id (cuStreamGetCaptureInfo); defaults to "not capturing". While
+   * a stream captures, the allocator makes no synchronization and no event
+   * query or record (illegal then on CUDA), and allocations the pool
+   * routes say (gpumem_begin_allocate_to_pool_capture) take the stream's
+   * capture id from here. */
+  gpumem_status_t (*stream_capture_info)(void* ctx, gpumem_stream_t stream, int* capturing,
+                                         uint64_t* capture_id);
 };
 
 /* ---- the simulated device -------------------------------------------- */
@@ -127,6 +136,10 @@ typedef struct gpumem_sim_counters {
   uint64_t pages_mapped;    /* live mappings */
   uint64_t plain_live;      /* live plain allocations */
   uint64_t events_live;
+  /* Calls CUDA refuses while a graph is being captured (a synchronization,
+   * an event query, an event recorded on a capturing stream), made while
+   * gpumem_sim_begin_capture had a stream capturing: 0 in a correct run. */
+  uint64_t capture_violations;
 } gpumem_sim_counters_t;
 
 GPUMEM_API void gpumem_sim_get_counters(gpumem_backend_t* sim, gpumem_sim_counters_t* out);
@@ -136,6 +149,15 @@ GPUMEM_API void* gpumem_sim_host_ptr(gpumem_backend_t* sim, uintptr_t addr);
 /* Marks stream busy: events recorded on it from now on wait for queries
  * as configured; sim "work" is otherwise instantaneous. */
 GPUMEM_API void gpumem_sim_set_event_delay(gpumem_backend_t* sim, int queries);
+/* Graph capture, modelled: from begin_capture until end_capture, stream
+ * captures under capture_id (nonzero), which stream_capture_info reports;
+ * meanwhile synchronizations, event queries and event records on a
+ * capturing stream fail and count as capture_violations. At most 16
+ * streams capture at once; GPUMEM_ERR_INVALID_ARGUMENT beyond, for a
+ * capture id of 0, or for ending a capture that was never begun. */
+GPUMEM_API gpumem_status_t gpumem_sim_begin_capture(gpumem_backend_t* sim, gpumem_stream_t stream,
+                                                    uint64_t capture_id);
+GPUMEM_API gpumem_status_t gpumem_sim_end_capture(gpumem_backend_t* sim, gpumem_stream_t stream);
 
 /* ---- CUDA ------------------------------------------------------------- */
 

@@ -233,6 +233,7 @@ void gpumem_destroy(gpumem_t* gm) {
   free(gm->aliases);
   free(gm->spare_runs);
   gm_streams_destroy(gm);
+  gm_graph_pools_destroy(gm);
   gm_ptr_map_destroy(&gm->ptrs);
   gm_slab_destroy(&gm->slab);
   gm_plan_destroy(gm);
@@ -312,6 +313,11 @@ static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg
 }
 
 /* Releases a plain segment whose single block is free and indexed. */
+static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b);
+gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b) {
+  if (gm_block_is_split(b) || b->state != GM_FREE) return GPUMEM_ERR_INVALID_ARGUMENT;
+  return release_plain_segment(gm, b);
+}
 static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b) {
   gm_segment* seg = b->seg;
   gpumem_status_t st = GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
@@ -462,7 +468,8 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     if (st != GPUMEM_OK) {
       gm_free_unused(gm, b);
       /* An arena reserved for this request alone goes back with it. */
-      if (fresh) gm_arena_release_if_unused(gm, fresh);
+      if (fresh && !pool->is_private) gm_arena_release_if_unused(gm, fresh);
+      /* (a private arena stays, with what it mapped, until its pool goes) */
       return st;
     }
   }
@@ -476,6 +483,10 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
 /* Frees what the cache holds for the retry ladder's second step. */
 static gpumem_status_t free_cached_memory(gpumem_t* gm) {
   gpumem_status_t st = GPUMEM_OK;
+  /* During a graph capture both need calls CUDA refuses then (event and
+   * stream synchronizations, cudaFree): nothing is freed. */
+  if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm)) return GPUMEM_OK;
+  if (GM_UNLIKELY(gm->num_capture_deferred)) gm_capture_flush(gm);
   if (gm->pending_count) {
     gm->stats.num_sync_all_streams++;
     st = gm_process_events(gm, true);
@@ -500,27 +511,40 @@ static inline int pool_index(const gpumem_t* gm, size_t rsize) {
 static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t stream, void** out,
                                      bool* want_callbacks) {
   gpumem_status_t st;
-  if (GM_UNLIKELY(gm->pending_count)) {
+  /* (no event queries while a graph may be captured: PyTorch's rule) */
+  if (GM_UNLIKELY(gm->pending_count) &&
+      !(GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm))) {
     st = gm_process_events(gm, false);
     if (st != GPUMEM_OK) return st;
   }
   gm_stream* s = gm_stream_get(gm, stream);
   if (GM_UNLIKELY(!s))
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_malloc: out of host memory for a stream");
+  bool private_pool = false;
+  if (GM_UNLIKELY(gm->num_routes | gm->num_capture_deferred)) {
+    gm_stream* ps = gm->num_routes ? gm_graph_route(gm, stream) : NULL;
+    if (ps) {
+      s = ps;
+      private_pool = true;
+    } else if (gm->num_capture_deferred) {
+      gm_capture_flush(gm);
+    }
+  }
   size_t rsize = round_request(size);
   bool small = rsize <= GM_SMALL_SIZE;
   gm_pool* pool = &s->pools[pool_index(gm, rsize)];
   gm_block* b = NULL;
   size_t spare_before = gm->num_spare_pages;
   st = GPUMEM_OK;
-  if (gm->planner.enabled && rsize <= gm->device_total) b = gm_plan_malloc(gm, s, rsize);
+  if (gm->planner.enabled && rsize <= gm->device_total && !private_pool)
+    b = gm_plan_malloc(gm, s, rsize);
   if (b)
     small = gm_block_stat_small(b);
   else
     st = try_alloc(gm, pool, rsize, &b);
   if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY)) {
     /* The ladder: cached memory first (PyTorch's order), then a retry. */
-    if (release_available(gm, pool, rsize)) st = try_alloc(gm, pool, rsize, &b);
+    if (!private_pool && release_available(gm, pool, rsize)) st = try_alloc(gm, pool, rsize, &b);
     if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
       st = free_cached_memory(gm);
       if (st == GPUMEM_OK) {
@@ -529,7 +553,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
       }
     }
     /* Last: a large request may share a partly used page (pages.c). */
-    if (st == GPUMEM_ERR_OUT_OF_MEMORY && gm->virtual_memory && !small && !b) {
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && gm->virtual_memory && !small && !b && !private_pool) {
       char cause[512];
       snprintf(cause, sizeof cause, "%s", gpumem_last_error());
       st = gm_alias_alloc(gm, pool, rsize, &b);
@@ -559,7 +583,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   b->requested = size;
   b->serial = ++gm->num_mallocs;
   b->tag = gm->history_tag;
-  b->seq = gm->planner.enabled && !gm->planner.idle ? gm->planner.n : 0;
+  b->seq = gm->planner.enabled && !gm->planner.idle && !private_pool ? gm->planner.n : 0;
   gm_stat_pool_grow(gm->stats.allocation, small, 1);
   gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
   gm_stat_pool_grow(gm->stats.active, small, 1);
@@ -662,7 +686,10 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   }
   if (gm->planner.enabled) gm_plan_note_free(gm, b);
   if (GM_UNLIKELY(b->num_uses)) {
-    gpumem_status_t st = gm_defer_free(gm, b);
+    /* Events cannot be recorded during a capture: put off (graphpool.c). */
+    gpumem_status_t st = GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm)
+                             ? gm_capture_defer_free(gm, b)
+                             : gm_defer_free(gm, b);
     if (st != GPUMEM_OK) {
       /* Not freed: the block stays allocated and the caller may retry. */
       gm_ptr_map_insert(&gm->ptrs, b);
@@ -670,7 +697,9 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
       return st;
     }
   } else {
+    gm_pool* pool = b->pool;
     gm_free_block(gm, b);
+    if (GM_UNLIKELY(pool->is_private)) gm_graph_pool_note_free(gm, pool);
   }
   gm_stat_pool_shrink(gm->stats.allocation, small, 1);
   gm_stat_pool_shrink(gm->stats.allocated_bytes, small, (int64_t)size);

@@ -114,6 +114,11 @@ typedef struct gm_cu_backend {
   gpumem_backend_t base; /* first: the public handle is this struct */
   gm_cu_api_t api;
   void* lib; /* dlopen handle of libcuda.so.1 */
+  /* cuStreamGetCaptureInfo's first form (stream, status, id), which every
+   * driver since CUDA 10.1 exports under this name; looked up by name
+   * rather than through cuda.h, whose macro points at later forms with
+   * more arguments. NULL: the slot stays empty. */
+  CUresult (*stream_get_capture_info)(CUstream, CUstreamCaptureStatus*, cuuint64_t*);
   int ordinal;
   CUdevice device;
   CUcontext ctx; /* the device's primary context, retained by create */
@@ -379,6 +384,23 @@ static gpumem_status_t cu_stream_wait(void* ctx, gpumem_stream_t stream, gpumem_
   return GPUMEM_OK;
 }
 
+static gpumem_status_t cu_stream_capture_info(void* ctx, gpumem_stream_t stream, int* capturing,
+                                              uint64_t* capture_id) {
+  const gm_cu_backend_t* b = ctx;
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  cuuint64_t id = 0;
+  int pushed = cu_enter(b);
+  CUresult r = b->stream_get_capture_info((CUstream)stream, &status, &id);
+  cu_leave(b, pushed);
+  *capturing = 0;
+  *capture_id = 0;
+  if (r != CUDA_SUCCESS)
+    return cu_fail(b, r, "cuStreamGetCaptureInfo(stream 0x%llx)", (unsigned long long)stream);
+  *capturing = status == CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  *capture_id = (uint64_t)id;
+  return GPUMEM_OK;
+}
+
 static void cu_destroy_slot(gpumem_backend_t* self) {
   gpumem_cuda_destroy(self);
 }
@@ -587,6 +609,13 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
   b->base.stream_sync = cu_stream_sync;
   b->base.device_sync = cu_device_sync;
   b->base.stream_wait = cu_stream_wait;
+  {
+    void* sym = dlsym(b->lib, "cuStreamGetCaptureInfo");
+    if (sym) {
+      memcpy(&b->stream_get_capture_info, &sym, sizeof sym);
+      b->base.stream_capture_info = cu_stream_capture_info;
+    }
+  }
   b->base.destroy = cu_destroy_slot;
   if (err) *err = GPUMEM_OK;
   return &b->base;

@@ -241,6 +241,13 @@ typedef struct sim {
   sim_stream_slot_t* streams;
   size_t stream_cap; /* power of two, or 0 */
   size_t stream_count;
+
+  /* Streams capturing a graph now (gpumem_sim_begin_capture). */
+  struct {
+    gpumem_stream_t stream;
+    uint64_t id;
+  } captures[16];
+  int num_captures;
 } sim_t;
 
 /* ---- call entry: counting and scripted failures ------------------------ */
@@ -260,6 +267,22 @@ static gpumem_status_t sim_enter(sim_t* sim, int kind) {
   sim->counters.failures_injected++;
   return gm_fail(sim->fail_status, "sim: injected failure of %s (call #%llu)",
                  gpumem_backend_call_name(kind), (unsigned long long)call_number);
+}
+
+/* CUDA refuses synchronizations and event queries while a graph is being
+ * captured (and a record on a capturing stream would join the graph): the
+ * sim refuses them too and counts them. stream 0 with any: any capture. */
+static gpumem_status_t capture_refuses(sim_t* sim, const char* call, gpumem_stream_t stream,
+                                       bool any) {
+  for (int i = 0; i < sim->num_captures; i++) {
+    if (any || sim->captures[i].stream == stream) {
+      sim->counters.capture_violations++;
+      return gm_fail(GPUMEM_ERR_BACKEND,
+                     "sim: %s while stream 0x%lx captures a graph (illegal during capture)", call,
+                     (unsigned long)sim->captures[i].stream);
+    }
+  }
+  return GPUMEM_OK;
 }
 
 static gpumem_status_t sim_leave(sim_t* sim, gpumem_status_t status) {
@@ -878,6 +901,7 @@ static gpumem_status_t sim_event_destroy(void* ctx, gpumem_event_t event) {
 static gpumem_status_t sim_event_record(void* ctx, gpumem_event_t event, gpumem_stream_t stream) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_event_record);
+  if (status == GPUMEM_OK) status = capture_refuses(sim, "event_record", stream, false);
   if (status == GPUMEM_OK) status = event_record_locked(sim, event, stream);
   return sim_leave(sim, status);
 }
@@ -885,6 +909,7 @@ static gpumem_status_t sim_event_record(void* ctx, gpumem_event_t event, gpumem_
 static gpumem_status_t sim_event_query(void* ctx, gpumem_event_t event) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_event_query);
+  if (status == GPUMEM_OK) status = capture_refuses(sim, "event_query", 0, true);
   if (status == GPUMEM_OK) status = event_query_locked(sim, event);
   return sim_leave(sim, status);
 }
@@ -892,6 +917,7 @@ static gpumem_status_t sim_event_query(void* ctx, gpumem_event_t event) {
 static gpumem_status_t sim_event_sync(void* ctx, gpumem_event_t event) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_event_sync);
+  if (status == GPUMEM_OK) status = capture_refuses(sim, "event_sync", 0, true);
   if (status == GPUMEM_OK) status = event_sync_locked(sim, event);
   return sim_leave(sim, status);
 }
@@ -899,6 +925,7 @@ static gpumem_status_t sim_event_sync(void* ctx, gpumem_event_t event) {
 static gpumem_status_t sim_stream_sync(void* ctx, gpumem_stream_t stream) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_stream_sync);
+  if (status == GPUMEM_OK) status = capture_refuses(sim, "stream_sync", 0, true);
   if (status == GPUMEM_OK) status = stream_sync_locked(sim, stream);
   return sim_leave(sim, status);
 }
@@ -906,6 +933,7 @@ static gpumem_status_t sim_stream_sync(void* ctx, gpumem_stream_t stream) {
 static gpumem_status_t sim_device_sync(void* ctx) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_device_sync);
+  if (status == GPUMEM_OK) status = capture_refuses(sim, "device_sync", 0, true);
   if (status == GPUMEM_OK) sim->device_epoch++;
   return sim_leave(sim, status);
 }
@@ -915,6 +943,23 @@ static gpumem_status_t sim_stream_wait(void* ctx, gpumem_stream_t stream, gpumem
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_stream_wait);
   if (status == GPUMEM_OK) status = stream_wait_locked(sim, stream, event);
   return sim_leave(sim, status);
+}
+
+static gpumem_status_t sim_stream_capture_info(void* ctx, gpumem_stream_t stream, int* capturing,
+                                               uint64_t* capture_id) {
+  sim_t* sim = ctx;
+  /* Not a counted call kind: a query of host-side state. */
+  pthread_mutex_lock(&sim->lock);
+  *capturing = 0;
+  *capture_id = 0;
+  for (int i = 0; i < sim->num_captures; i++) {
+    if (sim->captures[i].stream == stream) {
+      *capturing = 1;
+      *capture_id = sim->captures[i].id;
+    }
+  }
+  pthread_mutex_unlock(&sim->lock);
+  return GPUMEM_OK;
 }
 
 static void sim_destroy_slot(gpumem_backend_t* self) {
@@ -1039,6 +1084,7 @@ gpumem_backend_t* gpumem_sim_create(const gpumem_sim_options_t* opts) {
   b->stream_sync = sim_stream_sync;
   b->device_sync = sim_device_sync;
   b->stream_wait = sim_stream_wait;
+  b->stream_capture_info = sim_stream_capture_info;
   b->destroy = sim_destroy_slot;
   return b;
 }
@@ -1123,4 +1169,47 @@ void gpumem_sim_set_event_delay(gpumem_backend_t* backend, int queries) {
   pthread_mutex_lock(&sim->lock);
   sim->event_delay = queries < 0 ? 0 : queries;
   pthread_mutex_unlock(&sim->lock);
+}
+
+gpumem_status_t gpumem_sim_begin_capture(gpumem_backend_t* backend, gpumem_stream_t stream,
+                                         uint64_t capture_id) {
+  sim_t* sim = sim_of(backend);
+  if (sim == NULL)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_sim_begin_capture: not a sim");
+  if (!capture_id)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_sim_begin_capture: capture id 0");
+  pthread_mutex_lock(&sim->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  for (int i = 0; i < sim->num_captures; i++)
+    if (sim->captures[i].stream == stream)
+      st =
+          gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                  "gpumem_sim_begin_capture: stream 0x%lx captures already", (unsigned long)stream);
+  if (st == GPUMEM_OK && sim->num_captures == 16)
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                 "gpumem_sim_begin_capture: 16 streams capture already");
+  if (st == GPUMEM_OK) {
+    sim->captures[sim->num_captures].stream = stream;
+    sim->captures[sim->num_captures].id = capture_id;
+    sim->num_captures++;
+  }
+  pthread_mutex_unlock(&sim->lock);
+  return st;
+}
+
+gpumem_status_t gpumem_sim_end_capture(gpumem_backend_t* backend, gpumem_stream_t stream) {
+  sim_t* sim = sim_of(backend);
+  if (sim == NULL) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_sim_end_capture: not a sim");
+  pthread_mutex_lock(&sim->lock);
+  bool found = false;
+  for (int i = 0; i < sim->num_captures && !found; i++) {
+    if (sim->captures[i].stream != stream) continue;
+    sim->captures[i] = sim->captures[--sim->num_captures];
+    found = true;
+  }
+  pthread_mutex_unlock(&sim->lock);
+  if (!found)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_sim_end_capture: stream 0x%lx is not capturing", (unsigned long)stream);
+  return GPUMEM_OK;
 }

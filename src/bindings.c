@@ -317,3 +317,16 @@ void* gpumem_cupy_malloc(void* param, size_t size, int device) {
 void gpumem_cupy_free(void* param, void* ptr, int device) {
   binding_free(param, ptr, device);
 }
+
+/* cuDNN's benchmark mode asks torch's allocator for its largest cached
+ * block (cacheInfo) to size workspaces. Under gpumem a block's pages are
+ * mapped on demand, so what one allocation can get is the largest free
+ * block gpumem holds or the device's free memory, whichever is larger. */
+uint64_t gpumem_torch_largest_free(int device) {
+  gpumem_t* gm = gpumem_binding_allocator(device);
+  if (!gm) return 0;
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  uint64_t largest = st.largest_free_block;
+  return st.device_free > largest ? st.device_free : largest;
+}

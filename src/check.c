@@ -343,6 +343,12 @@ size_t gpumem_check(gpumem_t* gm) {
         violation(&c, "dirty list of stream 0x%lx broken at its head", (unsigned long)st->handle);
     }
   }
+  char pool_msg[256] = "";
+  size_t pool_errors = gm_graph_pools_check(gm, &indexed, &dirty_listed, pool_msg, sizeof pool_msg);
+  if (pool_errors) {
+    violation(&c, "%s", pool_msg);
+    c.errors += pool_errors - 1;
+  }
   if (dirty_listed != s.dirty)
     violation(&c, "%zu blocks are marked dirty, the dirty lists hold %zu", s.dirty, dirty_listed);
   if (indexed != s.free_blocks)
@@ -350,8 +356,10 @@ size_t gpumem_check(gpumem_t* gm) {
   if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL])
     violation(&c, "pointer map holds %zu, %lld blocks allocated", gm->ptrs.count,
               (long long)s.allocated[GPUMEM_POOL_ALL]);
-  if (s.pending_refs != gm->pending_count)
-    violation(&c, "%zu pending events, blocks wait for %zu", gm->pending_count, s.pending_refs);
+  /* (a free put off during a capture waits for one sentinel) */
+  if (s.pending_refs != gm->pending_count + gm->num_capture_deferred)
+    violation(&c, "%zu pending events and %zu frees put off by a capture, blocks wait for %zu",
+              gm->pending_count, gm->num_capture_deferred, s.pending_refs);
   if (gm->virtual_memory) {
     check_page_records(gm, &c);
     check_aliases(gm, &s, &c);

@@ -210,6 +210,10 @@ struct gm_pool {
   gm_stream* stream;
   bool is_small;
   bool is_plan; /* the stream's plan pool (placement:planned) */
+  /* A graph-private pool's (graphpool.c): reclaim, plans, aliases and the
+   * retry ladder never touch its pages, which stay mapped where they are
+   * until the pool is released. */
+  bool is_private;
   gm_free_index index;
   gm_dirty_link dirty; /* sentinel of the dirty list (order unused: reclaim sorts) */
 };
@@ -240,6 +244,9 @@ struct gm_stream {
   gm_stream* waited_on;
   uint64_t waited_frees;
   gm_stream* next;
+  /* The graph-private pool this stream's pools belong to (graphpool.c),
+   * NULL for a regular stream (those in gpumem_t.streams). */
+  struct gm_graph_pool* graph_pool;
 };
 
 /* A freed block waiting for another stream's work (record_stream). */
@@ -410,6 +417,14 @@ struct gpumem {
 
   gm_oom_callback* callbacks;
   size_t num_callbacks;
+
+  /* Graph-private pools (graphpool.c): every pool, the routings now in
+   * force, and frees put off while a capture may be underway. */
+  struct gm_graph_pool* graph_pools;
+  struct gm_pool_route* routes;
+  size_t num_routes, routes_capacity;
+  gm_block** capture_deferred;
+  size_t num_capture_deferred, capture_deferred_capacity;
 
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
@@ -601,6 +616,40 @@ static inline void gm_plan_note_free(gpumem_t* gm, const gm_block* b) {
 void gm_plan_drop(gpumem_t* gm);
 /* gpumem_check's part: counts violations of the planner's invariants. */
 size_t gm_plan_check(gpumem_t* gm, char* msg, size_t len);
+
+/* ---- graphpool.c: graph-private pools ---- */
+
+/* The private stream that serves an allocation on stream when a routing
+ * takes it, else NULL (s then serves). Only called while routes exist. */
+gm_stream* gm_graph_route(gpumem_t* gm, gpumem_stream_t stream);
+/* Whether a stream the allocator knows is capturing a graph now (without
+ * the backend's capture slot: whenever a pool is routed to). While it is,
+ * no synchronization, event query or event record may be made. */
+bool gm_capture_underway(gpumem_t* gm);
+static inline bool gm_capture_possible(const gpumem_t* gm) {
+  return gm->num_routes != 0;
+}
+/* Puts off the free of block b (with uses on other streams) until no
+ * capture is underway: it turns PENDING, waiting for one sentinel event. */
+gpumem_status_t gm_capture_defer_free(gpumem_t* gm, gm_block* b);
+/* Frees what was put off, once no capture is underway. */
+void gm_capture_flush(gpumem_t* gm);
+/* A block of a private pool was freed: a released pool that holds nothing
+ * goes back to the device. */
+void gm_graph_pool_note_free(gpumem_t* gm, gm_pool* pool);
+/* gpumem_check's part: private pools' indexes and dirty lists (counted
+ * into *indexed and *dirty_listed) and their invariants. */
+size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed, char* msg,
+                            size_t len);
+void gm_graph_pools_destroy(gpumem_t* gm);
+/* Maps pages [first, last] of a private arena: new device pages only, so
+ * that no page a graph may touch is ever one another stream still uses,
+ * and no synchronization is needed during a capture (pages.c). */
+gpumem_status_t gm_private_map(gpumem_t* gm, gm_segment* seg, size_t first, size_t last);
+/* pages more were mapped into private arena seg (they stay until release). */
+void gm_graph_pool_pinned(gm_segment* seg, size_t pages);
+/* Releases a wholly free segment of a private pool to the device. */
+gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b);
 
 /* ---- alloc.c helpers used across files ---- */
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);

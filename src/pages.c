@@ -292,6 +292,11 @@ gpumem_status_t gm_release_spare_pages(gpumem_t* gm, size_t keep) {
 
 static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s) {
   if (!s->frees_since_sync || !gm->backend->stream_sync) return GPUMEM_OK;
+  if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm))
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "gpumem: moving pages would synchronize a stream while a CUDA graph is being "
+                   "captured (illegal during capture); reserve the memory before capturing (run "
+                   "the captured work once first) or raise the limit");
   gm->stats.num_syncs++;
   gpumem_status_t st =
       GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
@@ -509,8 +514,14 @@ static gpumem_status_t revive(gpumem_t* gm, gm_segment* seg, size_t p, bool* don
   gm_segment* from = r->live_seg;
   if (from) {
     size_t q = r->live_page;
-    if (gm_page_busy(from, q) || (from->plan_serving && from != seg)) return GPUMEM_OK;
+    /* (a private pool's page never moves: a graph may replay on it) */
+    if (gm_page_busy(from, q) || (from->plan_serving && from != seg) || from->pool->is_private)
+      return GPUMEM_OK;
     if (from->pool->stream != to) {
+      /* (a cross-stream revival waits for a stream: not during a capture) */
+      if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm) &&
+          from->pool->stream->frees_since_sync)
+        return GPUMEM_OK;
       gpumem_status_t st = sync_stream_for_reclaim(gm, from->pool->stream);
       if (st != GPUMEM_OK) return st;
     }
@@ -838,6 +849,8 @@ static gpumem_status_t reclaim_charged(gpumem_t* gm, size_t want) {
  * does, one mapping per run). */
 static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need, size_t size) {
   if (gm->num_spare_pages >= need) return GPUMEM_OK;
+  /* During a graph capture reclaim may need synchronizations: grow. */
+  if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm)) return GPUMEM_OK;
   /* Planned placement: pages move when the workload changes phase, not as
    * it runs. In the first period after a plan starts serving, its arena
    * fills up while the regular arenas drain of the step's blocks (the plan
@@ -953,6 +966,47 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
   return GPUMEM_OK;
 }
 
+gpumem_status_t gm_private_map(gpumem_t* gm, gm_segment* seg, size_t first, size_t last) {
+  /* New device pages only (graphpool.c): a spare page or a ghost may still
+   * carry another stream's work or another address. Runs as long as
+   * map_max allows: a private arena is reclaimed only whole, at release. */
+  bool retried = false;
+  for (size_t p = first; p <= last;) {
+    if (gm_arena_page_mapped(seg, p)) {
+      p++;
+      continue;
+    }
+    /* (a ghost here only when a release of the pool failed part way and
+     * the pool was taken up again) */
+    gpumem_status_t st = seg->ghost_id[p] ? ghost_drop(gm, seg, p) : GPUMEM_OK;
+    if (st != GPUMEM_OK) return st;
+    size_t n = 1;
+    while (n < gm->map_max_pages && p + n <= last && !gm_arena_page_mapped(seg, p + n) &&
+           !seg->ghost_id[p + n])
+      n++;
+    st = map_new(gm, seg, p, n);
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && n > 1) {
+      gm->fine_mappings = true;
+      st = map_new(gm, seg, p, n = 1);
+    }
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && !retried &&
+        !(gm_capture_possible(gm) && gm_capture_underway(gm))) {
+      /* Free pages of the regular arenas go back to the device, making
+       * room under the limit or on the device (not during a capture:
+       * that needs synchronizations). */
+      retried = true;
+      size_t got = 0;
+      st = gm_reclaim(gm, last - p + 1, &got);
+      if (st == GPUMEM_OK) st = gm_release_spare_pages(gm, 0);
+      if (st == GPUMEM_OK) continue;
+    }
+    if (st != GPUMEM_OK) return st;
+    gm_graph_pool_pinned(seg, n);
+    p += n;
+  }
+  return GPUMEM_OK;
+}
+
 /* Pages per new mapping at most. A mapping is reclaimed only whole, so
  * large ones are made only where nothing asks for fine-grained reclaim:
  * under the pressure setting with best-fit placement, with no limit, and
@@ -993,6 +1047,7 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
   size_t first = (addr - seg->addr) >> gm->page_shift;
   size_t last = (addr + size - 1 - seg->addr) >> gm->page_shift;
   if (GM_LIKELY(range_mapped(seg, first, last))) return GPUMEM_OK;
+  if (GM_UNLIKELY(seg->pool->is_private)) return gm_private_map(gm, seg, first, last);
   /* Ghosts first: a page that was here before and is free now comes back
    * without a call. */
   size_t need = 0;

@@ -1,0 +1,111 @@
+"""Step time and peak reserved memory of torch.compile(mode="reduce-overhead")
+under native PyTorch and under gpumem, one step at a time, in turns.
+
+    python3 bench/torch/graphs_ab.py [--mode train|infer] [--steps N] [--warmup W]
+
+Two worker processes (this file with --worker) build the same model with the
+same seeds; the parent asks each for one step in turn (AB, BA, AB, ...), so
+both see the same stretch of the host's speed. Prints one JSON line: the
+medians of the timed steps, their ratio gpumem / native, and each side's
+peak reserved memory (torch.cuda.max_memory_reserved).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+
+
+def worker(args):
+    sys.path.insert(0, os.path.join(REPO, "python"))
+    if args.allocator == "gpumem":
+        import gpumem.torch
+
+        gpumem.torch.enable()
+    import torch
+
+    torch.manual_seed(0)
+    d = 1024
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(d, d), torch.nn.GELU(), torch.nn.LayerNorm(d)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(d, 16)).cuda()
+    train = args.mode == "train"
+    if not train:
+        model.eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    cm = torch.compile(model, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(256, d, device="cuda", generator=gen)
+    y = torch.randint(0, 16, (256,), device="cuda", generator=gen)
+
+    def step():
+        if train:
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(cm(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+        with torch.no_grad():
+            return cm(x).sum()
+
+    for line in sys.stdin:
+        if line.strip() == "step":
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            print(json.dumps({"ms": (time.perf_counter() - t0) * 1e3}), flush=True)
+        else:
+            print(json.dumps({"peak_reserved": torch.cuda.max_memory_reserved(),
+                              "reserved": torch.cuda.memory_reserved()}), flush=True)
+            return
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--allocator", default="native")
+    ap.add_argument("--mode", default="train")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    procs = {}
+    for a in ("native", "gpumem"):
+        procs[a] = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "--allocator", a, "--mode", args.mode],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+    times = {"native": [], "gpumem": []}
+    for k in range(args.warmup + args.steps):
+        order = ("native", "gpumem") if k % 2 == 0 else ("gpumem", "native")
+        for a in order:
+            procs[a].stdin.write("step\n")
+            procs[a].stdin.flush()
+            ms = json.loads(procs[a].stdout.readline())["ms"]
+            if k >= args.warmup:
+                times[a].append(ms)
+    mem = {}
+    for a, p in procs.items():
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        mem[a] = json.loads(p.stdout.readline())
+        p.wait(60)
+    med = {a: statistics.median(t) for a, t in times.items()}
+    print(json.dumps({
+        "mode": args.mode, "steps": args.steps,
+        "median_ms": med, "ratio": med["gpumem"] / med["native"],
+        "peak_reserved": {a: m["peak_reserved"] for a, m in mem.items()},
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

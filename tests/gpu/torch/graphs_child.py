@@ -1,0 +1,209 @@
+"""Workloads for test_graphs.py, one per process (enable() must come first).
+
+    python3 graphs_child.py WORKLOAD --allocator native|gpumem
+
+The last line printed is one JSON object with the results.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, os.path.join(REPO, "python"))
+
+
+def emit(**r):
+    print(json.dumps(r), flush=True)
+
+
+def setup(args):
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.allocator == "gpumem":
+        import gpumem.torch
+
+        print("gpumem:", gpumem.torch.enable(), file=sys.stderr)
+    import torch
+
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    return torch
+
+
+def mlp(torch):
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 10)
+    ).cuda()
+
+
+def stats(torch):
+    torch.cuda.synchronize()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+
+
+def w_graph(torch, args):
+    model = mlp(torch).eval()
+    static_in = torch.randn(64, 256, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.no_grad():
+        for _ in range(3):
+            model(static_in)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.empty_cache()
+    before = stats(torch)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), torch.no_grad():
+        static_out = model(static_in)
+    sums = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(20):
+        static_in.copy_(torch.randn(64, 256, device="cuda", generator=gen))
+        g.replay()
+        sums.append(float(static_out.double().sum()))
+    during = stats(torch)
+    del g, static_out
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    after = stats(torch)
+    emit(sums=sums, before=before, during=during, after=after)
+
+
+def w_graphed_callables(torch, args):
+    model = mlp(torch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x = torch.randn(32, 256, device="cuda", requires_grad=True)
+    model = torch.cuda.make_graphed_callables(model, (x,))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    losses = []
+    for _ in range(20):
+        inp = torch.randn(32, 256, device="cuda", generator=gen)
+        tgt = torch.randint(0, 10, (32,), device="cuda", generator=gen)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(inp), tgt)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    emit(losses=losses)
+
+
+def w_compile(torch, args):
+    train = args.mode == "train"
+    model = mlp(torch)
+    if not train:
+        model.eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cm = torch.compile(model, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    out = []
+    for _ in range(12):
+        inp = torch.randn(64, 256, device="cuda", generator=gen)
+        if train:
+            tgt = torch.randint(0, 10, (64,), device="cuda", generator=gen)
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(cm(inp), tgt)
+            loss.backward()
+            opt.step()
+            out.append(float(loss))
+        else:
+            with torch.no_grad():
+                out.append(float(cm(inp).double().sum()))
+    emit(values=out, peak_reserved=torch.cuda.max_memory_reserved())
+
+
+def w_cudnn(torch, args):
+    torch.backends.cudnn.deterministic = False
+    torch.backends.cudnn.benchmark = True
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 32, 3, padding=1)
+    ).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    sums = []
+    for _ in range(5):
+        x = torch.randn(16, 3, 64, 64, device="cuda", generator=gen)
+        sums.append(float(net(x).double().sum()))
+    emit(sums=sums, benchmark=bool(torch.backends.cudnn.benchmark))
+
+
+def w_mempool(torch, args):
+    torch.cuda.empty_cache()
+    before = stats(torch)
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        a = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        b = a * 2
+    c = torch.ones(1 << 20, device="cuda")  # outside the pool
+    total = float((b + c).double().sum())
+    use = pool.use_count()
+    during = stats(torch)
+    del a, b, c, pool
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    emit(total=total, use_count=use, before=before, during=during, after=stats(torch))
+
+
+def w_snapshot(torch, args):
+    torch.cuda.memory._record_memory_history(max_entries=10000)
+    x = torch.randn(1024, 1024, device="cuda")
+    y = x @ x
+    snap = torch.cuda.memory._snapshot()
+    frames = 0
+    for seg in snap.get("segments", []):
+        for blk in seg.get("blocks", []):
+            for fr in blk.get("frames", []) or []:
+                if str(fr.get("filename", "")).endswith(".py"):
+                    frames += 1
+    emit(segments=len(snap.get("segments", [])), python_frames=frames, y=float(y.double().sum()))
+
+
+def _ipc_child(q):
+    t = q.get()
+    q.put(float(t.double().sum()))
+
+
+def w_ipc(torch, args):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    try:
+        p = ctx.Process(target=_ipc_child, args=(q,))
+        p.start()
+        q.put(t)
+        import time
+
+        time.sleep(3)
+        got = q.get(timeout=60)
+        p.join(30)
+        emit(shared=True, sum=got)
+    except Exception as e:
+        emit(shared=False, message=str(e)[:600])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("workload")
+    ap.add_argument("--allocator", default="gpumem", choices=("native", "gpumem"))
+    ap.add_argument("--mode", default="infer")
+    args = ap.parse_args()
+    torch = setup(args)
+    try:
+        globals()["w_" + args.workload](torch, args)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        emit(error="%s: %s" % (type(e).__name__, str(e)[:2000]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# CUDA graphs, reduce-overhead, cuDNN benchmark, MemPool, snapshots and IPC
+# under gpumem, against native PyTorch; then the lockstep step-time and
+# memory comparison of torch.compile(mode="reduce-overhead").
+#
+#   bash tests/gpu/torch/run_graphs.sh [BUILD_DIR]     (default: build)
+#
+# Writes its log to $OUT/graphs.log (or ./graphs.log). Prints, in order:
+# the compile check of gpumem's full PyTorch allocator (its compiler error,
+# if any, comes first), one "PASS name" / "FAIL name" / "SKIP name" line
+# per item, and "BENCH mode ... ratio R (PASS|FAIL)" for each benchmark.
+set -u
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+build="${1:-build}"
+case "$build" in /*) ;; *) build="$root/$build" ;; esac
+out="${OUT:-$root}"
+mkdir -p "$out"
+log="$out/graphs.log"
+py="${PYTHON:-python3}"
+cd "$root"
+if [ ! -f "$build/libgpumem.so" ]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build "$build" -j8 --target gpumem_shared >/dev/null 2>&1 || cmake --build "$build" -j8 >/dev/null
+fi
+export GPUMEM_LIBRARY="$build/libgpumem.so"
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+export GPUMEM_CACHE_DIR="${GPUMEM_CACHE_DIR:-$build/gpumem-cache}"
+{
+  echo "== compile check: gpumem's full PyTorch allocator"
+  "$py" - <<'PY'
+import time, gpumem.torch as t
+t0 = time.time()
+path, why = t.build_graphs_shim()
+if path:
+    print("PASS compile (%.1f s): %s" % (time.time() - t0, path))
+else:
+    print("FAIL compile: the full allocator did not build; graphs fall back to a clear error.\n%s" % why)
+PY
+  echo "== tests (native vs gpumem, fresh processes)"
+  timeout 420 "$py" - "$root/tests/gpu/torch" <<'PY'
+import sys, unittest
+sys.path.insert(0, sys.argv[1])
+import test_graphs
+suite = unittest.defaultTestLoader.loadTestsFromModule(test_graphs)
+res = unittest.TextTestRunner(verbosity=1, stream=sys.stderr).run(suite)
+bad = {t.id(): "FAIL" for t, _ in res.failures + res.errors}
+bad.update({t.id(): "SKIP" for t, _ in res.skipped})
+for t in suite:
+    for case in t if hasattr(t, "__iter__") else [t]:
+        print("%s %s" % (bad.get(case.id(), "PASS"), case.id().split(".")[-1]))
+for t, tb in res.failures + res.errors:
+    print("---- %s\n%s" % (t.id(), tb[-3000:]))
+PY
+  echo "== lockstep: torch.compile(mode='reduce-overhead'), native vs gpumem"
+  for mode in train infer; do
+    r=$(timeout 240 "$py" bench/torch/graphs_ab.py --mode "$mode" --steps 200 --warmup 20 | tail -1)
+    echo "$r"
+    "$py" -c "
+import json,sys
+r=json.loads(sys.argv[1]); ok=r['ratio']<=1.01 and r['peak_reserved']['gpumem']<=r['peak_reserved']['native']
+print('BENCH %s median native %.3f ms gpumem %.3f ms ratio %.4f peak reserved native %d gpumem %d (%s)' % (r['mode'], r['median_ms']['native'], r['median_ms']['gpumem'], r['ratio'], r['peak_reserved']['native'], r['peak_reserved']['gpumem'], 'PASS' if ok else 'FAIL'))
+" "$r" || echo "BENCH $mode FAIL (no result)"
+  done
+} 2>&1 | tee "$log"

@@ -1,0 +1,85 @@
+"""CUDA graphs, torch.compile's reduce-overhead mode, cuDNN's benchmark mode,
+MemPool, snapshots and IPC under gpumem, each against native PyTorch (same
+seeds) in fresh processes (graphs_child.py)."""
+
+import os
+import sys
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+import test_torch_gpumem as base  # noqa: E402
+
+CHILD = os.path.join(base.HERE, "graphs_child.py")
+
+
+def run_child(workload, *args):
+    cmd = [sys.executable, CHILD, workload] + list(args)
+    proc = subprocess.run(cmd, env=base._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError("%s failed (exit %d)\n--- stderr\n%s" % (" ".join(cmd), proc.returncode, proc.stderr[-6000:]))
+    result = json.loads(lines[-1])
+    if "error" in result:
+        raise AssertionError("%s: %s\n--- stderr\n%s" % (workload, result["error"], proc.stderr[-4000:]))
+    return result
+
+
+def both(workload, *args):
+    return run_child(workload, "--allocator", "native", *args), run_child(workload, "--allocator", "gpumem", *args)
+
+
+def close(a, b, rel=1e-5):
+    return len(a) == len(b) and all(abs(x - y) <= rel * max(1.0, abs(x)) for x, y in zip(a, b))
+
+
+class GraphsTest(unittest.TestCase):
+    def setUp(self):
+        base.need()
+
+    def test_cuda_graph(self):
+        n, g = both("graph")
+        self.assertEqual(n["sums"], g["sums"])
+        # the graph's pool is counted while it lives and gone after
+        self.assertGreater(g["during"]["reserved"], g["before"]["reserved"])
+        self.assertEqual(g["after"]["allocated"], g["before"]["allocated"])
+        self.assertLessEqual(g["after"]["reserved"], g["before"]["reserved"])
+
+    def test_make_graphed_callables(self):
+        n, g = both("graphed_callables")
+        self.assertEqual(n["losses"], g["losses"])
+
+    def test_reduce_overhead_inference(self):
+        n, g = both("compile", "--mode", "infer")
+        self.assertTrue(close(n["values"], g["values"]), (n["values"], g["values"]))
+
+    def test_reduce_overhead_training(self):
+        n, g = both("compile", "--mode", "train")
+        self.assertTrue(close(n["values"], g["values"]), (n["values"], g["values"]))
+
+    def test_cudnn_benchmark(self):
+        n, g = both("cudnn")
+        self.assertTrue(g["benchmark"], "benchmark mode was kept off")
+        self.assertTrue(close(n["sums"], g["sums"], 1e-3), (n["sums"], g["sums"]))
+
+    def test_mempool(self):
+        n, g = both("mempool")
+        self.assertEqual(n["total"], g["total"])
+        self.assertEqual(g["after"]["allocated"], g["before"]["allocated"])
+        self.assertLessEqual(g["after"]["reserved"], g["before"]["reserved"])
+
+    def test_snapshot(self):
+        r = run_child("snapshot", "--allocator", "gpumem")
+        self.assertGreater(r["segments"], 0)
+        print("snapshot: python frames under gpumem: %d" % r["python_frames"], file=sys.stderr)
+
+    def test_ipc_clear_error(self):
+        r = run_child("ipc", "--allocator", "gpumem")
+        if not r["shared"]:
+            self.assertIn("gpumem", r["message"])
+
+
+if __name__ == "__main__":
+    unittest.main()

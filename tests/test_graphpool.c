@@ -1,0 +1,425 @@
+/* Graph-private pools on the simulated device, which models capture: a
+ * capturing stream refuses synchronizations, event queries and records
+ * (counted as capture_violations). Deterministic cases (pool reuse across
+ * captures, frees put off during capture, statistics back to where they
+ * were, bad input) and a randomized run per configuration that captures
+ * graphs among regular traffic on two streams, under a limit and with
+ * injected device failures, calling gpumem_check after every operation
+ * and checking that every address a graph was given stays on the same
+ * physical memory until its pool is released. */
+#include <stdint.h>
+
+#include "test_util.h"
+
+#define S_MAIN ((gpumem_stream_t)0x10)
+#define S_SIDE ((gpumem_stream_t)0x20)
+
+typedef struct config {
+  const char* name;
+  gpumem_policy_t policy;
+  const char* conf;
+} config_t;
+
+static const config_t configs[] = {
+    {"pytorch", GPUMEM_POLICY_PYTORCH, ""},
+    {"default", GPUMEM_POLICY_DEFAULT, ""},
+    {"default/pressure", GPUMEM_POLICY_DEFAULT, "reclaim:pressure,placement:bestfit"},
+    {"default/limit", GPUMEM_POLICY_DEFAULT, "limit:160M"},
+};
+
+static gpumem_backend_t* sim;
+
+static gpumem_t* make(const config_t* c) {
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  so.capacity = 256 * (size_t)1 << 20;
+  so.host_backed = 1;
+  sim = gpumem_sim_create(&so);
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.policy = c->policy;
+  if (c->conf[0]) CHECK_STATUS(gpumem_options_parse(&o, c->conf), GPUMEM_OK);
+  o.own_backend = 1;
+  gpumem_t* gm = gpumem_create(sim, &o, NULL);
+  CHECK(gm != NULL);
+  return gm;
+}
+
+static uint64_t violations(void) {
+  gpumem_sim_counters_t ct;
+  gpumem_sim_get_counters(sim, &ct);
+  return ct.capture_violations;
+}
+
+static int64_t cur(const gpumem_stat_t* s) {
+  return s[GPUMEM_POOL_ALL].current;
+}
+
+/* Two captures into one pool: the second reuses what the first freed, at
+ * the same addresses; the pool's memory is counted and goes back. */
+static void test_capture_and_release(const config_t* c) {
+  gpumem_t* gm = make(c);
+  void* keep;
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &keep), GPUMEM_OK);
+  void* side;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_SIDE, &side), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, side), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  gpumem_stats_t before;
+  gpumem_get_stats(gm, &before);
+
+  CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, 7), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 1, 7), GPUMEM_OK);
+  void *a, *b, *out;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_MAIN, &a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 5 << 20, S_MAIN, &b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 4096, S_MAIN, &out), GPUMEM_OK);
+  /* Another stream, not capturing: regular memory. */
+  void* other;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_SIDE, &other), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 1), GPUMEM_OK);
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, 1, &pi), GPUMEM_OK);
+  CHECK(pi.exists && pi.use_count == 1 && !pi.routed);
+  CHECK(pi.allocations == 2);
+  CHECK(pi.reserved_bytes >= (6u << 20));
+  void* live[4];
+  CHECK(gpumem_pool_allocations(gm, 1, live, 4) == 2);
+  CHECK((live[0] == b && live[1] == out) || (live[0] == out && live[1] == b));
+  gpumem_stats_t mid;
+  gpumem_get_stats(gm, &mid);
+  CHECK(cur(mid.reserved_bytes) >= cur(before.reserved_bytes) + (int64_t)pi.reserved_bytes);
+
+  /* The graph's buffers freed after capture stay in the pool: a second
+   * capture into the same pool gets the same addresses back. */
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 1, &pi), GPUMEM_OK);
+  CHECK(pi.allocations == 1 && pi.reserved_bytes >= (6u << 20));
+  void* x;
+  CHECK_STATUS(gpumem_malloc(gm, 5 << 20, S_MAIN, &x), GPUMEM_OK); /* not routed: regular */
+  CHECK(x != b);
+  CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+  CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, 8), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 1, 8), GPUMEM_OK);
+  void* b2;
+  CHECK_STATUS(gpumem_malloc(gm, 5 << 20, S_MAIN, &b2), GPUMEM_OK);
+  CHECK(b2 == b);
+  CHECK_STATUS(gpumem_free(gm, b2), GPUMEM_OK);
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 1), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+
+  /* Both graphs gone (two uses), then the last buffer: all goes back. */
+  CHECK_STATUS(gpumem_release_pool(gm, 1), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 1, &pi), GPUMEM_OK);
+  CHECK(pi.exists && pi.use_count == 1);
+  CHECK_STATUS(gpumem_release_pool(gm, 1), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 1, &pi), GPUMEM_OK);
+  CHECK(pi.exists && pi.allocations == 1); /* out is still live */
+  CHECK_STATUS(gpumem_free(gm, out), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 1, &pi), GPUMEM_OK);
+  CHECK(!pi.exists);
+  CHECK_STATUS(gpumem_free(gm, other), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_stats_t after;
+  gpumem_get_stats(gm, &after);
+  CHECK(cur(after.allocated_bytes) == cur(before.allocated_bytes));
+  CHECK(cur(after.allocation) == cur(before.allocation));
+  CHECK(cur(after.segment) == cur(before.segment));
+  CHECK_MSG(cur(after.reserved_bytes) == cur(before.reserved_bytes),
+            "reserved %lld before, %lld after", (long long)cur(before.reserved_bytes),
+            (long long)cur(after.reserved_bytes));
+  CHECK(violations() == 0);
+  CHECK_STATUS(gpumem_free(gm, keep), GPUMEM_OK);
+  gpumem_destroy(gm);
+}
+
+/* A block used on another stream and freed during a capture: no event may
+ * be recorded then; the free completes once the capture ends. */
+static void test_deferred_free(const config_t* c) {
+  gpumem_t* gm = make(c);
+  void* p;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_MAIN, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_record_stream(gm, p, S_SIDE), GPUMEM_OK);
+  CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, 3), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 2, 3), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.allocation) == 0 && cur(st.active) == 1); /* waiting */
+  CHECK(gpumem_check(gm) == 0);
+  void* q;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_MAIN, &q), GPUMEM_OK);
+  CHECK(q != p);
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 2), GPUMEM_OK);
+  /* The flush waits for no capture: the next operation records its event. */
+  void* r;
+  CHECK_STATUS(gpumem_malloc(gm, 512, S_SIDE, &r), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(violations() == 0);
+  CHECK_STATUS(gpumem_free(gm, r), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, q), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 2), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
+static int accept_main(gpumem_stream_t s, void* arg) {
+  (void)arg;
+  return s == S_MAIN;
+}
+
+/* torch.cuda.MemPool: retained, routed by a filter, no capture at all. */
+static void test_mempool(const config_t* c) {
+  gpumem_t* gm = make(c);
+  void* side;
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_SIDE, &side), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, side), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  gpumem_stats_t before;
+  gpumem_get_stats(gm, &before);
+  CHECK_STATUS(gpumem_retain_pool(gm, 9), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 9, accept_main, NULL), GPUMEM_OK);
+  void *a, *b;
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_MAIN, &a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_SIDE, &b), GPUMEM_OK);
+  CHECK(gpumem_pool_allocations(gm, 9, NULL, 0) == 1);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 9), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 9), GPUMEM_OK); /* use_mem_pool's exit */
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, 9, &pi), GPUMEM_OK);
+  CHECK(pi.exists && pi.use_count == 1);
+  CHECK_STATUS(gpumem_free(gm, a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 9, &pi), GPUMEM_OK);
+  CHECK(pi.exists && pi.reserved_bytes > 0);           /* empty_cache leaves a pool alone */
+  CHECK_STATUS(gpumem_release_pool(gm, 9), GPUMEM_OK); /* the MemPool is gone */
+  CHECK_STATUS(gpumem_pool_info(gm, 9, &pi), GPUMEM_OK);
+  CHECK(!pi.exists);
+  gpumem_stats_t after;
+  gpumem_get_stats(gm, &after);
+  CHECK(cur(after.reserved_bytes) == cur(before.reserved_bytes));
+  CHECK(cur(after.segment) == cur(before.segment));
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
+static void test_bad_input(void) {
+  gpumem_t* gm = make(&configs[1]);
+  clear_error();
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 5), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "not being allocated to") != NULL);
+  CHECK_STATUS(gpumem_release_pool(gm, 5), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "does not exist") != NULL);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 0, NULL, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 5, 0), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 5, NULL, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 5, NULL, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "already being allocated to") != NULL);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 5), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 5), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 5), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(gpumem_retain_pool(NULL, 1), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+  /* A backend that cannot say which streams capture. */
+  gpumem_sim_options_t so;
+  gpumem_sim_options_init(&so);
+  gpumem_backend_t* plain = gpumem_sim_create(&so);
+  plain->stream_capture_info = NULL;
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  o.own_backend = 1;
+  gm = gpumem_create(plain, &o, NULL);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 5, 1), GPUMEM_ERR_UNSUPPORTED);
+  CHECK(strstr(gpumem_last_error(), "stream filter") != NULL);
+  gpumem_destroy(gm);
+}
+
+/* ---- randomized ---- */
+
+static uint64_t rng_state;
+static uint64_t rnd(void) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return rng_state;
+}
+
+#define MAX_LIVE 256
+#define MAX_WATCH 4096
+
+typedef struct watch {
+  uintptr_t addr;
+  size_t size;
+  void* host; /* host memory behind addr at capture time */
+  uint64_t pool;
+} watch_t;
+
+static size_t random_size(void) {
+  switch (rnd() % 4) {
+    case 0:
+      return 1 + rnd() % 4096;
+    case 1:
+      return 1 + rnd() % (1 << 20);
+    case 2:
+      return (1 << 20) + rnd() % (6 << 20);
+    default:
+      return 512 * (1 + rnd() % 64);
+  }
+}
+
+static void random_run(const config_t* c, uint64_t seed, int ops) {
+  rng_state = seed * 2654435761u + 1;
+  gpumem_t* gm = make(c);
+  void* live[MAX_LIVE];
+  size_t nlive = 0;
+  static watch_t watch[MAX_WATCH];
+  size_t nwatch = 0;
+  uint64_t pools_live[8] = {0}; /* pool ids with a graph alive */
+  uint64_t next_pool = 100, capture_id = 0, capturing_pool = 0;
+  int failures_on = 0;
+  size_t captured_allocs = 0;
+  for (int op = 0; op < ops; op++) {
+    unsigned what = (unsigned)(rnd() % 100);
+    if (what < 45 && nlive < MAX_LIVE) {
+      gpumem_stream_t s = rnd() % 4 ? S_MAIN : S_SIDE;
+      void* p = NULL;
+      gpumem_status_t st = gpumem_malloc(gm, random_size(), s, &p);
+      CHECK_MSG(st == GPUMEM_OK || st == GPUMEM_ERR_OUT_OF_MEMORY || failures_on,
+                "seed %llu op %d: %s", (unsigned long long)seed, op, gpumem_last_error());
+      if (st == GPUMEM_OK) {
+        live[nlive++] = p;
+        if (rnd() % 8 == 0) gpumem_record_stream(gm, p, s == S_MAIN ? S_SIDE : S_MAIN);
+        if (capturing_pool && s == S_MAIN && nwatch < MAX_WATCH) {
+          void* host = gpumem_sim_host_ptr(sim, (uintptr_t)p);
+          CHECK(host != NULL);
+          watch[nwatch++] = (watch_t){(uintptr_t)p, 512, host, capturing_pool};
+          captured_allocs++;
+        }
+      }
+    } else if (what < 85 && nlive) {
+      size_t i = rnd() % nlive;
+      gpumem_status_t st = gpumem_free(gm, live[i]);
+      CHECK_MSG(st == GPUMEM_OK || failures_on, "seed %llu op %d: %s", (unsigned long long)seed, op,
+                gpumem_last_error());
+      if (st == GPUMEM_OK) live[i] = live[--nlive];
+    } else if (what < 90) {
+      if (!capturing_pool) { /* begin a capture, into a new pool or a live one */
+        uint64_t pool = 0;
+        for (int k = 0; k < 8 && !pool; k++)
+          if (pools_live[k] && rnd() % 3 == 0) pool = pools_live[k];
+        if (!pool) {
+          for (int k = 0; k < 8 && !pool; k++)
+            if (!pools_live[k]) pool = pools_live[k] = next_pool++;
+        }
+        if (pool) {
+          capture_id++;
+          CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, capture_id), GPUMEM_OK);
+          CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, pool, capture_id), GPUMEM_OK);
+          capturing_pool = pool;
+        }
+      } else { /* end it */
+        /* either order: torch ends the capture first */
+        if (rnd() % 2) {
+          CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+          CHECK_STATUS(gpumem_end_allocate_to_pool(gm, capturing_pool), GPUMEM_OK);
+        } else {
+          CHECK_STATUS(gpumem_end_allocate_to_pool(gm, capturing_pool), GPUMEM_OK);
+          CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+        }
+        capturing_pool = 0;
+      }
+    } else if (what < 93 && !capturing_pool) { /* a graph is deleted */
+      int k = (int)(rnd() % 8);
+      if (pools_live[k]) {
+        uint64_t pool = pools_live[k];
+        gpumem_pool_info_t pi;
+        gpumem_pool_info(gm, pool, &pi);
+        for (int u = 0; u < pi.use_count; u++)
+          CHECK_STATUS(gpumem_release_pool(gm, pool), GPUMEM_OK);
+        pools_live[k] = 0;
+        size_t kept = 0;
+        for (size_t w = 0; w < nwatch; w++)
+          if (watch[w].pool != pool) watch[kept++] = watch[w];
+        nwatch = kept;
+      }
+    } else if (what < 95) {
+      /* injected failures: any device call may fail for a while */
+      if (!failures_on && rnd() % 2) {
+        gpumem_sim_fail(sim, -1, (long)(rnd() % 20), (long)(1 + rnd() % 3), GPUMEM_ERR_BACKEND);
+        failures_on = 1;
+      } else {
+        gpumem_sim_fail_clear(sim);
+        failures_on = 0;
+      }
+    } else if (what < 97 && !capturing_pool) {
+      gpumem_status_t st = gpumem_empty_cache(gm);
+      CHECK(st == GPUMEM_OK || failures_on);
+    }
+    size_t bad = gpumem_check(gm);
+    CHECK_MSG(bad == 0, "seed %llu op %d (%s): %s", (unsigned long long)seed, op, c->name,
+              gpumem_last_error());
+    if (bad) break;
+    /* Every address a live graph was given is still on the same memory. */
+    for (size_t w = 0; w < nwatch; w++) {
+      void* host = gpumem_sim_host_ptr(sim, watch[w].addr);
+      if (host != watch[w].host) {
+        CHECK_MSG(host == watch[w].host, "seed %llu op %d: a graph's address 0x%lx moved",
+                  (unsigned long long)seed, op, (unsigned long)watch[w].addr);
+        op = ops;
+        break;
+      }
+    }
+  }
+  gpumem_sim_fail_clear(sim);
+  if (capturing_pool) {
+    CHECK_STATUS(gpumem_end_allocate_to_pool(gm, capturing_pool), GPUMEM_OK);
+    CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  }
+  CHECK_MSG(violations() == 0, "seed %llu: %llu calls made during capture",
+            (unsigned long long)seed, (unsigned long long)violations());
+  CHECK(captured_allocs > 0);
+  while (nlive) CHECK_STATUS(gpumem_free(gm, live[--nlive]), GPUMEM_OK);
+  for (int k = 0; k < 8; k++) {
+    if (!pools_live[k]) continue;
+    gpumem_pool_info_t pi;
+    gpumem_pool_info(gm, pools_live[k], &pi);
+    for (int u = 0; u < pi.use_count; u++) gpumem_release_pool(gm, pools_live[k]);
+    gpumem_pool_info(gm, pools_live[k], &pi);
+    CHECK_MSG(!pi.exists, "seed %llu: pool %llu survives its release with nothing live",
+              (unsigned long long)seed, (unsigned long long)pools_live[k]);
+  }
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.allocation) == 0 && cur(st.active) == 0);
+  gpumem_destroy(gm);
+}
+
+int main(int argc, char** argv) {
+  const char* only = NULL;
+  for (int i = 1; i + 1 < argc; i++)
+    if (!strcmp(argv[i], "--config")) only = argv[i + 1];
+  const char* seed_env = getenv("GPUMEM_RANDOM_SEED");
+  uint64_t first_seed = seed_env ? strtoull(seed_env, NULL, 10) : 1;
+  int seeds = seed_env ? 1 : 6;
+  for (size_t k = 0; k < sizeof configs / sizeof configs[0]; k++) {
+    const config_t* c = &configs[k];
+    if (only && strcmp(only, c->name)) continue;
+    test_capture_and_release(c);
+    test_deferred_free(c);
+    test_mempool(c);
+    for (int s = 0; s < seeds; s++) random_run(c, first_seed + (uint64_t)s, 3000);
+  }
+  if (!only) test_bad_input();
+  return test_finish("test_graphpool");
+}
