@@ -533,6 +533,9 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
           (unsigned long long)t->peak_live_bytes, t->peak_event);
   fprintf(f, ",\"peak_reserved_bytes\":%llu,\"reserved_ratio\":%.4f",
           (unsigned long long)r->peak_reserved_bytes, r->reserved_ratio);
+  if (t->recorded_peak_reserved)
+    fprintf(f, ",\"recorded_peak_reserved_bytes\":%llu",
+            (unsigned long long)t->recorded_peak_reserved);
   fprintf(f, ",\"ns_per_op_cold\":%.1f", r->ns_per_op_cold);
   if (r->ns_per_op_warm >= 0) {
     fprintf(f, ",\"ns_per_op_warm\":%.1f", r->ns_per_op_warm);
@@ -655,6 +658,14 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   fprintf(f, "  %-16s%.3f GiB (%llu bytes), %.4f x peak live%s\n", "peak reserved",
           (double)r->peak_reserved_bytes / GIB, (unsigned long long)r->peak_reserved_bytes,
           r->reserved_ratio, r->oom && r->oom_pass == 0 ? " (up to the failure)" : "");
+  if (t->recorded_peak_reserved) {
+    fprintf(f,
+            "  %-16s%.3f GiB (%llu bytes) in the snapshot's segment events; replayed / "
+            "recorded %.4f\n",
+            "recorded peak", (double)t->recorded_peak_reserved / GIB,
+            (unsigned long long)t->recorded_peak_reserved,
+            (double)r->peak_reserved_bytes / (double)t->recorded_peak_reserved);
+  }
   if (r->warm_passes && t->peak_live_bytes) {
     fprintf(f, "  %-16s%.3f GiB, %.4f x peak live\n", "reserved (warm)",
             (double)r->warm_peak_reserved_bytes / GIB,
