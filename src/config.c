@@ -16,7 +16,7 @@
 
 #define VALID_KEYS                                                                      \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, " \
-  "move_guard, stream_waits, publish, leak_check, oom_snapshot, shared_limit, shared_name"
+  "move_guard, stream_waits, publish, leak_check, oom_snapshot, shared_limit, shared_name, record"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -295,6 +295,7 @@ enum {
   KEY_OOM_SNAPSHOT,
   KEY_SHARED_LIMIT,
   KEY_SHARED_NAME,
+  KEY_RECORD,
   KEY_COUNT
 };
 
@@ -302,7 +303,7 @@ enum {
 static const char* const key_names[KEY_COUNT] = {
     "policy",       "limit",        "fraction",    "reclaim",      "headroom", "max_split_size_mb",
     "placement",    "map_max",      "move_guard",  "stream_waits", "publish",  "leak_check",
-    "oom_snapshot", "shared_limit", "shared_name",
+    "oom_snapshot", "shared_limit", "shared_name", "record",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -413,12 +414,14 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       o->publish = c == 0 ? GPUMEM_PUBLISH_AUTO : c == 1 ? GPUMEM_PUBLISH_ON : GPUMEM_PUBLISH_OFF;
       return GPUMEM_OK;
     }
-    case KEY_OOM_SNAPSHOT: {
-      if (value.n >= sizeof o->oom_snapshot) {
+    case KEY_OOM_SNAPSHOT:
+    case KEY_RECORD: {
+      char* dst = k == KEY_RECORD ? o->record : o->oom_snapshot;
+      if (value.n >= sizeof o->oom_snapshot || (k == KEY_RECORD && value.n == 0)) {
         return bad_value(value, name, "a path shorter than 256 bytes (without ',')");
       }
-      memcpy(o->oom_snapshot, value.p, value.n);
-      o->oom_snapshot[value.n] = '\0';
+      memcpy(dst, value.p, value.n);
+      dst[value.n] = '\0';
       return GPUMEM_OK;
     }
     case KEY_SHARED_LIMIT: {
