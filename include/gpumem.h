@@ -193,6 +193,11 @@ typedef struct gpumem_options {
    * closed to other users, mode 0660. Empty (the default): the budget is
    * this user's alone (mode 0600, its uid in the file's name). */
   char shared_group[40];
+  /* Record every allocation, free and record_stream to this path as a
+   * gzip trace (traces/README.md; src/record.c), "%p" the process id, "%d"
+   * the device; gpumem_record_trace() does the same at run time. Empty
+   * (the default): no recording. */
+  char record[256];
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
@@ -210,9 +215,9 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
  * stream_waits (on|off), publish (auto|on|off), leak_check (on|off),
  * oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
- * name), shared_group (a group's name). Unknown keys and bad values fail
- * with GPUMEM_ERR_CONFIG naming the key and the valid choices; opts is
- * unchanged on failure. */
+ * name), shared_group (a group's name), record (a path without ',').
+ * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
+ * and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
 /* Parses "123", "4K", "1.5G", "2GiB" (binary units). */
 GPUMEM_API gpumem_status_t gpumem_parse_size(const char* text, size_t* out);
@@ -431,6 +436,14 @@ GPUMEM_API gpumem_status_t gpumem_record_history(gpumem_t* gm, size_t max_entrie
  * line = tag}, and leak reports name the tags of what they list (a
  * training step, a layer, a trace's line number). */
 GPUMEM_API void gpumem_set_history_tag(gpumem_t* gm, uint64_t tag);
+/* Records every allocation, free and record_stream from now on to path as
+ * a gzip trace that `gpumem replay` and `gpumem fit` read ("%p": the process
+ * id, "%d": the device); NULL stops and finishes the file. GPUMEM_ERR_IO
+ * when path cannot be written. */
+GPUMEM_API gpumem_status_t gpumem_record_trace(gpumem_t* gm, const char* path);
+/* Marks the end of a training step in the recorded trace (a "# step N"
+ * line); nothing when not recording. */
+GPUMEM_API void gpumem_record_step(gpumem_t* gm);
 /* Writes every segment with the blocks that tile it, and the recorded
  * events, as one JSON object shaped like torch.cuda.memory._snapshot()'s
  * dict ("segments", "device_traces"; PyTorch's memory_viz opens it once

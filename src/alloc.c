@@ -184,7 +184,9 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     }
   }
   gpumem_status_t bst = gm_budget_init(gm);
+  if (bst == GPUMEM_OK && o.record[0]) bst = gm_record_start(gm, o.record);
   if (bst != GPUMEM_OK) {
+    gm_budget_destroy(gm);
     gm_plan_destroy(gm);
     gm_ptr_map_destroy(&gm->ptrs);
     gm_lock_destroy(&gm->lock);
@@ -222,6 +224,7 @@ void gpumem_destroy(gpumem_t* gm) {
   if (gm->opts.leak_check && !gm->leak_checked) gm_leak_check_report(gm, "at destroy");
   gm_lock_acquire(&gm->lock);
   gm_history_destroy(gm);
+  gm_record_destroy(gm);
   gm_publish_close(gm);
   /* Wait for pending frees: their memory may still be in use on a stream. */
   if (gm->pending_count && gm->backend->event_sync) gm_process_events(gm, true);
@@ -593,6 +596,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
   }
   gm_history_add(gm, GM_HISTORY_ALLOC, b->addr, b->size, stream);
+  gm_record(gm, 'a', b->serial, size, stream);
   gm_publish_after_op(gm);
   *out = (void*)b->addr;
   return GPUMEM_OK;
@@ -680,6 +684,7 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
   gm_history_add_block(gm, GM_HISTORY_FREE_REQUESTED, b);
+  gm_record(gm, 'f', b->serial, 0, 0);
   if (b->seg->is_arena) {
     b->pool->stream->frees_since_sync++;
     b->pool->stream->frees_total++;
@@ -720,6 +725,7 @@ gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t st
   gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
   gpumem_status_t st = b ? gm_block_add_use(b, stream)
                          : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
+  if (st == GPUMEM_OK) gm_record(gm, 'r', b->serial, 0, stream);
   gm_lock_release(&gm->lock);
   return st;
 }

@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name, shared_group"
+  "shared_name, shared_group, record"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -298,6 +298,7 @@ enum {
   KEY_SHARED_NAME,
   KEY_MOVE_BUDGET,
   KEY_SHARED_GROUP,
+  KEY_RECORD,
   KEY_COUNT
 };
 
@@ -308,7 +309,7 @@ static const char* const key_names[KEY_COUNT] = {
     "placement",    "map_max",      "move_guard",
     "stream_waits", "publish",      "leak_check",
     "oom_snapshot", "shared_limit", "shared_name",
-    "move_budget",  "shared_group",
+    "move_budget",  "shared_group", "record",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -422,12 +423,14 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       o->publish = c == 0 ? GPUMEM_PUBLISH_AUTO : c == 1 ? GPUMEM_PUBLISH_ON : GPUMEM_PUBLISH_OFF;
       return GPUMEM_OK;
     }
-    case KEY_OOM_SNAPSHOT: {
-      if (value.n >= sizeof o->oom_snapshot) {
+    case KEY_OOM_SNAPSHOT:
+    case KEY_RECORD: {
+      char* dst = k == KEY_RECORD ? o->record : o->oom_snapshot;
+      if (value.n >= sizeof o->oom_snapshot || (k == KEY_RECORD && value.n == 0)) {
         return bad_value(value, name, "a path shorter than 256 bytes (without ',')");
       }
-      memcpy(o->oom_snapshot, value.p, value.n);
-      o->oom_snapshot[value.n] = '\0';
+      memcpy(dst, value.p, value.n);
+      dst[value.n] = '\0';
       return GPUMEM_OK;
     }
     case KEY_SHARED_LIMIT: {

@@ -399,11 +399,12 @@ struct gpumem {
   } guard;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
   gm_planner planner;
-  struct gm_history* history; /* recorded events (history.c); NULL: not recording */
-  uint64_t history_tag;       /* carried by the events and allocations from now on */
-  uint64_t num_mallocs;       /* allocations made, never reset: leak marks (leaks.c) */
-  bool leak_checked;          /* gpumem_leak_check_now ran: destroy and exit stay quiet */
-  struct gm_budget* budget;   /* option shared_limit (budget.c); NULL: none */
+  struct gm_history* history;   /* recorded events (history.c); NULL: not recording */
+  uint64_t history_tag;         /* carried by the events and allocations from now on */
+  struct gm_recorder* recorder; /* option record (record.c); NULL: not recording */
+  uint64_t num_mallocs;         /* allocations made, never reset: leak marks (leaks.c) */
+  bool leak_checked;            /* gpumem_leak_check_now ran: destroy and exit stay quiet */
+  struct gm_budget* budget;     /* option shared_limit (budget.c); NULL: none */
   /* Publication (publish.c): the mapped page, once made. */
   bool publish_wanted; /* publish after operations (cleared when the file fails) */
   bool publish_failed;
@@ -747,6 +748,16 @@ void gm_history_destroy(gpumem_t* gm);
 static inline void gm_history_add(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,
                                   gpumem_stream_t stream) {
   if (GM_UNLIKELY(gm->history != NULL)) gm_history_note(gm, action, addr, size, stream);
+}
+/* Recording the requests as a trace (record.c): op 'a', 'f' or 'r'. One
+ * load and branch while off. */
+GM_COLD void gm_record_note(gpumem_t* gm, char op, uint64_t serial, uint64_t size,
+                            gpumem_stream_t stream);
+gpumem_status_t gm_record_start(gpumem_t* gm, const char* path);
+void gm_record_destroy(gpumem_t* gm);
+static inline void gm_record(gpumem_t* gm, char op, uint64_t serial, uint64_t size,
+                             gpumem_stream_t stream) {
+  if (GM_UNLIKELY(gm->recorder != NULL)) gm_record_note(gm, op, serial, size, stream);
 }
 static inline void gm_history_add_block(gpumem_t* gm, int action, const gm_block* b) {
   if (GM_UNLIKELY(gm->history != NULL)) gm_history_note_block(gm, action, b);

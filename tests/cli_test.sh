@@ -434,5 +434,52 @@ expect_in 'unknown key "limt"' "$err" "report --conf with a typo"
 run "$BIN" report --frobnicate "$TINY"
 expect_rc 2 "report with an unknown option"
 
+# ---- PyTorch snapshots, the peer models, fit ----
+SNAP="$SRC/tests/snapshots"
+run "$BIN" replay --passes 0 --policy pytorch --json "$SNAP/small.pickle"
+expect_rc 0 "replay a snapshot pickle"
+expect_in '"recorded_peak_reserved_bytes":' "$out" "replay of a snapshot shows the recorded peak"
+pk=$(echo "$out" | sed 's/.*"peak_reserved_bytes":\([0-9]*\).*/\1/')
+run "$BIN" replay --passes 0 --policy pytorch --json "$SNAP/small.trace"
+pt=$(echo "$out" | sed 's/.*"peak_reserved_bytes":\([0-9]*\).*/\1/')
+expect_true "snapshot and trace of one sequence replay alike ($pk, $pt)" [ "$pk" = "$pt" ]
+run "$BIN" replay "$SNAP/truncated.pickle"
+expect_rc 1 "replay a snapshot whose ring wrapped"
+expect_in "at least 5 events are lost" "$err" "a wrapped ring says how much is lost"
+run "$BIN" summary "$SNAP/no_history.pickle"
+expect_rc 1 "summary of a snapshot without history"
+expect_in "no allocation history" "$err" "summary of a snapshot without history"
+
+run "$BIN" replay --policy pytorch --conf EXPANDABLE_SEGMENTS:true --json "$SNAP/small.trace"
+expect_rc 0 "replay the expandable segments model"
+expect_in '"policy":"pytorch-expandable"' "$out" "expandable segments chosen by PyTorch's key"
+run "$BIN" replay --policy async --min-limit "$SNAP/small.trace"
+expect_rc 0 "replay the cudaMallocAsync model"
+expect_in "cudaMallocAsync" "$out" "the async model names itself"
+expect_in "min limit" "$out" "the async model's min limit"
+run "$BIN" replay --policy async --limit 100M "$SNAP/small.trace"
+expect_rc 0 "the async model under a small limit"
+expect_in "oom             yes" "$out" "the async model runs out under a small limit"
+run "$BIN" replay --policy default --conf expandable_segments:True "$SNAP/small.trace"
+expect_rc 1 "expandable segments with the default policy"
+expect_in "--policy pytorch" "$err" "expandable segments need the pytorch policy"
+run "$BIN" replay --conf expandable_segments:maybe "$SNAP/small.trace"
+expect_rc 1 "a bad expandable_segments value"
+run "$BIN" summary --conf expandable_segments:True "$SNAP/small.trace"
+expect_rc 1 "expandable segments only in replay and fit"
+
+run "$BIN" fit --memory 80G "$SNAP/small.pickle"
+expect_rc 0 "fit in 80G"
+for row in "pytorch " "pytorch expandable" "cudaMallocAsync" "gpumem default" "gpumem pressure"; do
+  expect_in "$row" "$out" "fit has a row for $row"
+done
+expect_in "gpumem's default needs" "$out" "fit says what gpumem's default needs"
+run "$BIN" fit --memory 150M --json "$SNAP/small.trace"
+expect_rc 0 "fit --json"
+n=$(echo "$out" | grep -c '"fits":false')
+expect_true "nothing fits in 150M (peak live 190M): $n rows say so" [ "$n" -eq 5 ]
+run "$BIN" fit "$SNAP/small.trace"
+expect_rc 2 "fit without --memory"
+
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -15,6 +15,7 @@
 
 #include "gpumem.h"
 #include "internal.h" /* gm_format_bytes */
+#include "peer_models.h"
 #include "replay.h"
 #include "report.h"
 #include "run.h"
@@ -61,6 +62,7 @@ static const char usage_main[] =
     "commands:\n"
     "  replay    replay allocation traces and report memory and host cost\n"
     "  summary   replay one trace and print the allocator's summary at its end\n"
+    "  fit       does a job fit in N GiB under each allocator, and how much it needs\n"
     "  explain   where reserved memory sits at the moment of peak reserved\n"
     "  leaks     the allocations a trace leaves live at its end\n"
     "  report    one HTML page about a trace: memory over time, the peak, leaks\n"
@@ -72,14 +74,18 @@ static const char usage_main[] =
 static const char usage_replay[] =
     "usage: gpumem replay [options] TRACE...\n"
     "\n"
-    "Replays each trace (gzip or plain text, traces/README.md) through gpumem:\n"
+    "Replays each trace (gzip or plain text, traces/README.md, or a PyTorch\n"
+    "memory snapshot pickle) through gpumem:\n"
     "one cold pass from an empty allocator, then warm passes from its cache.\n"
     "\n"
     "options:\n"
-    "  --policy default|pytorch  allocation policy (default: default)\n"
+    "  --policy default|pytorch|async  allocation policy (default: default); async:\n"
+    "                            a model of cudaMallocAsync (release threshold never)\n"
     "  --limit SIZE              hard cap on reserved memory (e.g. 12G, 1.5GiB)\n"
     "  --limit-ratio R           cap at R x each trace's peak live bytes\n"
-    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...);\n"
+    "                            with --policy pytorch, expandable_segments:True replays\n"
+    "                            a model of PyTorch's expandable segments\n"
     "  --passes N                warm passes after the cold one (default 3)\n"
     "  --device sim|cuda         simulated device (default) or the real GPU\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
@@ -191,7 +197,9 @@ enum {
   OPT_COMPARE,
   OPT_SNAPSHOT,
   OPT_SINCE_LINE,
+  OPT_MEMORY,
   OPT_HELP,
+  OPT_PEER_MODELS, /* not an option: the command replays the peer models too */
 };
 
 typedef struct option_spec {
@@ -217,6 +225,7 @@ static const option_spec_t all_options[] = {
     {"compare", OPT_COMPARE, 0},
     {"snapshot", OPT_SNAPSHOT, 1},
     {"since-line", OPT_SINCE_LINE, 1},
+    {"memory", OPT_MEMORY, 1},
     {"help", OPT_HELP, 0},
 };
 
@@ -229,6 +238,9 @@ typedef struct cli {
   int help;
   const char* snapshot; /* explain: write the snapshot at the peak here */
   int since_line;       /* leaks: count allocations from this trace line on */
+  peer_model_t peer;    /* replay through a model of another allocator */
+  size_t memory;        /* fit: the device memory asked about */
+  char conf_rest[1024]; /* --conf without PyTorch's expandable_segments key */
   const char** traces;
   int num_traces;
 } cli_t;
@@ -301,8 +313,12 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
           c->policy = GPUMEM_POLICY_DEFAULT;
         } else if (strcmp(value, "pytorch") == 0) {
           c->policy = GPUMEM_POLICY_PYTORCH;
+        } else if (strcmp(value, "async") == 0 && (allowed >> OPT_PEER_MODELS) & 1) {
+          c->policy = GPUMEM_POLICY_PYTORCH;
+          cli->peer = PEER_ASYNC;
         } else {
-          return error("bad --policy '%s' (valid: default, pytorch)", value);
+          return error("bad --policy '%s' (valid: default, pytorch%s)", value,
+                       (allowed >> OPT_PEER_MODELS) & 1 ? ", async" : "");
         }
         c->policy_set = 1;
         break;
@@ -312,8 +328,22 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
       case OPT_LIMIT_RATIO:
         ratio_text = value;
         break;
-      case OPT_CONF:
-        c->conf = value;
+      case OPT_CONF: {
+        /* PyTorch's own key selects the model of its expandable segments */
+        int expandable = -1;
+        if (peer_take_expandable(value, cli->conf_rest, sizeof cli->conf_rest, &expandable) !=
+            GPUMEM_OK)
+          return error("bad --conf '%s': %s", value, detail(gpumem_last_error()));
+        if (expandable == 1 && !((allowed >> OPT_PEER_MODELS) & 1))
+          return error("--conf expandable_segments:True is a model: only replay and fit take it");
+        if (expandable == 1) cli->peer = PEER_EXPANDABLE;
+        c->conf = cli->conf_rest;
+        break;
+      }
+      case OPT_MEMORY:
+        if (gpumem_parse_size(value, &cli->memory) != GPUMEM_OK || cli->memory == 0)
+          return error("bad --memory '%s' (bytes with an optional K/M/G/T suffix, e.g. 80G)",
+                       value);
         break;
       case OPT_PASSES:
         if (!parse_count(value, 0, REPLAY_MAX_PASSES - 1, &c->warm_passes)) {
@@ -397,6 +427,11 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
     }
   }
   if (cli->help) return 0;
+  if (cli->peer == PEER_EXPANDABLE && cli->config.policy_set &&
+      cli->config.policy != GPUMEM_POLICY_PYTORCH)
+    return error("expandable_segments:True is PyTorch's setting: give it with --policy pytorch");
+  if (cli->peer == PEER_ASYNC && cli->config.conf && cli->config.conf[0])
+    return error("--policy async takes no --conf (cudaMallocAsync has no gpumem settings)");
 
   if (limit_text && ratio_text) return error("give either --limit or --limit-ratio, not both");
   if (limit_text) {
@@ -571,6 +606,9 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
           (unsigned long long)t->peak_live_bytes, t->peak_event);
   fprintf(f, ",\"peak_reserved_bytes\":%llu,\"reserved_ratio\":%.4f",
           (unsigned long long)r->peak_reserved_bytes, r->reserved_ratio);
+  if (t->recorded_peak_reserved)
+    fprintf(f, ",\"recorded_peak_reserved_bytes\":%llu",
+            (unsigned long long)t->recorded_peak_reserved);
   fprintf(f, ",\"ns_per_op_cold\":%.1f", r->ns_per_op_cold);
   if (r->ns_per_op_warm >= 0) {
     fprintf(f, ",\"ns_per_op_warm\":%.1f", r->ns_per_op_warm);
@@ -702,6 +740,14 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   fprintf(f, "  %-16s%.3f GiB (%llu bytes), %.4f x peak live%s\n", "peak reserved",
           (double)r->peak_reserved_bytes / GIB, (unsigned long long)r->peak_reserved_bytes,
           r->reserved_ratio, r->oom && r->oom_pass == 0 ? " (up to the failure)" : "");
+  if (t->recorded_peak_reserved) {
+    fprintf(f,
+            "  %-16s%.3f GiB (%llu bytes) in the snapshot's segment events; replayed / "
+            "recorded %.4f\n",
+            "recorded peak", (double)t->recorded_peak_reserved / GIB,
+            (unsigned long long)t->recorded_peak_reserved,
+            (double)r->peak_reserved_bytes / (double)t->recorded_peak_reserved);
+  }
   if (r->warm_passes && t->peak_live_bytes) {
     fprintf(f, "  %-16s%.3f GiB, %.4f x peak live\n", "reserved (warm)",
             (double)r->warm_peak_reserved_bytes / GIB,
@@ -1045,6 +1091,233 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
   return failed ? EXIT_FAILURE : 0;
 }
 
+/* replay through a peer model: peak reserved, out of memory under the
+ * limit, the smallest limit; human or JSON. */
+static int run_peer(const trace_t* t, const cli_t* cli) {
+  uint64_t limit = cli->config.limit_bytes;
+  if (cli->config.limit_ratio > 0)
+    limit = (uint64_t)(cli->config.limit_ratio * (double)t->peak_live_bytes);
+  peer_result_t r;
+  uint64_t min = 0;
+  if (peer_run(t, cli->peer, limit, 0, &r) != GPUMEM_OK ||
+      (cli->min_limit &&
+       peer_min_limit(t, cli->peer, cli->config.min_limit_tolerance, 0, &min) != GPUMEM_OK))
+    return error("%s", detail(gpumem_last_error()));
+  double live = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
+  if (cli->json) {
+    printf("{\"trace\":");
+    json_string(stdout, t->path);
+    printf(",\"name\":");
+    json_string(stdout, t->name);
+    printf(",\"policy\":\"%s\",\"model\":true,\"events\":%zu,\"allocations\":%zu",
+           peer_model_name(cli->peer), t->num_events, t->num_allocs);
+    printf(",\"peak_live_bytes\":%llu,\"peak_reserved_bytes\":%llu,\"reserved_ratio\":%.4f",
+           (unsigned long long)t->peak_live_bytes, (unsigned long long)r.peak_reserved_bytes,
+           (double)r.peak_reserved_bytes / live);
+    if (t->recorded_peak_reserved)
+      printf(",\"recorded_peak_reserved_bytes\":%llu",
+             (unsigned long long)t->recorded_peak_reserved);
+    printf(",\"limit_bytes\":%llu,\"oom\":%s", (unsigned long long)limit, r.oom ? "true" : "false");
+    if (r.oom)
+      printf(",\"oom_event\":%zu,\"oom_size\":%llu", r.oom_event, (unsigned long long)r.oom_size);
+    if (cli->min_limit)
+      printf(",\"min_limit_bytes\":%llu,\"min_limit_ratio\":%.4f", (unsigned long long)min,
+             (double)min / live);
+    printf(",\"maps\":%llu,\"unmaps\":%llu}\n", (unsigned long long)r.num_maps,
+           (unsigned long long)r.num_unmaps);
+    return 0;
+  }
+  printf("%s (%s)\n", t->name, t->path);
+  printf("  %-16s%s (a model of it, no device)", "policy", peer_model_name(cli->peer));
+  if (limit) {
+    printf(", limit %.3f GiB\n", (double)limit / GIB);
+  } else {
+    printf(", no limit\n");
+  }
+  printf("  %-16s%zu (%zu allocations, %zu frees)\n", "events", t->num_events, t->num_allocs,
+         t->num_frees);
+  printf("  %-16s%.3f GiB (%llu bytes)\n", "peak live", (double)t->peak_live_bytes / GIB,
+         (unsigned long long)t->peak_live_bytes);
+  printf("  %-16s%.3f GiB (%llu bytes), %.4f x peak live%s\n", "peak reserved",
+         (double)r.peak_reserved_bytes / GIB, (unsigned long long)r.peak_reserved_bytes,
+         (double)r.peak_reserved_bytes / live, r.oom ? " (up to the failure)" : "");
+  if (t->recorded_peak_reserved)
+    printf("  %-16s%.3f GiB in the snapshot's segment events; model / recorded %.4f\n",
+           "recorded peak", (double)t->recorded_peak_reserved / GIB,
+           (double)r.peak_reserved_bytes / (double)t->recorded_peak_reserved);
+  if (r.oom) {
+    printf("  %-16syes: event %zu (line %u), %llu bytes\n", "oom", r.oom_event,
+           t->events[r.oom_event].line, (unsigned long long)r.oom_size);
+  } else {
+    printf("  %-16sno\n", "oom");
+  }
+  if (cli->min_limit)
+    printf("  %-16s%.3f GiB (%llu bytes), %.4f x peak live\n", "min limit", (double)min / GIB,
+           (unsigned long long)min, (double)min / live);
+  printf("  %-16s%llu maps, %llu unmaps\n", "physical", (unsigned long long)r.num_maps,
+         (unsigned long long)r.num_unmaps);
+  return 0;
+}
+
+/* ---- fit -------------------------------------------------------------- */
+
+static const char usage_fit[] =
+    "usage: gpumem fit --memory SIZE [options] TRACE...\n"
+    "\n"
+    "Does the job fit in SIZE of device memory, under each allocator a PyTorch\n"
+    "user can choose and under gpumem? For each: whether the trace replays\n"
+    "under a hard limit of SIZE, the peak reserved memory (no limit) and the\n"
+    "smallest limit under which it replays (the memory the job needs).\n"
+    "TRACE: a gpumem trace (GPUMEM_CONF=record:PATH) or a PyTorch memory\n"
+    "snapshot pickle (torch.cuda.memory._dump_snapshot).\n"
+    "\n"
+    "options:\n"
+    "  --memory SIZE             the device memory to fit in (e.g. 80G)\n"
+    "  --min-limit-tolerance F   bisect the needed memory to F x peak live (default:\n"
+    "                            one page or 0.25%, the finer)\n"
+    "  --json                    one JSON object per row\n"
+    "  -h, --help                this text\n";
+
+typedef struct fit_row {
+  const char* name;  /* what the user would pick */
+  const char* how;   /* how to pick it */
+  peer_model_t peer; /* a model, or PEER_NONE for the engine */
+  gpumem_policy_t policy;
+  const char* conf;
+} fit_row_t;
+
+static const fit_row_t fit_rows[] = {
+    {"pytorch", "PyTorch's default allocator", PEER_NONE, GPUMEM_POLICY_PYTORCH, NULL},
+    {"pytorch expandable", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", PEER_EXPANDABLE,
+     GPUMEM_POLICY_PYTORCH, NULL},
+    {"cudaMallocAsync", "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync", PEER_ASYNC,
+     GPUMEM_POLICY_PYTORCH, NULL},
+    {"gpumem default", "gpumem.torch.enable()", PEER_NONE, GPUMEM_POLICY_DEFAULT, NULL},
+    {"gpumem pressure", "enable(\"reclaim:pressure,placement:bestfit\")", PEER_NONE,
+     GPUMEM_POLICY_DEFAULT, "reclaim:pressure,placement:bestfit"},
+};
+
+typedef struct fit_result {
+  int fits;
+  uint64_t peak_reserved; /* no limit */
+  uint64_t needed;        /* smallest limit */
+} fit_result_t;
+
+static int fit_one(const trace_t* t, const fit_row_t* row, const cli_t* cli, progress_t* progress,
+                   fit_result_t* out) {
+  if (row->peer != PEER_NONE) {
+    peer_result_t r;
+    if (peer_run(t, row->peer, 0, 0, &r) != GPUMEM_OK)
+      return error("%s", detail(gpumem_last_error()));
+    out->peak_reserved = r.peak_reserved_bytes;
+    if (peer_run(t, row->peer, cli->memory, 0, &r) != GPUMEM_OK ||
+        peer_min_limit(t, row->peer, cli->config.min_limit_tolerance, 0, &out->needed) != GPUMEM_OK)
+      return error("%s", detail(gpumem_last_error()));
+    out->fits = !r.oom;
+    return 0;
+  }
+  replay_result_t* r = malloc(sizeof *r);
+  if (!r) return error("out of host memory");
+  replay_config_t c = cli->config;
+  c.policy = row->policy;
+  c.policy_set = 1;
+  c.conf = row->conf;
+  c.warm_passes = 0;
+  int rc = run_one(t, &c, 1, progress, r);
+  if (rc == 0) {
+    out->peak_reserved = r->peak_reserved_bytes;
+    out->needed = r->min_limit_found ? r->min_limit_bytes : 0;
+    c.limit_bytes = cli->memory;
+    rc = run_one(t, &c, 0, progress, r);
+    out->fits = rc == 0 && !r->oom;
+  }
+  free(r);
+  return rc;
+}
+
+static int cmd_fit(int argc, char** argv) {
+  cli_t cli;
+  memset(&cli, 0, sizeof cli);
+  unsigned allowed =
+      (1u << OPT_MEMORY) | (1u << OPT_JSON) | (1u << OPT_MIN_LIMIT_TOLERANCE) | (1u << OPT_HELP);
+  int rc = parse_args(argc, argv, allowed, usage_fit, &cli);
+  if (rc == 0 && cli.help) {
+    fputs(usage_fit, stdout);
+  } else if (rc == 0 && cli.num_traces == 0) {
+    rc = usage_error(usage_fit, "no trace given");
+  } else if (rc == 0 && cli.memory == 0) {
+    rc = usage_error(usage_fit, "--memory SIZE is needed (the device memory to fit in)");
+  }
+  trace_t** traces = NULL;
+  if (rc != 0 || cli.help || (rc = load_all(&cli, &traces)) != 0) {
+    free(cli.traces);
+    return rc;
+  }
+  progress_t progress = {0};
+  progress.enabled = isatty(STDERR_FILENO);
+  for (int i = 0; i < cli.num_traces && rc == 0; i++) {
+    const trace_t* t = traces[i];
+    double live = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
+    if (!cli.json) {
+      printf("%s: peak live %.3f GiB; does it fit in %.3f GiB?\n\n", t->name,
+             (double)t->peak_live_bytes / GIB, (double)cli.memory / GIB);
+      printf("%-20s %-5s %-22s %-22s %s\n", "allocator", "fits", "peak reserved", "memory needed",
+             "how to choose it");
+      printf("%.*s\n", 110,
+             "------------------------------------------------------------------------------"
+             "--------------------------------");
+    }
+    uint64_t default_needed = 0;
+    for (size_t k = 0; k < sizeof fit_rows / sizeof fit_rows[0]; k++) {
+      fit_result_t f = {0};
+      if (fit_one(t, &fit_rows[k], &cli, &progress, &f) != 0) {
+        rc = EXIT_FAILURE;
+        break;
+      }
+      if (k == 3) default_needed = f.needed;
+      if (cli.json) {
+        printf("{\"trace\":");
+        json_string(stdout, t->path);
+        printf(",\"allocator\":\"%s\",\"model\":%s,\"memory_bytes\":%zu,\"fits\":%s",
+               fit_rows[k].name, fit_rows[k].peer != PEER_NONE ? "true" : "false", cli.memory,
+               f.fits ? "true" : "false");
+        printf(",\"peak_live_bytes\":%llu,\"peak_reserved_bytes\":%llu,\"needed_bytes\":%llu}\n",
+               (unsigned long long)t->peak_live_bytes, (unsigned long long)f.peak_reserved,
+               (unsigned long long)f.needed);
+        continue;
+      }
+      char peak[40], need[40];
+      snprintf(peak, sizeof peak, "%.3f GiB (%.3fx)", (double)f.peak_reserved / GIB,
+               (double)f.peak_reserved / live);
+      if (f.needed) {
+        snprintf(need, sizeof need, "%.3f GiB (%.3fx)", (double)f.needed / GIB,
+                 (double)f.needed / live);
+      } else {
+        snprintf(need, sizeof need, "-");
+      }
+      printf("%-20s %-5s %-22s %-22s %s\n", fit_rows[k].name, f.fits ? "yes" : "NO", peak, need,
+             fit_rows[k].how);
+    }
+    if (!cli.json && rc == 0) {
+      printf(
+          "\npeak reserved: with no limit; memory needed: the smallest hard limit under which "
+          "the job replays\n(x: over peak live). pytorch and the gpumem rows replay gpumem's "
+          "engine; the expandable\nand cudaMallocAsync rows are models (docs/whatif.md: within "
+          "0.5%% and 3.2%% of the H200's figures).\n");
+      if (default_needed)
+        printf("gpumem's default needs %.3f GiB.\n", (double)default_needed / GIB);
+      if (t->recorded_peak_reserved)
+        printf("The recording process reserved %.3f GiB at its peak (snapshot segment events).\n",
+               (double)t->recorded_peak_reserved / GIB);
+      if (i + 1 < cli.num_traces) printf("\n");
+    }
+  }
+  for (int i = 0; i < cli.num_traces; i++) trace_free(traces[i]);
+  free(traces);
+  free(cli.traces);
+  return rc;
+}
+
 static int cmd_replay(int argc, char** argv) {
   cli_t cli;
   memset(&cli, 0, sizeof cli);
@@ -1052,18 +1325,26 @@ static int cmd_replay(int argc, char** argv) {
                      (1u << OPT_CONF) | (1u << OPT_PASSES) | (1u << OPT_DEVICE) |
                      (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) |
                      (1u << OPT_MIN_LIMIT_TOLERANCE) | (1u << OPT_STEADY) | (1u << OPT_STEP_MS) |
-                     (1u << OPT_STEPS) | (1u << OPT_JSON) | (1u << OPT_COMPARE) | (1u << OPT_HELP);
+                     (1u << OPT_STEPS) | (1u << OPT_JSON) | (1u << OPT_COMPARE) | (1u << OPT_HELP) |
+                     (1u << OPT_PEER_MODELS);
   int rc = parse_args(argc, argv, allowed, usage_replay, &cli);
   if (rc == 0 && cli.help) {
     fputs(usage_replay, stdout);
   } else if (rc == 0 && cli.num_traces == 0) {
     rc = usage_error(usage_replay, "no trace given");
-  } else if (rc == 0 && cli.compare && cli.config.policy_set) {
+  } else if (rc == 0 && cli.compare && (cli.config.policy_set || cli.peer)) {
     rc = usage_error(usage_replay, "--compare replays both policies: drop --policy");
   } else if (rc == 0 && (cli.config.step_ms > 0) != (cli.config.steps > 0)) {
     rc = usage_error(usage_replay,
                      "--step-ms and --steps go together (a step's time, and how "
                      "many steps the trace holds)");
+  } else if (rc == 0 && cli.peer &&
+             (cli.config.device != REPLAY_DEVICE_SIM || cli.steady ||
+              cli.config.warm_passes != 3)) {
+    rc = usage_error(usage_replay,
+                     "the %s model replays on no device: drop --device, --steady "
+                     "and --passes",
+                     peer_model_name(cli.peer));
   }
   if (rc != 0 || cli.help) {
     free(cli.traces);
@@ -1080,6 +1361,9 @@ static int cmd_replay(int argc, char** argv) {
 
   if (cli.compare) {
     rc = cmd_compare(&cli, traces, &progress);
+  } else if (cli.peer) {
+    for (int i = 0; i < cli.num_traces; i++)
+      if (run_peer(traces[i], &cli) != 0) rc = EXIT_FAILURE;
   } else {
     replay_result_t* r = malloc(sizeof *r);
     if (!r) {
@@ -1396,7 +1680,7 @@ typedef struct command {
 static const command_t commands[] = {
     {"replay", cmd_replay}, {"summary", cmd_summary},  {"explain", cmd_explain},
     {"leaks", cmd_leaks},   {"report", gm_cli_report}, {"top", gm_cli_top},
-    {"run", gm_cli_run},
+    {"run", gm_cli_run},    {"fit", cmd_fit},
 };
 
 int main(int argc, char** argv) {

@@ -12,6 +12,9 @@
 #include <string.h>
 #include <zlib.h>
 
+#include "pickle.h"
+#include "snapshot.h"
+
 /* ---- a small hash map: 64-bit key -> 32-bit value -------------------- */
 
 /* Keys are never removed: the ID map keeps each ID's latest slot and the
@@ -375,7 +378,7 @@ static char* trace_name(const char* path) {
   const char* base = strrchr(path, '/');
   base = base ? base + 1 : path;
   size_t len = strlen(base);
-  static const char* const suffixes[] = {".gz", ".trace", ".txt"};
+  static const char* const suffixes[] = {".gz", ".trace", ".txt", ".pickle", ".pkl"};
   for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
     size_t sl = strlen(suffixes[i]);
     if (len > sl && memcmp(base + len - sl, suffixes[i], sl) == 0) len -= sl;
@@ -444,6 +447,11 @@ done:
   return GPUMEM_OK;
 }
 
+static int has_suffix(const char* s, const char* suffix) {
+  size_t n = strlen(s), k = strlen(suffix);
+  return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
 gpumem_status_t trace_load(const char* path, trace_t** out) {
   *out = NULL;
   errno = 0;
@@ -505,7 +513,17 @@ gpumem_status_t trace_load(const char* path, trace_t** out) {
       goto done;
     }
   }
-  st = trace_parse(path, buf, len, out);
+  if (pickle_looks_like((const unsigned char*)buf, len)) {
+    st = snapshot_to_trace(path, (const unsigned char*)buf, len, out);
+  } else if (has_suffix(path, ".pickle") || has_suffix(path, ".pkl")) {
+    gpumem_set_last_error(
+        "%s: not a pickle (a PyTorch snapshot pickle starts with byte 0x80 and a protocol "
+        "number 2 to 5)",
+        path);
+    st = GPUMEM_ERR_IO;
+  } else {
+    st = trace_parse(path, buf, len, out);
+  }
 
 done:
   free(buf);

@@ -55,6 +55,14 @@ typedef struct trace {
   size_t steady_from_event;
   size_t steady_period;
   int steady_reps;
+  /* Read from a PyTorch memory snapshot pickle (snapshot.h): which device,
+   * how many allocations were made up for as lost (GPUMEM_SNAPSHOT_PARTIAL),
+   * and the peak reserved memory its segment events show the recording
+   * process had (0 = unknown). */
+  int from_snapshot;
+  int snapshot_device;
+  size_t snapshot_lost_events;
+  uint64_t recorded_peak_reserved;
 } trace_t;
 
 /* Reads path (gzip or plain) and validates every line. On failure returns

@@ -13,6 +13,7 @@ import gc
 import json
 import math
 import operator
+import os
 import sys
 import threading
 import warnings
@@ -390,6 +391,18 @@ class Allocator:
         and forgets them."""
         n = min(_checked_int(max_entries or 0, "max_entries"), MAX_HISTORY_ENTRIES)
         _lib.check(self._lib.gpumem_record_history(self._h(), n), "record_memory_history")
+
+    def record_trace(self, path):
+        """Records every allocation, free and record_stream from now on to
+        path as a gzip trace that `gpumem replay` and `gpumem fit` read
+        ("%p": the process id, "%d": the device); None stops and finishes
+        the file."""
+        arg = None if path is None else os.fsencode(path)
+        _lib.check(self._lib.gpumem_record_trace(self._h(), arg), "record_trace")
+
+    def record_step(self):
+        """Marks the end of a training step in the recorded trace."""
+        self._lib.gpumem_record_step(self._h())
 
     def set_history_tag(self, tag):
         """Events recorded and allocations made from now on carry tag (an

@@ -118,6 +118,8 @@ _PROTOTYPES = {
     "gpumem_check": (size_t, [vp]),
     "gpumem_record_history": (cint, [vp, size_t]),
     "gpumem_set_history_tag": (None, [vp, u64]),
+    "gpumem_record_trace": (cint, [vp, cstr]),
+    "gpumem_record_step": (None, [vp]),
     "gpumem_leak_mark": (u64, [vp]),
     "gpumem_leak_check_now": (None, [vp, cstr]),
     "gpumem_shared_budget": (cint, [vp, ctypes.POINTER(SharedBudget)]),

@@ -927,6 +927,7 @@ def enable(conf=None, shim=True):
         state.pluggable = pluggable  # torch keeps its own reference too
         _install_patches(torch, state.originals, why_no_graphs=state.why_no_graphs)
         _state = state
+        _record_steps_from_conf()
         return status()
 
 
@@ -946,6 +947,50 @@ def watch_leaks(patience=3, action="warn", device=None):
     watcher = _alloc.StepLeakWatcher(_alloc.allocator(device), patience, action)
     watcher._hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: watcher.step())
     return watcher
+
+
+def record(path, device=None, steps=True):
+    """Records this process's allocations, frees and record_streams on
+    device from now on to path (a gzip trace; "%p": the process id, "%d":
+    the device), with a "# step N" line after every optimizer step
+    (torch.optim's global step hook) when steps is true. Call it before the
+    job allocates (weights included), as GPUMEM_CONF=record:PATH does from
+    the start. Returns a handle whose stop() finishes the file; replay it
+    with `gpumem replay` or `gpumem fit --memory 80G PATH`."""
+    _torch()
+    alloc = _alloc.allocator(device)
+    alloc.record_trace(path)
+    hook = None
+    if steps:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: alloc.record_step())
+    return _Recording(alloc, hook)
+
+
+class _Recording:
+    def __init__(self, alloc, hook):
+        self._alloc = alloc
+        self._hook = hook
+
+    def stop(self):
+        """Stops recording and finishes the file."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._alloc.record_trace(None)
+
+
+def _record_steps_from_conf():
+    """GPUMEM_CONF=record:PATH records from the start; the step markers
+    come from the optimizer hook, installed by enable()."""
+    conf = os.environ.get("GPUMEM_CONF", "")
+    if "record:" not in conf:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    alloc = _alloc.allocator(None)
+    register_optimizer_step_post_hook(lambda optimizer, args, kwargs: alloc.record_step())
 
 
 def _torch_check_fail_addr(torch):

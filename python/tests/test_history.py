@@ -189,5 +189,28 @@ class SnapshotTest(unittest.TestCase):
         self.assertEqual(gpumem.memory_snapshot(5)["segments"], [])
 
 
+class RecordTest(unittest.TestCase):
+    def test_record_trace(self):
+        import gzip
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "job-%p.trace.gz")
+            with gpumem.Allocator("sim", conf="policy:pytorch", capacity=1 << 30) as a:
+                a.record_trace(path)
+                p = a.malloc(3 * MIB + 5)
+                q = a.malloc(100)
+                a.free(p)
+                a.record_step()
+                a.record_trace(None)
+                a.free(q)  # after the end: not recorded
+            with gzip.open(path.replace("%p", str(os.getpid())), "rt") as f:
+                lines = [l for l in f.read().splitlines() if not l.startswith("# gpumem")]
+            self.assertEqual(lines, ["a 1 3145733 0x0", "a 2 100 0x0", "f 1", "# step 1"])
+            with gpumem.Allocator("sim", capacity=1 << 30) as a:
+                with self.assertRaises(gpumem.GpumemError):
+                    a.record_trace(os.path.join(d, "no", "such", "dir", "x.gz"))
+
+
 if __name__ == "__main__":
     unittest.main()

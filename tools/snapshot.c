@@ -1,0 +1,365 @@
+/* PyTorch memory snapshots as traces: the dict that
+ * torch.cuda.memory._dump_snapshot() pickles ("segments" and
+ * "device_traces") becomes the lines of a trace (traces/README.md), so every
+ * command that reads a trace reads a snapshot. The events of one device are
+ * used: alloc (the size the program asked for), free_requested (the trace's
+ * free time, as in the bundled traces); free_completed and oom are not
+ * needed; segment_alloc/free/map/unmap give the peak reserved memory the
+ * recording process had, kept beside the trace to compare a replay with.
+ *
+ * A snapshot whose history does not reach back to the start of the
+ * allocations it shows (recorded without history, history started after
+ * memory was allocated, or a ring of max_entries that wrapped) cannot be
+ * replayed honestly: the missing allocations change every figure. That is
+ * an error saying how much is missing, unless GPUMEM_SNAPSHOT_PARTIAL=1
+ * asks for a replay anyway with the missing allocations made first. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pickle.h"
+#include "snapshot.h"
+
+#define GIB 1073741824.0
+
+typedef struct text {
+  char* buf;
+  size_t len, cap;
+  int failed;
+} text_t;
+
+static void put(text_t* t, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void put(text_t* t, const char* fmt, ...) {
+  if (t->failed) return;
+  if (t->cap - t->len < 128) {
+    size_t n = t->cap ? t->cap * 2 : 1 << 16;
+    char* b = realloc(t->buf, n);
+    if (!b) {
+      t->failed = 1;
+      return;
+    }
+    t->buf = b;
+    t->cap = n;
+  }
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap);
+  va_end(ap);
+  if (n < 0 || (size_t)n >= t->cap - t->len) {
+    t->failed = 1;
+    return;
+  }
+  t->len += (size_t)n;
+}
+
+/* An integer field of an event or block; 0 when absent or not an int. */
+static int64_t int_field(const pickle_doc_t* d, const pickle_value_t* dict, const char* key,
+                         int* ok) {
+  const pickle_value_t* v = pickle_get(d, dict, key);
+  if (!v || (v->type != PICKLE_INT && v->type != PICKLE_BOOL)) {
+    if (ok) *ok = 0;
+    return 0;
+  }
+  return v->i;
+}
+
+/* Live allocations by address: a small open-addressing map. */
+typedef struct live_map {
+  uint64_t* addr;
+  uint64_t* id; /* 0: empty cell (IDs start at 1) */
+  size_t mask, count;
+} live_map_t;
+
+static size_t hash(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdULL;
+  k ^= k >> 33;
+  return (size_t)k;
+}
+
+static int live_init(live_map_t* m, size_t n) {
+  size_t c = 64;
+  while (c < n * 2) c *= 2;
+  m->addr = calloc(c, sizeof *m->addr);
+  m->id = calloc(c, sizeof *m->id);
+  m->mask = c - 1;
+  m->count = 0;
+  return m->addr && m->id ? 0 : -1;
+}
+
+static size_t live_cell(const live_map_t* m, uint64_t a) {
+  size_t i = hash(a) & m->mask;
+  while (m->id[i] && m->addr[i] != a) i = (i + 1) & m->mask;
+  return i;
+}
+
+/* Removes cell i, re-placing the run after it (no tombstones). */
+static void live_remove(live_map_t* m, size_t i) {
+  m->id[i] = 0;
+  m->count--;
+  for (size_t j = (i + 1) & m->mask; m->id[j]; j = (j + 1) & m->mask) {
+    uint64_t a = m->addr[j], id = m->id[j];
+    m->id[j] = 0;
+    size_t c = live_cell(m, a);
+    m->addr[c] = a;
+    m->id[c] = id;
+  }
+}
+
+gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, size_t len,
+                                  trace_t** out) {
+  *out = NULL;
+  pickle_doc_t doc;
+  gpumem_status_t st = pickle_read(path, data, len, &doc);
+  if (st != GPUMEM_OK) return st;
+  const pickle_value_t* root = &doc.values[doc.root];
+  const pickle_value_t* traces = pickle_get(&doc, root, "device_traces");
+  const pickle_value_t* segments = pickle_get(&doc, root, "segments");
+  text_t text = {0};
+  text_t body = {0}; /* the trace's events */
+  text_t pre = {0};  /* allocations made before the first recorded event */
+  live_map_t live = {0};
+  if (root->type != PICKLE_DICT || !traces || traces->type != PICKLE_LIST) {
+    gpumem_set_last_error(
+        "%s: a pickle, but not a PyTorch memory snapshot (no \"device_traces\" list: expected the "
+        "dict torch.cuda.memory._snapshot() returns)",
+        path);
+    st = GPUMEM_ERR_IO;
+    goto done;
+  }
+
+  /* Which device: GPUMEM_SNAPSHOT_DEVICE, else the one with most events. */
+  long device = -1;
+  size_t busiest = 0, with_events = 0, total_events = 0;
+  for (size_t d = 0; d < traces->len; d++) {
+    const pickle_value_t* ev = pickle_item(&doc, traces, d);
+    size_t n = ev->type == PICKLE_LIST ? ev->len : 0;
+    total_events += n;
+    if (n) with_events++;
+    if (n > busiest) {
+      busiest = n;
+      device = (long)d;
+    }
+  }
+  const char* want = getenv("GPUMEM_SNAPSHOT_DEVICE");
+  if (want && *want) {
+    char* end;
+    long d = strtol(want, &end, 10);
+    if (*end || d < 0 || (size_t)d >= traces->len) {
+      gpumem_set_last_error(
+          "%s: GPUMEM_SNAPSHOT_DEVICE=%s names no device of the snapshot "
+          "(it has %zu: 0 to %zu)",
+          path, want, traces->len, traces->len ? traces->len - 1 : 0);
+      st = GPUMEM_ERR_INVALID_ARGUMENT;
+      goto done;
+    }
+    device = d;
+  } else if (with_events > 1) {
+    fprintf(stderr,
+            "gpumem: note: %s holds events of %zu devices; replaying device %ld, the busiest "
+            "(GPUMEM_SNAPSHOT_DEVICE=N picks another)\n",
+            path, with_events, device);
+  }
+  if (total_events == 0 || device < 0) {
+    gpumem_set_last_error(
+        "%s: the snapshot has no allocation history (\"device_traces\" is empty): it was taken "
+        "without torch.cuda.memory._record_memory_history() running, so there is nothing to "
+        "replay. Call _record_memory_history(max_entries=N) before the job allocates, N above "
+        "the number of allocations and frees it makes, then _dump_snapshot()",
+        path);
+    st = GPUMEM_ERR_IO;
+    goto done;
+  }
+  const pickle_value_t* events = pickle_item(&doc, traces, (size_t)device);
+  if (events->type != PICKLE_LIST || events->len == 0) {
+    gpumem_set_last_error("%s: device %ld has no recorded events", path, device);
+    st = GPUMEM_ERR_IO;
+    goto done;
+  }
+  if (live_init(&live, events->len / 2 + 64) != 0) goto no_memory;
+
+  /* Pass over the events: the trace body, and what the ring is missing. */
+  uint64_t next_id = 1;
+  size_t lost_frees = 0, allocs = 0;
+  uint64_t lost_free_bytes = 0;
+  int64_t reserved = 0, peak_reserved = 0, min_reserved = 0;
+  size_t segment_events = 0;
+  for (size_t k = 0; k < events->len; k++) {
+    const pickle_value_t* e = pickle_item(&doc, events, k);
+    const pickle_value_t* action = pickle_get(&doc, e, "action");
+    if (!action || action->type != PICKLE_STR) {
+      gpumem_set_last_error("%s: device %ld event %zu has no \"action\"", path, device, k);
+      st = GPUMEM_ERR_IO;
+      goto done;
+    }
+    int ok = 1;
+    uint64_t addr = (uint64_t)int_field(&doc, e, "addr", &ok);
+    int64_t size = int_field(&doc, e, "size", &ok);
+    uint64_t stream = (uint64_t)int_field(&doc, e, "stream", NULL);
+    int is_alloc = pickle_is_str(action, "alloc");
+    int is_free = pickle_is_str(action, "free_requested");
+    int seg_up = pickle_is_str(action, "segment_alloc") || pickle_is_str(action, "segment_map");
+    int seg_down = pickle_is_str(action, "segment_free") || pickle_is_str(action, "segment_unmap");
+    if ((is_alloc || is_free || seg_up || seg_down) && (!ok || size < 0)) {
+      gpumem_set_last_error("%s: device %ld event %zu (%.*s) lacks an integer addr or size", path,
+                            device, k, (int)action->len, action->s);
+      st = GPUMEM_ERR_IO;
+      goto done;
+    }
+    if (is_alloc) {
+      size_t c = live_cell(&live, addr);
+      if (live.id[c]) {
+        gpumem_set_last_error(
+            "%s: device %ld event %zu allocates address 0x%llx, which is "
+            "already allocated",
+            path, device, k, (unsigned long long)addr);
+        st = GPUMEM_ERR_IO;
+        goto done;
+      }
+      if ((live.count + 1) * 2 > live.mask + 1) {
+        /* grow: rehash into a map twice the size */
+        live_map_t bigger;
+        if (live_init(&bigger, live.mask + 1) != 0) goto no_memory;
+        for (size_t i = 0; i <= live.mask; i++) {
+          if (!live.id[i]) continue;
+          size_t b = live_cell(&bigger, live.addr[i]);
+          bigger.addr[b] = live.addr[i];
+          bigger.id[b] = live.id[i];
+          bigger.count++;
+        }
+        free(live.addr);
+        free(live.id);
+        live = bigger;
+        c = live_cell(&live, addr);
+      }
+      live.addr[c] = addr;
+      live.id[c] = next_id;
+      live.count++;
+      put(&body, "a %llu %lld 0x%llx\n", (unsigned long long)next_id++, (long long)size,
+          (unsigned long long)stream);
+      allocs++;
+    } else if (is_free) {
+      size_t c = live_cell(&live, addr);
+      if (live.id[c]) {
+        put(&body, "f %llu\n", (unsigned long long)live.id[c]);
+        live_remove(&live, c);
+      } else {
+        /* allocated before the first recorded event */
+        lost_frees++;
+        lost_free_bytes += (uint64_t)size;
+        put(&pre, "a %llu %lld 0x%llx\n", (unsigned long long)next_id, (long long)size,
+            (unsigned long long)stream);
+        put(&body, "f %llu\n", (unsigned long long)next_id++);
+      }
+    } else if (seg_up || seg_down) {
+      segment_events++;
+      reserved += seg_up ? size : -size;
+      if (reserved > peak_reserved) peak_reserved = reserved;
+      if (reserved < min_reserved) min_reserved = reserved;
+    }
+    if (body.failed || pre.failed) goto no_memory;
+  }
+
+  /* Blocks the snapshot's segments hold that no recorded event allocated. */
+  size_t lost_blocks = 0;
+  uint64_t lost_block_bytes = 0;
+  if (segments && segments->type == PICKLE_LIST) {
+    for (size_t s = 0; s < segments->len; s++) {
+      const pickle_value_t* seg = pickle_item(&doc, segments, s);
+      int dok = 1;
+      int64_t seg_dev = int_field(&doc, seg, "device", &dok);
+      if (dok && seg_dev != device) continue;
+      uint64_t stream = (uint64_t)int_field(&doc, seg, "stream", NULL);
+      const pickle_value_t* blocks = pickle_get(&doc, seg, "blocks");
+      if (!blocks || blocks->type != PICKLE_LIST) continue;
+      for (size_t b = 0; b < blocks->len; b++) {
+        const pickle_value_t* blk = pickle_item(&doc, blocks, b);
+        const pickle_value_t* state = pickle_get(&doc, blk, "state");
+        if (!state || !(pickle_is_str(state, "active_allocated") ||
+                        pickle_is_str(state, "active_pending_free")))
+          continue;
+        uint64_t addr = (uint64_t)int_field(&doc, blk, "address", NULL);
+        if (live.id[live_cell(&live, addr)]) continue;
+        int rok = 1;
+        int64_t req = int_field(&doc, blk, "requested_size", &rok);
+        if (!rok || req <= 0) req = int_field(&doc, blk, "size", NULL);
+        lost_blocks++;
+        lost_block_bytes += (uint64_t)req;
+        put(&pre, "a %llu %lld 0x%llx\n", (unsigned long long)next_id++, (long long)req,
+            (unsigned long long)stream);
+      }
+    }
+  }
+  if (pre.failed) goto no_memory;
+  if (allocs == 0) {
+    gpumem_set_last_error("%s: device %ld's history holds no allocation (%zu events)", path, device,
+                          events->len);
+    st = GPUMEM_ERR_IO;
+    goto done;
+  }
+  const char* partial = getenv("GPUMEM_SNAPSHOT_PARTIAL");
+  int allow_partial = partial && strcmp(partial, "1") == 0;
+  if ((lost_frees || lost_blocks) && !allow_partial) {
+    gpumem_set_last_error(
+        "%s: the snapshot's history does not reach back to the job's first allocation (the "
+        "ring of max_entries wrapped, or recording started after memory was allocated): on "
+        "device %ld, %zu frees (%.3f GiB) release allocations made before the first recorded "
+        "event and %zu blocks (%.3f GiB) live in its segments were allocated before it; at least "
+        "%zu events are lost. A replay would miss that memory for as long as it lived, so every "
+        "peak from it is only a lower bound (by up to %.3f GiB). Record again with "
+        "torch.cuda.memory._record_memory_history(max_entries=N) started before the job "
+        "allocates, N above its allocations and frees (this ring held %zu events), or set "
+        "GPUMEM_SNAPSHOT_PARTIAL=1 to replay it anyway with those allocations made first",
+        path, device, lost_frees, (double)lost_free_bytes / GIB, lost_blocks,
+        (double)lost_block_bytes / GIB, lost_frees + lost_blocks,
+        (double)(lost_free_bytes + lost_block_bytes) / GIB, events->len);
+    st = GPUMEM_ERR_IO;
+    goto done;
+  }
+
+  put(&text, "# PyTorch memory snapshot %s, device %ld: %zu events, %zu allocations\n", path,
+      device, events->len, allocs);
+  if (lost_frees || lost_blocks)
+    put(&text, "# partial: %zu allocations made before the first recorded event come first\n",
+        lost_frees + lost_blocks);
+  if (text.failed) goto no_memory;
+  {
+    size_t need = text.len + pre.len + body.len + 1;
+    if (text.cap < need) {
+      char* b = realloc(text.buf, need);
+      if (!b) goto no_memory;
+      text.buf = b;
+      text.cap = need;
+    }
+    if (pre.len) memcpy(text.buf + text.len, pre.buf, pre.len);
+    text.len += pre.len;
+    memcpy(text.buf + text.len, body.buf, body.len);
+    text.len += body.len;
+  }
+  st = trace_parse(path, text.buf, text.len, out);
+  if (st == GPUMEM_OK) {
+    trace_t* t = *out;
+    t->from_snapshot = 1;
+    t->snapshot_device = (int)device;
+    t->snapshot_lost_events = lost_frees + lost_blocks;
+    /* The recorded peak is known when the segment events start from an
+     * empty device: nothing reserved before the first one. */
+    if (segment_events && min_reserved >= 0 && !lost_frees && !lost_blocks)
+      t->recorded_peak_reserved = (uint64_t)peak_reserved;
+  }
+  goto done;
+
+no_memory:
+  gpumem_set_last_error("%s: out of host memory converting the snapshot", path);
+  st = GPUMEM_ERR_HOST_MEMORY;
+done:
+  free(body.buf);
+  free(pre.buf);
+  free(live.addr);
+  free(live.id);
+  free(text.buf);
+  pickle_free(&doc);
+  return st;
+}
