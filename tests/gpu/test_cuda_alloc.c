@@ -101,7 +101,7 @@ static const char* policy_name(int policy) {
 
 /* An allocator over a fresh CUDA backend it owns; NULL (with a failed
  * check) when it cannot be made. */
-static gpumem_t* make(int policy, int virtual_memory) {
+static gpumem_t* make_placed(int policy, int virtual_memory, gpumem_placement_t placement) {
   gpumem_cuda_options_t co;
   gpumem_cuda_options_init(&co);
   co.virtual_memory = virtual_memory;
@@ -112,12 +112,17 @@ static gpumem_t* make(int policy, int virtual_memory) {
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = (gpumem_policy_t)policy;
+  o.placement = placement;
   o.own_backend = 1;
   gpumem_t* gm = gpumem_create(be, &o, &st);
   CHECK_MSG(gm != NULL, "gpumem_create(%s, %s): %s (%s)", be->name, policy_name(policy),
             gpumem_strerror(st), gpumem_last_error());
   if (!gm) gpumem_cuda_destroy(be);
   return gm;
+}
+
+static gpumem_t* make(int policy, int virtual_memory) {
+  return make_placed(policy, virtual_memory, GPUMEM_PLACEMENT_AUTO);
 }
 
 static size_t reserved_now(gpumem_t* gm) {
@@ -434,7 +439,8 @@ static size_t check_then_free_busy(gpumem_t* gm, void** blk, const size_t* len, 
  * idle, every block holds what its own stream wrote last, not the other
  * stream's late writes. */
 static void test_shared_plan(void) {
-  gpumem_t* gm = make(GPUMEM_POLICY_DEFAULT, 1);
+  /* planned placement asked for: uncapped, the default places by best fit */
+  gpumem_t* gm = make_placed(GPUMEM_POLICY_DEFAULT, 1, GPUMEM_PLACEMENT_PLANNED);
   if (!gm) return;
   drv_stream sa = NULL, sb = NULL;
   DRV_OK(drv.StreamCreate(&sa, DRV_STREAM_NON_BLOCKING));

@@ -272,7 +272,10 @@ class StreamsTest(unittest.TestCase):
         need()
         native_a = run_child("two_streams", "--allocator", "native", "--steps", "40")["sums"]
         native_b = run_child("two_streams", "--allocator", "native", "--steps", "40")["sums"]
-        r = run_child("two_streams", "--allocator", "gpumem", "--steps", "40")
+        # planned placement asked for: uncapped, the default places by best fit
+        r = run_child(
+            "two_streams", "--allocator", "gpumem", "--steps", "40", "--conf", "placement:planned"
+        )
         print(
             "\n  two streams: %d plans (%d shared, %d declined), %d planned allocations, %d stream "
             "waits, %d event records, %d syncs; peak reserved %.2f GiB"
