@@ -413,7 +413,7 @@ def _cuda_includes():
 
 def build_graphs_shim():
     """Compiles (or finds cached) the full allocator library for the
-    installed torch: (path, None) or (None, why). GPU tests call it first so
+    installed torch: (path, None) or (None, why). GPU tests run it first so
     that a compiler error is the first thing in their log."""
     torch = _torch()
     source = _graphs_source()
@@ -953,7 +953,7 @@ def record(path, device=None, steps=True):
     """Records this process's allocations, frees and record_streams on
     device from now on to path (a gzip trace; "%p": the process id, "%d":
     the device), with a "# step N" line after every optimizer step
-    (torch.optim's global step hook) when steps is true. Call it before the
+    (torch.optim's global step hook) when steps is true. Start it before the
     job allocates (weights included), as GPUMEM_CONF=record:PATH does from
     the start. Returns a handle whose stop() finishes the file; replay it
     with `gpumem replay` or `gpumem fit --memory 80G PATH`."""
