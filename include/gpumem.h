@@ -153,7 +153,7 @@ typedef struct gpumem_options {
    * cost per call, docs/design.md) per allocation, with at most 2 ms of it
    * saved up. Moves for headroom beyond it wait, and memory grows instead
    * (num_moves_deferred). Moves that a limit, a shared budget or the device
-   * asks for are never held back. Default 0.05; a negative value: no
+   * asks for are never held back. Default 0 (no such moves); a negative value: no
    * budget (memory held at the mark whatever it costs). */
   double move_budget_us;
   /* Default policy, planned placement: 1 (the default) lets the streams of
@@ -203,7 +203,7 @@ typedef struct gpumem_options {
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 
 /* Fills defaults (policy default with auto placement and lazy reclaim
- * within a move budget of 0.05 us per allocation, headroom 0.02, no limit,
+ * with no move budget (moves only when needed), headroom 0.02, no limit,
  * map_max 1 GiB, move_guard on, stream_waits on, publish auto,
  * leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);

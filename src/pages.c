@@ -810,13 +810,14 @@ uint64_t gm_now_ns(void) {
  * Growth, and moves that a limit, a shared budget or the device asks for,
  * are not charged and never held back. Why a budget per allocation: a
  * training step's kernels take tens of microseconds or more per
- * allocation, so 0.05 us of mapping work per allocation stays under a
+ * allocation, so 0.05 us of mapping work per allocation would stay under a
  * percent of a step on any job, and it is deterministic on the simulated
- * device. The work is priced at an H100's measured cost per call
- * (bench/gpu/vmm_cost.c): a page moved through a ghost costs an unmap of
- * the ghost at its new address and a map with its access grant later; a
- * whole run unmapped goes back to the device and is created and mapped
- * again where it is needed. */
+ * device. The default budget is 0 all the same: a run moved waits for its
+ * stream first, and on host-bound jobs (the GPU idle, the host queueing
+ * ahead) those waits cost more than the calls (config.c). The work is priced at an H100's measured
+ * cost per call (bench/gpu/vmm_cost.c): a page moved through a ghost costs an unmap of the ghost at
+ * its new address and a map with its access grant later; a whole run unmapped goes back to the
+ * device and is created and mapped again where it is needed. */
 #define GM_MOVE_BURST_US 2000.0
 #define GM_PRICE_PAGE_MOVE_US (19.6 + 35.1)
 #define GM_PRICE_RUN_MOVE_US (19.6 + 18.4 + 12.7 + 35.1)

@@ -79,7 +79,7 @@ static void test_defaults(void) {
   CHECK(o.limit_fraction == 0.0);
   CHECK(o.reclaim == GPUMEM_RECLAIM_LAZY);
   CHECK(o.headroom == 0.02);
-  CHECK(o.move_budget_us == 0.05);
+  CHECK(o.move_budget_us == 0.0);
   CHECK(o.max_split_size == 0);
   CHECK(o.placement == GPUMEM_PLACEMENT_AUTO);
   CHECK(o.own_backend == 0);
