@@ -299,7 +299,8 @@ static void release_cached(sim_t* s) {
       s->no_memory = 1;
       return;
     }
-    memcpy(ids, p->free_blocks.ids, n * sizeof *ids);
+    if (n)
+      memcpy(ids, p->free_blocks.ids, n * sizeof *ids); /* the list has no array while empty */
     for (size_t k = 0; k < n; k++) {
       uint32_t id = ids[k];
       block_t* b = &s->blocks[id];
