@@ -115,6 +115,16 @@ bool gm_capture_underway(gpumem_t* gm) {
   return false;
 }
 
+/* Frees a pool's record and its private stream objects (what they held
+ * went back to the device first). */
+static void free_pool_record(gm_graph_pool* gp) {
+  for (gm_stream *s = gp->streams, *n; s; s = n) {
+    n = s->next;
+    free(s);
+  }
+  free(gp);
+}
+
 static bool pool_try_release(gpumem_t* gm, gm_graph_pool* gp);
 static void release_idle_pools(gpumem_t* gm);
 
@@ -217,13 +227,7 @@ static bool pool_try_release(gpumem_t* gm, gm_graph_pool* gp) {
   gm_graph_pool** link = &gm->graph_pools;
   while (*link != gp) link = &(*link)->next;
   *link = gp->next;
-  gm_stream* s = gp->streams;
-  while (s) {
-    gm_stream* n = s->next;
-    free(s);
-    s = n;
-  }
-  free(gp);
+  free_pool_record(gp);
   return true;
 }
 
@@ -252,13 +256,7 @@ void gm_graph_pools_destroy(gpumem_t* gm) {
   gm_graph_pool* p = gm->graph_pools;
   while (p) {
     gm_graph_pool* next = p->next;
-    gm_stream* s = p->streams;
-    while (s) {
-      gm_stream* n = s->next;
-      free(s);
-      s = n;
-    }
-    free(p);
+    free_pool_record(p);
     p = next;
   }
   gm->graph_pools = NULL;

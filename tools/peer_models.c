@@ -299,8 +299,7 @@ static void release_cached(sim_t* s) {
       s->no_memory = 1;
       return;
     }
-    if (n)
-      memcpy(ids, p->free_blocks.ids, n * sizeof *ids); /* the list has no array while empty */
+    if (n) memcpy(ids, p->free_blocks.ids, n * sizeof *ids); /* the list has no array while empty */
     for (size_t k = 0; k < n; k++) {
       uint32_t id = ids[k];
       block_t* b = &s->blocks[id];
@@ -330,10 +329,10 @@ static void release_cached(sim_t* s) {
   }
 }
 
-/* The block for one allocation of rounded size on pool, or NIL (out of
- * memory under the limit). */
-static uint32_t expandable_alloc(sim_t* s, uint32_t pool, uint64_t size, uint64_t alloc_size) {
-  pool_t* p = &s->pools[pool];
+/* The smallest free block of pool that holds size bytes, lowest address
+ * on ties (both models' best fit), or NIL. */
+static uint32_t best_fit(const sim_t* s, uint32_t pool, uint64_t size) {
+  const pool_t* p = &s->pools[pool];
   uint32_t best = NIL;
   for (size_t k = 0; k < p->free_blocks.len; k++) {
     uint32_t id = p->free_blocks.ids[k];
@@ -343,6 +342,13 @@ static uint32_t expandable_alloc(sim_t* s, uint32_t pool, uint64_t size, uint64_
         (b->size == s->blocks[best].size && b->addr < s->blocks[best].addr))
       best = id;
   }
+  return best;
+}
+
+/* The block for one allocation of rounded size on pool, or NIL (out of
+ * memory under the limit). */
+static uint32_t expandable_alloc(sim_t* s, uint32_t pool, uint64_t size, uint64_t alloc_size) {
+  uint32_t best = best_fit(s, pool, size);
   if (best == NIL) {
     for (int attempt = 0; attempt < 2 && best == NIL; attempt++) {
       if (attempt == 1) release_cached(s);
@@ -371,16 +377,7 @@ static void expandable_free(sim_t* s, uint32_t id) {
 /* ---- cudaMallocAsync ---------------------------------------------------- */
 
 static uint32_t async_alloc(sim_t* s, uint64_t size) {
-  pool_t* p = &s->pools[0];
-  uint32_t best = NIL;
-  for (size_t k = 0; k < p->free_blocks.len; k++) {
-    uint32_t id = p->free_blocks.ids[k];
-    const block_t* b = &s->blocks[id];
-    if (b->size < size) continue;
-    if (best == NIL || b->size < s->blocks[best].size ||
-        (b->size == s->blocks[best].size && b->addr < s->blocks[best].addr))
-      best = id;
-  }
+  uint32_t best = best_fit(s, 0, size);
   if (best == NIL) {
     /* grow at the top, joining a free block that ends there */
     uint64_t start = s->async_top;
