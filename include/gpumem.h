@@ -597,6 +597,30 @@ GPUMEM_API gpumem_status_t gpumem_pool_info(gpumem_t* gm, uint64_t pool_id,
  * returns how many it holds (torch's checkPoolLiveAllocations). */
 GPUMEM_API size_t gpumem_pool_allocations(gpumem_t* gm, uint64_t pool_id, void** ptrs, size_t cap);
 
+/* Checkpoints of a pool (torch.compile's CUDA graph trees: a tree records
+ * graph after graph into one pool, and before it records a new branch it
+ * puts the pool back as it was after the branch point's graph). A
+ * checkpoint holds the pool's live allocations (address, size, requested
+ * bytes) at one moment; frees waiting for other streams count as freed. */
+typedef struct gpumem_pool_state gpumem_pool_state_t;
+GPUMEM_API gpumem_status_t gpumem_pool_checkpoint(gpumem_t* gm, uint64_t pool_id,
+                                                  gpumem_pool_state_t** out);
+/* How many live allocations the checkpoint holds. */
+GPUMEM_API size_t gpumem_pool_state_allocations(const gpumem_pool_state_t* state);
+GPUMEM_API void gpumem_pool_state_free(gpumem_pool_state_t* state);
+/* Puts pool_id back as state saw it: frees every allocation live in the
+ * pool now (their addresses go to freed[0..*num_freed)), then makes each
+ * of the checkpoint's allocations live again at its address (made[0..
+ * *num_made), in the checkpoint's order). Refused during a capture, for a
+ * checkpoint of another pool, and when freed_cap is below the pool's live
+ * allocations or made_cap below the checkpoint's, before anything changes.
+ * The pool's pages never moved, so the addresses are the memory the
+ * graphs recorded. */
+GPUMEM_API gpumem_status_t gpumem_pool_restore(gpumem_t* gm, uint64_t pool_id,
+                                               const gpumem_pool_state_t* state, void** freed,
+                                               size_t freed_cap, size_t* num_freed, void** made,
+                                               size_t made_cap, size_t* num_made);
+
 /* ---- checking --------------------------------------------------------- */
 
 /* Verifies every invariant of the allocator's structures; returns the

@@ -511,6 +511,24 @@ static inline int pool_index(const gpumem_t* gm, size_t rsize) {
   return GM_POOL_LARGE;
 }
 
+void gm_note_allocated(gpumem_t* gm, gm_block* b, size_t size, bool small,
+                       gpumem_stream_t stream) {
+  b->requested = size;
+  b->serial = ++gm->num_mallocs;
+  b->tag = gm->history_tag;
+  b->seq = 0;
+  gm_stat_pool_grow(gm->stats.allocation, small, 1);
+  gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
+  gm_stat_pool_grow(gm->stats.active, small, 1);
+  gm_stat_pool_grow(gm->stats.active_bytes, small, (int64_t)b->size);
+  gm_stat_pool_grow(gm->stats.requested_bytes, small, (int64_t)size);
+  if ((uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current > gm->allocated_high_water) {
+    gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
+  }
+  gm_history_add(gm, GM_HISTORY_ALLOC, b->addr, b->size, stream);
+  gm_record(gm, 'a', b->serial, size, stream);
+}
+
 static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t stream, void** out,
                                      bool* want_callbacks) {
   gpumem_status_t st;
@@ -583,20 +601,8 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     gm_free_unused(gm, b);
     return st;
   }
-  b->requested = size;
-  b->serial = ++gm->num_mallocs;
-  b->tag = gm->history_tag;
+  gm_note_allocated(gm, b, size, small, stream);
   b->seq = gm->planner.enabled && !gm->planner.idle && !private_pool ? gm->planner.n : 0;
-  gm_stat_pool_grow(gm->stats.allocation, small, 1);
-  gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
-  gm_stat_pool_grow(gm->stats.active, small, 1);
-  gm_stat_pool_grow(gm->stats.active_bytes, small, (int64_t)b->size);
-  gm_stat_pool_grow(gm->stats.requested_bytes, small, (int64_t)size);
-  if ((uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current > gm->allocated_high_water) {
-    gm->allocated_high_water = (uint64_t)gm->stats.allocated_bytes[GPUMEM_POOL_ALL].current;
-  }
-  gm_history_add(gm, GM_HISTORY_ALLOC, b->addr, b->size, stream);
-  gm_record(gm, 'a', b->serial, size, stream);
   gm_publish_after_op(gm);
   *out = (void*)b->addr;
   return GPUMEM_OK;
@@ -673,14 +679,15 @@ static gpumem_status_t diagnose_bad_free(gpumem_t* gm, uintptr_t addr, const cha
 gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
   if (GM_UNLIKELY(!gm)) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_free: NULL allocator");
   if (!ptr) return GPUMEM_OK;
-  uintptr_t addr = (uintptr_t)ptr;
   gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = gm_free_locked(gm, (uintptr_t)ptr);
+  gm_lock_release(&gm->lock);
+  return st;
+}
+
+gpumem_status_t gm_free_locked(gpumem_t* gm, uintptr_t addr) {
   gm_block* b = gm_ptr_map_remove(&gm->ptrs, addr);
-  if (GM_UNLIKELY(!b)) {
-    gpumem_status_t st = diagnose_bad_free(gm, addr, "gpumem_free");
-    gm_lock_release(&gm->lock);
-    return st;
-  }
+  if (GM_UNLIKELY(!b)) return diagnose_bad_free(gm, addr, "gpumem_free");
   bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
   gm_history_add_block(gm, GM_HISTORY_FREE_REQUESTED, b);
@@ -698,7 +705,6 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
     if (st != GPUMEM_OK) {
       /* Not freed: the block stays allocated and the caller may retry. */
       gm_ptr_map_insert(&gm->ptrs, b);
-      gm_lock_release(&gm->lock);
       return st;
     }
   } else {
@@ -714,7 +720,6 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
    * error is still reported. */
   if (gm->virtual_memory && gm->opts.reclaim == GPUMEM_RECLAIM_EAGER) st = gm_reclaim(gm, 0, NULL);
   gm_publish_after_op(gm);
-  gm_lock_release(&gm->lock);
   return st;
 }
 

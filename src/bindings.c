@@ -40,6 +40,16 @@
 
 /* Written once per device (or by set_allocator), read on every call. */
 static gpumem_t* _Atomic bound[GM_BIND_MAX_DEVICES];
+/* How many devices have an allocator, and the last one given one: a free
+ * that names no device (a C++ deleter gets only the pointer) goes straight
+ * to the only allocator when there is one. */
+static _Atomic int num_bound;
+static _Atomic int last_bound = -1;
+
+static void note_bound(int device) {
+  atomic_store_explicit(&last_bound, device, memory_order_release);
+  atomic_fetch_add_explicit(&num_bound, 1, memory_order_acq_rel);
+}
 static _Atomic int torch_device_count;
 static _Atomic(gpumem_torch_fail_fn) fail_hook;
 
@@ -70,8 +80,10 @@ gpumem_t* gpumem_binding_allocator(int device) {
   /* A racing set_allocator wins: its choice was explicit. */
   gpumem_t* expected = NULL;
   if (atomic_compare_exchange_strong_explicit(&bound[device], &expected, made, memory_order_acq_rel,
-                                              memory_order_acquire))
+                                              memory_order_acquire)) {
+    note_bound(device);
     return made;
+  }
   return expected;
 }
 
@@ -92,7 +104,9 @@ gpumem_status_t gpumem_binding_set_allocator(int device, gpumem_t* gm) {
                      "allocation(s); free them first",
                      device, (long long)st.allocation[GPUMEM_POOL_ALL].current);
   }
-  atomic_store_explicit(&bound[device], gm, memory_order_release);
+  gpumem_t* was = atomic_exchange_explicit(&bound[device], gm, memory_order_acq_rel);
+  if (!was && gm) note_bound(device);
+  if (was && !gm) atomic_fetch_sub_explicit(&num_bound, 1, memory_order_acq_rel);
   return GPUMEM_OK;
 }
 
@@ -230,6 +244,8 @@ void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
 static void binding_free(gpumem_t* gm, void* ptr, int device) {
   if (!ptr) return;
   if (!gm) gm = gpumem_binding_peek(device);
+  if (!gm && device < 0 && atomic_load_explicit(&num_bound, memory_order_acquire) == 1)
+    gm = gpumem_binding_peek(atomic_load_explicit(&last_bound, memory_order_acquire));
   if (!gm) gm = owner_of(ptr, NULL);
   if (!gm) {
     gpumem_set_last_error("no gpumem allocator serves this device");

@@ -654,6 +654,11 @@ gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b);
 
 /* ---- alloc.c helpers used across files ---- */
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);
+/* gpumem_free with the lock held. */
+gpumem_status_t gm_free_locked(gpumem_t* gm, uintptr_t addr);
+/* Counts b (ALLOCATED, in the pointer map) as handed out for a request of
+ * size bytes on stream: serial, statistics, history and recording. */
+void gm_note_allocated(gpumem_t* gm, gm_block* b, size_t size, bool small, gpumem_stream_t stream);
 /* Statistics: on every malloc and free, so inline; a delta's sign is
  * usually known where it is called, and the branch folds away. */
 /* Where the sign is known (the malloc and free paths): no branch on it. */

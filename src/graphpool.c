@@ -414,6 +414,203 @@ size_t gpumem_pool_allocations(gpumem_t* gm, uint64_t pool_id, void** ptrs, size
   return n;
 }
 
+/* ---- checkpoints ---- */
+
+typedef struct gm_pool_entry {
+  uintptr_t addr;
+  size_t size; /* the block's */
+  size_t requested;
+} gm_pool_entry;
+
+struct gpumem_pool_state {
+  const gpumem_t* gm;
+  uint64_t pool_id;
+  size_t count;
+  gm_pool_entry entries[];
+};
+
+static size_t pool_live_count(const gpumem_t* gm, const gm_graph_pool* gp) {
+  size_t n = 0;
+  for (const gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool->stream->graph_pool != gp) continue;
+    for (const gm_block* b = seg->first; b; b = b->next) n += b->state == GM_ALLOCATED;
+  }
+  return n;
+}
+
+static bool pool_has_pending(const gpumem_t* gm, const gm_graph_pool* gp) {
+  for (const gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool->stream->graph_pool != gp) continue;
+    for (const gm_block* b = seg->first; b; b = b->next)
+      if (b->state == GM_PENDING) return true;
+  }
+  return false;
+}
+
+/* The pool's segment that holds [addr, addr + size), or NULL. */
+static gm_segment* pool_segment_at(gpumem_t* gm, const gm_graph_pool* gp, uintptr_t addr,
+                                   size_t size) {
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool->stream->graph_pool != gp) continue;
+    if (addr >= seg->addr && size <= seg->size && addr - seg->addr <= seg->size - size) return seg;
+  }
+  return NULL;
+}
+
+gpumem_status_t gpumem_pool_checkpoint(gpumem_t* gm, uint64_t pool_id,
+                                       gpumem_pool_state_t** out) {
+  if (!gm || !out)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_pool_checkpoint: NULL argument");
+  *out = NULL;
+  gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  gm_graph_pool* gp = pool_find(gm, pool_id);
+  if (!gp) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_pool_checkpoint: pool %llu does not exist",
+                 (unsigned long long)pool_id);
+    goto out;
+  }
+  size_t n = pool_live_count(gm, gp);
+  gpumem_pool_state_t* state = malloc(sizeof *state + n * sizeof state->entries[0]);
+  if (!state) {
+    st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_pool_checkpoint: out of host memory");
+    goto out;
+  }
+  state->gm = gm;
+  state->pool_id = pool_id;
+  state->count = 0;
+  for (const gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool->stream->graph_pool != gp) continue;
+    for (const gm_block* b = seg->first; b; b = b->next)
+      if (b->state == GM_ALLOCATED)
+        state->entries[state->count++] = (gm_pool_entry){b->addr, b->size, b->requested};
+  }
+  *out = state;
+out:
+  gm_lock_release(&gm->lock);
+  return st;
+}
+
+size_t gpumem_pool_state_allocations(const gpumem_pool_state_t* state) {
+  return state ? state->count : 0;
+}
+
+void gpumem_pool_state_free(gpumem_pool_state_t* state) {
+  free(state);
+}
+
+/* Makes e live again: its range lies inside one free block of seg (the
+ * pool's allocations were all freed first). */
+static gpumem_status_t make_live_at(gpumem_t* gm, gm_segment* seg, const gm_pool_entry* e) {
+  gm_block* b = seg->first;
+  while (b && b->addr + b->size <= e->addr) b = b->next;
+  if (!b || b->state != GM_FREE || b->addr > e->addr || e->addr + e->size > b->addr + b->size)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_pool_restore: the checkpoint's allocation at 0x%lx (%zu bytes) overlaps "
+                   "memory that is not free",
+                   (unsigned long)e->addr, e->size);
+  /* Two splits at most, which must not stop halfway. */
+  if (!gm_block_reserve(gm, 2))
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_pool_restore: out of host memory");
+  gm_pool* pool = b->pool;
+  gm_index_remove(&pool->index, b);
+  gm_dirty_remove(b);
+  if (e->addr > b->addr) b = gm_split_free_front(gm, b, e->addr - b->addr);
+  /* (called even when nothing is left over: it counts b out of the free
+   * split blocks) */
+  gm_split_block(gm, b, e->size, b->size > e->size);
+  b->state = GM_ALLOCATED;
+  gpumem_status_t st = GPUMEM_OK;
+  if (seg->is_arena) {
+    gm_arena_busy(gm, b, 1);
+    /* (its pages stayed mapped: a private arena never gives one up) */
+    st = gm_arena_map_range(gm, seg, b->addr, b->size);
+  }
+  if (st == GPUMEM_OK) st = gm_ptr_map_insert(&gm->ptrs, b);
+  if (st != GPUMEM_OK) {
+    gm_free_unused(gm, b);
+    return st;
+  }
+  gm_note_allocated(gm, b, e->requested, gm_block_stat_small(b), pool->stream->handle);
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gpumem_pool_restore(gpumem_t* gm, uint64_t pool_id,
+                                    const gpumem_pool_state_t* state, void** freed,
+                                    size_t freed_cap, size_t* num_freed, void** made,
+                                    size_t made_cap, size_t* num_made) {
+  const char* what = "gpumem_pool_restore";
+  if (!gm || !state || !num_freed || !num_made || (freed_cap && !freed) || (made_cap && !made))
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: NULL argument", what);
+  *num_freed = *num_made = 0;
+  gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  gm_graph_pool* gp = pool_find(gm, pool_id);
+  if (state->gm != gm || state->pool_id != pool_id) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: the checkpoint is of %s pool %llu, not of pool %llu",
+                 what, state->gm == gm ? "" : "another allocator's", (unsigned long long)state->pool_id,
+                 (unsigned long long)pool_id);
+    goto out;
+  }
+  if (!gp || gp->use_count == 0) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: pool %llu %s", what, (unsigned long long)pool_id,
+                 gp ? "was released" : "does not exist");
+    goto out;
+  }
+  if (gm_capture_underway(gm)) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                 "%s: refused while a graph is being captured (frees would need events)", what);
+    goto out;
+  }
+  size_t live = pool_live_count(gm, gp);
+  if (live > freed_cap || state->count > made_cap) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                 "%s: room for %zu freed and %zu made addresses; pool %llu holds %zu live "
+                 "allocations and the checkpoint %zu",
+                 what, freed_cap, made_cap, (unsigned long long)pool_id, live, state->count);
+    goto out;
+  }
+  for (size_t i = 0; i < state->count; i++) {
+    if (!pool_segment_at(gm, gp, state->entries[i].addr, state->entries[i].size)) {
+      st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "%s: the checkpoint's allocation at 0x%lx is not in pool %llu's memory now", what,
+                   (unsigned long)state->entries[i].addr, (unsigned long long)pool_id);
+      goto out;
+    }
+  }
+  /* Every allocation live in the pool now is freed (collected first: the
+   * frees merge the blocks being walked). */
+  size_t n = 0;
+  for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
+    if (seg->pool->stream->graph_pool != gp) continue;
+    for (gm_block* b = seg->first; b; b = b->next)
+      if (b->state == GM_ALLOCATED) freed[n++] = (void*)b->addr;
+  }
+  for (size_t i = 0; i < n; i++) {
+    st = gm_free_locked(gm, (uintptr_t)freed[i]);
+    if (st != GPUMEM_OK) goto out; /* (freed[i..] are still live) */
+    *num_freed = i + 1;
+  }
+  /* Frees that wait for other streams' work (and those put off by a
+   * capture) complete before their memory is handed out again. */
+  if (gm->num_capture_deferred) gm_capture_flush(gm);
+  if (pool_has_pending(gm, gp)) {
+    gm->stats.num_sync_all_streams++;
+    st = gm_process_events(gm, true);
+    if (st != GPUMEM_OK) goto out;
+  }
+  for (size_t i = 0; i < state->count; i++) {
+    const gm_pool_entry* e = &state->entries[i];
+    st = make_live_at(gm, pool_segment_at(gm, gp, e->addr, e->size), e);
+    if (st != GPUMEM_OK) goto out;
+    made[(*num_made)++] = (void*)e->addr;
+  }
+  gm_publish_after_op(gm);
+out:
+  gm_lock_release(&gm->lock);
+  return st;
+}
+
 /* ---- pinned pages, counted and checked ---- */
 
 void gm_graph_pool_pinned(gm_segment* seg, size_t pages) {

@@ -7,6 +7,7 @@
  * injected device failures, calling gpumem_check after every operation
  * and checking that every address a graph was given stays on the same
  * physical memory until its pool is released. */
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "test_util.h"
@@ -210,6 +211,102 @@ static void test_mempool(const config_t* c) {
   gpumem_destroy(gm);
 }
 
+/* A checkpoint puts a pool back as it was: what is live now is freed and
+ * what was live then is live again at the same addresses (torch.compile's
+ * CUDA graph trees, before recording a new branch). */
+static void test_checkpoint(const config_t* c) {
+  gpumem_t* gm = make(c);
+  gpumem_stats_t before;
+  gpumem_get_stats(gm, &before);
+  CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, 3), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 9, 3), GPUMEM_OK);
+  void *a, *b, *x;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_MAIN, &a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 3000, S_MAIN, &b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &x), GPUMEM_OK);
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 9), GPUMEM_OK);
+  gpumem_pool_state_t* state = NULL;
+  CHECK_STATUS(gpumem_pool_checkpoint(gm, 9, &state), GPUMEM_OK);
+  CHECK(gpumem_pool_state_allocations(state) == 3);
+  gpumem_stats_t at_checkpoint;
+  gpumem_get_stats(gm, &at_checkpoint);
+
+  /* The tree goes on: b freed, x used on another stream and freed (its
+   * free waits for that stream), a second graph allocates y. */
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_record_stream(gm, x, S_SIDE), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+  CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, 4), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 9, 4), GPUMEM_OK);
+  void* y;
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_MAIN, &y), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+
+  /* Refused during the capture, and with too little room, unchanged. */
+  void *freed[8], *made[8];
+  size_t nf = 99, nm = 99;
+  clear_error();
+  CHECK_STATUS(gpumem_pool_restore(gm, 9, state, freed, 8, &nf, made, 8, &nm),
+               GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "captured") != NULL);
+  CHECK(nf == 0 && nm == 0);
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 9), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_restore(gm, 9, state, freed, 1, &nf, made, 8, &nm),
+               GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "room for 1 freed") != NULL);
+  CHECK_STATUS(gpumem_pool_restore(gm, 8, state, freed, 8, &nf, made, 8, &nm),
+               GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "not of pool 8") != NULL);
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, 9, &pi), GPUMEM_OK);
+  CHECK(pi.allocations >= 2); /* a and y (x may still wait for its stream) */
+  CHECK(gpumem_check(gm) == 0);
+
+  CHECK_STATUS(gpumem_pool_restore(gm, 9, state, freed, 8, &nf, made, 8, &nm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(nf == 2 && nm == 3);
+  CHECK((freed[0] == a && freed[1] == y) || (freed[0] == y && freed[1] == a));
+  void* want[3] = {a, b, x};
+  for (int i = 0; i < 3; i++) {
+    bool found = false;
+    for (size_t k = 0; k < nm; k++) found |= made[k] == want[i];
+    CHECK_MSG(found, "allocation %d of the checkpoint is not live again at its address", i);
+  }
+  CHECK(gpumem_allocation_size(gm, b) >= 3000 && gpumem_allocation_size(gm, x) == 3u << 20);
+  gpumem_stats_t restored;
+  gpumem_get_stats(gm, &restored);
+  CHECK(cur(restored.allocated_bytes) == cur(at_checkpoint.allocated_bytes));
+  CHECK(cur(restored.requested_bytes) == cur(at_checkpoint.requested_bytes));
+  CHECK(cur(restored.allocation) == cur(at_checkpoint.allocation));
+  CHECK(violations() == 0);
+
+  /* A checkpoint can be restored again; then everything goes back. */
+  CHECK_STATUS(gpumem_free(gm, a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_restore(gm, 9, state, freed, 8, &nf, made, 8, &nm), GPUMEM_OK);
+  CHECK(nf == 2 && nm == 3);
+  CHECK(gpumem_check(gm) == 0);
+  for (size_t k = 0; k < nm; k++) CHECK_STATUS(gpumem_free(gm, made[k]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 9), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 9), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_restore(gm, 9, state, freed, 8, &nf, made, 8, &nm),
+               GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "does not exist") != NULL);
+  gpumem_pool_state_free(state);
+  CHECK_STATUS(gpumem_pool_checkpoint(gm, 9, &state), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(state == NULL);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_stats_t after;
+  gpumem_get_stats(gm, &after);
+  CHECK(cur(after.allocation) == cur(before.allocation));
+  CHECK_MSG(cur(after.reserved_bytes) == cur(before.reserved_bytes),
+            "reserved %lld before, %lld after", (long long)cur(before.reserved_bytes),
+            (long long)cur(after.reserved_bytes));
+  gpumem_destroy(gm);
+}
+
 static void test_bad_input(void) {
   gpumem_t* gm = make(&configs[1]);
   clear_error();
@@ -279,14 +376,15 @@ static size_t random_size(void) {
 static void random_run(const config_t* c, uint64_t seed, int ops) {
   rng_state = seed * 2654435761u + 1;
   gpumem_t* gm = make(c);
-  void* live[MAX_LIVE];
+  void* live[2 * MAX_LIVE]; /* (restores may add up to MAX_LIVE more) */
   size_t nlive = 0;
   static watch_t watch[MAX_WATCH];
   size_t nwatch = 0;
   uint64_t pools_live[8] = {0}; /* pool ids with a graph alive */
   uint64_t next_pool = 100, capture_id = 0, capturing_pool = 0;
   int failures_on = 0;
-  size_t captured_allocs = 0;
+  size_t captured_allocs = 0, restores = 0;
+  gpumem_pool_state_t* states[8] = {0}; /* a checkpoint of pools_live[k] */
   for (int op = 0; op < ops; op++) {
     unsigned what = (unsigned)(rnd() % 100);
     if (what < 45 && nlive < MAX_LIVE) {
@@ -337,10 +435,36 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
         }
         capturing_pool = 0;
       }
-    } else if (what < 93 && !capturing_pool) { /* a graph is deleted */
+    } else if (what < 93 && !capturing_pool) { /* a checkpoint of a pool, or back to it */
+      int k = (int)(rnd() % 8);
+      for (int t = 0; t < 8 && !pools_live[k]; t++) k = (k + 1) % 8;
+      if (pools_live[k] && (!states[k] || rnd() % 2)) {
+        gpumem_pool_state_free(states[k]);
+        states[k] = NULL;
+        CHECK_STATUS(gpumem_pool_checkpoint(gm, pools_live[k], &states[k]), GPUMEM_OK);
+      } else if (states[k] && nlive + gpumem_pool_state_allocations(states[k]) <= 2 * MAX_LIVE) {
+        void *freed[MAX_LIVE], *made[MAX_LIVE];
+        size_t nf = 0, nm = 0;
+        gpumem_status_t st =
+            gpumem_pool_restore(gm, pools_live[k], states[k], freed, MAX_LIVE, &nf, made, MAX_LIVE, &nm);
+        CHECK_MSG(st == GPUMEM_OK || failures_on, "seed %llu op %d: %s", (unsigned long long)seed, op,
+                  gpumem_last_error());
+        restores += st == GPUMEM_OK;
+        for (size_t f = 0; f < nf; f++) {
+          size_t i = 0;
+          while (i < nlive && live[i] != freed[f]) i++;
+          CHECK_MSG(i < nlive, "seed %llu op %d: restore freed an address the test never had",
+                    (unsigned long long)seed, op);
+          if (i < nlive) live[i] = live[--nlive];
+        }
+        for (size_t m = 0; m < nm; m++) live[nlive++] = made[m];
+      }
+    } else if (what < 95 && !capturing_pool) { /* a graph is deleted */
       int k = (int)(rnd() % 8);
       if (pools_live[k]) {
         uint64_t pool = pools_live[k];
+        gpumem_pool_state_free(states[k]);
+        states[k] = NULL;
         gpumem_pool_info_t pi;
         gpumem_pool_info(gm, pool, &pi);
         for (int u = 0; u < pi.use_count; u++)
@@ -351,7 +475,7 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
           if (watch[w].pool != pool) watch[kept++] = watch[w];
         nwatch = kept;
       }
-    } else if (what < 95) {
+    } else if (what < 97) {
       /* injected failures: any device call may fail for a while */
       if (!failures_on && rnd() % 2) {
         gpumem_sim_fail(sim, -1, (long)(rnd() % 20), (long)(1 + rnd() % 3), GPUMEM_ERR_BACKEND);
@@ -360,7 +484,7 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
         gpumem_sim_fail_clear(sim);
         failures_on = 0;
       }
-    } else if (what < 97 && !capturing_pool) {
+    } else if (what < 99 && !capturing_pool) {
       gpumem_status_t st = gpumem_empty_cache(gm);
       CHECK(st == GPUMEM_OK || failures_on);
     }
@@ -387,6 +511,8 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
   CHECK_MSG(violations() == 0, "seed %llu: %llu calls made during capture",
             (unsigned long long)seed, (unsigned long long)violations());
   CHECK(captured_allocs > 0);
+  CHECK_MSG(restores > 0, "seed %llu: no pool was restored", (unsigned long long)seed);
+  for (int k = 0; k < 8; k++) gpumem_pool_state_free(states[k]);
   while (nlive) CHECK_STATUS(gpumem_free(gm, live[--nlive]), GPUMEM_OK);
   for (int k = 0; k < 8; k++) {
     if (!pools_live[k]) continue;
@@ -418,6 +544,7 @@ int main(int argc, char** argv) {
     test_capture_and_release(c);
     test_deferred_free(c);
     test_mempool(c);
+    test_checkpoint(c);
     for (int s = 0; s < seeds; s++) random_run(c, first_seed + (uint64_t)s, 3000);
   }
   if (!only) test_bad_input();

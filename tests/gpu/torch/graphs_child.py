@@ -164,29 +164,32 @@ def w_snapshot(torch, args):
     emit(segments=len(snap.get("segments", [])), python_frames=frames, y=float(y.double().sum()))
 
 
-def _ipc_child(q):
+def _ipc_child(q, r):
     t = q.get()
-    q.put(float(t.double().sum()))
+    r.put(float(t.double().sum()))
 
 
 def w_ipc(torch, args):
     import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    # torch's CUDA IPC runs when the tensor is pickled for another process:
+    # a queue does that on its feeder thread, where an error would only be
+    # printed (and the receiver would wait forever), so pickle here first.
     try:
-        p = ctx.Process(target=_ipc_child, args=(q,))
-        p.start()
-        q.put(t)
-        import time
-
-        time.sleep(3)
-        got = q.get(timeout=60)
-        p.join(30)
-        emit(shared=True, sum=got)
+        ForkingPickler.dumps(t)
     except Exception as e:
         emit(shared=False, message=str(e)[:600])
+        return
+    ctx = mp.get_context("spawn")
+    q, r = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_ipc_child, args=(q, r), daemon=True)
+    p.start()
+    q.put(t)
+    got = r.get(timeout=120)
+    p.join(30)
+    emit(shared=True, sum=got, expected=float(t.double().sum()))
 
 
 def main():

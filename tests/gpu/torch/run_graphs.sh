@@ -35,21 +35,17 @@ if path:
 else:
     print("FAIL compile: the full allocator did not build; graphs fall back to a clear error.\n%s" % why)
 PY
-  echo "== tests (native vs gpumem, fresh processes)"
-  timeout 420 "$py" - "$root/tests/gpu/torch" <<'PY'
-import sys, unittest
-sys.path.insert(0, sys.argv[1])
-import test_graphs
-suite = unittest.defaultTestLoader.loadTestsFromModule(test_graphs)
-res = unittest.TextTestRunner(verbosity=1, stream=sys.stderr).run(suite)
-bad = {t.id(): "FAIL" for t, _ in res.failures + res.errors}
-bad.update({t.id(): "SKIP" for t, _ in res.skipped})
-for t in suite:
-    for case in t if hasattr(t, "__iter__") else [t]:
-        print("%s %s" % (bad.get(case.id(), "PASS"), case.id().split(".")[-1]))
-for t, tb in res.failures + res.errors:
-    print("---- %s\n%s" % (t.id(), tb[-3000:]))
-PY
+  echo "== tests (native vs gpumem, fresh processes; one process per test)"
+  tests="${GRAPHS_TESTS:-test_cuda_graph test_make_graphed_callables test_reduce_overhead_inference test_reduce_overhead_training test_cudnn_benchmark test_mempool test_snapshot test_ipc_clear_error}"
+  for t in $tests; do
+    t0=$(date +%s)
+    if (cd "$root/tests/gpu/torch" && timeout "${TEST_TIMEOUT:-240}" "$py" -m unittest "test_graphs.GraphsTest.$t") >"$out/$t.log" 2>&1; then
+      echo "PASS $t ($(( $(date +%s) - t0 )) s)"
+    else
+      echo "FAIL $t ($(( $(date +%s) - t0 )) s; exit $?)"
+      tail -c 4000 "$out/$t.log"
+    fi
+  done
   echo "== lockstep: torch.compile(mode='reduce-overhead'), native vs gpumem"
   for mode in train infer; do
     r=$(timeout 240 "$py" bench/torch/graphs_ab.py --mode "$mode" --steps 200 --warmup 20 | tail -1)

@@ -77,8 +77,11 @@ class GraphsTest(unittest.TestCase):
 
     def test_ipc_clear_error(self):
         r = run_child("ipc", "--allocator", "gpumem")
-        if not r["shared"]:
+        if r["shared"]:
+            self.assertEqual(r["sum"], r["expected"])
+        else:
             self.assertIn("gpumem", r["message"])
+            self.assertIn("IPC", r["message"])
 
 
 if __name__ == "__main__":
