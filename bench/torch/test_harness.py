@@ -14,6 +14,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fake_workload  # noqa: E402
+import lockstep_ab  # noqa: E402
 
 PEAK = fake_workload.PEAK
 
@@ -72,11 +73,43 @@ class LockstepTest(unittest.TestCase):
         self.assertTrue(all("error" in s for s in r["sides"]))
         self.assertIn("failed at step 0", r["pairs"][0]["skipped"])
 
+    def test_a_gpumem_side_of_its_own_conf(self):
+        with tempfile.TemporaryDirectory() as d:
+            spec = "gpumem+record:" + os.path.join(d, "x-%p.trace.gz")
+            r = lockstep("w", "--steps", "4", "--warmup", "1", "--conf", "reclaim:pressure", "--sides", "gpumem",
+                         spec, "--pairs", "1/0", env={"FAKE_RECORD_SLOWDOWN": "1.02"})
+            recordings = [f for f in os.listdir(d) if f.endswith(".trace.gz")]
+        plain, recording = r["sides"]
+        self.assertEqual([plain["label"], recording["label"]], ["gpumem", spec])
+        self.assertEqual(plain["conf"], "reclaim:pressure")
+        self.assertEqual(recording["conf"], "reclaim:pressure," + spec[len("gpumem+"):])
+        self.assertEqual(len(recordings), 1)  # only the side that records
+        self.assertEqual((r["pairs"][0]["num"], r["pairs"][0]["den"]), (spec, "gpumem"))
+        self.assertAlmostEqual(r["pairs"][0]["ratio_of_medians"], 1.02, places=3)
+
+    def test_a_side_conf_joins_gpumem_conf_from_the_environment(self):
+        r = lockstep("w", "--steps", "2", "--warmup", "0", "--sides", "native", "gpumem", "gpumem+placement:planned",
+                     env={"GPUMEM_CONF": "reclaim:eager"})
+        self.assertEqual([s["conf"] for s in r["sides"]],
+                         [None, "reclaim:eager", "reclaim:eager,placement:planned"])
+
+    def test_parse_side_takes_conf_last(self):
+        # CONF may hold an @ (a path): the limit is read before the +
+        self.assertEqual(lockstep_ab.parse_side("gpumem@1.02x+record:/a@b/x.gz", 100),
+                         ("gpumem", 102, "record:/a@b/x.gz"))
+        self.assertEqual(lockstep_ab.parse_side("native@7", None), ("native", 7, None))
+        self.assertEqual(lockstep_ab.side_conf("limit:1G", "record:/x"), "limit:1G,record:/x")
+        self.assertEqual(lockstep_ab.side_conf(None, "record:/x"), "record:/x")
+        self.assertIsNone(lockstep_ab.side_conf("", None))
+
     def test_bad_sides_are_named(self):
         for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
                           (["--sides", "native", "gpumem@1.1x"], "needs --peak"),
                           (["--sides", "native", "gpumem@lots"], "byte count or a ratio"),
                           (["--sides", "native", "native"], "sides must differ"),
+                          (["--sides", "native", "native+record:/x"], "only a gpumem side takes +CONF"),
+                          (["--sides", "gpumem", "gpumem+"], "CONF after + is empty"),
+                          (["--sides", "gpumem+record:/x", "gpumem+record:/x"], "sides must differ"),
                           (["--pairs", "0/2"], "indices must be two different sides")):
             proc = run("lockstep_ab.py", "w", *args)
             self.assertEqual(proc.returncode, 2, args)
