@@ -1,5 +1,6 @@
-"""Tests of the step-time harness (lockstep_ab.py, userjobs.py) with a
-stand-in worker (fake_workload.py): no torch, no GPU.
+"""Tests of the step-time harness (lockstep_ab.py, userjobs.py, the
+recording-cost verdict of whatif_check.py) with a stand-in worker
+(fake_workload.py): no torch, no GPU.
 
     python3 -m unittest bench/torch/test_harness.py      (ctest: bench_harness)
 """
@@ -15,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fake_workload  # noqa: E402
 import lockstep_ab  # noqa: E402
+import whatif_check  # noqa: E402
 
 PEAK = fake_workload.PEAK
 
@@ -124,6 +126,37 @@ class LockstepTest(unittest.TestCase):
             lines = proc.stdout.strip().splitlines()
         self.assertEqual(len(lines), 1)
         self.assertEqual(json.loads(lines[0])["runs"], 1)
+
+
+class RecordingCostTest(unittest.TestCase):
+    def verdict(self, slowdown):
+        with tempfile.TemporaryDirectory() as d:
+            proc = run("lockstep_ab.py", "w", "--steps", "6", "--warmup", "1", "--sides", "gpumem",
+                       "gpumem+record:" + os.path.join(d, "w-%p.trace.gz"), "--pairs", "1/0",
+                       env={"FAKE_RECORD_SLOWDOWN": slowdown})
+        check = subprocess.run([sys.executable, os.path.join(HERE, "whatif_check.py"), "--recording-cost", "w"],
+                               input=proc.stdout, capture_output=True, text=True, timeout=60)
+        return check.returncode, check.stdout
+
+    def test_pass_at_most_one_percent(self):
+        rc, out = self.verdict("1.01")
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"^PASS w recording cost .*: ratio of medians 1\.0100 \(95% interval "
+                              r"1\.0\d{3} to 1\.0\d{3}, 6 step pairs; at most 1\.01\)")
+
+    def test_fail_above(self):
+        rc, out = self.verdict("1.02")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("FAIL w recording cost", out)
+        self.assertIn("ratio of medians 1.0200", out)
+
+    def test_no_result_or_a_side_that_stopped_fails(self):
+        self.assertEqual(whatif_check.recording_cost("w", ""),
+                         (False, "FAIL w recording cost (step time with record: / without): "
+                                 "lockstep_ab.py printed no result"))
+        ok, line = whatif_check.recording_cost("w", json.dumps({"pairs": [{"skipped": "x failed at step 0"}]}))
+        self.assertFalse(ok)
+        self.assertIn("x failed at step 0", line)
 
 
 class UserJobsTest(unittest.TestCase):
