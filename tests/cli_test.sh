@@ -405,6 +405,11 @@ expect_in "<h1>gpumem report: tiny</h1>" "$page" "report: title"
 expect_in "<polyline" "$page" "report: chart"
 expect_in "2 allocations, 9.54 MiB, in 2 groups" "$page" "report: live at the end"
 expect_in "</body></html>" "$page" "report: complete"
+expect_in "<h2>Each allocator: the memory it needs</h2>" "$page" "report --min-limit: the fit table"
+expect_not_in "<th>fits</th>" "$page" "report --min-limit: no fits column without --memory"
+run "$BIN" report "$TINY"
+expect_rc 0 "report to standard output"
+expect_not_in "Each allocator" "$out" "report: no fit table unless asked for"
 if command -v python3 >/dev/null 2>&1; then
   # Well formed, three series of one point per step, the min limits drawn.
   if why=$(python3 - "$T/report.html" 2>&1 <<'PY'
@@ -480,6 +485,38 @@ n=$(echo "$out" | grep -c '"fits":false')
 expect_true "nothing fits in 150M (peak live 190M): $n rows say so" [ "$n" -eq 5 ]
 run "$BIN" fit "$SNAP/small.trace"
 expect_rc 2 "fit without --memory"
+
+# report --memory: fit's table, row for row, on a bundled trace (peak live
+# 5.641 GiB: in 5.7G the pytorch policy runs out, the others fit).
+TRACE="$SRC/traces/resnet50_train.trace.gz"
+run "$BIN" fit --memory 5.7G "$TRACE"
+expect_rc 0 "fit of a bundled trace"
+fit_out=$out
+run "$BIN" report --memory 5.7G -o "$T/fit.html" "$TRACE"
+expect_rc 0 "report --memory"
+page=$(cat "$T/fit.html")
+expect_in "<h2>Each allocator: does it fit in 5.700 GiB?</h2>" "$page" "report --memory: the fit table"
+expect_in "gpumem's default needs" "$page" "report --memory says what gpumem's default needs"
+for row in "pytorch" "pytorch expandable" "cudaMallocAsync" "gpumem default" "gpumem pressure"; do
+  # fit's columns: name 1-20, fits 22-26, peak reserved 28-49, memory needed 51-72
+  line=$(printf '%s\n' "$fit_out" | grep -E "^$row +(yes|NO) ")
+  cell() { printf '%s' "$line" | cut -c"$1" | sed 's/ *$//'; }
+  want="<tr><td>$row</td><td>$(cell 22-26)</td><td class=n>$(cell 28-49)</td>"
+  want="$want<td class=n>$(cell 51-72)</td>"
+  expect_true "fit has a row for $row" [ -n "$line" ]
+  expect_in "$want" "$page" "report --memory: the row of $row as fit has it"
+done
+expect_in "<tr><td>pytorch</td><td>NO</td>" "$page" "report --memory: pytorch does not fit in 5.7G"
+run "$BIN" report --memory 10Q "$TRACE"
+expect_rc 1 "report with a bad --memory"
+expect_in "bad --memory '10Q' (bytes with an optional K/M/G/T suffix" "$err" \
+  "report with a bad --memory names the value"
+run "$BIN" report --memory=0 "$TRACE"
+expect_rc 1 "report --memory=0"
+expect_in "bad --memory '0'" "$err" "report --memory=0 names the value"
+run "$BIN" report "$TRACE" --memory
+expect_rc 2 "report --memory without a value"
+expect_in "option '--memory' needs a value" "$err" "report --memory without a value"
 
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "gpumem.h"
+#include "fit.h"
 #include "internal.h" /* gm_format_bytes */
 #include "peer_models.h"
 #include "replay.h"
@@ -341,9 +342,8 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
         break;
       }
       case OPT_MEMORY:
-        if (gpumem_parse_size(value, &cli->memory) != GPUMEM_OK || cli->memory == 0)
-          return error("bad --memory '%s' (bytes with an optional K/M/G/T suffix, e.g. 80G)",
-                       value);
+        if (fit_parse_memory(value, &cli->memory) != GPUMEM_OK)
+          return error("%s", gpumem_last_error());
         break;
       case OPT_PASSES:
         if (!parse_count(value, 0, REPLAY_MAX_PASSES - 1, &c->warm_passes)) {
@@ -886,6 +886,14 @@ static int check_device(const replay_config_t* config) {
 
 /* Replays one trace under config (and the min-limit bisection when asked);
  * returns 0 or prints the error and returns 1. */
+/* The library's error about trace t, named by its path, exit 1. */
+static int trace_error(const trace_t* t) {
+  const char* msg = detail(gpumem_last_error());
+  /* Trace-level messages already start with the path. */
+  if (strncmp(msg, t->path, strlen(t->path)) == 0) return error("%s", msg);
+  return error("%s: %s", t->path, msg);
+}
+
 static int run_one(const trace_t* t, const replay_config_t* config, int min_limit,
                    progress_t* progress, replay_result_t* r) {
   replay_config_t c = *config;
@@ -899,13 +907,7 @@ static int run_one(const trace_t* t, const replay_config_t* config, int min_limi
   gpumem_status_t st = replay_trace(t, &c, r);
   if (st == GPUMEM_OK && min_limit) st = replay_min_limit(t, &c, r);
   progress_clear(progress);
-  if (st != GPUMEM_OK) {
-    const char* msg = detail(gpumem_last_error());
-    /* Trace-level messages already start with the path. */
-    if (strncmp(msg, t->path, strlen(t->path)) == 0) return error("%s", msg);
-    return error("%s: %s", t->path, msg);
-  }
-  return 0;
+  return st == GPUMEM_OK ? 0 : trace_error(t);
 }
 
 static void cell_ratio(char* buf, size_t cap, const replay_result_t* r, int ok) {
@@ -1178,61 +1180,16 @@ static const char usage_fit[] =
     "  --json                    one JSON object per row\n"
     "  -h, --help                this text\n";
 
-typedef struct fit_row {
-  const char* name;  /* what the user would pick */
-  const char* how;   /* how to pick it */
-  peer_model_t peer; /* a model, or PEER_NONE for the engine */
-  gpumem_policy_t policy;
-  const char* conf;
-} fit_row_t;
-
-static const fit_row_t fit_rows[] = {
-    {"pytorch", "PyTorch's default allocator", PEER_NONE, GPUMEM_POLICY_PYTORCH, NULL},
-    {"pytorch expandable", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", PEER_EXPANDABLE,
-     GPUMEM_POLICY_PYTORCH, NULL},
-    {"cudaMallocAsync", "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync", PEER_ASYNC,
-     GPUMEM_POLICY_PYTORCH, NULL},
-    {"gpumem default", "gpumem.torch.enable()", PEER_NONE, GPUMEM_POLICY_DEFAULT, NULL},
-    {"gpumem pressure", "enable(\"reclaim:pressure,placement:bestfit\")", PEER_NONE,
-     GPUMEM_POLICY_DEFAULT, "reclaim:pressure,placement:bestfit"},
-};
-
-typedef struct fit_result {
-  int fits;
-  uint64_t peak_reserved; /* no limit */
-  uint64_t needed;        /* smallest limit */
-} fit_result_t;
-
-static int fit_one(const trace_t* t, const fit_row_t* row, const cli_t* cli, progress_t* progress,
+/* One row of the table, with the progress line labelled by the row. */
+static int fit_row(const trace_t* t, const fit_row_t* row, const cli_t* cli, progress_t* progress,
                    fit_result_t* out) {
-  if (row->peer != PEER_NONE) {
-    peer_result_t r;
-    if (peer_run(t, row->peer, 0, 0, &r) != GPUMEM_OK)
-      return error("%s", detail(gpumem_last_error()));
-    out->peak_reserved = r.peak_reserved_bytes;
-    if (peer_run(t, row->peer, cli->memory, 0, &r) != GPUMEM_OK ||
-        peer_min_limit(t, row->peer, cli->config.min_limit_tolerance, 0, &out->needed) != GPUMEM_OK)
-      return error("%s", detail(gpumem_last_error()));
-    out->fits = !r.oom;
-    return 0;
-  }
-  replay_result_t* r = malloc(sizeof *r);
-  if (!r) return error("out of host memory");
-  replay_config_t c = cli->config;
-  c.policy = row->policy;
-  c.policy_set = 1;
-  c.conf = row->conf;
-  c.warm_passes = 0;
-  int rc = run_one(t, &c, 1, progress, r);
-  if (rc == 0) {
-    out->peak_reserved = r->peak_reserved_bytes;
-    out->needed = r->min_limit_found ? r->min_limit_bytes : 0;
-    c.limit_bytes = cli->memory;
-    rc = run_one(t, &c, 0, progress, r);
-    out->fits = rc == 0 && !r->oom;
-  }
-  free(r);
-  return rc;
+  replay_config_t base = cli->config;
+  base.progress = progress_show;
+  base.progress_arg = progress;
+  progress_start(progress, t->name, row->name);
+  gpumem_status_t st = fit_one(t, row, cli->memory, &base, out);
+  progress_clear(progress);
+  return st == GPUMEM_OK ? 0 : trace_error(t);
 }
 
 static int cmd_fit(int argc, char** argv) {
@@ -1257,7 +1214,6 @@ static int cmd_fit(int argc, char** argv) {
   progress.enabled = isatty(STDERR_FILENO);
   for (int i = 0; i < cli.num_traces && rc == 0; i++) {
     const trace_t* t = traces[i];
-    double live = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
     if (!cli.json) {
       printf("%s: peak live %.3f GiB; does it fit in %.3f GiB?\n\n", t->name,
              (double)t->peak_live_bytes / GIB, (double)cli.memory / GIB);
@@ -1268,13 +1224,13 @@ static int cmd_fit(int argc, char** argv) {
              "--------------------------------");
     }
     uint64_t default_needed = 0;
-    for (size_t k = 0; k < sizeof fit_rows / sizeof fit_rows[0]; k++) {
-      fit_result_t f = {0};
-      if (fit_one(t, &fit_rows[k], &cli, &progress, &f) != 0) {
+    for (size_t k = 0; k < fit_num_rows; k++) {
+      fit_result_t f;
+      if (fit_row(t, &fit_rows[k], &cli, &progress, &f) != 0) {
         rc = EXIT_FAILURE;
         break;
       }
-      if (k == 3) default_needed = f.needed;
+      if (fit_rows[k].gpumem_default) default_needed = f.needed;
       if (cli.json) {
         printf("{\"trace\":");
         json_string(stdout, t->path);
@@ -1287,23 +1243,12 @@ static int cmd_fit(int argc, char** argv) {
         continue;
       }
       char peak[40], need[40];
-      snprintf(peak, sizeof peak, "%.3f GiB (%.3fx)", (double)f.peak_reserved / GIB,
-               (double)f.peak_reserved / live);
-      if (f.needed) {
-        snprintf(need, sizeof need, "%.3f GiB (%.3fx)", (double)f.needed / GIB,
-                 (double)f.needed / live);
-      } else {
-        snprintf(need, sizeof need, "-");
-      }
+      fit_cells(t, &f, peak, need, sizeof peak);
       printf("%-20s %-5s %-22s %-22s %s\n", fit_rows[k].name, f.fits ? "yes" : "NO", peak, need,
              fit_rows[k].how);
     }
     if (!cli.json && rc == 0) {
-      printf(
-          "\npeak reserved: with no limit; memory needed: the smallest hard limit under which "
-          "the job replays\n(x: over peak live). pytorch and the gpumem rows replay gpumem's "
-          "engine; the expandable\nand cudaMallocAsync rows are models (docs/whatif.md: within "
-          "0.5%% and 3.2%% of the H200's figures).\n");
+      printf("\n%s", fit_note);
       if (default_needed)
         printf("gpumem's default needs %.3f GiB.\n", (double)default_needed / GIB);
       if (t->recorded_peak_reserved)

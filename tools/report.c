@@ -3,8 +3,9 @@
  * policies (an inline SVG chart, no script), the smallest limit it fits in
  * (--min-limit), where the reserved bytes beyond the live ones sit at the
  * peak, the largest allocations alive at the peak and what the trace leaves
- * live at its end, each with the trace lines that made them. Everything in
- * it comes from replays made here; nothing is estimated. */
+ * live at its end, each with the trace lines that made them, and with
+ * --memory (or --min-limit) the allocator table of `gpumem fit`.
+ * Everything in it comes from replays made here; nothing is estimated. */
 #include "report.h"
 
 #include <errno.h>
@@ -14,6 +15,7 @@
 #include <string.h>
 
 #include "gpumem.h"
+#include "fit.h"
 #include "internal.h" /* gm_format_bytes, gm_print_leak_table */
 #include "replay.h"
 #include "trace.h"
@@ -25,7 +27,9 @@ static const char usage_report[] =
     "policies and writes one HTML page (no script, no external file): live and\n"
     "reserved bytes over the trace, where the bytes beyond the live ones sit at\n"
     "the peak, the largest allocations alive then and what the trace leaves live\n"
-    "at its end, with the trace lines that made them.\n"
+    "at its end, with the trace lines that made them. With --memory SIZE, also\n"
+    "the table of 'gpumem fit --memory SIZE' (with --min-limit alone, the same\n"
+    "table without its fits column).\n"
     "\n"
     "options:\n"
     "  -o FILE                   write the page to FILE (default: standard output)\n"
@@ -33,6 +37,12 @@ static const char usage_report[] =
     "                            (GPUMEM_CONF grammar)\n"
     "  --min-limit               also bisect the smallest limit each policy fits in\n"
     "                            (a cold replay per probe: seconds on large traces)\n"
+    "                            and each allocator's in the table\n"
+    "  --memory SIZE             the device memory to fit in (e.g. 80G): for each\n"
+    "                            allocator a PyTorch user can choose and for gpumem's\n"
+    "                            settings, whether the job fits, its peak reserved\n"
+    "                            memory and the smallest memory it needs (fixed\n"
+    "                            settings: --conf does not change these rows)\n"
     "  -h, --help                this text\n";
 
 enum { BUCKETS = 800, TOP_GROUPS = 12 };
@@ -58,6 +68,8 @@ typedef struct page {
   gpumem_explain_t at_peak; /* default policy */
   char* peak_groups;        /* text reports (gpumem_print_leaks) */
   char* end_groups;
+  fit_result_t* fit; /* one per fit_rows entry; NULL: the table was not asked for */
+  size_t memory;     /* the device memory of the table's fits column; 0: none */
 } page_t;
 
 static size_t bucket_of(const trace_t* t, size_t event) {
@@ -205,6 +217,8 @@ static const char* bytes(uint64_t n, char* buf, size_t len) {
   return gm_format_bytes(n, buf, len);
 }
 
+#define GIB 1073741824.0
+
 static const char* const colors[3] = {"#2b6cb0", "#c05621", "#2f855a"}; /* default, pytorch, live */
 
 static void chart(page_t* p) {
@@ -287,6 +301,43 @@ static void explain_rows(FILE* f, const gpumem_explain_t* ex) {
           bytes(ex->reserved, b, sizeof b));
 }
 
+/* The table of `gpumem fit`: its rows, cells and note, as fit prints them. */
+static void fit_section(page_t* p) {
+  FILE* f = p->out;
+  const trace_t* t = p->t;
+  if (p->memory)
+    fprintf(f, "<h2>Each allocator: does it fit in %.3f GiB?</h2>\n", (double)p->memory / GIB);
+  else
+    fputs("<h2>Each allocator: the memory it needs</h2>\n", f);
+  fputs("<table><tr><th>allocator</th>", f);
+  if (p->memory) fputs("<th>fits</th>", f);
+  fputs(
+      "<th class=n>peak reserved</th><th class=n>memory needed</th><th>how to choose "
+      "it</th></tr>\n",
+      f);
+  uint64_t default_needed = 0;
+  for (size_t k = 0; k < fit_num_rows; k++) {
+    char peak[40], need[40];
+    fit_cells(t, &p->fit[k], peak, need, sizeof peak);
+    if (fit_rows[k].gpumem_default) default_needed = p->fit[k].needed;
+    fprintf(f, "<tr><td>%s</td>", fit_rows[k].name);
+    if (p->memory) fprintf(f, "<td>%s</td>", p->fit[k].fits ? "yes" : "NO");
+    fprintf(f, "<td class=n>%s</td><td class=n>%s</td><td>", peak, need);
+    put_escaped(f, fit_rows[k].how);
+    fputs("</td></tr>\n", f);
+  }
+  fputs("</table>\n<p>", f);
+  put_escaped(f, fit_note);
+  if (default_needed) fprintf(f, "gpumem's default needs %.3f GiB. ", (double)default_needed / GIB);
+  if (t->recorded_peak_reserved)
+    fprintf(f, "The recording process reserved %.3f GiB at its peak (snapshot segment events). ",
+            (double)t->recorded_peak_reserved / GIB);
+  fputs(
+      "The rows are fixed settings: <code>--conf</code> applies to the default policy's "
+      "replays above, not to them.</p>\n",
+      f);
+}
+
 static void write_page(page_t* p) {
   FILE* f = p->out;
   const trace_t* t = p->t;
@@ -329,7 +380,9 @@ static void write_page(page_t* p) {
             (unsigned long long)r->creates, (unsigned long long)r->maps,
             (unsigned long long)r->unmaps);
   }
-  fputs("</table>\n<h2>Memory over the trace</h2>\n", f);
+  fputs("</table>\n", f);
+  if (p->fit) fit_section(p);
+  fputs("<h2>Memory over the trace</h2>\n", f);
   chart(p);
   fputs(
       "<p>Highest value in each of the chart's steps. Dashed: the smallest limits found by "
@@ -359,22 +412,38 @@ static void write_page(page_t* p) {
   fputs("<p>Made by <code>gpumem report</code>.</p>\n</body></html>\n", f);
 }
 
+/* Whether the option a (its first len characters) is name. */
+static bool option_is(const char* a, size_t len, const char* name) {
+  return strlen(name) == len && strncmp(a, name, len) == 0;
+}
+
 int gm_cli_report(int argc, char** argv) {
   const char* out_path = NULL;
   const char* conf = NULL;
+  const char* memory_text = NULL;
   const char* trace_path = NULL;
   int min_limit = 0;
   for (int i = 0; i < argc; i++) {
     const char* a = argv[i];
-    if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-      fputs(usage_report, stdout);
-      return 0;
-    } else if (strcmp(a, "-o") == 0 || strcmp(a, "--conf") == 0) {
-      if (i + 1 >= argc) {
+    /* --name=value as well as --name value, as the other commands take them */
+    const char* eq = a[0] == '-' && a[1] == '-' ? strchr(a, '=') : NULL;
+    size_t len = eq ? (size_t)(eq - a) : strlen(a);
+    const char** value = option_is(a, len, "-o")         ? &out_path
+                         : option_is(a, len, "--conf")   ? &conf
+                         : option_is(a, len, "--memory") ? &memory_text
+                                                         : NULL;
+    if (value) {
+      if (!eq && i + 1 >= argc) {
         fprintf(stderr, "gpumem: option '%s' needs a value\n\n%s", a, usage_report);
         return 2;
       }
-      *(a[1] == 'o' ? &out_path : &conf) = argv[++i];
+      *value = eq ? eq + 1 : argv[++i];
+    } else if (eq && (option_is(a, len, "--help") || option_is(a, len, "--min-limit"))) {
+      fprintf(stderr, "gpumem: option '%.*s' takes no value\n\n%s", (int)len, a, usage_report);
+      return 2;
+    } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      fputs(usage_report, stdout);
+      return 0;
     } else if (strcmp(a, "--min-limit") == 0) {
       min_limit = 1;
     } else if (a[0] == '-' && a[1]) {
@@ -390,6 +459,12 @@ int gm_cli_report(int argc, char** argv) {
   if (!trace_path) {
     fprintf(stderr, "gpumem: no trace given\n\n%s", usage_report);
     return 2;
+  }
+  /* Bad values are reported before any trace is read, as gpumem fit does. */
+  size_t memory = 0;
+  if (memory_text && fit_parse_memory(memory_text, &memory) != GPUMEM_OK) {
+    fprintf(stderr, "gpumem: %s\n", gpumem_last_error());
+    return 1;
   }
   gpumem_options_t check;
   gpumem_options_init(&check);
@@ -421,6 +496,23 @@ int gm_cli_report(int argc, char** argv) {
       goto done;
     }
   }
+  /* The table bisects each row's smallest memory: only when asked for */
+  if (memory || min_limit) {
+    p->memory = memory;
+    p->fit = calloc(fit_num_rows, sizeof *p->fit);
+    if (!p->fit) {
+      fprintf(stderr, "gpumem: out of host memory\n");
+      goto done;
+    }
+    replay_config_t base;
+    replay_config_init(&base);
+    for (size_t k = 0; k < fit_num_rows; k++) {
+      if (fit_one(t, &fit_rows[k], memory, &base, &p->fit[k]) != GPUMEM_OK) {
+        fprintf(stderr, "gpumem: %s: %s\n", t->name, gpumem_last_error());
+        goto done;
+      }
+    }
+  }
   p->out = out_path ? fopen(out_path, "w") : stdout;
   if (!p->out) {
     fprintf(stderr, "gpumem: cannot write %s: %s\n", out_path, strerror(errno));
@@ -435,6 +527,7 @@ done:
   if (p) {
     free(p->peak_groups);
     free(p->end_groups);
+    free(p->fit);
   }
   free(p);
   free(slots);

@@ -7,8 +7,10 @@ The job's peak allocated bytes are PEAK. A process capped below
 OOM_BELOW x PEAK runs out of memory at step OOM_STEP, gpumem's cap being
 FAKE_GPUMEM_FITS x PEAK instead (environment, default 1.0). Step times: 100
 ms, x GPUMEM_SLOWDOWN under gpumem, x LIMIT_SLOWDOWN more when capped, plus
-a small jitter by step. FAKE_LOG, when set, gets a line 'ALLOCATOR[@LIMIT]
-STEP' per step, in the order the steps ran."""
+a small jitter by step; with a record: key in --conf (gpumem), x
+FAKE_RECORD_SLOWDOWN more (default 1.0), and an empty file at its path (%p:
+the process id) stands for the recording. FAKE_LOG, when set, gets a line
+'ALLOCATOR[@LIMIT] STEP' per step, in the order the steps ran."""
 
 import argparse
 import json
@@ -37,6 +39,9 @@ def main():
     fits_at = float(os.environ.get("FAKE_GPUMEM_FITS", "1.0")) if args.allocator == "gpumem" else OOM_BELOW
     oom = args.limit is not None and args.limit < fits_at * PEAK
     label = args.allocator + ("@%d" % args.limit if args.limit else "")
+    recording = [v for k, _, v in (x.partition(":") for x in (args.conf or "").split(",")) if k == "record"]
+    if args.allocator == "gpumem" and recording:
+        open(recording[-1].replace("%p", str(os.getpid())), "w").close()
     times = []
     oom_message = None
     for i in range(args.warmup + args.steps):
@@ -48,6 +53,8 @@ def main():
         ms = 100.0 * (1 + 0.002 * ((i * 7) % 5))
         if args.allocator == "gpumem":
             ms *= GPUMEM_SLOWDOWN * (LIMIT_SLOWDOWN if args.limit else 1.0)
+            if recording:
+                ms *= float(os.environ.get("FAKE_RECORD_SLOWDOWN", "1.0"))
         if os.environ.get("FAKE_LOG"):
             with open(os.environ["FAKE_LOG"], "a") as f:
                 f.write("%s %d\n" % (label, i))

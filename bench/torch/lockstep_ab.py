@@ -15,7 +15,12 @@ A side is ALLOCATOR (native, expandable, async, gpumem) or ALLOCATOR@LIMIT:
 the process's memory capped at LIMIT bytes (workloads.py --limit: gpumem's
 limit: key under gpumem, set_per_process_memory_fraction otherwise); LIMIT
 is a byte count or Rx, R times --peak (the job's peak allocated bytes, e.g.
-from an unlimited run's native side). --conf applies to every gpumem side.
+from an unlimited run's native side). --conf (else GPUMEM_CONF from the
+environment) applies to every gpumem side; a gpumem side may add its own
+configuration after a +, last in the spec (gpumem[@LIMIT]+CONF, e.g.
+gpumem+record:/tmp/x-%p.trace.gz): its configuration is that and CONF
+joined by a comma (CONF's keys win), so that two gpumem sides can differ by
+one setting, in turns on one GPU. A side is labelled by its spec.
 A side that runs out of memory stops there; the others go on.
 
 Why: on the GPU machines of 2026-11 the t5 workload leaves the GPU idle most
@@ -52,12 +57,20 @@ ALLOCATORS = ("native", "expandable", "async", "gpumem")
 
 
 def parse_side(spec, peak):
-    """SIDE -> (allocator, limit bytes or None); a clear error otherwise."""
-    allocator, _, limit = spec.partition("@")
+    """SIDE -> (allocator, limit bytes or None, the side's own GPUMEM_CONF
+    or None); a clear error otherwise. CONF comes last, after the first +,
+    so that it may hold any character (an @ in a path)."""
+    head, plus, conf = spec.partition("+")
+    allocator, _, limit = head.partition("@")
     if allocator not in ALLOCATORS:
         raise ValueError("side %r: allocator must be one of %s" % (spec, ", ".join(ALLOCATORS)))
+    if plus and allocator != "gpumem":
+        raise ValueError("side %r: only a gpumem side takes +CONF (GPUMEM_CONF)" % spec)
+    if plus and not conf:
+        raise ValueError("side %r: CONF after + is empty (e.g. gpumem+record:/tmp/x-%%p.trace.gz)" % spec)
+    conf = conf or None
     if not limit:
-        return allocator, None
+        return allocator, None, conf
     relative = limit.endswith("x")
     try:
         value = float(limit[:-1]) if relative else int(limit)
@@ -68,7 +81,14 @@ def parse_side(spec, peak):
     nbytes = int(value * peak) if relative else value
     if nbytes <= 0:
         raise ValueError("side %r: the limit must be positive" % spec)
-    return allocator, nbytes
+    return allocator, nbytes, conf
+
+
+def side_conf(common, own):
+    """A gpumem side's configuration: the common one, then the side's own,
+    joined as one GPUMEM_CONF string (where both set a key, the later one
+    wins), or None."""
+    return ",".join(x for x in (common, own) if x) or None
 
 
 def parse_pair(text, count):
@@ -82,11 +102,16 @@ def parse_pair(text, count):
     return num, den
 
 
-def start(workload, allocator, limit, args):
+def start(workload, allocator, limit, conf, args):
     cmd = [sys.executable, args.worker, workload, "--allocator", allocator,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lockstep"]
-    if allocator == "gpumem" and args.conf:
-        cmd += ["--conf", args.conf]
+    if allocator == "gpumem":
+        # workloads.py reads GPUMEM_CONF only without --conf: joined here, it
+        # stays under a side's own CONF, as under the plain gpumem sides
+        common = args.conf if args.conf is not None else os.environ.get("GPUMEM_CONF")
+        conf = side_conf(common, conf)
+        if conf:
+            cmd += ["--conf", conf]
     if limit is not None:
         cmd += ["--limit", str(limit)]
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -201,10 +226,10 @@ def side_report(label, allocator, limit, times, final, stopped_at):
 
 
 def run(args, parsed, pairs):
-    """Trains the sides in turns (parsed: (allocator, limit) per side);
-    returns the JSON line's dict with the ratios of pairs."""
+    """Trains the sides in turns (parsed: (allocator, limit, conf) per
+    side); returns the JSON line's dict with the ratios of pairs."""
     specs = args.sides
-    procs = [start(args.workload, alloc, limit, args) for alloc, limit in parsed]
+    procs = [start(args.workload, alloc, limit, conf, args) for alloc, limit, conf in parsed]
     ms = [[] for _ in specs]
     finals = [None] * len(specs)
     stopped_at = [None] * len(specs)
@@ -265,9 +290,11 @@ def main():
     ap.add_argument("workload", nargs="?")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--conf", default=None, help="GPUMEM_CONF of the gpumem sides")
+    ap.add_argument("--conf", default=None,
+                    help="GPUMEM_CONF of every gpumem side (default: GPUMEM_CONF from the environment)")
     ap.add_argument("--sides", nargs="+", default=["native", "gpumem"], metavar="SIDE",
-                    help="ALLOCATOR or ALLOCATOR@LIMIT (bytes, or Rx: R times --peak); default: native gpumem")
+                    help="ALLOCATOR or ALLOCATOR@LIMIT (bytes, or Rx: R times --peak), a gpumem side with "
+                    "+CONF last for its own GPUMEM_CONF (joined after --conf); default: native gpumem")
     ap.add_argument("--peak", type=int, default=None, metavar="BYTES",
                     help="the job's peak allocated bytes, for limits given as Rx")
     ap.add_argument("--pairs", nargs="+", default=None, metavar="NUM/DEN",

@@ -1,5 +1,6 @@
-"""Tests of the step-time harness (lockstep_ab.py, userjobs.py) with a
-stand-in worker (fake_workload.py): no torch, no GPU.
+"""Tests of the step-time harness (lockstep_ab.py, userjobs.py, the
+recording-cost verdict of whatif_check.py) with a stand-in worker
+(fake_workload.py): no torch, no GPU.
 
     python3 -m unittest bench/torch/test_harness.py      (ctest: bench_harness)
 """
@@ -14,6 +15,8 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fake_workload  # noqa: E402
+import lockstep_ab  # noqa: E402
+import whatif_check  # noqa: E402
 
 PEAK = fake_workload.PEAK
 
@@ -72,11 +75,43 @@ class LockstepTest(unittest.TestCase):
         self.assertTrue(all("error" in s for s in r["sides"]))
         self.assertIn("failed at step 0", r["pairs"][0]["skipped"])
 
+    def test_a_gpumem_side_of_its_own_conf(self):
+        with tempfile.TemporaryDirectory() as d:
+            spec = "gpumem+record:" + os.path.join(d, "x-%p.trace.gz")
+            r = lockstep("w", "--steps", "4", "--warmup", "1", "--conf", "reclaim:pressure", "--sides", "gpumem",
+                         spec, "--pairs", "1/0", env={"FAKE_RECORD_SLOWDOWN": "1.02"})
+            recordings = [f for f in os.listdir(d) if f.endswith(".trace.gz")]
+        plain, recording = r["sides"]
+        self.assertEqual([plain["label"], recording["label"]], ["gpumem", spec])
+        self.assertEqual(plain["conf"], "reclaim:pressure")
+        self.assertEqual(recording["conf"], "reclaim:pressure," + spec[len("gpumem+"):])
+        self.assertEqual(len(recordings), 1)  # only the side that records
+        self.assertEqual((r["pairs"][0]["num"], r["pairs"][0]["den"]), (spec, "gpumem"))
+        self.assertAlmostEqual(r["pairs"][0]["ratio_of_medians"], 1.02, places=3)
+
+    def test_a_side_conf_joins_gpumem_conf_from_the_environment(self):
+        r = lockstep("w", "--steps", "2", "--warmup", "0", "--sides", "native", "gpumem", "gpumem+placement:planned",
+                     env={"GPUMEM_CONF": "reclaim:eager"})
+        self.assertEqual([s["conf"] for s in r["sides"]],
+                         [None, "reclaim:eager", "reclaim:eager,placement:planned"])
+
+    def test_parse_side_takes_conf_last(self):
+        # CONF may hold an @ (a path): the limit is read before the +
+        self.assertEqual(lockstep_ab.parse_side("gpumem@1.02x+record:/a@b/x.gz", 100),
+                         ("gpumem", 102, "record:/a@b/x.gz"))
+        self.assertEqual(lockstep_ab.parse_side("native@7", None), ("native", 7, None))
+        self.assertEqual(lockstep_ab.side_conf("limit:1G", "record:/x"), "limit:1G,record:/x")
+        self.assertEqual(lockstep_ab.side_conf(None, "record:/x"), "record:/x")
+        self.assertIsNone(lockstep_ab.side_conf("", None))
+
     def test_bad_sides_are_named(self):
         for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
                           (["--sides", "native", "gpumem@1.1x"], "needs --peak"),
                           (["--sides", "native", "gpumem@lots"], "byte count or a ratio"),
                           (["--sides", "native", "native"], "sides must differ"),
+                          (["--sides", "native", "native+record:/x"], "only a gpumem side takes +CONF"),
+                          (["--sides", "gpumem", "gpumem+"], "CONF after + is empty"),
+                          (["--sides", "gpumem+record:/x", "gpumem+record:/x"], "sides must differ"),
                           (["--pairs", "0/2"], "indices must be two different sides")):
             proc = run("lockstep_ab.py", "w", *args)
             self.assertEqual(proc.returncode, 2, args)
@@ -91,6 +126,37 @@ class LockstepTest(unittest.TestCase):
             lines = proc.stdout.strip().splitlines()
         self.assertEqual(len(lines), 1)
         self.assertEqual(json.loads(lines[0])["runs"], 1)
+
+
+class RecordingCostTest(unittest.TestCase):
+    def verdict(self, slowdown):
+        with tempfile.TemporaryDirectory() as d:
+            proc = run("lockstep_ab.py", "w", "--steps", "6", "--warmup", "1", "--sides", "gpumem",
+                       "gpumem+record:" + os.path.join(d, "w-%p.trace.gz"), "--pairs", "1/0",
+                       env={"FAKE_RECORD_SLOWDOWN": slowdown})
+        check = subprocess.run([sys.executable, os.path.join(HERE, "whatif_check.py"), "--recording-cost", "w"],
+                               input=proc.stdout, capture_output=True, text=True, timeout=60)
+        return check.returncode, check.stdout
+
+    def test_pass_at_most_one_percent(self):
+        rc, out = self.verdict("1.01")
+        self.assertEqual(rc, 0, out)
+        self.assertRegex(out, r"^PASS w recording cost .*: ratio of medians 1\.0100 \(95% interval "
+                              r"1\.0\d{3} to 1\.0\d{3}, 6 step pairs; at most 1\.01\)")
+
+    def test_fail_above(self):
+        rc, out = self.verdict("1.02")
+        self.assertEqual(rc, 1, out)
+        self.assertIn("FAIL w recording cost", out)
+        self.assertIn("ratio of medians 1.0200", out)
+
+    def test_no_result_or_a_side_that_stopped_fails(self):
+        self.assertEqual(whatif_check.recording_cost("w", ""),
+                         (False, "FAIL w recording cost (step time with record: / without): "
+                                 "lockstep_ab.py printed no result"))
+        ok, line = whatif_check.recording_cost("w", json.dumps({"pairs": [{"skipped": "x failed at step 0"}]}))
+        self.assertFalse(ok)
+        self.assertIn("x failed at step 0", line)
 
 
 class UserJobsTest(unittest.TestCase):

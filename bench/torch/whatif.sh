@@ -9,8 +9,11 @@
 #
 # Knobs: WORKLOADS (default: gpt2_train resnet50_train llama_ckpt_train
 # t5_varlen_prefetch), STEPS=3, WARMUP=1, OUT (results; default
-# build/whatif). LOCKSTEP=1 also measures what recording costs a step:
-# bench/torch/lockstep_ab.py with and without record:..., gpumem / native.
+# build/whatif). LOCKSTEP=1 also measures what recording costs a step, per
+# workload: bench/torch/lockstep_ab.py trains gpumem and gpumem with
+# record:... in turns on the GPU (LOCKSTEP_STEPS=60 step pairs after 8
+# warm-up steps) and whatif_check.py --recording-cost says PASS when the
+# ratio of their median step times is at most 1.01.
 set -u
 . "$(dirname "${BASH_SOURCE[0]}")/env.sh" "${1:-}"
 need_library whatif
@@ -29,16 +32,17 @@ done
 "$py" "$root/bench/torch/whatif_check.py" "$build" "$out" $WORKLOADS | tee "$out/check.txt"
 rc=${PIPESTATUS[0]}
 if [ "${LOCKSTEP:-0}" = 1 ]; then
+  # the recordings are large: written to a directory of their own, each
+  # deleted after its run
+  rec=$(mktemp -d "${TMPDIR:-/tmp}/gpumem-whatif.XXXXXX") || exit 1
+  trap 'rm -rf "$rec"' EXIT
   for w in $WORKLOADS; do
-    for conf in "" "record:/tmp/gpumem-whatif-%p.trace.gz"; do
-      "$py" "$root/bench/torch/lockstep_ab.py" "$w" --steps "${LOCKSTEP_STEPS:-60}" --warmup 8 \
-        ${conf:+--conf "$conf"} --out "$out/lockstep_record.jsonl" | "$py" -c '
-import json, sys
-d = json.loads(sys.stdin.read().strip().splitlines()[-1])
-print("lockstep", d["workload"], "conf=%r" % d["conf"], "gpumem/native median ratio",
-      d.get("ratio_of_medians"), "geo mean", d.get("geo_mean_step_ratio"), d.get("step_ratio_ci95"))'
-    done
+    "$py" "$root/bench/torch/lockstep_ab.py" "$w" --steps "${LOCKSTEP_STEPS:-60}" --warmup 8 \
+      --sides gpumem "gpumem+record:$rec/$w-%p.trace.gz" --pairs 1/0 \
+      --out "$out/lockstep_record.jsonl" |
+      "$py" "$root/bench/torch/whatif_check.py" --recording-cost "$w" | tee -a "$out/check.txt"
+    [ "${PIPESTATUS[1]}" = 0 ] || rc=1
+    rm -f "$rec"/*.trace.gz
   done
-  rm -f /tmp/gpumem-whatif-*.trace.gz
 fi
 exit "$rc"

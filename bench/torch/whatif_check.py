@@ -13,6 +13,12 @@ gpumem replays from the recordings, and prints PASS/FAIL lines:
    segments model against its peak reserved: within 2%.
 4. async: the native run's pickle replayed through the cudaMallocAsync
    model against the async run's peak reserved: within 5%.
+
+    python3 bench/torch/whatif_check.py --recording-cost WORKLOAD < LOCKSTEP_LINE
+
+5. what recording costs a step: the JSON line of bench/torch/lockstep_ab.py
+   run with the sides gpumem and gpumem+record:PATH, pair 1/0: the ratio of
+   the median step times, recording / not, at most 1.01.
 """
 
 import json
@@ -21,6 +27,7 @@ import subprocess
 import sys
 
 GIB = 1 << 30
+RECORDING_COST_MAX = 1.01
 failures = 0
 
 
@@ -47,6 +54,23 @@ def verdict(name, got, want, tolerance):
           f"{want / GIB:.4f} GiB, error {100 * err:+.3f}% ({tol})", flush=True)
 
 
+def recording_cost(workload, text, max_ratio=RECORDING_COST_MAX):
+    """(ok, line) for lockstep_ab.py's output text (its JSON line last)."""
+    name = f"{workload} recording cost (step time with record: / without)"
+    lines = [x for x in text.strip().splitlines() if x.startswith("{")]
+    if not lines:
+        return False, f"FAIL {name}: lockstep_ab.py printed no result"
+    pairs = json.loads(lines[-1]).get("pairs") or [{"skipped": "no pair in the result"}]
+    pair = pairs[0]
+    if "skipped" in pair:
+        return False, f"FAIL {name}: {pair['skipped']}"
+    ratio = pair["ratio_of_medians"]
+    lo, hi = pair["ratio_of_medians_ci95"]
+    ok = ratio <= max_ratio
+    return ok, (f"{'PASS' if ok else 'FAIL'} {name}: ratio of medians {ratio:.4f} (95% interval "
+                f"{lo:.4f} to {hi:.4f}, {pair['step_pairs']} step pairs; at most {max_ratio})")
+
+
 def load(outdir, workload, mode):
     path = os.path.join(outdir, f"{workload}.{mode}.json")
     if not os.path.exists(path):
@@ -57,6 +81,10 @@ def load(outdir, workload, mode):
 
 
 def main():
+    if sys.argv[1] == "--recording-cost":
+        ok, line = recording_cost(sys.argv[2], sys.stdin.read())
+        print(line, flush=True)
+        return 0 if ok else 1
     build, outdir = sys.argv[1], sys.argv[2]
     for w in sys.argv[3:]:
         for policy in ("default", "pytorch"):

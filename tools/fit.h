@@ -1,0 +1,55 @@
+/* The allocator table of `gpumem fit` and `gpumem report --memory`: for
+ * each allocator a PyTorch user can choose and for gpumem's settings, the
+ * peak reserved memory with no limit, the smallest limit under which the
+ * trace replays, and whether it replays under a given device memory. Kept
+ * here so that both commands ask the same rows the same way and show the
+ * same figures. */
+#ifndef GPUMEM_TOOLS_FIT_H
+#define GPUMEM_TOOLS_FIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpumem.h"
+#include "peer_models.h"
+#include "replay.h"
+#include "trace.h"
+
+typedef struct fit_row {
+  const char* name;  /* what the user would pick */
+  const char* how;   /* how to pick it */
+  peer_model_t peer; /* a model, or PEER_NONE for the engine */
+  gpumem_policy_t policy;
+  const char* conf;
+  int gpumem_default; /* the row of gpumem as it comes (the table's headline) */
+} fit_row_t;
+
+extern const fit_row_t fit_rows[];
+extern const size_t fit_num_rows;
+
+typedef struct fit_result {
+  int fits;               /* replays under the memory asked about (0 when none was) */
+  uint64_t peak_reserved; /* no limit */
+  uint64_t needed;        /* smallest limit; 0: none found */
+} fit_result_t;
+
+/* Reads a --memory value: bytes with an optional K/M/G/T suffix, above 0.
+ * GPUMEM_ERR_INVALID_ARGUMENT with gpumem_last_error() naming the value. */
+gpumem_status_t fit_parse_memory(const char* text, size_t* out);
+
+/* One row for trace t: peak reserved, the smallest limit (bisected to
+ * base->min_limit_tolerance) and, when memory is not 0, whether it fits
+ * in memory. base gives the replay settings the engine's rows start from
+ * (device, tolerance, progress); its policy, conf and limits are replaced
+ * by the row's. On failure the status, with gpumem_last_error() set. */
+gpumem_status_t fit_one(const trace_t* t, const fit_row_t* row, size_t memory,
+                        const replay_config_t* base, fit_result_t* out);
+
+/* The table's two figures as text, "5.660 GiB (1.003x)" (x: over peak
+ * live), or "-" for a smallest limit not found. */
+void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, size_t cap);
+
+/* What the table's figures mean and where the models come from. */
+extern const char fit_note[];
+
+#endif
