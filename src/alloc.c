@@ -511,8 +511,7 @@ static inline int pool_index(const gpumem_t* gm, size_t rsize) {
   return GM_POOL_LARGE;
 }
 
-void gm_note_allocated(gpumem_t* gm, gm_block* b, size_t size, bool small,
-                       gpumem_stream_t stream) {
+void gm_note_allocated(gpumem_t* gm, gm_block* b, size_t size, bool small, gpumem_stream_t stream) {
   b->requested = size;
   b->serial = ++gm->num_mallocs;
   b->tag = gm->history_tag;

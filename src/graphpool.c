@@ -457,8 +457,7 @@ static gm_segment* pool_segment_at(gpumem_t* gm, const gm_graph_pool* gp, uintpt
   return NULL;
 }
 
-gpumem_status_t gpumem_pool_checkpoint(gpumem_t* gm, uint64_t pool_id,
-                                       gpumem_pool_state_t** out) {
+gpumem_status_t gpumem_pool_checkpoint(gpumem_t* gm, uint64_t pool_id, gpumem_pool_state_t** out) {
   if (!gm || !out)
     return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_pool_checkpoint: NULL argument");
   *out = NULL;
@@ -547,8 +546,9 @@ gpumem_status_t gpumem_pool_restore(gpumem_t* gm, uint64_t pool_id,
   gpumem_status_t st = GPUMEM_OK;
   gm_graph_pool* gp = pool_find(gm, pool_id);
   if (state->gm != gm || state->pool_id != pool_id) {
-    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: the checkpoint is of %s pool %llu, not of pool %llu",
-                 what, state->gm == gm ? "" : "another allocator's", (unsigned long long)state->pool_id,
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                 "%s: the checkpoint is of %s pool %llu, not of pool %llu", what,
+                 state->gm == gm ? "" : "another allocator's", (unsigned long long)state->pool_id,
                  (unsigned long long)pool_id);
     goto out;
   }
@@ -573,8 +573,8 @@ gpumem_status_t gpumem_pool_restore(gpumem_t* gm, uint64_t pool_id,
   for (size_t i = 0; i < state->count; i++) {
     if (!pool_segment_at(gm, gp, state->entries[i].addr, state->entries[i].size)) {
       st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
-                   "%s: the checkpoint's allocation at 0x%lx is not in pool %llu's memory now", what,
-                   (unsigned long)state->entries[i].addr, (unsigned long long)pool_id);
+                   "%s: the checkpoint's allocation at 0x%lx is not in pool %llu's memory now",
+                   what, (unsigned long)state->entries[i].addr, (unsigned long long)pool_id);
       goto out;
     }
   }

@@ -445,10 +445,10 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
       } else if (states[k] && nlive + gpumem_pool_state_allocations(states[k]) <= 2 * MAX_LIVE) {
         void *freed[MAX_LIVE], *made[MAX_LIVE];
         size_t nf = 0, nm = 0;
-        gpumem_status_t st =
-            gpumem_pool_restore(gm, pools_live[k], states[k], freed, MAX_LIVE, &nf, made, MAX_LIVE, &nm);
-        CHECK_MSG(st == GPUMEM_OK || failures_on, "seed %llu op %d: %s", (unsigned long long)seed, op,
-                  gpumem_last_error());
+        gpumem_status_t st = gpumem_pool_restore(gm, pools_live[k], states[k], freed, MAX_LIVE, &nf,
+                                                 made, MAX_LIVE, &nm);
+        CHECK_MSG(st == GPUMEM_OK || failures_on, "seed %llu op %d: %s", (unsigned long long)seed,
+                  op, gpumem_last_error());
         restores += st == GPUMEM_OK;
         for (size_t f = 0; f < nf; f++) {
           size_t i = 0;

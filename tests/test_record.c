@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -138,6 +139,37 @@ static void test_config(void) {
   CHECK(strstr(gpumem_last_error(), "record") != NULL);
 }
 
+/* A job recorded from start to end with record:PATH never destroys its
+ * allocator (per-device instances live until exit): the file is finished
+ * at exit, with every event of the many buffers the writer took. */
+static void test_file_finished_at_exit(const char* dir) {
+  char path[512], conf[700];
+  snprintf(path, sizeof path, "%s/at_exit.trace.gz", dir);
+  snprintf(conf, sizeof conf, "record:%s", path);
+  enum { N = 150000 }; /* ~4 MiB of text: several buffers */
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    gpumem_t* gm = make(conf);
+    for (int i = 0; gm && i < N; i++) {
+      void* p = NULL;
+      if (gpumem_malloc(gm, 512 + (size_t)(i % 4096) * 512, 0, &p) != GPUMEM_OK) _exit(3);
+      if (i % 7 == 0) gpumem_record_step(gm);
+      if (gpumem_free(gm, p) != GPUMEM_OK) _exit(4);
+    }
+    exit(gm ? 0 : 2); /* atexit handlers run; the allocator is not destroyed */
+  }
+  int status = 0;
+  CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+  CHECK_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0, "recording child: status %d", status);
+  trace_t* t = NULL;
+  CHECK_STATUS(trace_load(path, &t), GPUMEM_OK);
+  if (!t) return;
+  CHECK_MSG(t->num_allocs == N && t->num_frees == N, "%zu allocations and %zu frees of %d",
+            (size_t)t->num_allocs, (size_t)t->num_frees, N);
+  trace_free(t);
+}
+
 int main(void) {
   char dir[] = "/tmp/gpumem_record.XXXXXX";
   if (!mkdtemp(dir)) return 1;
@@ -145,6 +177,7 @@ int main(void) {
   test_record_replays_exactly(dir, "pytorch");
   test_record_replays_exactly(dir, "default");
   test_runtime_calls(dir);
+  test_file_finished_at_exit(dir);
   char cmd[600];
   snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
   if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);

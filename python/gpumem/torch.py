@@ -250,6 +250,24 @@ class GpumemAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
     check(g.retain(g.allocator(device), pool_id(device, id)), "createOrIncrefPool");
   }
 #endif
+#if GM_HAVE_setUseOnOOM
+  // MemPool(use_on_oom=True): allocations that fail elsewhere may use the
+  // pool. gpumem's retry ladder does not look into private pools.
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom,
+                "gpumem: MemPool(use_on_oom=True) is not supported while gpumem is PyTorch's "
+                "allocator (gpumem's out-of-memory retries never take memory from a pool); create "
+                "the MemPool without it");
+  }
+#endif
+#if GM_HAVE_setNoSplit
+  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
+    TORCH_CHECK(false,
+                "gpumem: MemPool(no_split=True) is not supported while gpumem is PyTorch's "
+                "allocator (gpumem splits blocks in a pool as anywhere); create the MemPool "
+                "without it");
+  }
+#endif
 #if GM_HAVE_getPoolUseCount
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t id) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -429,6 +447,11 @@ def _graphs_source():
                                            or ("virtual void " + m) in header))
         for m in ("getPoolUseCount", "checkPoolLiveAllocations", "createOrIncrefPool")
     )
+    # (overridden only with the signature PyTorch 2.8+ declares)
+    use_on_oom = re.search(r"virtual\s+void\s+setUseOnOOM\s*\([^)]*bool\s+use_on_oom", header) is not None
+    no_split = re.search(r"virtual\s+void\s+setNoSplit\s*\(\s*c10::DeviceIndex[^,)]*,\s*MempoolId_t[^,)]*\)",
+                         header) is not None
+    defs += "#define GM_HAVE_setUseOnOOM %d\n#define GM_HAVE_setNoSplit %d\n" % (use_on_oom, no_split)
     # c10::Allocator::allocate was const before PyTorch 2.3.
     allocator_h = _torch_header_text(os.path.join("c10", "core", "Allocator.h"))
     const = re.search(r"virtual\s+DataPtr\s+allocate\s*\([^)]*\)\s*const", allocator_h) is not None
@@ -570,7 +593,8 @@ def is_enabled():
 def status():
     """What enable() did: enabled, conf, oom_mode ("shim": OOM raises
     torch.OutOfMemoryError; "hook": RuntimeError), shim_path, why_no_shim,
-    library."""
+    graphs_path (gpumem's full PyTorch allocator: CUDA graphs, MemPool,
+    cuDNN benchmark), why_no_graphs, library."""
     if _state is None:
         return {"enabled": False}
     return {
@@ -579,6 +603,8 @@ def status():
         "oom_mode": _state.oom_mode,
         "shim_path": _state.shim_path,
         "why_no_shim": _state.why_no_shim,
+        "graphs_path": _state.graphs_path,
+        "why_no_graphs": _state.why_no_graphs,
         "library": _lib.path(),
     }
 

@@ -295,12 +295,27 @@ def memfuncs(args):
     p = torch.cuda.caching_allocator_alloc(4096)
     check("caching_allocator_alloc", p != 0)
     torch.cuda.caching_allocator_delete(p)
-    try:
+    # Graph capture: served by gpumem's full allocator when it was built,
+    # else refused with the reason (test_graphs.py tests graphs in depth).
+    if gpumem.torch.status()["graphs_path"]:
         g = torch.cuda.CUDAGraph()
-        g.capture_begin()
-        check("graph capture refused", False)
-    except RuntimeError as e:
-        check("graph capture refused", "CUDA graph capture is not supported" in str(e))
+        s = torch.cuda.Stream()
+        a = torch.ones(1024, device="cuda")
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=s):
+            b = a * 3
+        a.fill_(2)
+        g.replay()
+        torch.cuda.synchronize()
+        check("graph capture and replay", float(b.sum()) == 6 * 1024)
+        del g, b
+    else:
+        try:
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin()
+            check("graph capture refused", False)
+        except RuntimeError as e:
+            check("graph capture refused", "full PyTorch allocator" in str(e))
     gpumem.torch.enable()  # again, same conf: a no-op
     try:
         gpumem.torch.enable("limit:1G")

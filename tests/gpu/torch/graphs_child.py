@@ -57,7 +57,9 @@ def w_graph(torch, args):
     torch.cuda.empty_cache()
     before = stats(torch)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g), torch.no_grad():
+    # (captured on the warm-up stream, whose cuBLAS workspace exists already:
+    # a new one would be made in the graph's pool and stay there)
+    with torch.cuda.graph(g, stream=s), torch.no_grad():
         static_out = model(static_in)
     sums = []
     gen = torch.Generator(device="cuda").manual_seed(1)
