@@ -515,7 +515,6 @@ void gm_note_allocated(gpumem_t* gm, gm_block* b, size_t size, bool small, gpume
   b->requested = size;
   b->serial = ++gm->num_mallocs;
   b->tag = gm->history_tag;
-  b->seq = 0;
   gm_stat_pool_grow(gm->stats.allocation, small, 1);
   gm_stat_pool_grow(gm->stats.allocated_bytes, small, (int64_t)b->size);
   gm_stat_pool_grow(gm->stats.active, small, 1);

@@ -531,6 +531,7 @@ static gpumem_status_t make_live_at(gpumem_t* gm, gm_segment* seg, const gm_pool
     return st;
   }
   gm_note_allocated(gm, b, e->requested, gm_block_stat_small(b), pool->stream->handle);
+  b->seq = 0; /* (a private pool's blocks are never the planner's) */
   return GPUMEM_OK;
 }
 

@@ -238,21 +238,31 @@ static int count_one(const gpumem_published_t* p, void* arg) {
   return 0;
 }
 
-/* A real page, then mutated copies of it beside it: the scan reads what is
- * consistent, skips the rest, and its strings stay terminated. */
-static void fuzz_publication(long rounds) {
-  char dir[] = "/tmp/gpumem_fuzz_XXXXXX";
+/* A fresh publication directory (dir: a mkdtemp template) and an allocator
+ * on the simulated device that has published its page there; NULL when
+ * either could not be made (a failed check says which). */
+static gpumem_t* published_allocator(char* dir) {
   if (!mkdtemp(dir)) {
     CHECK_MSG(false, "mkdtemp failed");
-    return;
+    return NULL;
   }
   setenv("GPUMEM_PUBLISH_DIR", dir, 1);
   gpumem_backend_t* sim = gpumem_sim_create(NULL);
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.publish = GPUMEM_PUBLISH_ON;
+  o.own_backend = 1; /* (destroyed with the allocator) */
   gpumem_t* gm = sim ? gpumem_create(sim, &o, NULL) : NULL;
   CHECK(gm != NULL && gpumem_publish(gm) == GPUMEM_OK);
+  return gm;
+}
+
+/* A real page, then mutated copies of it beside it: the scan reads what is
+ * consistent, skips the rest, and its strings stay terminated. */
+static void fuzz_publication(long rounds) {
+  char dir[] = "/tmp/gpumem_fuzz_XXXXXX";
+  gpumem_t* gm = published_allocator(dir);
+  if (!gm) return;
   char page[4096];
   size_t page_len = 0;
   scan_seen_t seen = {0, ""};
@@ -287,7 +297,6 @@ static void fuzz_publication(long rounds) {
   CHECK_MSG(read_back > 0, "no mutated page was ever read back");
   printf("publication: %d of %ld mutated pages read back\n", read_back, rounds);
   gpumem_destroy(gm);
-  gpumem_sim_destroy(sim);
   unsetenv("GPUMEM_PUBLISH_DIR");
   rmdir(dir);
 }
@@ -331,17 +340,8 @@ static size_t run_top_output(const char* dir, const char* args, char* out, size_
  * lie there. Then more dead records than top holds. */
 static void fuzz_hostile_entries(long rounds) {
   char dir[] = "/tmp/gpumem_fuzz_hostile_XXXXXX";
-  if (!mkdtemp(dir)) {
-    CHECK_MSG(false, "mkdtemp failed");
-    return;
-  }
-  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
-  gpumem_backend_t* sim = gpumem_sim_create(NULL);
-  gpumem_options_t o;
-  gpumem_options_init(&o);
-  o.publish = GPUMEM_PUBLISH_ON;
-  gpumem_t* gm = sim ? gpumem_create(sim, &o, NULL) : NULL;
-  CHECK(gm != NULL && gpumem_publish(gm) == GPUMEM_OK);
+  gpumem_t* gm = published_allocator(dir);
+  if (!gm) return;
   scan_seen_t seen = {0, ""};
   CHECK(gpumem_published_scan(dir, count_one, &seen) == 1);
   char live[256], page[192];
@@ -425,7 +425,6 @@ static void fuzz_hostile_entries(long rounds) {
   CHECK_MSG(strstr(out, "removed 300 files") && strstr(out, "1 allocator published"), "%.300s",
             out);
   gpumem_destroy(gm);
-  gpumem_sim_destroy(sim);
   unsetenv("GPUMEM_PUBLISH_DIR");
   rmdir(dir);
 }

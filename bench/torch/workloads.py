@@ -136,19 +136,20 @@ def resnet50_train(torch, args):
     return model, make_state, step
 
 
-def llama_ckpt_train(torch, args):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(hidden, intermediate, layers, heads, kv_heads, **extra):
+    """A Llama-style decoder's configuration (HF transformers, vocabulary
+    32,000, positions up to 2,048): what the Llama workloads differ in."""
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5504,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        max_position_embeddings=2048,
-        use_cache=False,
-    )
+    return LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                       max_position_embeddings=2048, **extra)
+
+
+def llama_ckpt_train(torch, args):
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(2048, 5504, 8, 16, 16, use_cache=False)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     model.gradient_checkpointing_enable()
@@ -248,19 +249,9 @@ def llama_finetune_varlen(torch, args):
     2, AdamW, bf16 autocast. One step = one optimizer step."""
     import random
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=18,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=2048,
-        pad_token_id=0,
-        use_cache=False,
-    )
+    cfg = llama_config(1536, 4096, 18, 12, 12, pad_token_id=0, use_cache=False)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg)
     model.train()
@@ -308,20 +299,9 @@ def llama_generate_serve(torch, args):
     import random
 
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    cfg = llama_config(1536, 4096, 12, 12, 4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     # built on the host and moved as bf16: no fp32 copy ever on the GPU,
     # where its freed pages would stay in the peak of every allocator
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
