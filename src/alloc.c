@@ -422,6 +422,26 @@ static size_t hole_edge_waste(const gpumem_t* gm, uintptr_t a, uintptr_t e) {
   return (first_whole - a) + (e - end_whole);
 }
 
+/* Best fit sees an arena's free tail as one huge block, so it prefers any
+ * hole to the free bytes at the top of what the arena has walked; that
+ * leaves the top unused and the holes taken, and the next request that
+ * fits no hole walks further. Where nothing moves pages (reserved memory
+ * is the address space walked), the tail counts as a block of the size it
+ * has below the arena's highest mapped page, as cudaMallocAsync's pool
+ * grows by joining the free block at its top: llama_ckpt_train's peak
+ * reserved fell from 1.1494 to 1.1043 x peak live (simulated device), the
+ * others moved by under 0.0005. Under a limit pages move, and the holes'
+ * pages are better taken first (min limits unchanged). b is best fit's
+ * choice, a block with a successor (not a tail) larger than rsize. */
+static gm_block* prefer_walked_tail(const gpumem_t* gm, gm_pool* pool, gm_block* b, size_t rsize) {
+  gm_block* tail = gm_index_largest(&pool->index);
+  if (!tail || tail == b || tail->next || !tail->seg->is_arena) return b;
+  uintptr_t walked = tail->seg->addr + tail->seg->mapped_end * gm->page_size;
+  if (walked <= tail->addr) return b;
+  size_t below = walked - tail->addr;
+  return below >= rsize && below < b->size ? tail : b;
+}
+
 /* One attempt to serve rsize bytes from pool, growing through the backend
  * as the policy allows. On success *out is ALLOCATED and out of the index. */
 static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
@@ -431,6 +451,8 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
                    gm->limit && gm->limit < gm->device_total ? gm->limit : gm->device_total);
   }
   gm_block* b = find_free(gm, pool, rsize);
+  if (b && b->next && b->size != rsize && gm->virtual_memory && gm_grows_in_runs(gm))
+    b = prefer_walked_tail(gm, pool, b, rsize);
   gm_segment* fresh = NULL;
   if (!b) {
     /* A new segment's block serves the request directly, as PyTorch's

@@ -540,6 +540,10 @@ void gm_events_destroy(gpumem_t* gm);
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out);
 /* Maps every page under [addr, addr+size) of the arena. */
 gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size);
+/* Whether new memory comes in mappings of several pages (no limit, budget
+ * or planner, and the device has not refused): nothing moves pages then,
+ * and reserved memory is the address space the arenas walk. */
+bool gm_grows_in_runs(const gpumem_t* gm);
 /* Re-arms the move guard (pages.c): empty_cache and a plan that starts
  * serving start it afresh. */
 void gm_guard_reset(gpumem_t* gm);

@@ -6,8 +6,10 @@ under native PyTorch and under gpumem, one step at a time, in turns.
 Two worker processes (this file with --worker) build the same model with the
 same seeds; the parent asks each for one step in turn (AB, BA, AB, ...), so
 both see the same stretch of the host's speed. Prints one JSON line: the
-medians of the timed steps, their ratio gpumem / native, and each side's
-peak reserved memory (torch.cuda.max_memory_reserved).
+medians of the timed steps, their ratio gpumem / native with a bootstrap
+95% interval over the step pairs (and the geometric mean of the per-step
+ratios with its interval, lockstep_ab.compare), and each side's peak
+reserved memory (torch.cuda.max_memory_reserved).
 """
 
 import argparse
@@ -100,9 +102,15 @@ def main():
         mem[a] = json.loads(p.stdout.readline())
         p.wait(60)
     med = {a: statistics.median(t) for a, t in times.items()}
+    sys.path.insert(0, HERE)
+    from lockstep_ab import compare
+
+    stats = compare(times["native"], times["gpumem"])
     print(json.dumps({
         "mode": args.mode, "steps": args.steps,
         "median_ms": med, "ratio": med["gpumem"] / med["native"],
+        "ratio_ci95": stats["ratio_of_medians_ci95"],
+        "geo_mean_step_ratio": stats["geo_mean_step_ratio"], "step_ratio_ci95": stats["step_ratio_ci95"],
         "peak_reserved": {a: m["peak_reserved"] for a, m in mem.items()},
     }), flush=True)
 

@@ -48,12 +48,13 @@ PY
   done
   echo "== lockstep: torch.compile(mode='reduce-overhead'), native vs gpumem"
   for mode in train infer; do
-    r=$(timeout 240 "$py" bench/torch/graphs_ab.py --mode "$mode" --steps 200 --warmup 20 | tail -1)
+    r=$(timeout 240 "$py" bench/torch/graphs_ab.py --mode "$mode" --steps "${GRAPHS_STEPS:-200}" --warmup 20 | tail -1)
     echo "$r"
     "$py" -c "
 import json,sys
 r=json.loads(sys.argv[1]); ok=r['ratio']<=1.01 and r['peak_reserved']['gpumem']<=r['peak_reserved']['native']
-print('BENCH %s median native %.3f ms gpumem %.3f ms ratio %.4f peak reserved native %d gpumem %d (%s)' % (r['mode'], r['median_ms']['native'], r['median_ms']['gpumem'], r['ratio'], r['peak_reserved']['native'], r['peak_reserved']['gpumem'], 'PASS' if ok else 'FAIL'))
+lo, hi = r['ratio_ci95']
+print('BENCH %s median native %.3f ms gpumem %.3f ms ratio %.4f [%.4f, %.4f] geo mean %.4f peak reserved native %d gpumem %d (%s)' % (r['mode'], r['median_ms']['native'], r['median_ms']['gpumem'], r['ratio'], lo, hi, r['geo_mean_step_ratio'], r['peak_reserved']['native'], r['peak_reserved']['gpumem'], 'PASS' if ok else 'FAIL'))
 " "$r" || echo "BENCH $mode FAIL (no result)"
   done
 } 2>&1 | tee "$log"
