@@ -1,6 +1,7 @@
 """Tests of the step-time harness (lockstep_ab.py, userjobs.py, the
-recording-cost verdict of whatif_check.py) with a stand-in worker
-(fake_workload.py): no torch, no GPU.
+recording-cost verdict of whatif_check.py, the two-GPU driver multigpu.py)
+with stand-in workers (fake_workload.py, multigpu.py --launcher fake): no
+torch, no GPU.
 
     python3 -m unittest bench/torch/test_harness.py      (ctest: bench_harness)
 """
@@ -201,6 +202,38 @@ class UserJobsTest(unittest.TestCase):
     def test_no_run_starts_past_the_deadline(self):
         rows, _, _ = self.drive(WORKLOADS="a", DEADLINE="30")
         self.assertTrue(all(r["verdict"] == "ERROR" and "DEADLINE" in r["why"] for r in rows[:1]))
+
+
+class MultiGpuTest(unittest.TestCase):
+    """multigpu.py's driver with its fake launcher: the same FIFO turns,
+    rotation, result and checks as under torchrun, with sleeping ranks."""
+
+    def drive(self, *extra, env=None):
+        with tempfile.TemporaryDirectory() as out:
+            proc = subprocess.run(
+                [sys.executable, os.path.join(HERE, "multigpu.py"), "run", "--strategy", "fsdp2", "--launcher",
+                 "fake", "--steps", "4", "--warmup", "1", "--deterministic", "--timeout", "60", "--out", out,
+                 *extra], capture_output=True, text=True, env=dict(os.environ, **(env or {})), timeout=120)
+            with open(os.path.join(out, "result.json")) as f:
+                return proc, json.load(f)
+
+    def test_every_side_takes_its_turns_in_rotation(self):
+        proc, r = self.drive()
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(r["order"][:3], [["native", "expandable", "gpumem"], ["expandable", "gpumem", "native"],
+                                          ["gpumem", "native", "expandable"]])
+        self.assertEqual({k: v["status"] for k, v in r["sides"].items()},
+                         {"native": "ok", "expandable": "ok", "gpumem": "ok"})
+        verdicts = {c["check"]: c["verdict"] for c in r["checks"]}
+        self.assertEqual(verdicts["losses gpumem = native"], "PASS")
+        self.assertEqual(verdicts["allocator gpumem"], "PASS")
+
+    def test_a_side_out_of_memory_stops_alone(self):
+        proc, r = self.drive(env={"MULTIGPU_FAKE_EVENTS": "gpumem:oom:2:1"})
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual((r["sides"]["gpumem"]["status"], r["sides"]["gpumem"]["stopped_at"]), ("oom", 2))
+        self.assertEqual(r["sides"]["native"]["status"], "ok")
+        self.assertEqual(r["sides"]["expandable"]["status"], "ok")
 
 
 if __name__ == "__main__":
