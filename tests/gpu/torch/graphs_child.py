@@ -157,13 +157,25 @@ def w_snapshot(torch, args):
     x = torch.randn(1024, 1024, device="cuda")
     y = x @ x
     snap = torch.cuda.memory._snapshot()
-    frames = 0
+    frames = here = traced = 0
     for seg in snap.get("segments", []):
         for blk in seg.get("blocks", []):
             for fr in blk.get("frames", []) or []:
                 if str(fr.get("filename", "")).endswith(".py"):
                     frames += 1
-    emit(segments=len(snap.get("segments", [])), python_frames=frames, y=float(y.double().sum()))
+                if str(fr.get("filename", "")).endswith("graphs_child.py") and fr.get("name") == "w_snapshot":
+                    here += 1
+    for trace in snap.get("device_traces", []):
+        for ev in trace:
+            if any(str(fr.get("filename", "")).endswith("graphs_child.py") for fr in ev.get("frames", []) or []):
+                traced += 1
+    # what memory_viz renders (the same code pytorch.org/memory_viz runs)
+    from torch.cuda import _memory_viz
+
+    pages = len(_memory_viz.segment_plot(snap)) + len(_memory_viz.trace_plot(snap))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    emit(segments=len(snap.get("segments", [])), python_frames=frames, frames_here=here, events_here=traced,
+         viz_bytes=pages, y=float(y.double().sum()))
 
 
 def _ipc_child(q, r):

@@ -73,7 +73,12 @@ class GraphsTest(unittest.TestCase):
     def test_snapshot(self):
         r = run_child("snapshot", "--allocator", "gpumem")
         self.assertGreater(r["segments"], 0)
-        print("snapshot: python frames under gpumem: %d" % r["python_frames"], file=sys.stderr)
+        print("snapshot: python frames under gpumem: %d (in the test's function: %d blocks, %d events)"
+              % (r["python_frames"], r["frames_here"], r["events_here"]), file=sys.stderr)
+        # x and y were allocated in w_snapshot: their blocks and alloc events carry its frame
+        self.assertGreaterEqual(r["frames_here"], 2)
+        self.assertGreaterEqual(r["events_here"], 2)
+        self.assertGreater(r["viz_bytes"], 0)
 
     def test_ipc_clear_error(self):
         r = run_child("ipc", "--allocator", "gpumem")
