@@ -1,11 +1,13 @@
 """Step time and peak reserved memory of torch.compile(mode="reduce-overhead")
 under native PyTorch and under gpumem, one step at a time, in turns.
 
-    python3 bench/torch/graphs_ab.py [--mode train|infer] [--steps N] [--warmup W]
+    python3 bench/torch/graphs_ab.py [--mode train|infer] [--steps N] [--warmup W] [--inner K]
 
 Two worker processes (this file with --worker) build the same model with the
 same seeds; the parent asks each for one step in turn (AB, BA, AB, ...), so
-both see the same stretch of the host's speed. Prints one JSON line: the
+both see the same stretch of the host's speed. A timed step is K iterations
+(--inner, default 20): one iteration of this small model takes well under a
+millisecond, too short to time alone against the host's jitter. Prints one JSON line: the
 medians of the timed steps, their ratio gpumem / native with a bootstrap
 95% interval over the step pairs (and the geometric mean of the per-step
 ratios with its interval, lockstep_ab.compare), and each side's peak
@@ -61,7 +63,8 @@ def worker(args):
         if line.strip() == "step":
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step()
+            for _ in range(args.inner):
+                step()
             torch.cuda.synchronize()
             print(json.dumps({"ms": (time.perf_counter() - t0) * 1e3}), flush=True)
         else:
@@ -77,13 +80,14 @@ def main():
     ap.add_argument("--mode", default="train")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--inner", type=int, default=20, help="iterations per timed step")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     procs = {}
     for a in ("native", "gpumem"):
         procs[a] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--allocator", a, "--mode", args.mode],
+            [sys.executable, __file__, "--worker", "--allocator", a, "--mode", args.mode, "--inner", str(args.inner)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
     times = {"native": [], "gpumem": []}
