@@ -37,7 +37,7 @@ the compiler's words and cuDNN's benchmark mode is kept off (with a warning).
 CUDA IPC sharing of tensors between processes raises a clear error. Memory snapshots
 work through gpumem: torch.cuda.memory._record_memory_history, _snapshot,
 _dump_snapshot and memory_snapshot record and report gpumem's events and
-segments (without stack frames). Leaks: gpumem.leak_check() around a
+segments, with Python stack frames under the full allocator. Leaks: gpumem.leak_check() around a
 block, or watch_leaks() for a whole training loop. See docs/python.md.
 """
 
