@@ -247,6 +247,28 @@ GPUMEM_API gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr);
 /* Marks ptr as used on stream: when freed, its memory is reused only after
  * the work queued on stream up to the free has completed. */
 GPUMEM_API gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream);
+
+/* ---- sharing an allocation with another process (CUDA IPC) ----
+ * The physical pages under an allocation are exported as file descriptors
+ * that another process takes with pidfd_getfd (Linux 5.6; the same user and
+ * the right to trace this process) and maps at addresses of its own. Needs
+ * the default policy on a backend with export_page/import_page (CUDA);
+ * GPUMEM_ERR_UNSUPPORTED otherwise. */
+
+/* Writes a handle (text, NUL-terminated) for the live allocation that
+ * starts at ptr into out when it fits in cap bytes; *needed gets its size
+ * with the NUL either way (call again with a larger buffer; each call makes
+ * a new handle). The descriptors stay open until the allocation is freed. */
+GPUMEM_API gpumem_status_t gpumem_ipc_export(gpumem_t* gm, void* ptr, char* out, size_t cap,
+                                             size_t* needed);
+/* Maps the allocation another process exported as handle (len bytes, the
+ * NUL not counted) and sets *out to it here; every field of the handle is
+ * checked (GPUMEM_ERR_INVALID_ARGUMENT naming the bad one). Close with
+ * gpumem_ipc_close. The memory counts in neither process's statistics here. */
+GPUMEM_API gpumem_status_t gpumem_ipc_open(gpumem_t* gm, const char* handle, size_t len,
+                                           void** out);
+/* Unmaps what gpumem_ipc_open mapped at ptr. */
+GPUMEM_API gpumem_status_t gpumem_ipc_close(gpumem_t* gm, void* ptr);
 /* Returns every cached, unused page or segment to the device. */
 GPUMEM_API gpumem_status_t gpumem_empty_cache(gpumem_t* gm);
 /* The size requested for the live allocation that starts at ptr, or 0 when
@@ -684,6 +706,12 @@ GPUMEM_API void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn);
 /* The largest allocation that needs no reclaim or device refusal: for
  * torch's cacheInfo (cuDNN's benchmark mode sizes workspaces by it). */
 GPUMEM_API uint64_t gpumem_torch_largest_free(int device);
+/* CUDA IPC for torch's shareIpcHandle / getIpcDevPtr: gpumem_ipc_export on
+ * the allocator that holds ptr, gpumem_ipc_open / gpumem_ipc_close on
+ * device's. Statuses as there. */
+GPUMEM_API int gpumem_torch_ipc_export(void* ptr, char* out, size_t cap, size_t* needed);
+GPUMEM_API int gpumem_torch_ipc_open(int device, const char* handle, size_t len, void** out);
+GPUMEM_API int gpumem_torch_ipc_close(int device, void* ptr);
 
 /* CuPy CFunctionAllocator: malloc and free. param is NULL (the device's
  * binding allocator) or the gpumem_t* to use. Allocations belong to stream

@@ -24,7 +24,9 @@
 extern "C" {
 #endif
 
-#define GPUMEM_BACKEND_VERSION 1
+/* 2 added export_page and import_page; a backend of version 1 (which
+ * lacks them) is still accepted. */
+#define GPUMEM_BACKEND_VERSION 2
 
 /* An opaque physical allocation handle (CUmemGenericAllocationHandle). */
 typedef uint64_t gpumem_phys_t;
@@ -92,6 +94,17 @@ struct gpumem_backend {
    * capture id from here. */
   gpumem_status_t (*stream_capture_info)(void* ctx, gpumem_stream_t stream, int* capturing,
                                          uint64_t* capture_id);
+
+  /* -- sharing memory with other processes (version 2; optional as a
+   *    pair: without them gpumem_ipc_export and gpumem_ipc_open fail with
+   *    GPUMEM_ERR_UNSUPPORTED) -- */
+  /* A new file descriptor standing for physical allocation page, which
+   * another process can import (cuMemExportToShareableHandle, POSIX file
+   * descriptor); the caller closes it. */
+  gpumem_status_t (*export_page)(void* ctx, gpumem_phys_t page, int* out_fd);
+  /* The physical allocation fd stands for, to map with map() and give back
+   * with release_page(); fd stays the caller's. */
+  gpumem_status_t (*import_page)(void* ctx, int fd, gpumem_phys_t* out);
 };
 
 /* ---- the simulated device -------------------------------------------- */

@@ -104,9 +104,9 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_create: backend is NULL");
     return NULL;
   }
-  if (backend->version != GPUMEM_BACKEND_VERSION) {
+  if (backend->version < 1 || backend->version > GPUMEM_BACKEND_VERSION) {
     *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
-                   "gpumem_create: backend \"%s\" has version %u, expected %d",
+                   "gpumem_create: backend \"%s\" has version %u, expected 1 to %d",
                    backend->name ? backend->name : "?", backend->version, GPUMEM_BACKEND_VERSION);
     return NULL;
   }
@@ -225,6 +225,7 @@ void gpumem_destroy(gpumem_t* gm) {
   gm_lock_acquire(&gm->lock);
   gm_history_destroy(gm);
   gm_record_destroy(gm);
+  gm_ipc_destroy(gm);
   gm_publish_close(gm);
   /* Wait for pending frees: their memory may still be in use on a stream. */
   if (gm->pending_count && gm->backend->event_sync) gm_process_events(gm, true);
@@ -708,6 +709,7 @@ gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr) {
 gpumem_status_t gm_free_locked(gpumem_t* gm, uintptr_t addr) {
   gm_block* b = gm_ptr_map_remove(&gm->ptrs, addr);
   if (GM_UNLIKELY(!b)) return diagnose_bad_free(gm, addr, "gpumem_free");
+  if (GM_UNLIKELY(gm->num_ipc_exports)) gm_ipc_forget_export(gm, addr);
   bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
   gm_history_add_block(gm, GM_HISTORY_FREE_REQUESTED, b);

@@ -119,6 +119,12 @@ typedef struct gm_cu_backend {
    * rather than through cuda.h, whose macro points at later forms with
    * more arguments. NULL: the slot stays empty. */
   CUresult (*stream_get_capture_info)(CUstream, CUstreamCaptureStatus*, cuuint64_t*);
+  /* Sharing pages with other processes (export_page, import_page): NULL
+   * where the driver lacks them or the device cannot make pages that
+   * export as POSIX file descriptors. */
+  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                            unsigned long long);
+  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType);
   int ordinal;
   CUdevice device;
   CUcontext ctx; /* the device's primary context, retained by create */
@@ -213,8 +219,40 @@ static gpumem_status_t cu_create_page(void* ctx, size_t size, gpumem_phys_t* out
   int pushed = cu_enter(b);
   CUmemGenericAllocationHandle h = 0;
   CUresult r = b->api.cuMemCreate(&h, size, &b->prop, 0);
+  if (r != CUDA_SUCCESS && r != CUDA_ERROR_OUT_OF_MEMORY &&
+      b->prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE) {
+    /* A device that says it exports file descriptors but refuses such a
+     * page still gets one that cannot be shared (gpumem_ipc_export then
+     * fails, saying why). */
+    CUmemAllocationProp plain = b->prop;
+    plain.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    r = b->api.cuMemCreate(&h, size, &plain, 0);
+  }
   cu_leave(b, pushed);
   if (r != CUDA_SUCCESS) return cu_fail(b, r, "cuMemCreate(%zu bytes)", size);
+  *out = (gpumem_phys_t)h;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t cu_export_page(void* ctx, gpumem_phys_t page, int* out_fd) {
+  const gm_cu_backend_t* b = ctx;
+  int pushed = cu_enter(b);
+  int fd = -1;
+  CUresult r = b->export_handle(&fd, (CUmemGenericAllocationHandle)page,
+                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  cu_leave(b, pushed);
+  if (r != CUDA_SUCCESS) return cu_fail(b, r, "cuMemExportToShareableHandle");
+  *out_fd = fd;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t cu_import_page(void* ctx, int fd, gpumem_phys_t* out) {
+  const gm_cu_backend_t* b = ctx;
+  int pushed = cu_enter(b);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = b->import_handle(&h, (void*)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  cu_leave(b, pushed);
+  if (r != CUDA_SUCCESS) return cu_fail(b, r, "cuMemImportFromShareableHandle(fd %d)", fd);
   *out = (gpumem_phys_t)h;
   return GPUMEM_OK;
 }
@@ -565,9 +603,25 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
         &supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, b->device);
     vmm = r == CUDA_SUCCESS && supported;
   }
+  /* Pages that export as POSIX file descriptors, so that another process
+   * can map them (gpumem_ipc_export), where the device and driver can. */
+  int shareable = 0;
+  if (vmm) {
+    void* exp = dlsym(b->lib, "cuMemExportToShareableHandle");
+    void* imp = dlsym(b->lib, "cuMemImportFromShareableHandle");
+    int supported = 0;
+    r = b->api.cuDeviceGetAttribute(
+        &supported, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, b->device);
+    if (exp && imp && r == CUDA_SUCCESS && supported) {
+      memcpy(&b->export_handle, &exp, sizeof exp);
+      memcpy(&b->import_handle, &imp, sizeof imp);
+      shareable = 1;
+    }
+  }
   if (vmm) {
     b->prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    b->prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    b->prop.requestedHandleTypes =
+        shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
     b->prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     b->prop.location.id = (int)b->device;
     size_t gran = 0;
@@ -597,6 +651,10 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
     b->base.release_page = cu_release_page;
     b->base.map = cu_map;
     b->base.unmap = cu_unmap;
+    if (shareable) {
+      b->base.export_page = cu_export_page;
+      b->base.import_page = cu_import_page;
+    }
   }
   b->base.alloc = cu_alloc;
   b->base.free = cu_free;

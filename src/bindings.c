@@ -334,6 +334,26 @@ void gpumem_cupy_free(void* param, void* ptr, int device) {
   binding_free(param, ptr, device);
 }
 
+int gpumem_torch_ipc_export(void* ptr, char* out, size_t cap, size_t* needed) {
+  gpumem_t* gm = ptr ? owner_of(ptr, NULL) : NULL;
+  if (!gm)
+    return gm_fail(GPUMEM_ERR_INVALID_POINTER,
+                   "gpumem_ipc_export: %p is not an allocation of gpumem's PyTorch allocator", ptr);
+  return gpumem_ipc_export(gm, ptr, out, cap, needed);
+}
+
+int gpumem_torch_ipc_open(int device, const char* handle, size_t len, void** out) {
+  gpumem_t* gm = gpumem_binding_allocator(device);
+  if (!gm) return GPUMEM_ERR_BACKEND; /* gpumem_last_error() says why */
+  return gpumem_ipc_open(gm, handle, len, out);
+}
+
+int gpumem_torch_ipc_close(int device, void* ptr) {
+  gpumem_t* gm = gpumem_binding_allocator(device);
+  if (!gm) return GPUMEM_ERR_BACKEND;
+  return gpumem_ipc_close(gm, ptr);
+}
+
 /* cuDNN's benchmark mode asks torch's allocator for its largest cached
  * block (cacheInfo) to size workspaces. Under gpumem a block's pages are
  * mapped on demand, so what one allocation can get is the largest free

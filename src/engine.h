@@ -378,6 +378,12 @@ struct gpumem {
   size_t phys_count, phys_capacity;
   gm_alias* aliases;
   size_t num_aliases, aliases_capacity;
+  /* CUDA IPC (ipc.c): descriptors exported per allocation, closed when it
+   * is freed; memory of other processes mapped here. */
+  struct gm_ipc_export* ipc_exports;
+  size_t num_ipc_exports, ipc_exports_capacity;
+  struct gm_ipc_import* ipc_imports;
+  size_t num_ipc_imports, ipc_imports_capacity;
   uint32_t phys_free_head; /* 1 + index, 0 = none */
   uint32_t* spare_pages;   /* 1 + index of pages held but live nowhere */
   size_t num_spare_pages, spare_pages_capacity;
@@ -753,6 +759,11 @@ GM_COLD void gm_history_note(gpumem_t* gm, int action, uintptr_t addr, uint64_t 
 /* The same for block b: its address and size, its pool's stream. */
 GM_COLD void gm_history_note_block(gpumem_t* gm, int action, const gm_block* b);
 void gm_history_destroy(gpumem_t* gm);
+
+/* ipc.c: closes the descriptors exported for the allocation at addr (on
+ * its free); everything at gpumem_destroy. */
+void gm_ipc_forget_export(gpumem_t* gm, uintptr_t addr);
+void gm_ipc_destroy(gpumem_t* gm);
 /* One predictable branch where nothing is recorded. */
 static inline void gm_history_add(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,
                                   gpumem_stream_t stream) {

@@ -182,6 +182,9 @@ struct Api {
   size_t (*state_count)(const void*);
   void (*state_free)(void*);
   int (*restore)(void*, uint64_t, const void*, void**, size_t, size_t*, void**, size_t, size_t*);
+  int (*ipc_export)(void*, char*, size_t, size_t*);
+  int (*ipc_open)(int, const char*, size_t, void**);
+  int (*ipc_close)(int, void*);
 };
 Api g;
 
@@ -339,20 +342,37 @@ class GpumemAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
     // pages under a block on demand, so free device memory counts too.
     *largestBlock = (size_t)g.largest_free(device);
   }
-  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void*) override {
-    TORCH_CHECK(false,
-                "gpumem: CUDA IPC (sharing a CUDA tensor with another process) is not supported "
-                "while gpumem is PyTorch's allocator: gpumem maps its memory in pages that CUDA's "
-                "IPC handles (cudaIpcGetMemHandle) cannot export. Share CPU tensors, or run the "
-                "producing process without gpumem.torch.enable().");
-    return {};
+  // CUDA IPC (torch.multiprocessing): the pages under the allocation go to
+  // the other process as file descriptors (gpumem_ipc_export); that
+  // process must run gpumem too, whose getIpcDevPtr maps them.
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    std::vector<char> buf(1024);
+    size_t need = 0;
+    int st = g.ipc_export(ptr, buf.data(), buf.size(), &need);
+    if (st == 0 && need > buf.size()) {
+      buf.resize(need);
+      st = g.ipc_export(ptr, buf.data(), buf.size(), &need);
+    }
+    TORCH_CHECK(st == 0 && need > 0 && need <= buf.size(),
+                "gpumem: sharing a CUDA tensor with another process (CUDA IPC) failed: ",
+                g.last_error());
+    c10::cuda::CUDACachingAllocator::ShareableHandle handle;
+    handle.offset = 0;
+    handle.handle = std::string(buf.data(), need - 1);
+    return handle;
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string) override {
-    TORCH_CHECK(false,
-                "gpumem: opening a CUDA tensor shared by another process (CUDA IPC) is not "
-                "supported while gpumem is PyTorch's allocator; run this process without "
-                "gpumem.torch.enable(), or share CPU tensors.");
-    return nullptr;
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    c10::DeviceIndex device = -1;
+    C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+    void* p = nullptr;
+    int st = g.ipc_open((int)device, handle.data(), handle.size(), &p);
+    TORCH_CHECK(st == 0,
+                "gpumem: opening a CUDA tensor shared by another process (CUDA IPC) failed: ",
+                g.last_error(),
+                " (the sending process must run gpumem too: gpumem shares its memory as file "
+                "descriptors, not as cudaIpcGetMemHandle handles)");
+    int dev = (int)device;
+    return std::shared_ptr<void>(p, [dev](void* q) { g.ipc_close(dev, q); });
   }
   std::string name() override { return "gpumem"; }
 
@@ -526,6 +546,9 @@ _GRAPHS_FNS = (
     "gpumem_pool_state_allocations",
     "gpumem_pool_state_free",
     "gpumem_pool_restore",
+    "gpumem_torch_ipc_export",
+    "gpumem_torch_ipc_open",
+    "gpumem_torch_ipc_close",
 )
 
 

@@ -179,11 +179,19 @@ def w_snapshot(torch, args):
 
 
 def _ipc_child(q, r):
+    import torch
+
     t = q.get()
-    r.put(float(t.double().sum()))
+    import gpumem.torch
+
+    r.put((float(t.double().sum()), gpumem.torch.is_enabled(), str(t.device)))
+    del t
 
 
 def w_ipc(torch, args):
+    """A CUDA tensor sent to a spawned process through a torch.multiprocessing
+    queue: under gpumem both processes run gpumem (the child through gpumem
+    run's start-up hook), and the child must read the parent's values."""
     import torch.multiprocessing as mp
     from multiprocessing.reduction import ForkingPickler
 
@@ -196,14 +204,20 @@ def w_ipc(torch, args):
     except Exception as e:
         emit(shared=False, message=str(e)[:600])
         return
+    if args.allocator == "gpumem":
+        boot = os.path.join(REPO, "python", "gpumem", "_bootstrap")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [boot, os.path.join(REPO, "python")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        os.environ["GPUMEM_ENABLE_TORCH"] = "1"
     ctx = mp.get_context("spawn")
     q, r = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_ipc_child, args=(q, r), daemon=True)
     p.start()
     q.put(t)
-    got = r.get(timeout=120)
-    p.join(30)
-    emit(shared=True, sum=got, expected=float(t.double().sum()))
+    got, child_gpumem, device = r.get(timeout=180)
+    p.join(60)
+    emit(shared=True, sum=got, expected=float(t.double().sum()), child_gpumem=child_gpumem, device=device,
+         exitcode=p.exitcode)
 
 
 def main():
