@@ -34,7 +34,8 @@ class forwards: enable() compiles a second library (build_graphs_shim) that
 subclasses it and serves them from gpumem's graph-private pools and figures.
 Where that library cannot be built, graph capture raises an error carrying
 the compiler's words and cuDNN's benchmark mode is kept off (with a warning).
-CUDA IPC sharing of tensors between processes raises a clear error. Memory snapshots
+CUDA tensors go to other processes that run gpumem too (torch.multiprocessing;
+the full allocator exports their pages as file descriptors). Memory snapshots
 work through gpumem: torch.cuda.memory._record_memory_history, _snapshot,
 _dump_snapshot and memory_snapshot record and report gpumem's events and
 segments, with Python stack frames under the full allocator. Leaks: gpumem.leak_check() around a
