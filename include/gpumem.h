@@ -257,14 +257,16 @@ GPUMEM_API gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_
 
 /* Writes a handle (text, NUL-terminated) for the live allocation that
  * starts at ptr into out when it fits in cap bytes; *needed gets its size
- * with the NUL either way (call again with a larger buffer; each call makes
- * a new handle). The descriptors stay open until the allocation is freed. */
+ * with the NUL either way (a call with a shorter buffer exports nothing;
+ * each call that writes makes new descriptors). The descriptors stay open
+ * until the allocation is freed. */
 GPUMEM_API gpumem_status_t gpumem_ipc_export(gpumem_t* gm, void* ptr, char* out, size_t cap,
                                              size_t* needed);
 /* Maps the allocation another process exported as handle (len bytes, the
  * NUL not counted) and sets *out to it here; every field of the handle is
  * checked (GPUMEM_ERR_INVALID_ARGUMENT naming the bad one). Close with
- * gpumem_ipc_close. The memory counts in neither process's statistics here. */
+ * gpumem_ipc_close. It does not count in this allocator's statistics: the memory is the
+ * other process's. */
 GPUMEM_API gpumem_status_t gpumem_ipc_open(gpumem_t* gm, const char* handle, size_t len,
                                            void** out);
 /* Unmaps what gpumem_ipc_open mapped at ptr. */
