@@ -1016,15 +1016,6 @@ gpumem_status_t gm_private_map(gpumem_t* gm, gm_segment* seg, size_t first, size
  * the same peak reserved, but under a limit it lifts the smallest limit
  * that fits from 1.0043 to 1.0689 x peak live (partly used mappings pin
  * their pages). */
-bool gm_grows_in_runs(const gpumem_t* gm) {
-  if (gm->opts.reclaim == GPUMEM_RECLAIM_EAGER || gm->limit || gm->budget || gm->fine_mappings)
-    return false;
-  /* A plan that starts serving takes the regular arenas' free pages one by
-   * one (provide_pages); whole-mapping reclaim left resnet at 1.0508 x
-   * peak live under pressure with planned placement, against 1.0037. */
-  return !gm->planner.enabled && gm->map_max_pages > 1;
-}
-
 static size_t map_run_limit(const gpumem_t* gm) {
   return gm_grows_in_runs(gm) ? gm->map_max_pages : 1;
 }
