@@ -63,6 +63,18 @@ static bool can_share(const gpumem_t* gm) {
   return be->version >= 2 && be->export_page && be->import_page && gm->virtual_memory;
 }
 
+/* Room in *arr (of *cap elements of elem bytes) for element len: doubles
+ * the array when full. false when host memory ran out (*arr unchanged). */
+static bool make_room(void** arr, size_t* cap, size_t len, size_t elem) {
+  if (len < *cap) return true;
+  size_t grown_cap = *cap ? 2 * *cap : 8;
+  void* grown = realloc(*arr, grown_cap * elem);
+  if (!grown) return false;
+  *arr = grown;
+  *cap = grown_cap;
+  return true;
+}
+
 static void close_fds(int* fds, size_t n) {
   for (size_t i = 0; i < n; i++)
     if (fds[i] >= 0) close(fds[i]);
@@ -82,9 +94,8 @@ static gpumem_status_t runs_of(gpumem_t* gm, const gm_block* b, ipc_run** out, s
   const gm_segment* seg = b->seg;
   size_t ps = gm->page_size;
   size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
-  size_t cap = 8, n = 0;
-  ipc_run* runs = malloc(cap * sizeof *runs);
-  if (!runs) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_export: out of host memory");
+  size_t cap = 0, n = 0;
+  ipc_run* runs = NULL;
   /* a mapping may begin before the allocation: start from its first page */
   size_t p = seg->run_start[first];
   while (p <= last) {
@@ -97,14 +108,9 @@ static gpumem_status_t runs_of(gpumem_t* gm, const gm_block* b, ipc_run** out, s
     }
     size_t q = p + 1;
     while (q < seg->num_pages && gm_arena_page_mapped(seg, q) && seg->run_start[q] == p) q++;
-    if (n == cap) {
-      ipc_run* grown = realloc(runs, 2 * cap * sizeof *runs);
-      if (!grown) {
-        free(runs);
-        return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_export: out of host memory");
-      }
-      runs = grown;
-      cap *= 2;
+    if (!make_room((void**)&runs, &cap, n, sizeof *runs)) {
+      free(runs);
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_export: out of host memory");
     }
     runs[n++] = (ipc_run){p, q - p, seg->handles[p]};
     p = q;
@@ -122,13 +128,9 @@ static gpumem_status_t runs_of(gpumem_t* gm, const gm_block* b, ipc_run** out, s
 }
 
 static gpumem_status_t remember_export(gpumem_t* gm, uintptr_t addr, int* fds, size_t n) {
-  if (gm->num_ipc_exports == gm->ipc_exports_capacity) {
-    size_t cap = gm->ipc_exports_capacity ? 2 * gm->ipc_exports_capacity : 8;
-    struct gm_ipc_export* grown = realloc(gm->ipc_exports, cap * sizeof *grown);
-    if (!grown) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_export: out of host memory");
-    gm->ipc_exports = grown;
-    gm->ipc_exports_capacity = cap;
-  }
+  if (!make_room((void**)&gm->ipc_exports, &gm->ipc_exports_capacity, gm->num_ipc_exports,
+                 sizeof *gm->ipc_exports))
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_export: out of host memory");
   gm->ipc_exports[gm->num_ipc_exports++] = (struct gm_ipc_export){addr, fds, n};
   return GPUMEM_OK;
 }
@@ -398,15 +400,10 @@ gpumem_status_t gpumem_ipc_open(gpumem_t* gm, const char* handle, size_t len, vo
     if (st != GPUMEM_OK) goto fail;
     off += im.page_bytes[mapped];
   }
-  if (gm->num_ipc_imports == gm->ipc_imports_capacity) {
-    size_t cap = gm->ipc_imports_capacity ? 2 * gm->ipc_imports_capacity : 8;
-    struct gm_ipc_import* grown = realloc(gm->ipc_imports, cap * sizeof *grown);
-    if (!grown) {
-      st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_open: out of host memory");
-      goto fail;
-    }
-    gm->ipc_imports = grown;
-    gm->ipc_imports_capacity = cap;
+  if (!make_room((void**)&gm->ipc_imports, &gm->ipc_imports_capacity, gm->num_ipc_imports,
+                 sizeof *gm->ipc_imports)) {
+    st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_open: out of host memory");
+    goto fail;
   }
   im.ptr = im.base + (uintptr_t)h.offset;
   gm->ipc_imports[gm->num_ipc_imports++] = im;
