@@ -605,6 +605,20 @@ GPUMEM_API gpumem_status_t gpumem_end_allocate_to_pool(gpumem_t* gm, uint64_t po
  * the device, and the rest as its last allocations are freed. */
 GPUMEM_API gpumem_status_t gpumem_release_pool(gpumem_t* gm, uint64_t pool_id);
 
+/* torch.cuda.MemPool(use_on_oom=True): a request outside every pool that
+ * finds no memory after the whole retry ladder may take a cached block of
+ * this pool on the same stream, before out of memory is reported. Only
+ * memory the pool holds already, never new pages; the block stays the
+ * pool's and goes back to it when freed. Off again with on = 0. */
+GPUMEM_API gpumem_status_t gpumem_pool_set_use_on_oom(gpumem_t* gm, uint64_t pool_id, int on);
+/* torch.cuda.MemPool(no_split=True): from now on the pool never splits a
+ * block: each allocation it serves is a cached block of the pool handed
+ * out whole, or a new segment of its own (an arena of whole pages; under
+ * the pytorch policy, PyTorch's segment size), as libraries that register
+ * each allocation's segment on its own need (NCCL's buffer registration).
+ * Blocks split before stay as they are. */
+GPUMEM_API gpumem_status_t gpumem_pool_set_no_split(gpumem_t* gm, uint64_t pool_id, int on);
+
 typedef struct gpumem_pool_info {
   uint32_t struct_size;
   int exists;

@@ -444,6 +444,15 @@ static gm_block* prefer_walked_tail(const gpumem_t* gm, gm_pool* pool, gm_block*
   return below >= rsize && below < b->size ? tail : b;
 }
 
+static gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool, gm_block* b, size_t rsize,
+                                   gm_segment* fresh, gm_block** out);
+
+/* A pool that never splits (no_split) hands out only blocks that are a
+ * whole segment; one split before the option was set is left alone. */
+static inline gm_block* whole_or_none(gm_block* b) {
+  return b && !b->prev && !b->next ? b : NULL;
+}
+
 /* One attempt to serve rsize bytes from pool, growing through the backend
  * as the policy allows. On success *out is ALLOCATED and out of the index. */
 static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
@@ -453,8 +462,11 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
                    gm->limit && gm->limit < gm->device_total ? gm->limit : gm->device_total);
   }
   gm_block* b = find_free(gm, pool, rsize);
-  if (b && b->next && b->size != rsize && gm->virtual_memory && gm_grows_in_runs(gm))
+  if (GM_UNLIKELY(pool->no_split)) {
+    b = whole_or_none(b);
+  } else if (b && b->next && b->size != rsize && gm->virtual_memory && gm_grows_in_runs(gm)) {
     b = prefer_walked_tail(gm, pool, b, rsize);
+  }
   gm_segment* fresh = NULL;
   if (!b) {
     /* A new segment's block serves the request directly, as PyTorch's
@@ -466,6 +478,20 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     if (st != GPUMEM_OK) return st;
     fresh = b->seg;
   }
+  return place_block(gm, pool, b, rsize, fresh, out);
+}
+
+gpumem_status_t gm_take_cached(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
+  gm_block* b = find_free(gm, pool, rsize);
+  if (pool->no_split) b = whole_or_none(b);
+  if (!b) return GPUMEM_ERR_OUT_OF_MEMORY;
+  return place_block(gm, pool, b, rsize, NULL, out);
+}
+
+/* Takes the free block b (indexed in pool; fresh: its segment when new)
+ * for rsize bytes: splits off the rest and maps its pages. */
+static gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool, gm_block* b, size_t rsize,
+                                   gm_segment* fresh, gm_block** out) {
   gm_index_remove(&pool->index, b);
   gm_dirty_remove(b);
   /* Best fit takes the front of a hole; where taking its end leaves fewer
@@ -487,7 +513,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
   }
   /* Split before mapping: the rest goes back to the index and its free
    * pages stay reclaimable while pages are found for this block. */
-  gm_split_block(gm, b, rsize, should_split(gm, b, rsize));
+  gm_split_block(gm, b, rsize, should_split(gm, b, rsize) && !pool->no_split);
   b->state = GM_ALLOCATED;
   if (gm->virtual_memory) {
     gm_arena_busy(gm, b, 1);
@@ -606,6 +632,19 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) {
       if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
       return st; /* the caller runs the callbacks and retries */
+    }
+    /* Last resort, after the callbacks: a pool's cached memory, where a
+     * torch.cuda.MemPool(use_on_oom=True) allows it (graphpool.c). */
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY && !private_pool && gm->graph_pools) {
+      char cause[512];
+      snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+      /* (pages the failed attempts took go back first) */
+      if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
+      st = gm_graph_pools_oom_alloc(gm, stream, pool_index(gm, rsize), rsize, &b);
+      if (st == GPUMEM_OK)
+        private_pool = true;
+      else
+        gpumem_set_last_error("%s", cause);
     }
   }
   if (GM_UNLIKELY(st != GPUMEM_OK)) {

@@ -214,6 +214,10 @@ struct gm_pool {
    * retry ladder never touch its pages, which stay mapped where they are
    * until the pool is released. */
   bool is_private;
+  /* A private pool that never splits a block (torch.cuda.MemPool's
+   * no_split): each allocation gets an arena of its own, of whole pages,
+   * or a cached block of the pool whole. */
+  bool no_split;
   gm_free_index index;
   gm_dirty_link dirty; /* sentinel of the dirty list (order unused: reclaim sorts) */
 };
@@ -655,6 +659,16 @@ void gm_capture_flush(gpumem_t* gm);
 /* A block of a private pool was freed: a released pool that holds nothing
  * goes back to the device. */
 void gm_graph_pool_note_free(gpumem_t* gm, gm_pool* pool);
+/* The last step before out of memory for a request on stream outside
+ * every pool (torch.cuda.MemPool's use_on_oom): a cached block of a pool
+ * that allows it, on a private stream of that pool for the same stream,
+ * from its pool pool_idx; GPUMEM_ERR_OUT_OF_MEMORY when none has one. */
+gpumem_status_t gm_graph_pools_oom_alloc(gpumem_t* gm, gpumem_stream_t stream, int pool_idx,
+                                         size_t rsize, gm_block** out);
+/* (alloc.c) A cached block of pool for rsize bytes, placed and mapped as
+ * any allocation's, without growing: GPUMEM_ERR_OUT_OF_MEMORY when the
+ * pool holds no free block that large. */
+gpumem_status_t gm_take_cached(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out);
 /* gpumem_check's part: private pools' indexes and dirty lists (counted
  * into *indexed and *dirty_listed) and their invariants. */
 size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed, char* msg,

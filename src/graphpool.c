@@ -34,6 +34,8 @@ typedef struct gm_graph_pool {
   uint64_t id;
   int use_count;
   bool routed;
+  bool use_on_oom; /* torch.cuda.MemPool(use_on_oom=True) */
+  bool no_split;   /* torch.cuda.MemPool(no_split=True) */
   /* Pages mapped into its arenas so far and not yet released: they never
    * move, so this equals its arenas' mapped pages (gpumem_check). */
   size_t pinned_pages;
@@ -65,6 +67,7 @@ static gm_stream* private_stream(gm_graph_pool* gp, gpumem_stream_t handle) {
     s->pools[i].stream = s;
     s->pools[i].is_small = i == GM_POOL_SMALL;
     s->pools[i].is_private = true;
+    s->pools[i].no_split = gp->no_split;
     gm_dirty_init(&s->pools[i].dirty);
   }
   s->next = gp->streams;
@@ -414,6 +417,51 @@ size_t gpumem_pool_allocations(gpumem_t* gm, uint64_t pool_id, void** ptrs, size
   return n;
 }
 
+/* ---- pool options (torch.cuda.MemPool's use_on_oom and no_split) ---- */
+
+gpumem_status_t gm_graph_pools_oom_alloc(gpumem_t* gm, gpumem_stream_t stream, int pool_idx,
+                                         size_t rsize, gm_block** out) {
+  /* Cached memory only, as PyTorch's allocator takes it: the pool's pages
+   * are the graph's or the pool owner's, and only its free blocks may go.
+   * The block stays the pool's: freed, it goes back there. */
+  for (gm_graph_pool* gp = gm->graph_pools; gp; gp = gp->next) {
+    if (!gp->use_on_oom) continue;
+    for (gm_stream* s = gp->streams; s; s = s->next) {
+      if (s->handle == stream && gm_take_cached(gm, &s->pools[pool_idx], rsize, out) == GPUMEM_OK)
+        return GPUMEM_OK;
+    }
+  }
+  return GPUMEM_ERR_OUT_OF_MEMORY;
+}
+
+static gpumem_status_t set_option(gpumem_t* gm, uint64_t pool_id, int option, int on,
+                                  const char* what) {
+  if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: NULL allocator", what);
+  gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  gm_graph_pool* gp = pool_find(gm, pool_id);
+  if (!gp || gp->use_count == 0) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: pool %llu %s", what, (unsigned long long)pool_id,
+                 gp ? "was released" : "does not exist (retain it first)");
+  } else if (option == 0) {
+    gp->use_on_oom = on != 0;
+  } else {
+    gp->no_split = on != 0;
+    for (gm_stream* s = gp->streams; s; s = s->next)
+      for (int i = 0; i < GM_NUM_POOLS; i++) s->pools[i].no_split = gp->no_split;
+  }
+  gm_lock_release(&gm->lock);
+  return st;
+}
+
+gpumem_status_t gpumem_pool_set_use_on_oom(gpumem_t* gm, uint64_t pool_id, int on) {
+  return set_option(gm, pool_id, 0, on, "gpumem_pool_set_use_on_oom");
+}
+
+gpumem_status_t gpumem_pool_set_no_split(gpumem_t* gm, uint64_t pool_id, int on) {
+  return set_option(gm, pool_id, 1, on, "gpumem_pool_set_no_split");
+}
+
 /* ---- checkpoints ---- */
 
 typedef struct gm_pool_entry {
@@ -636,6 +684,9 @@ size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed,
         gm_pool* pool = &st->pools[i];
         if (!pool->is_private || st->graph_pool != gp)
           GP_VIOLATION("pool %llu: a stream's pool is not marked private",
+                       (unsigned long long)gp->id);
+        if (pool->no_split != gp->no_split)
+          GP_VIOLATION("pool %llu: a stream's pool disagrees on no_split",
                        (unsigned long long)gp->id);
         errors += gm_index_check(&pool->index, pool);
         *indexed += pool->index.count;

@@ -113,7 +113,9 @@ bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t ad
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out) {
   size_t ps = gm->page_size;
   size_t size = gm->arena_size;
-  if (min_size > size) size = gm_round_up(min_size, ps);
+  /* (a pool that never splits gets an arena per allocation, just large
+   * enough: PyTorch's no_split pools make a segment per allocation) */
+  if (min_size > size || pool->no_split) size = gm_round_up(min_size, ps);
   size_t num_pages = size / ps;
   gm_segment* seg = calloc(1, sizeof *seg);
   gm_block* b = gm_block_new(gm);

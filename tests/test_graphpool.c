@@ -211,6 +211,124 @@ static void test_mempool(const config_t* c) {
   gpumem_destroy(gm);
 }
 
+/* MemPool(no_split=True): every allocation the pool serves is a segment
+ * of its own, and a freed one is handed out again whole. */
+static void test_no_split(const config_t* c) {
+  gpumem_t* gm = make(c);
+  bool vm = c->policy == GPUMEM_POLICY_DEFAULT;
+  CHECK_STATUS(gpumem_retain_pool(gm, 11), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_no_split(gm, 11, 1), GPUMEM_OK);
+  gpumem_stats_t before;
+  gpumem_get_stats(gm, &before);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 11, accept_main, NULL), GPUMEM_OK);
+  const size_t sizes[] = {512, 3 << 20, 3 << 20, 12 << 20};
+  /* the block each gets: whole pages, or PyTorch's segment sizes */
+  const size_t whole[] = {2 << 20, vm ? 4 << 20 : 20 << 20, vm ? 4 << 20 : 20 << 20, 12 << 20};
+  void* p[4];
+  gpumem_pool_info_t pi;
+  for (int i = 0; i < 4; i++) {
+    CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
+    uint64_t had = pi.allocated_bytes;
+    CHECK_STATUS(gpumem_malloc(gm, sizes[i], S_MAIN, &p[i]), GPUMEM_OK);
+    CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
+    CHECK_MSG(pi.allocated_bytes - had == whole[i], "%s: %zu bytes got a %llu-byte block", c->name,
+              sizes[i], (unsigned long long)(pi.allocated_bytes - had));
+    CHECK(gpumem_check(gm) == 0);
+  }
+  gpumem_stats_t mid;
+  gpumem_get_stats(gm, &mid);
+  CHECK_MSG(cur(mid.segment) == cur(before.segment) + 4, "%s: %lld segments for 4 allocations",
+            c->name, (long long)(cur(mid.segment) - cur(before.segment)));
+  /* Freed, a block comes back whole for a smaller request, at its address. */
+  CHECK_STATUS(gpumem_free(gm, p[1]), GPUMEM_OK);
+  void* again;
+  CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
+  uint64_t had = pi.allocated_bytes;
+  CHECK_STATUS(gpumem_malloc(gm, (2 << 20) + 4096, S_MAIN, &again), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
+  CHECK(again == p[1] && pi.allocated_bytes - had == whole[1]);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 11), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, again), GPUMEM_OK);
+  for (int i = 0; i < 4; i++)
+    if (i != 1) CHECK_STATUS(gpumem_free(gm, p[i]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 11), GPUMEM_OK); /* the routing's */
+  CHECK_STATUS(gpumem_release_pool(gm, 11), GPUMEM_OK); /* the retain's */
+  gpumem_stats_t after;
+  gpumem_get_stats(gm, &after);
+  CHECK(cur(after.segment) == cur(before.segment));
+  CHECK(cur(after.reserved_bytes) == cur(before.reserved_bytes));
+  /* Set on a pool that split blocks already: those stay as they are, and
+   * what comes next gets segments of its own. */
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 12, accept_main, NULL), GPUMEM_OK);
+  void *x, *y;
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_MAIN, &x), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_MAIN, &y), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, y), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_no_split(gm, 12, 1), GPUMEM_OK);
+  gpumem_get_stats(gm, &mid);
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_MAIN, &y), GPUMEM_OK);
+  gpumem_get_stats(gm, &after);
+  CHECK(cur(after.segment) == cur(mid.segment) + 1);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 12), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, x), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, y), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 12), GPUMEM_OK);
+  clear_error();
+  CHECK_STATUS(gpumem_pool_set_no_split(gm, 12, 1), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "does not exist") != NULL);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
+/* MemPool(use_on_oom=True): a request outside the pool that finds no
+ * memory takes the pool's cached memory before out of memory is reported;
+ * the block stays the pool's. Without the option, or on a stream the pool
+ * holds nothing for, out of memory. */
+static void test_use_on_oom(const config_t* c) {
+  gpumem_t* gm = make(c);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 13, accept_main, NULL), GPUMEM_OK);
+  void* in_pool;
+  CHECK_STATUS(gpumem_malloc(gm, 40 << 20, S_MAIN, &in_pool), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 13), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, in_pool), GPUMEM_OK); /* cached by the pool */
+  void* fill[64];
+  int n = 0;
+  while (n < 64 && gpumem_malloc(gm, 16 << 20, S_MAIN, &fill[n]) == GPUMEM_OK) n++;
+  CHECK_MSG(n > 0 && n < 64, "%s: %d fills", c->name, n);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, 16 << 20, S_MAIN, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_pool_set_use_on_oom(gm, 13, 1), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 16 << 20, S_SIDE, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  gpumem_stats_t before;
+  gpumem_get_stats(gm, &before);
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, 13, &pi), GPUMEM_OK);
+  uint64_t pool_reserved = pi.reserved_bytes;
+  CHECK_STATUS(gpumem_malloc(gm, 16 << 20, S_MAIN, &p), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_pool_info(gm, 13, &pi), GPUMEM_OK);
+  CHECK(pi.allocations == 1 && gpumem_pool_allocations(gm, 13, NULL, 0) == 1);
+  gpumem_stats_t after;
+  gpumem_get_stats(gm, &after);
+  CHECK(pi.reserved_bytes == pool_reserved); /* the pool's memory, none new */
+  CHECK(cur(after.allocation) == cur(before.allocation) + 1);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, 13, &pi), GPUMEM_OK);
+  CHECK(pi.allocations == 0 && pi.reserved_bytes >= (40 << 20));
+  CHECK_STATUS(gpumem_pool_set_use_on_oom(gm, 13, 0), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 16 << 20, S_MAIN, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  /* The pool's release gives its memory back: the request fits then. */
+  CHECK_STATUS(gpumem_release_pool(gm, 13), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 16 << 20, S_MAIN, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  while (n) CHECK_STATUS(gpumem_free(gm, fill[--n]), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
 /* A checkpoint puts a pool back as it was: what is live now is freed and
  * what was live then is live again at the same addresses (torch.compile's
  * CUDA graph trees, before recording a new branch). */
@@ -423,6 +541,10 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
           CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, capture_id), GPUMEM_OK);
           CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, pool, capture_id), GPUMEM_OK);
           capturing_pool = pool;
+          /* MemPool's options, on some pools */
+          if (rnd() % 4 == 0) CHECK_STATUS(gpumem_pool_set_no_split(gm, pool, 1), GPUMEM_OK);
+          if (rnd() % 3 == 0)
+            CHECK_STATUS(gpumem_pool_set_use_on_oom(gm, pool, (int)(rnd() % 2)), GPUMEM_OK);
         }
       } else { /* end it */
         /* either order: torch ends the capture first */
@@ -545,6 +667,8 @@ int main(int argc, char** argv) {
     test_deferred_free(c);
     test_mempool(c);
     test_checkpoint(c);
+    test_no_split(c);
+    test_use_on_oom(c);
     for (int s = 0; s < seeds; s++) random_run(c, first_seed + (uint64_t)s, 3000);
   }
   if (!only) test_bad_input();
