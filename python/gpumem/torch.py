@@ -186,6 +186,8 @@ struct Api {
   int (*ipc_export)(void*, char*, size_t, size_t*);
   int (*ipc_open)(int, const char*, size_t, void**);
   int (*ipc_close)(int, void*);
+  int (*set_use_on_oom)(void*, uint64_t, int);
+  int (*set_no_split)(void*, uint64_t, int);
 };
 Api g;
 
@@ -193,7 +195,7 @@ Api g;
 // stacks): while on, each allocation keeps the Python traceback torch's
 // own unwinder gathers (CapturedTraceback, as PyTorch's allocator does),
 // until the allocation is freed. Symbolized only when a snapshot asks.
-std::atomic<int> g_stacks{0};    // gather for new allocations
+std::atomic<int> g_stacks{0};    // gather for new allocations: 1 Python frames, 2 C++ too
 std::atomic<int> g_tracking{0};  // some allocation may have a traceback
 std::mutex g_tb_mu;
 std::unordered_map<void*, std::shared_ptr<torch::CapturedTraceback>> g_tb;
@@ -201,7 +203,8 @@ std::unordered_map<void*, std::shared_ptr<torch::CapturedTraceback>> g_tb;
 void note_alloc(void* p) {
   if (p == nullptr || !g_stacks.load(std::memory_order_relaxed)) return;
   // outside every lock: the Python unwinder takes the GIL
-  auto tb = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+  int what = g_stacks.load(std::memory_order_relaxed);
+  auto tb = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/what == 2, /*cpp=*/what == 2);
   std::lock_guard<std::mutex> lock(g_tb_mu);
   g_tb[p] = std::move(tb);
 }
@@ -295,21 +298,19 @@ class GpumemAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
   }
 #endif
 #if GM_HAVE_setUseOnOOM
-  // MemPool(use_on_oom=True): allocations that fail elsewhere may use the
-  // pool. gpumem's retry ladder does not look into private pools.
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom,
-                "gpumem: MemPool(use_on_oom=True) is not supported while gpumem is PyTorch's "
-                "allocator (gpumem's out-of-memory retries never take memory from a pool); create "
-                "the MemPool without it");
+  // MemPool(use_on_oom=True): a request outside every pool that finds no
+  // memory may take the pool's cached memory before out of memory.
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    check(g.set_use_on_oom(g.allocator(device), pool_id(device, id), use_on_oom ? 1 : 0),
+          "setUseOnOOM");
   }
 #endif
 #if GM_HAVE_setNoSplit
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false,
-                "gpumem: MemPool(no_split=True) is not supported while gpumem is PyTorch's "
-                "allocator (gpumem splits blocks in a pool as anywhere); create the MemPool "
-                "without it");
+  // MemPool(no_split=True): each allocation of the pool a segment of its own.
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    check(g.set_no_split(g.allocator(device), pool_id(device, id), 1), "setNoSplit");
   }
 #endif
 #if GM_HAVE_getPoolUseCount
@@ -451,13 +452,15 @@ class GpumemAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
 }  // namespace
 
 extern "C" {
-// Turns the gathering of stack frames for new allocations on or off.
-__attribute__((visibility("default"))) void gpumem_graphs_stacks(int on) {
-  if (on) g_tracking.store(1);
-  g_stacks.store(on ? 1 : 0);
+// Turns the gathering of stack frames for new allocations on (1: Python
+// frames; 2: Python, TorchScript and C++ frames, stacks="all") or off (0).
+__attribute__((visibility("default"))) void gpumem_graphs_stacks(int what) {
+  if (what) g_tracking.store(1);
+  g_stacks.store(what == 2 ? 2 : what ? 1 : 0);
 }
 
-// The Python frames of the live allocations at ptrs[0..n), innermost first,
+// The frames (Python; C++ too where gathered) of the live allocations at
+// ptrs[0..n), innermost first,
 // as text: one line per pointer (empty: none), frames separated by 0x1e,
 // each "filename 0x1f line 0x1f name". Written to out when it fits in cap
 // (with a NUL); returns the bytes needed, NUL included. Called with the GIL
@@ -550,6 +553,8 @@ _GRAPHS_FNS = (
     "gpumem_torch_ipc_export",
     "gpumem_torch_ipc_open",
     "gpumem_torch_ipc_close",
+    "gpumem_pool_set_use_on_oom",
+    "gpumem_pool_set_no_split",
 )
 
 
@@ -944,7 +949,7 @@ def _install_patches(torch, originals, graphs=False, why_no_graphs=None, frames_
         _alloc.record_memory_history(max_entries if on else 0, _torch_device(torch, device))
         if stacks_lib is not None:
             frames = on and context not in (None, False) and stacks in ("all", "python")
-            stacks_lib.gpumem_graphs_stacks(1 if frames else 0)
+            stacks_lib.gpumem_graphs_stacks((2 if stacks == "all" else 1) if frames else 0)
 
     def record_history_c(enabled=None, *args, **kwargs):
         # (enabled, context, stacks, max_entries, ...) in torch 2.x

@@ -152,17 +152,85 @@ def w_mempool(torch, args):
     emit(total=total, use_count=use, before=before, during=during, after=stats(torch))
 
 
+def _segments(torch):
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats().get("segment.all.current", 0)
+
+
+def w_mempool_no_split(torch, args):
+    """MemPool(no_split=True): each allocation in the pool is a segment of
+    its own, and a freed one comes back whole (same address)."""
+    torch.cuda.empty_cache()
+    pool = torch.cuda.MemPool(no_split=True)
+    seg0 = _segments(torch)
+    sizes = [128, 3 << 18, 3 << 18, 3 << 20]  # float32 elements: 512 B, 3 MiB, 3 MiB, 12 MiB
+    with torch.cuda.use_mem_pool(pool):
+        ts = [torch.full((n,), float(i + 1), device="cuda") for i, n in enumerate(sizes)]
+    made = _segments(torch) - seg0
+    ptr = ts[1].data_ptr()
+    total = float(sum(t.double().sum() for t in ts))
+    del ts[1]
+    with torch.cuda.use_mem_pool(pool):
+        again = torch.empty((1 << 18) + 1024, device="cuda")
+    reused = again.data_ptr() == ptr
+    del ts, again, pool
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    emit(segments_made=made, allocations=len(sizes), reused_whole=reused, total=total)
+
+
+def w_mempool_use_on_oom(torch, args):
+    """MemPool(use_on_oom=True): under a per-process cap, a request outside
+    the pool that cannot get memory takes the pool's cached block; without
+    the option it runs out of memory."""
+    mib = 1 << 20
+    result = {}
+    for use_on_oom in (True, False):
+        torch.cuda.empty_cache()
+        pool = torch.cuda.MemPool(use_on_oom=use_on_oom)
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(256 * mib, dtype=torch.uint8, device="cuda")
+        lo, hi = t.data_ptr(), t.data_ptr() + 256 * mib
+        del t  # cached by the pool
+        torch.cuda.synchronize()
+        total = torch.cuda.get_device_properties(0).total_memory
+        cap = torch.cuda.memory_reserved() + 64 * mib
+        torch.cuda.set_per_process_memory_fraction(cap / total)
+        key = "with" if use_on_oom else "without"
+        try:
+            x = torch.empty(128 * mib, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError as e:
+            x = None
+            result[key] = {"ok": False, "message": str(e)[:300]}
+        # (the cap off again before anything else allocates)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        if x is not None:
+            x.fill_(1)
+            result[key] = {"ok": True, "in_pool_block": lo <= x.data_ptr() < hi, "sum": int(x.sum())}
+            del x
+        del pool
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    emit(**result)
+
+
 def w_snapshot(torch, args):
     torch.cuda.memory._record_memory_history(max_entries=10000)
     x = torch.randn(1024, 1024, device="cuda")
     y = x @ x
     snap = torch.cuda.memory._snapshot()
-    frames = here = traced = 0
+    frames = cpp = here = traced = 0
     for seg in snap.get("segments", []):
         for blk in seg.get("blocks", []):
             for fr in blk.get("frames", []) or []:
                 if str(fr.get("filename", "")).endswith(".py"):
                     frames += 1
+                elif fr.get("name"):
+                    cpp += 1  # stacks="all" (the default): C++ frames too
                 if str(fr.get("filename", "")).endswith("graphs_child.py") and fr.get("name") == "w_snapshot":
                     here += 1
     for trace in snap.get("device_traces", []):
@@ -174,7 +242,8 @@ def w_snapshot(torch, args):
 
     pages = len(_memory_viz.segment_plot(snap)) + len(_memory_viz.trace_plot(snap))
     torch.cuda.memory._record_memory_history(enabled=None)
-    emit(segments=len(snap.get("segments", [])), python_frames=frames, frames_here=here, events_here=traced,
+    emit(segments=len(snap.get("segments", [])), python_frames=frames, cpp_frames=cpp, frames_here=here,
+         events_here=traced,
          viz_bytes=pages, y=float(y.double().sum()))
 
 

@@ -9,6 +9,8 @@
 # the compile check of gpumem's full PyTorch allocator (its compiler error,
 # if any, comes first), one "PASS name" / "FAIL name" / "SKIP name" line
 # per item, and "BENCH mode ... ratio R (PASS|FAIL)" for each benchmark.
+# GRAPHS_TESTS picks tests (names of test_graphs.GraphsTest); GRAPHS_BENCH=0
+# skips the benchmarks.
 set -u
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 build="${1:-build}"
@@ -36,7 +38,7 @@ else:
     print("FAIL compile: the full allocator did not build; graphs fall back to a clear error.\n%s" % why)
 PY
   echo "== tests (native vs gpumem, fresh processes; one process per test)"
-  tests="${GRAPHS_TESTS:-test_cuda_graph test_make_graphed_callables test_reduce_overhead_inference test_reduce_overhead_training test_cudnn_benchmark test_mempool test_snapshot test_ipc}"
+  tests="${GRAPHS_TESTS:-test_cuda_graph test_make_graphed_callables test_reduce_overhead_inference test_reduce_overhead_training test_cudnn_benchmark test_mempool test_mempool_no_split test_mempool_use_on_oom test_snapshot test_ipc}"
   for t in $tests; do
     t0=$(date +%s)
     if (cd "$root/tests/gpu/torch" && timeout "${TEST_TIMEOUT:-240}" "$py" -m unittest "test_graphs.GraphsTest.$t") >"$out/$t.log" 2>&1; then
@@ -46,6 +48,7 @@ PY
       tail -c 4000 "$out/$t.log"
     fi
   done
+  [ "${GRAPHS_BENCH:-1}" = 0 ] && exit 0  # (tests only)
   echo "== lockstep: torch.compile(mode='reduce-overhead'), native vs gpumem"
   for mode in train infer; do
     r=$(timeout 240 "$py" bench/torch/graphs_ab.py --mode "$mode" --steps "${GRAPHS_STEPS:-200}" --warmup 20 | tail -1)

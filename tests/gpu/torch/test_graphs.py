@@ -70,11 +70,28 @@ class GraphsTest(unittest.TestCase):
         self.assertEqual(g["after"]["allocated"], g["before"]["allocated"])
         self.assertLessEqual(g["after"]["reserved"], g["before"]["reserved"])
 
+    def test_mempool_no_split(self):
+        n, g = both("mempool_no_split")
+        self.assertEqual(n["total"], g["total"])
+        for r in (n, g):  # native's behaviour is the reference
+            self.assertEqual(r["segments_made"], r["allocations"], r)
+            self.assertTrue(r["reused_whole"], r)
+
+    def test_mempool_use_on_oom(self):
+        n, g = both("mempool_use_on_oom")
+        for r in (n, g):
+            self.assertTrue(r["with"]["ok"], r)
+            self.assertTrue(r["with"]["in_pool_block"], r)
+            self.assertEqual(r["with"]["sum"], 128 << 20)
+            self.assertFalse(r["without"]["ok"], r)
+
     def test_snapshot(self):
         r = run_child("snapshot", "--allocator", "gpumem")
         self.assertGreater(r["segments"], 0)
-        print("snapshot: python frames under gpumem: %d (in the test's function: %d blocks, %d events)"
-              % (r["python_frames"], r["frames_here"], r["events_here"]), file=sys.stderr)
+        print("snapshot: python frames under gpumem: %d, C++ frames %d (in the test's function: %d blocks, "
+              "%d events)" % (r["python_frames"], r["cpp_frames"], r["frames_here"], r["events_here"]),
+              file=sys.stderr)
+        self.assertGreater(r["cpp_frames"], 0)
         # x and y were allocated in w_snapshot: their blocks and alloc events carry its frame
         self.assertGreaterEqual(r["frames_here"], 2)
         self.assertGreaterEqual(r["events_here"], 2)
