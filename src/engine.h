@@ -220,6 +220,11 @@ struct gm_pool {
   bool no_split;
   gm_free_index index;
   gm_dirty_link dirty; /* sentinel of the dirty list (order unused: reclaim sorts) */
+  /* Allocations placed in a row at the arena's free tail, with no free on
+   * the stream since the first of them (stream->frees_total was
+   * tail_run_frees): alloc.c, follows_tail_run. */
+  uint32_t tail_run;
+  uint64_t tail_run_frees;
 };
 
 /* Pools of a stream: small requests (up to 1 MiB) and large ones, as in
