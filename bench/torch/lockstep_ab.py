@@ -219,7 +219,9 @@ def side_report(label, allocator, limit, times, final, stopped_at):
     }
     if "error" in final:
         out["error"] = final["error"]
-    for key in ("gpumem", "gpumem_timed"):
+    # (gc_ms: per timed step, time in Python's garbage collector: where a
+    # step is slow on one side only, whether the collector explains it)
+    for key in ("gpumem", "gpumem_timed", "gc_ms"):
         if key in final:
             out[key] = final[key]
     return out

@@ -205,7 +205,8 @@ def gpumem_counts(side):
     keys = (("backend_calls.map", "map"), ("backend_calls.unmap", "unmap"), ("backend_calls.create_page", "create"),
             ("backend_calls.release_page", "release"), ("num_syncs", "syncs"),
             ("num_sync_all_streams", "sync_all"), ("num_pages_mapped", "pages_mapped"),
-            ("num_pages_unmapped", "pages_unmapped"), ("num_alloc_retries", "retries"))
+            ("num_pages_unmapped", "pages_unmapped"), ("num_alloc_retries", "retries"),
+            ("mapping_time_ns", "mapping_ns"))
     timed, whole = side.get("gpumem_timed") or {}, side.get("gpumem") or {}
     return "timed steps: %s; whole run: %s" % (
         " ".join("%s=%s" % (short, timed.get(k, 0)) for k, short in keys),
