@@ -7,7 +7,8 @@
  * ladder, OOM callbacks and the OOM report; empty_cache; limits as a
  * fraction; max_split_size.
  *
- * default policy: pages mapped on demand, reserved memory following live
+ * default policy: pages mapped on demand, a run of allocations kept at the
+ * arena's top while no hole holds them, reserved memory following live
  * bytes, empty_cache unmapping and releasing pages, limits met by moving
  * pages, and streams lending each other their free pages.
  *
@@ -299,6 +300,43 @@ static void test_hole_end(void) {
   release(&f, y);
   release(&f, c);
   release(&f, a);
+  fx_done(&f);
+}
+
+/* With no cap, a run of allocations made with no free between them, two of
+ * which found no hole, keeps going to the arena's top until the stream
+ * frees: state built together (parameters, optimizer moments) stays out of
+ * the holes transient tensors left. One such allocation is not a run, and
+ * under a limit best fit places as always. */
+static void test_tail_run(const char* conf, bool follows) {
+  fx_t f = fx_new(conf, 8 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* t1 = alloc(&f, 64 * MIB, SA);
+  char* k1 = alloc(&f, 2 * MIB, SA);
+  char* t2 = alloc(&f, 64 * MIB, SA);
+  release(&f, t1);                       /* a 64 MiB hole below k1 */
+  char* r1 = alloc(&f, 128 * MIB, SA);   /* no hole holds it: the top */
+  char* small = alloc(&f, 16 * MIB, SA); /* one at the top is no run yet: the hole */
+  CHECK_MSG(small == t1, "%s: after one top allocation 16 MiB went to %p, want the hole %p", conf,
+            (void*)small, (void*)t1);
+  release(&f, small); /* (a free: the run starts again) */
+  char* r2 = alloc(&f, 128 * MIB, SA);
+  char* r3 = alloc(&f, 128 * MIB, SA); /* two in a row at the top, no free between */
+  char* r4 = alloc(&f, 16 * MIB, SA);
+  if (follows)
+    CHECK_MSG(r4 > r3, "%s: the run's next 16 MiB went to %p, want above %p", conf, (void*)r4,
+              (void*)r3);
+  else
+    CHECK_MSG(r4 == t1, "%s: 16 MiB went to %p, want the hole %p (best fit)", conf, (void*)r4,
+              (void*)t1);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  release(&f, t2); /* the stream frees: the run is over, holes are best fit's again */
+  char* r5 = alloc(&f, 16 * MIB, SA);
+  CHECK_MSG(r5 < k1, "%s: after a free 16 MiB went to %p, want a hole below %p", conf, (void*)r5,
+            (void*)k1);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  char* live[] = {k1, r1, r2, r3, r4, r5};
+  for (size_t i = 0; i < sizeof live / sizeof live[0]; i++) release(&f, live[i]);
   fx_done(&f);
 }
 
@@ -1460,6 +1498,8 @@ int main(int argc, char** argv) {
   test_best_fit("policy:pytorch");
   test_best_fit("policy:default");
   test_hole_end();
+  test_tail_run("policy:default", true);
+  test_tail_run("policy:default,limit:4G", false);
   test_stream_ownership();
   test_record_stream("policy:pytorch");
   test_record_stream("policy:default");
