@@ -434,7 +434,9 @@ gpumem_status_t gm_graph_pools_oom_alloc(gpumem_t* gm, gpumem_stream_t stream, i
   return GPUMEM_ERR_OUT_OF_MEMORY;
 }
 
-static gpumem_status_t set_option(gpumem_t* gm, uint64_t pool_id, int option, int on,
+typedef enum { POOL_USE_ON_OOM, POOL_NO_SPLIT } pool_option;
+
+static gpumem_status_t set_option(gpumem_t* gm, uint64_t pool_id, pool_option option, int on,
                                   const char* what) {
   if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: NULL allocator", what);
   gm_lock_acquire(&gm->lock);
@@ -443,7 +445,7 @@ static gpumem_status_t set_option(gpumem_t* gm, uint64_t pool_id, int option, in
   if (!gp || gp->use_count == 0) {
     st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: pool %llu %s", what, (unsigned long long)pool_id,
                  gp ? "was released" : "does not exist (retain it first)");
-  } else if (option == 0) {
+  } else if (option == POOL_USE_ON_OOM) {
     gp->use_on_oom = on != 0;
   } else {
     gp->no_split = on != 0;
@@ -455,11 +457,11 @@ static gpumem_status_t set_option(gpumem_t* gm, uint64_t pool_id, int option, in
 }
 
 gpumem_status_t gpumem_pool_set_use_on_oom(gpumem_t* gm, uint64_t pool_id, int on) {
-  return set_option(gm, pool_id, 0, on, "gpumem_pool_set_use_on_oom");
+  return set_option(gm, pool_id, POOL_USE_ON_OOM, on, "gpumem_pool_set_use_on_oom");
 }
 
 gpumem_status_t gpumem_pool_set_no_split(gpumem_t* gm, uint64_t pool_id, int on) {
-  return set_option(gm, pool_id, 1, on, "gpumem_pool_set_no_split");
+  return set_option(gm, pool_id, POOL_NO_SPLIT, on, "gpumem_pool_set_no_split");
 }
 
 /* ---- checkpoints ---- */
