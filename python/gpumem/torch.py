@@ -192,9 +192,10 @@ struct Api {
 Api g;
 
 // Stack frames for snapshots (torch.cuda.memory._record_memory_history with
-// stacks): while on, each allocation keeps the Python traceback torch's
-// own unwinder gathers (CapturedTraceback, as PyTorch's allocator does),
-// until the allocation is freed. Symbolized only when a snapshot asks.
+// stacks): while on, each allocation keeps the traceback torch's own
+// unwinder gathers (CapturedTraceback, as PyTorch's allocator does: Python
+// frames, and with stacks="all" TorchScript and C++ frames too), until the
+// allocation is freed. Symbolized only when a snapshot asks.
 std::atomic<int> g_stacks{0};    // gather for new allocations: 1 Python frames, 2 C++ too
 std::atomic<int> g_tracking{0};  // some allocation may have a traceback
 std::mutex g_tb_mu;
