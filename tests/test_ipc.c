@@ -26,69 +26,43 @@
 #define IMPORTED ((gpumem_phys_t)1 << 62)
 
 typedef struct share {
-  gpumem_backend_t be; /* first: what the allocators are given */
+  gpumem_backend_t be; /* what the allocators are given: the device's table, four slots changed */
   gpumem_backend_t* dev;
   long exports, imports, imported_live;
 } share_t;
 
-static gpumem_status_t w_reserve(void* c, size_t size, uintptr_t* out) {
-  share_t* s = c;
-  return s->dev->reserve(s->dev->ctx, size, out);
-}
-static gpumem_status_t w_release_range(void* c, uintptr_t addr, size_t size) {
-  share_t* s = c;
-  return s->dev->release_range(s->dev->ctx, addr, size);
-}
-static gpumem_status_t w_create(void* c, size_t size, gpumem_phys_t* out) {
-  share_t* s = c;
-  return s->dev->create_page(s->dev->ctx, size, out);
-}
+/* The slots below get the device's context (the table is the device's
+ * own, copied); the test's one wrapper is found here. */
+static share_t* the_share;
+
 static gpumem_status_t w_release(void* c, gpumem_phys_t page, size_t size) {
-  share_t* s = c;
   if (page & IMPORTED) { /* the importer's reference: the page stays the exporter's */
-    s->imported_live--;
+    the_share->imported_live--;
     return GPUMEM_OK;
   }
-  return s->dev->release_page(s->dev->ctx, page, size);
+  return the_share->dev->release_page(c, page, size);
 }
 static gpumem_status_t w_map(void* c, uintptr_t addr, size_t size, gpumem_phys_t page) {
-  share_t* s = c;
-  return s->dev->map(s->dev->ctx, addr, size, page & ~IMPORTED);
-}
-static gpumem_status_t w_unmap(void* c, uintptr_t addr, size_t size) {
-  share_t* s = c;
-  return s->dev->unmap(s->dev->ctx, addr, size);
-}
-static gpumem_status_t w_alloc(void* c, size_t size, uintptr_t* out) {
-  share_t* s = c;
-  return s->dev->alloc(s->dev->ctx, size, out);
-}
-static gpumem_status_t w_free(void* c, uintptr_t addr, size_t size) {
-  share_t* s = c;
-  return s->dev->free(s->dev->ctx, addr, size);
-}
-static gpumem_status_t w_mem_info(void* c, size_t* free_bytes, size_t* total) {
-  share_t* s = c;
-  return s->dev->mem_info(s->dev->ctx, free_bytes, total);
+  return the_share->dev->map(c, addr, size, page & ~IMPORTED);
 }
 static gpumem_status_t w_export(void* c, gpumem_phys_t page, int* out_fd) {
-  share_t* s = c;
+  (void)c;
   int fd = memfd_create("gpumem-test-page", 0);
   if (fd < 0) return GPUMEM_ERR_BACKEND;
   if (pwrite(fd, &page, sizeof page, 0) != (ssize_t)sizeof page) {
     close(fd);
     return GPUMEM_ERR_BACKEND;
   }
-  s->exports++;
+  the_share->exports++;
   *out_fd = fd;
   return GPUMEM_OK;
 }
 static gpumem_status_t w_import(void* c, int fd, gpumem_phys_t* out) {
-  share_t* s = c;
+  (void)c;
   gpumem_phys_t page = 0;
   if (pread(fd, &page, sizeof page, 0) != (ssize_t)sizeof page || !page) return GPUMEM_ERR_BACKEND;
-  s->imports++;
-  s->imported_live++;
+  the_share->imports++;
+  the_share->imported_live++;
   *out = page | IMPORTED;
   return GPUMEM_OK;
 }
@@ -96,21 +70,13 @@ static gpumem_status_t w_import(void* c, int fd, gpumem_phys_t* out) {
 static void share_init(share_t* s, gpumem_backend_t* dev) {
   memset(s, 0, sizeof *s);
   s->dev = dev;
-  s->be.version = GPUMEM_BACKEND_VERSION;
+  s->be = *dev;
   s->be.name = "sim-shared";
-  s->be.ctx = s;
-  s->be.page_size = dev->page_size;
-  s->be.reserve = w_reserve;
-  s->be.release_range = w_release_range;
-  s->be.create_page = w_create;
   s->be.release_page = w_release;
   s->be.map = w_map;
-  s->be.unmap = w_unmap;
-  s->be.alloc = w_alloc;
-  s->be.free = w_free;
-  s->be.mem_info = w_mem_info;
   s->be.export_page = w_export;
   s->be.import_page = w_import;
+  the_share = s;
 }
 
 static int open_fds(void) {
