@@ -268,9 +268,12 @@ static inline bool should_split(const gpumem_t* gm, const gm_block* b, size_t rs
   return rsize < max_split && remaining > GM_SMALL_SIZE;
 }
 
-/* PyTorch's get_free_block, max_split_size rules included. */
+/* PyTorch's get_free_block, max_split_size rules included. A pool that
+ * never splits (no_split) hands out only blocks that are a whole segment;
+ * one split before the option was set is left alone. */
 static gm_block* find_free(gpumem_t* gm, gm_pool* pool, size_t rsize) {
   gm_block* b = gm_index_find(&pool->index, rsize);
+  if (GM_UNLIKELY(pool->no_split) && b && (b->prev || b->next)) return NULL;
   if (!b || !gm->opts.max_split_size || gm->virtual_memory) return b;
   size_t max_split = gm->opts.max_split_size;
   if (rsize < max_split && b->size >= max_split) return NULL;
@@ -423,6 +426,12 @@ static size_t hole_edge_waste(const gpumem_t* gm, uintptr_t a, uintptr_t e) {
   return (first_whole - a) + (e - end_whole);
 }
 
+/* The free block at an arena's top (the pool's largest), or NULL. */
+static inline gm_block* arena_tail(gm_pool* pool) {
+  gm_block* tail = gm_index_largest(&pool->index);
+  return tail && !tail->next && tail->seg->is_arena ? tail : NULL;
+}
+
 /* Best fit sees an arena's free tail as one huge block, so it prefers any
  * hole to the free bytes at the top of what the arena has walked; that
  * leaves the top unused and the holes taken, and the next request that
@@ -436,8 +445,8 @@ static size_t hole_edge_waste(const gpumem_t* gm, uintptr_t a, uintptr_t e) {
  * pages are better taken first (min limits unchanged). b is best fit's
  * choice, a block with a successor (not a tail) larger than rsize. */
 static gm_block* prefer_walked_tail(const gpumem_t* gm, gm_pool* pool, gm_block* b, size_t rsize) {
-  gm_block* tail = gm_index_largest(&pool->index);
-  if (!tail || tail == b || tail->next || !tail->seg->is_arena) return b;
+  gm_block* tail = arena_tail(pool);
+  if (!tail || tail == b) return b;
   uintptr_t walked = tail->seg->addr + tail->seg->mapped_end * gm->page_size;
   if (walked <= tail->addr) return b;
   size_t below = walked - tail->addr;
@@ -491,12 +500,6 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
                                                     size_t rsize, gm_segment* fresh,
                                                     gm_block** out);
 
-/* A pool that never splits (no_split) hands out only blocks that are a
- * whole segment; one split before the option was set is left alone. */
-static inline gm_block* whole_or_none(gm_block* b) {
-  return b && !b->prev && !b->next ? b : NULL;
-}
-
 /* One attempt to serve rsize bytes from pool, growing through the backend
  * as the policy allows. On success *out is ALLOCATED and out of the index. */
 static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
@@ -506,15 +509,13 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
                    gm->limit && gm->limit < gm->device_total ? gm->limit : gm->device_total);
   }
   gm_block* b = find_free(gm, pool, rsize);
-  if (GM_UNLIKELY(pool->no_split)) {
-    b = whole_or_none(b);
-  } else if (gm->virtual_memory && gm_grows_in_runs(gm)) {
+  if (gm->virtual_memory && gm_grows_in_runs(gm) && !pool->no_split) {
     /* No hole holds it: best fit gave the arena's tail, or there is no arena yet. */
     bool for_want_of_hole = !b || !b->next;
     /* (small pools: not measured, left to best fit and prefer_walked_tail) */
     if (!pool->is_small && follows_tail_run(pool)) {
-      gm_block* tail = gm_index_largest(&pool->index);
-      if (tail && !tail->next && tail->seg->is_arena && tail->size >= rsize) {
+      gm_block* tail = arena_tail(pool);
+      if (tail && tail->size >= rsize) {
         b = tail;
         for_want_of_hole = true;
       }
@@ -539,7 +540,6 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
 
 gpumem_status_t gm_take_cached(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
   gm_block* b = find_free(gm, pool, rsize);
-  if (pool->no_split) b = whole_or_none(b);
   if (!b) return GPUMEM_ERR_OUT_OF_MEMORY;
   return place_block(gm, pool, b, rsize, NULL, out);
 }
