@@ -23,6 +23,12 @@ joined by a comma (CONF's keys win), so that two gpumem sides can differ by
 one setting, in turns on one GPU. A side is labelled by its spec.
 A side that runs out of memory stops there; the others go on.
 
+--pin gives each side cores of its own (the CPUs this process may use, less
+the first, which stays with this process, split evenly between the sides):
+no side's leftover threads (OpenMP workers spinning after a parallel region,
+the CUDA driver's) then share a core with the side whose turn it is, and
+which cores a side runs on no longer changes from run to run.
+
 Why: on the GPU machines of 2026-11 the t5 workload leaves the GPU idle most
 of each step and its step time follows the host (run medians 152 to 223 ms for
 the same program in one call; the garbage collector took under 0.1 ms a
@@ -102,7 +108,18 @@ def parse_pair(text, count):
     return num, den
 
 
-def start(workload, allocator, limit, conf, args):
+def side_cores(available, count):
+    """The CPUs of each of count sides under --pin: the available ones in
+    order, the first kept for this process, the rest split evenly (the
+    remainder unused); None when there are fewer than one per side."""
+    cpus = sorted(available)[1:]
+    per = len(cpus) // count if count else 0
+    if per == 0:
+        return None
+    return [set(cpus[i * per:(i + 1) * per]) for i in range(count)]
+
+
+def start(workload, allocator, limit, conf, args, cores=None):
     cmd = [sys.executable, args.worker, workload, "--allocator", allocator,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--lockstep"]
     if allocator == "gpumem":
@@ -114,7 +131,9 @@ def start(workload, allocator, limit, conf, args):
             cmd += ["--conf", conf]
     if limit is not None:
         cmd += ["--limit", str(limit)]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                            preexec_fn=pin)
 
 
 def take_step(proc):
@@ -231,7 +250,11 @@ def run(args, parsed, pairs):
     """Trains the sides in turns (parsed: (allocator, limit, conf) per
     side); returns the JSON line's dict with the ratios of pairs."""
     specs = args.sides
-    procs = [start(args.workload, alloc, limit, conf, args) for alloc, limit, conf in parsed]
+    cores = side_cores(os.sched_getaffinity(0), len(specs)) if args.pin else None
+    if args.pin and cores is None:
+        print("lockstep_ab: --pin: fewer CPUs than sides + 1; not pinned", file=sys.stderr)
+    procs = [start(args.workload, alloc, limit, conf, args, cores[i] if cores else None)
+             for i, (alloc, limit, conf) in enumerate(parsed)]
     ms = [[] for _ in specs]
     finals = [None] * len(specs)
     stopped_at = [None] * len(specs)
@@ -263,7 +286,7 @@ def run(args, parsed, pairs):
     sides = [side_report(specs[i], parsed[i][0], parsed[i][1], ms[i], finals[i], stopped_at[i])
              for i in range(len(specs))]
     result = {"workload": args.workload, "conf": args.conf, "steps": args.steps, "warmup": args.warmup,
-              "peak": args.peak, "device": next((f.get("device") for f in finals if f.get("device")), None),
+              "peak": args.peak, "pinned": cores is not None, "device": next((f.get("device") for f in finals if f.get("device")), None),
               "sides": sides, "pairs": []}
     for num, den in pairs:
         pair = {"num": specs[num], "den": specs[den]}
@@ -305,6 +328,7 @@ def main():
     # protocol (bench/torch/test_harness.py)
     ap.add_argument("--worker", default=os.environ.get("LOCKSTEP_WORKER") or os.path.join(HERE, "workloads.py"),
                     help=argparse.SUPPRESS)
+    ap.add_argument("--pin", action="store_true", help="each side on CPUs of its own (see above)")
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     ap.add_argument("--summarize", nargs="+", metavar="JSONL",
                     help="train nothing: pool the runs in these files, one line per workload")

@@ -105,6 +105,17 @@ class LockstepTest(unittest.TestCase):
         self.assertEqual(lockstep_ab.side_conf(None, "record:/x"), "record:/x")
         self.assertIsNone(lockstep_ab.side_conf("", None))
 
+    def test_pin_splits_cpus_between_sides(self):
+        # the first CPU stays with the harness; the rest go evenly to the sides
+        self.assertEqual(lockstep_ab.side_cores({0, 1, 2, 3, 4, 5, 6}, 2), [{1, 2, 3}, {4, 5, 6}])
+        self.assertEqual(lockstep_ab.side_cores({8, 3, 5, 9}, 3), [{5}, {8}, {9}])
+        self.assertIsNone(lockstep_ab.side_cores({0, 1}, 2))
+        # and a pinned side runs (one side needs two CPUs: its own and the harness's)
+        if len(os.sched_getaffinity(0)) >= 2:
+            r = lockstep("w", "--steps", "2", "--warmup", "0", "--sides", "native", "--pin")
+            self.assertTrue(r["pinned"])
+            self.assertEqual(r["sides"][0]["steps"], 2)
+
     def test_bad_sides_are_named(self):
         for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
                           (["--sides", "native", "gpumem@1.1x"], "needs --peak"),
