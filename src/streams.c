@@ -266,7 +266,14 @@ gpumem_status_t gm_process_events(gpumem_t* gm, bool wait) {
     give_back_event(gm, pe->event);
     gm->pending_head = (gm->pending_head + 1) % gm->pending_capacity;
     gm->pending_count--;
-    if (--b->pending_events == 0) gm_free_block(gm, b);
+    if (--b->pending_events == 0) {
+      gm_pool* pool = b->pool;
+      gm_free_block(gm, b);
+      /* The last free of a released private pool may be this one: the
+       * pool goes back now, as at a direct free (graphpool.c). Its blocks
+       * were all free but this one, so no later entry names it. */
+      if (GM_UNLIKELY(pool->is_private)) gm_graph_pool_note_free(gm, pool);
+    }
   }
   return GPUMEM_OK;
 }
