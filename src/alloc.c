@@ -602,6 +602,10 @@ static gpumem_status_t free_cached_memory(gpumem_t* gm) {
     st = gm_process_events(gm, true);
     if (st != GPUMEM_OK) return st;
   }
+  /* A released pool whose memory a failed device call kept back holds
+   * cached, unused memory too (PyTorch's release_cached_blocks frees such
+   * pools as well). */
+  if (GM_UNLIKELY(gm->graph_pools != NULL)) gm_graph_pools_release_idle(gm);
   if (gm->virtual_memory) {
     size_t pages = 0;
     st = gm_reclaim(gm, 0, &pages);

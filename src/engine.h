@@ -664,6 +664,9 @@ void gm_capture_flush(gpumem_t* gm);
 /* A block of a private pool was freed: a released pool that holds nothing
  * goes back to the device. */
 void gm_graph_pool_note_free(gpumem_t* gm, gm_pool* pool);
+/* Every released pool that holds nothing goes back (empty_cache and the
+ * retry ladder: a release a failed device call stopped is tried again). */
+void gm_graph_pools_release_idle(gpumem_t* gm);
 /* The last step before out of memory for a request on stream outside
  * every pool (torch.cuda.MemPool's use_on_oom): a cached block of a pool
  * that allows it, on a private stream of that pool for the same stream,

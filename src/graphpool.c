@@ -243,6 +243,10 @@ static void release_idle_pools(gpumem_t* gm) {
   }
 }
 
+void gm_graph_pools_release_idle(gpumem_t* gm) {
+  release_idle_pools(gm);
+}
+
 /* Completes what can be: frees put off by a capture, events completed. */
 static void settle(gpumem_t* gm) {
   if (gm_capture_underway(gm)) return;
