@@ -619,6 +619,39 @@ GPUMEM_API gpumem_status_t gpumem_pool_set_use_on_oom(gpumem_t* gm, uint64_t poo
  * Blocks split before stay as they are. */
 GPUMEM_API gpumem_status_t gpumem_pool_set_no_split(gpumem_t* gm, uint64_t pool_id, int on);
 
+/* torch.cuda.MemPool(allocator=...): the pool's segments come from the
+ * caller's allocator (an ncclMemAlloc, say) instead of the device's
+ * memory. Blocks inside them are still cached, split and reused by
+ * PyTorch's rules: segments of PyTorch's sizes (2 MiB for requests up to
+ * 1 MiB, 20 MiB below 10 MiB, else the request rounded up to 2 MiB), plain
+ * ones even under the default policy (never page-mapped, never moved),
+ * counted as reserved memory and under the limit and the shared budget
+ * like any segment. They go back through free when the pool is released
+ * and holds no live block, or at gpumem_destroy. The stream passed to
+ * alloc and free is the one the pool serves the request on. alloc, free
+ * and release may be called with the allocator's lock held: none of them
+ * may call into this allocator. */
+typedef struct gpumem_segment_source {
+  /* size bytes of device memory at *out_addr (512-byte aligned), or a
+   * failure status (GPUMEM_ERR_OUT_OF_MEMORY when it has none). */
+  gpumem_status_t (*alloc)(void* ctx, size_t size, gpumem_stream_t stream, uintptr_t* out_addr);
+  /* Takes back, whole, what alloc returned. */
+  void (*free)(void* ctx, uintptr_t addr, size_t size, gpumem_stream_t stream);
+  /* (optional) ctx is used no more: called once, after the pool's last
+   * segment went back and the pool itself goes (or at gpumem_destroy, or
+   * when a later call replaces or clears the source). */
+  void (*release)(void* ctx);
+  void* ctx;
+} gpumem_segment_source_t;
+/* Sets pool_id's segment source (source NULL: the device's memory again).
+ * On success *source is copied and the allocator owns ctx from then on;
+ * on failure nothing is kept and release is not called. Refused
+ * (GPUMEM_ERR_INVALID_ARGUMENT) for a pool that does not exist or was
+ * released, a source without alloc or free, and a pool that holds memory
+ * already: set it before the pool's first allocation. */
+GPUMEM_API gpumem_status_t gpumem_pool_set_segment_source(gpumem_t* gm, uint64_t pool_id,
+                                                          const gpumem_segment_source_t* source);
+
 typedef struct gpumem_pool_info {
   uint32_t struct_size;
   int exists;

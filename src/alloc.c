@@ -211,7 +211,10 @@ static void release_all_segments(gpumem_t* gm) {
     if (seg->is_arena) {
       gm_arena_destroy(gm, seg);
     } else {
-      GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
+      if (GM_UNLIKELY(seg->pool->source))
+        gm_graph_pool_source_free(seg);
+      else
+        GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
       free(seg);
     }
     seg = next;
@@ -261,9 +264,12 @@ static inline size_t segment_size_for(size_t rsize) {
   return gm_round_up(rsize, GM_ROUND_LARGE);
 }
 
-static inline bool should_split(const gpumem_t* gm, const gm_block* b, size_t rsize) {
+/* arena: b lies in an arena (gm_pool_maps_pages of its pool), where a
+ * block is split whenever a minimum block is left over. */
+static inline bool should_split(const gpumem_t* gm, const gm_pool* pool, bool arena,
+                                const gm_block* b, size_t rsize) {
   size_t remaining = b->size - rsize;
-  if (b->pool->is_small || gm->virtual_memory) return remaining >= GM_MIN_BLOCK;
+  if (pool->is_small || arena) return remaining >= GM_MIN_BLOCK;
   size_t max_split = gm->opts.max_split_size ? gm->opts.max_split_size : SIZE_MAX;
   return rsize < max_split && remaining > GM_SMALL_SIZE;
 }
@@ -274,7 +280,7 @@ static inline bool should_split(const gpumem_t* gm, const gm_block* b, size_t rs
 static gm_block* find_free(gpumem_t* gm, gm_pool* pool, size_t rsize) {
   gm_block* b = gm_index_find(&pool->index, rsize);
   if (GM_UNLIKELY(pool->no_split) && b && (b->prev || b->next)) return NULL;
-  if (!b || !gm->opts.max_split_size || gm->virtual_memory) return b;
+  if (!b || !gm->opts.max_split_size || gm_pool_maps_pages(gm, pool)) return b;
   size_t max_split = gm->opts.max_split_size;
   if (rsize < max_split && b->size >= max_split) return NULL;
   if (rsize >= max_split && b->size >= rsize + GM_LARGE_BUFFER) return NULL;
@@ -287,7 +293,8 @@ static bool over_limit(const gpumem_t* gm, size_t extra) {
   return reserved + extra > gm->limit;
 }
 
-/* A new plain segment for the pytorch rules; its one block is indexed. */
+/* A new plain segment for the pytorch rules, from the backend or from
+ * the pool's segment source; its one block is indexed. */
 static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size,
                                          gm_block** out) {
   if (over_limit(gm, seg_size)) {
@@ -304,7 +311,9 @@ static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg
   gpumem_status_t st = gm->budget ? gm_budget_take(gm, seg_size) : GPUMEM_OK;
   uintptr_t addr = 0;
   if (st == GPUMEM_OK) {
-    st = GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, seg_size, &addr));
+    st = GM_UNLIKELY(pool->source)
+             ? gm_graph_pool_source_alloc(pool, seg_size, &addr)
+             : GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, seg_size, &addr));
     if (st != GPUMEM_OK && gm->budget) gm_budget_give(gm, seg_size);
   }
   if (st != GPUMEM_OK) {
@@ -327,8 +336,13 @@ gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b) {
 }
 static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b) {
   gm_segment* seg = b->seg;
-  gpumem_status_t st = GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
-  if (st != GPUMEM_OK) return st;
+  if (GM_UNLIKELY(b->pool->source)) {
+    gm_graph_pool_source_free(seg); /* (cannot fail) */
+  } else {
+    gpumem_status_t st =
+        GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
+    if (st != GPUMEM_OK) return st;
+  }
   gm->stats.num_device_free++;
   gm_index_remove(&b->pool->index, b);
   gm_stat_pool_add(gm, gm->stats.segment, b->pool->is_small, -1);
@@ -391,7 +405,7 @@ static int by_size_desc(const void* a, const void* b) {
 }
 
 static bool release_available(gpumem_t* gm, gm_pool* pool, size_t rsize) {
-  if (!gm->opts.max_split_size || pool->is_small || gm->virtual_memory) return false;
+  if (!gm->opts.max_split_size || pool->is_small || gm_pool_maps_pages(gm, pool)) return false;
   size_t n = pool->index.count;
   if (!n) return false;
   available_state as = {rsize, NULL, malloc(n * sizeof(gm_block*)), 0, n};
@@ -509,7 +523,8 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
                    gm->limit && gm->limit < gm->device_total ? gm->limit : gm->device_total);
   }
   gm_block* b = find_free(gm, pool, rsize);
-  if (gm->virtual_memory && gm_grows_in_runs(gm) && !pool->no_split) {
+  /* (arenas only: a pool with a segment source has plain segments) */
+  if (gm_pool_maps_pages(gm, pool) && gm_grows_in_runs(gm) && !pool->no_split) {
     /* No hole holds it: best fit gave the arena's tail, or there is no arena yet. */
     bool for_want_of_hole = !b || !b->next;
     /* (small pools: not measured, left to best fit and prefer_walked_tail) */
@@ -529,7 +544,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     /* A new segment's block serves the request directly, as PyTorch's
      * alloc_block does: the max_split_size rules of find_free are for
      * cached blocks only. */
-    gpumem_status_t st = gm->virtual_memory
+    gpumem_status_t st = gm_pool_maps_pages(gm, pool)
                              ? gm_arena_new(gm, pool, rsize, &b)
                              : new_plain_segment(gm, pool, segment_size_for(rsize), &b);
     if (st != GPUMEM_OK) return st;
@@ -551,6 +566,9 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
                                                     gm_block** out) {
   gm_index_remove(&pool->index, b);
   gm_dirty_remove(b);
+  /* (a pool with a segment source has plain segments under virtual memory
+   * too: no pages to map, PyTorch's split rule) */
+  bool arena = gm_pool_maps_pages(gm, pool);
   /* Best fit takes the front of a hole; where taking its end leaves fewer
    * free bytes stranded in partly used pages, the end (ties: the front).
    * Measured (simulated device, min limit / peak live): synth_kvcache
@@ -561,7 +579,7 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
    * reclaimed and reserved memory is the address space walked: there the
    * end walked more (synth_random 1.1450 -> 1.2015 x peak live). Without a
    * block struct for the split the front is taken. */
-  if (gm->virtual_memory && b->next && should_split(gm, b, rsize) &&
+  if (arena && b->next && should_split(gm, pool, arena, b, rsize) &&
       (gm->opts.reclaim != GPUMEM_RECLAIM_PRESSURE || gm->limit) &&
       hole_edge_waste(gm, b->addr, b->addr + b->size - rsize) <
           hole_edge_waste(gm, b->addr + rsize, b->addr + b->size)) {
@@ -570,9 +588,9 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
   }
   /* Split before mapping: the rest goes back to the index and its free
    * pages stay reclaimable while pages are found for this block. */
-  gm_split_block(gm, b, rsize, should_split(gm, b, rsize) && !pool->no_split);
+  gm_split_block(gm, b, rsize, should_split(gm, pool, arena, b, rsize) && !pool->no_split);
   b->state = GM_ALLOCATED;
-  if (gm->virtual_memory) {
+  if (arena) {
     gm_arena_busy(gm, b, 1);
     gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);
     if (st != GPUMEM_OK) {

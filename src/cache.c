@@ -490,7 +490,7 @@ gm_block* gm_split_free_front(gpumem_t* gm, gm_block* f, size_t front) {
     gm_stat_pool_add(gm, gm->stats.inactive_split, pool->is_small, 1);
     gm_stat_pool_add(gm, gm->stats.inactive_split_bytes, pool->is_small, (int64_t)f->size);
   }
-  if (f->size >= gm->page_size) gm_dirty_add(pool, f);
+  if (f->seg->is_arena && f->size >= gm->page_size) gm_dirty_add(pool, f);
   gm_block* rest = f->next;
   gm_index_remove(&pool->index, rest);
   gm_dirty_remove(rest);

@@ -30,6 +30,7 @@ typedef struct sums {
   int64_t requested_bytes[GPUMEM_POOL_COUNT];
   int64_t split[GPUMEM_POOL_COUNT], split_bytes[GPUMEM_POOL_COUNT];
   int64_t segments[GPUMEM_POOL_COUNT], reserved[GPUMEM_POOL_COUNT];
+  int64_t plain_reserved; /* bytes of plain segments, all pools */
   size_t free_blocks, pending_refs, mapped_pages, shadows, aliased, dirty;
 } sums;
 
@@ -139,7 +140,18 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
   const gm_block* prev = NULL;
   size_t ps = gm->page_size;
   add(s->segments, small, 1);
-  if (!seg->is_arena) add(s->reserved, small, (int64_t)seg->size);
+  if (!seg->is_arena) {
+    add(s->reserved, small, (int64_t)seg->size);
+    s->plain_reserved += (int64_t)seg->size;
+  }
+  /* Under virtual memory every segment is an arena but those of a pool
+   * with a segment source, which are plain; without it, none is. */
+  if (seg->is_arena != gm_pool_maps_pages(gm, seg->pool))
+    violation(c, "segment 0x%lx is %s, but its pool %s", (unsigned long)seg->addr,
+              seg->is_arena ? "an arena" : "plain",
+              seg->pool->source    ? "takes its segments from a segment source"
+              : gm->virtual_memory ? "maps pages (virtual memory)"
+                                   : "has plain segments (no virtual memory)");
   if (!seg->first) violation(c, "segment 0x%lx has no blocks", (unsigned long)seg->addr);
   for (const gm_block* b = seg->first; b; prev = b, b = b->next) {
     if (b->prev != prev) violation(c, "block 0x%lx: prev link broken", (unsigned long)b->addr);
@@ -329,6 +341,13 @@ size_t gpumem_check(gpumem_t* gm) {
   for (gm_stream* st = gm->streams; st; st = st->next) {
     for (int i = 0; i < GM_NUM_POOLS; i++) {
       gm_pool* pool = &st->pools[i];
+      if (pool->source)
+        violation(&c, "a pool of stream 0x%lx, not a private one, has a segment source",
+                  (unsigned long)st->handle);
+      if (pool->maps_pages != gm->virtual_memory)
+        violation(&c, "a pool of stream 0x%lx %s pages, the allocator %s",
+                  (unsigned long)st->handle, pool->maps_pages ? "maps" : "does not map",
+                  gm->virtual_memory ? "does (virtual memory)" : "does not");
       c.errors += gm_index_check(&pool->index, pool);
       indexed += pool->index.count;
       if (pool->index.counts_only) check_counted_pool(gm, pool, &c);
@@ -363,10 +382,12 @@ size_t gpumem_check(gpumem_t* gm) {
   if (gm->virtual_memory) {
     check_page_records(gm, &c);
     check_aliases(gm, &s, &c);
-    /* an aliased page is mapped twice and held once */
+    /* an aliased page is mapped twice and held once; plain segments (of
+     * pools with a segment source) count whole */
     int64_t all =
         (int64_t)((s.mapped_pages - gm->num_aliases + gm->num_spare_pages + gm->spare_run_pages) *
-                  gm->page_size);
+                  gm->page_size) +
+        s.plain_reserved;
     s.reserved[GPUMEM_POOL_ALL] = all;
     s.reserved[GPUMEM_POOL_LARGE] = all - s.reserved[GPUMEM_POOL_SMALL];
   }

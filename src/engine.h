@@ -218,6 +218,17 @@ struct gm_pool {
    * no_split): each allocation gets an arena of its own, of whole pages,
    * or a cached block of the pool whole. */
   bool no_split;
+  /* Its segments are arenas whose pages are mapped on demand: virtual
+   * memory, unless the pool has a segment source (gm_pool_maps_pages).
+   * A flag of its own, next to the others, rather than a test of both:
+   * the malloc path reads one byte of the pool it holds (measured: fewer
+   * instructions per operation than reading gm->virtual_memory). */
+  bool maps_pages;
+  /* A private pool whose segments come from the caller's allocator
+   * (torch.cuda.MemPool(allocator=...), graphpool.c's copy), NULL
+   * otherwise: its segments are plain, by PyTorch's rules, even under
+   * virtual memory. */
+  const gpumem_segment_source_t* source;
   gm_free_index index;
   gm_dirty_link dirty; /* sentinel of the dirty list (order unused: reclaim sorts) */
   /* Allocations placed in a row at the arena's free tail, with no free on
@@ -566,6 +577,13 @@ static inline bool gm_grows_in_runs(const gpumem_t* gm) {
    * peak live under pressure with planned placement, against 1.0037. */
   return !gm->planner.enabled && gm->map_max_pages > 1;
 }
+/* Whether pool's blocks lie in arenas whose pages are mapped on demand
+ * (virtual memory), rather than in plain segments: a pool with a segment
+ * source has plain segments under either policy. */
+static inline bool gm_pool_maps_pages(const gpumem_t* gm, const gm_pool* pool) {
+  (void)gm; /* (gpumem_check verifies pool->maps_pages against gm->virtual_memory) */
+  return pool->maps_pages;
+}
 /* Re-arms the move guard (pages.c): empty_cache and a plan that starts
  * serving start it afresh. */
 void gm_guard_reset(gpumem_t* gm);
@@ -688,8 +706,15 @@ void gm_graph_pools_destroy(gpumem_t* gm);
 gpumem_status_t gm_private_map(gpumem_t* gm, gm_segment* seg, size_t first, size_t last);
 /* pages more were mapped into private arena seg (they stay until release). */
 void gm_graph_pool_pinned(gm_segment* seg, size_t pages);
-/* Releases a wholly free segment of a private pool to the device. */
+/* Releases a wholly free segment of a private pool to the device (or to
+ * its pool's segment source). */
 gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b);
+/* A segment of size bytes for pool from its segment source (pool->source
+ * set): on failure a message names the pool's allocator, if the source
+ * wrote none. Not a backend call: counted nowhere here. */
+gpumem_status_t gm_graph_pool_source_alloc(gm_pool* pool, size_t size, uintptr_t* out);
+/* Gives plain segment seg back to its pool's segment source. */
+void gm_graph_pool_source_free(gm_segment* seg);
 
 /* ---- alloc.c helpers used across files ---- */
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);

@@ -36,6 +36,10 @@ typedef struct gm_graph_pool {
   bool routed;
   bool use_on_oom; /* torch.cuda.MemPool(use_on_oom=True) */
   bool no_split;   /* torch.cuda.MemPool(no_split=True) */
+  /* torch.cuda.MemPool(allocator=...): where its segments come from (the
+   * caller's copy; its pools point here), and whether it has one. */
+  bool has_source;
+  gpumem_segment_source_t source;
   /* Pages mapped into its arenas so far and not yet released: they never
    * move, so this equals its arenas' mapped pages (gpumem_check). */
   size_t pinned_pages;
@@ -56,7 +60,7 @@ static gm_graph_pool* pool_find(gpumem_t* gm, uint64_t id) {
   return NULL;
 }
 
-static gm_stream* private_stream(gm_graph_pool* gp, gpumem_stream_t handle) {
+static gm_stream* private_stream(const gpumem_t* gm, gm_graph_pool* gp, gpumem_stream_t handle) {
   for (gm_stream* s = gp->streams; s; s = s->next)
     if (s->handle == handle) return s;
   gm_stream* s = calloc(1, sizeof *s);
@@ -68,6 +72,8 @@ static gm_stream* private_stream(gm_graph_pool* gp, gpumem_stream_t handle) {
     s->pools[i].is_small = i == GM_POOL_SMALL;
     s->pools[i].is_private = true;
     s->pools[i].no_split = gp->no_split;
+    s->pools[i].source = gp->has_source ? &gp->source : NULL;
+    s->pools[i].maps_pages = gm->virtual_memory && !gp->has_source;
     gm_dirty_init(&s->pools[i].dirty);
   }
   s->next = gp->streams;
@@ -97,7 +103,7 @@ gm_stream* gm_graph_route(gpumem_t* gm, gpumem_stream_t stream) {
     } else {
       take = true;
     }
-    if (take) return private_stream(r->pool, stream);
+    if (take) return private_stream(gm, r->pool, stream);
   }
   return NULL;
 }
@@ -119,12 +125,14 @@ bool gm_capture_underway(gpumem_t* gm) {
 }
 
 /* Frees a pool's record and its private stream objects (what they held
- * went back to the device first). */
+ * went back to the device, or to its segment source, first); the source's
+ * context is used no more. */
 static void free_pool_record(gm_graph_pool* gp) {
   for (gm_stream *s = gp->streams, *n; s; s = n) {
     n = s->next;
     free(s);
   }
+  if (gp->has_source && gp->source.release) gp->source.release(gp->source.ctx);
   free(gp);
 }
 
@@ -185,6 +193,12 @@ static gpumem_status_t pool_retain(gpumem_t* gm, uint64_t id, gm_graph_pool** ou
   p->use_count++;
   *out = p;
   return GPUMEM_OK;
+}
+
+static bool pool_holds_segments(const gpumem_t* gm, const gm_graph_pool* gp) {
+  for (const gm_segment* seg = gm->segments; seg; seg = seg->next_seg)
+    if (seg->pool->stream->graph_pool == gp) return true;
+  return false;
 }
 
 static bool pool_holds_blocks(const gpumem_t* gm, const gm_graph_pool* gp) {
@@ -468,6 +482,83 @@ gpumem_status_t gpumem_pool_set_no_split(gpumem_t* gm, uint64_t pool_id, int on)
   return set_option(gm, pool_id, POOL_NO_SPLIT, on, "gpumem_pool_set_no_split");
 }
 
+/* ---- segment sources (torch.cuda.MemPool(allocator=...)) ---- */
+
+gpumem_status_t gpumem_pool_set_segment_source(gpumem_t* gm, uint64_t pool_id,
+                                               const gpumem_segment_source_t* source) {
+  const char* what = "gpumem_pool_set_segment_source";
+  if (!gm) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: NULL allocator", what);
+  if (source && (!source->alloc || !source->free))
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "%s: the source for pool %llu has no %s function (alloc and free are needed)",
+                   what, (unsigned long long)pool_id, !source->alloc ? "alloc" : "free");
+  gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_segment_source_t old = {0};
+  gm_graph_pool* gp = pool_find(gm, pool_id);
+  if (!gp || gp->use_count == 0) {
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "%s: pool %llu %s", what, (unsigned long long)pool_id,
+                 gp ? "was released" : "does not exist (retain it first)");
+  } else if (pool_holds_segments(gm, gp)) {
+    /* Its segments go back where they came from: the source of a pool that
+     * holds some cannot change. */
+    st = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                 "%s: pool %llu holds memory already: set its allocator before its first "
+                 "allocation",
+                 what, (unsigned long long)pool_id);
+  } else {
+    if (gp->has_source) old = gp->source;
+    gp->has_source = source != NULL;
+    if (source)
+      gp->source = *source;
+    else
+      memset(&gp->source, 0, sizeof gp->source);
+    for (gm_stream* s = gp->streams; s; s = s->next) {
+      for (int i = 0; i < GM_NUM_POOLS; i++) {
+        s->pools[i].source = source ? &gp->source : NULL;
+        s->pools[i].maps_pages = gm->virtual_memory && !source;
+      }
+    }
+  }
+  gm_lock_release(&gm->lock);
+  /* (outside the lock: the replaced context's owner may do anything) */
+  if (old.release) old.release(old.ctx);
+  return st;
+}
+
+gpumem_status_t gm_graph_pool_source_alloc(gm_pool* pool, size_t size, uintptr_t* out) {
+  const gpumem_segment_source_t* src = pool->source;
+  unsigned long long id = (unsigned long long)pool->stream->graph_pool->id;
+  gpumem_stream_t stream = pool->stream->handle;
+  uintptr_t addr = 0;
+  gm_call_begin();
+  gpumem_status_t st = src->alloc(src->ctx, size, stream, &addr);
+  if (st == GPUMEM_OK && (!addr || addr % GM_MIN_BLOCK)) {
+    /* Blocks are carved at 512-byte offsets: a misaligned segment would
+     * hand out misaligned memory. */
+    if (addr) src->free(src->ctx, addr, size, stream);
+    return gm_fail(GPUMEM_ERR_BACKEND,
+                   "pool %llu's own allocator returned 0x%lx for %zu bytes: not a 512-byte "
+                   "aligned address",
+                   id, (unsigned long)addr, size);
+  }
+  if (st == GPUMEM_OK) {
+    *out = addr;
+    return GPUMEM_OK;
+  }
+  /* (not-ready is no failure status: the source failed all the same) */
+  if (st == GPUMEM_NOT_READY) st = GPUMEM_ERR_BACKEND;
+  if (!gm_call_wrote_message())
+    gm_fail(st, "pool %llu's own allocator gave no %zu bytes on stream 0x%lx (%s)", id, size,
+            (unsigned long)stream, gpumem_strerror(st));
+  return st;
+}
+
+void gm_graph_pool_source_free(gm_segment* seg) {
+  const gpumem_segment_source_t* src = seg->pool->source;
+  src->free(src->ctx, seg->addr, seg->size, seg->pool->stream->handle);
+}
+
 /* ---- checkpoints ---- */
 
 typedef struct gm_pool_entry {
@@ -694,6 +785,15 @@ size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed,
         if (pool->no_split != gp->no_split)
           GP_VIOLATION("pool %llu: a stream's pool disagrees on no_split",
                        (unsigned long long)gp->id);
+        if (pool->source != (gp->has_source ? &gp->source : NULL))
+          GP_VIOLATION("pool %llu: a stream's pool disagrees on its segment source",
+                       (unsigned long long)gp->id);
+        if (pool->maps_pages != (gm->virtual_memory && !gp->has_source))
+          GP_VIOLATION(
+              "pool %llu: a stream's pool %s pages (segment source: %s, virtual "
+              "memory: %s)",
+              (unsigned long long)gp->id, pool->maps_pages ? "maps" : "does not map",
+              gp->has_source ? "yes" : "no", gm->virtual_memory ? "yes" : "no");
         errors += gm_index_check(&pool->index, pool);
         *indexed += pool->index.count;
         for (const gm_dirty_link* l = pool->dirty.next; l != &pool->dirty; l = l->next) {
@@ -705,6 +805,11 @@ size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed,
         }
       }
     }
+    /* (that a pool with a source holds no arena, and one without holds
+     * only arenas under virtual memory, gpumem_check's walk of the segments
+     * verifies against maps_pages, checked above) */
+    if (gp->has_source && (!gp->source.alloc || !gp->source.free))
+      GP_VIOLATION("pool %llu: its segment source lacks alloc or free", (unsigned long long)gp->id);
     size_t mapped = 0;
     for (gm_segment* seg = gm->segments; seg && pinned; seg = seg->next_seg) {
       if (seg->pool->stream->graph_pool != gp || !seg->is_arena) continue;

@@ -167,10 +167,12 @@ gpumem_status_t gpumem_ipc_export(gpumem_t* gm, void* ptr, char* out, size_t cap
     st = gm_fail(GPUMEM_ERR_UNSUPPORTED,
                  "gpumem_ipc_export: %s cannot share memory with another process (%s)",
                  gm->backend->name ? gm->backend->name : "this backend",
-                 !can_share(gm) ? "the backend cannot export its pages as file descriptors, or "
-                                  "the policy does not map pages (policy pytorch)"
-                 : b->aliased   ? "the allocation's last page is shared with another address"
-                                : "the allocation is not in a mapped arena");
+                 !can_share(gm)    ? "the backend cannot export its pages as file descriptors, or "
+                                     "the policy does not map pages (policy pytorch)"
+                 : b->aliased      ? "the allocation's last page is shared with another address"
+                 : b->pool->source ? "the allocation's memory comes from its pool's own allocator "
+                                     "(gpumem_pool_set_segment_source), not from pages gpumem maps"
+                                   : "the allocation is not in a mapped arena");
     goto done;
   }
   st = runs_of(gm, b, &runs, &n);

@@ -34,6 +34,7 @@ gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle) {
     s->pools[i].stream = s;
     s->pools[i].is_small = i == GM_POOL_SMALL;
     s->pools[i].is_plan = i == GM_POOL_PLAN;
+    s->pools[i].maps_pages = gm->virtual_memory;
     s->pools[i].index.counts_only = i == GM_POOL_PLAN;
     gm_dirty_init(&s->pools[i].dirty);
   }
