@@ -2,10 +2,12 @@
  * capturing stream refuses synchronizations, event queries and records
  * (counted as capture_violations). Deterministic cases (pool reuse across
  * captures, frees put off during capture, statistics back to where they
- * were, bad input) and a randomized run per configuration that captures
- * graphs among regular traffic on two streams, under a limit and with
- * injected device failures, calling gpumem_check after every operation
- * and checking that every address a graph was given stays on the same
+ * were, MemPool's options and segment sources, bad input) and a
+ * randomized run per configuration that captures graphs among regular
+ * traffic on two streams, under a limit and with injected device
+ * failures, some pools taking their segments from a fake source that
+ * fails at random, calling gpumem_check after every operation and
+ * checking that every address a graph was given stays on the same
  * physical memory until its pool is released. */
 #include <stdbool.h>
 #include <stdint.h>
@@ -329,6 +331,445 @@ static void test_use_on_oom(const config_t* c) {
   gpumem_destroy(gm);
 }
 
+/* ---- MemPool(allocator=...): segments from the caller's allocator ---- */
+
+/* A fake segment source: bump-allocates from [SRC_BASE, SRC_TOP), below
+ * the simulated device's plain allocations (from 16 TiB) and reserved
+ * ranges (from 128 TiB), so no address of its can be the device's. Every
+ * segment it hands out is recorded until it comes back; one cursor for all
+ * sources of the process, never reused. */
+#define SRC_BASE ((uintptr_t)0x010000000000ull) /* 1 TiB */
+#define SRC_TOP ((uintptr_t)0x100000000000ull)  /* 16 TiB: the device's plain range */
+#define SRC_MAX_LIVE 1024
+
+typedef struct fake_src {
+  uint64_t allocs, frees, releases;
+  size_t live;          /* its segments not yet back */
+  int fail;             /* fail the next this many allocs (-1: every one) */
+  unsigned fail_one_in; /* and, at random, one in this many (0: none) */
+  bool write_message;   /* a failure writes its own message */
+  bool misalign;        /* hand out addresses 256 bytes off */
+  gpumem_stream_t last_stream;
+} fake_src_t;
+
+typedef struct src_seg {
+  uintptr_t addr;
+  size_t size;
+  gpumem_stream_t stream;
+  fake_src_t* owner;
+} src_seg_t;
+
+static src_seg_t src_live[SRC_MAX_LIVE];
+static size_t src_nlive;
+static uintptr_t src_cursor = SRC_BASE;
+static uint64_t src_rng = 88172645463325252ull;
+
+static gpumem_status_t fake_alloc(void* ctx, size_t size, gpumem_stream_t stream, uintptr_t* out) {
+  fake_src_t* f = ctx;
+  f->allocs++;
+  f->last_stream = stream;
+  src_rng ^= src_rng << 13;
+  src_rng ^= src_rng >> 7;
+  src_rng ^= src_rng << 17;
+  if (f->fail || (f->fail_one_in && src_rng % f->fail_one_in == 0)) {
+    if (f->fail > 0) f->fail--;
+    if (f->write_message) gpumem_set_last_error("fake source: no room for %zu bytes", size);
+    return GPUMEM_ERR_OUT_OF_MEMORY;
+  }
+  size_t span = (size + (2u << 20) - 1) / (2u << 20) * (2u << 20);
+  CHECK(src_nlive < SRC_MAX_LIVE && src_cursor + span < SRC_TOP);
+  if (src_nlive == SRC_MAX_LIVE) return GPUMEM_ERR_OUT_OF_MEMORY;
+  uintptr_t addr = src_cursor + (f->misalign ? 256 : 0);
+  src_cursor += span + (2u << 20); /* a gap: no two segments touch */
+  src_live[src_nlive++] = (src_seg_t){addr, size, stream, f};
+  f->live++;
+  *out = addr;
+  return GPUMEM_OK;
+}
+
+static void fake_free(void* ctx, uintptr_t addr, size_t size, gpumem_stream_t stream) {
+  fake_src_t* f = ctx;
+  f->frees++;
+  size_t i = 0;
+  while (i < src_nlive && src_live[i].addr != addr) i++;
+  CHECK_MSG(i < src_nlive, "the source takes back 0x%lx, which it never gave", (unsigned long)addr);
+  if (i == src_nlive) return;
+  CHECK_MSG(src_live[i].owner == f && src_live[i].size == size && src_live[i].stream == stream,
+            "segment 0x%lx comes back as %zu bytes on stream 0x%lx, given as %zu on 0x%lx",
+            (unsigned long)addr, size, (unsigned long)stream, src_live[i].size,
+            (unsigned long)src_live[i].stream);
+  src_live[i] = src_live[--src_nlive];
+  f->live--;
+}
+
+static void fake_release(void* ctx) {
+  fake_src_t* f = ctx;
+  CHECK_MSG(f->live == 0, "release with %zu segments of the source still out", f->live);
+  f->releases++;
+}
+
+/* Export slots for the simulated device, so that gpumem_ipc_export gets
+ * as far as looking at the allocation (never called: it is refused). */
+static gpumem_status_t fake_export_page(void* ctx, gpumem_phys_t page, int* out_fd) {
+  (void)ctx, (void)page, (void)out_fd;
+  return GPUMEM_ERR_UNSUPPORTED;
+}
+static gpumem_status_t fake_import_page(void* ctx, int fd, gpumem_phys_t* out) {
+  (void)ctx, (void)fd, (void)out;
+  return GPUMEM_ERR_UNSUPPORTED;
+}
+
+static gpumem_segment_source_t source_of(fake_src_t* f) {
+  return (gpumem_segment_source_t){fake_alloc, fake_free, fake_release, f};
+}
+
+/* The source segment of f holding [p, p + n), or NULL. */
+static const src_seg_t* src_segment_of(const fake_src_t* f, const void* p, size_t n) {
+  uintptr_t a = (uintptr_t)p;
+  for (size_t i = 0; i < src_nlive; i++)
+    if (src_live[i].owner == f && a >= src_live[i].addr &&
+        a + n <= src_live[i].addr + src_live[i].size)
+      return &src_live[i];
+  return NULL;
+}
+
+/* A pool whose segments come from the source: PyTorch's segment sizes,
+ * blocks split and reused inside them, counted in the statistics, and all
+ * back to the source (then release) when the pool goes. */
+static void test_source_basics(const config_t* c) {
+  gpumem_t* gm = make(c);
+  fake_src_t f = {0};
+  gpumem_stats_t before, st;
+  gpumem_get_stats(gm, &before);
+  CHECK_STATUS(gpumem_retain_pool(gm, 21), GPUMEM_OK);
+  gpumem_segment_source_t src = source_of(&f);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 21, &src), GPUMEM_OK);
+  src.ctx = NULL; /* copied: the caller's struct may go */
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 21, accept_main, NULL), GPUMEM_OK);
+  /* request, the segment PyTorch would make for it */
+  const size_t sizes[] = {4096, 3 << 20, (24 << 20) + 1};
+  const size_t segs[] = {2 << 20, 20 << 20, 26 << 20};
+  void* p[3];
+  for (int i = 0; i < 3; i++) {
+    CHECK_STATUS(gpumem_malloc(gm, sizes[i], S_MAIN, &p[i]), GPUMEM_OK);
+    const src_seg_t* seg = src_segment_of(&f, p[i], sizes[i]);
+    CHECK_MSG(seg && seg->size == segs[i], "%s: %zu bytes at %p: segment of %zu bytes", c->name,
+              sizes[i], p[i], seg ? seg->size : 0);
+    CHECK(f.last_stream == S_MAIN);
+    CHECK(gpumem_check(gm) == 0);
+  }
+  CHECK(f.allocs == 3 && f.live == 3);
+  /* Split inside the segments, and a freed block reused. */
+  void *q, *r;
+  CHECK_STATUS(gpumem_malloc(gm, 4096, S_MAIN, &q), GPUMEM_OK);
+  CHECK(src_segment_of(&f, q, 4096) == src_segment_of(&f, p[0], 4096));
+  CHECK_STATUS(gpumem_malloc(gm, 2 << 20, S_MAIN, &r), GPUMEM_OK); /* the 20 MiB one's rest */
+  CHECK(src_segment_of(&f, r, 2 << 20) == src_segment_of(&f, p[1], 3 << 20));
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_free(gm, p[0]), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  void* again;
+  CHECK_STATUS(gpumem_malloc(gm, 2048, S_MAIN, &again), GPUMEM_OK);
+  CHECK(again == p[0]);
+  CHECK(f.allocs == 3);
+  CHECK(gpumem_check(gm) == 0);
+  /* Counted as reserved memory and segments; not as the backend's calls. */
+  gpumem_get_stats(gm, &st);
+  CHECK_MSG(cur(st.reserved_bytes) == cur(before.reserved_bytes) + (48 << 20),
+            "%s: reserved %lld, %lld before", c->name, (long long)cur(st.reserved_bytes),
+            (long long)cur(before.reserved_bytes));
+  CHECK(cur(st.segment) == cur(before.segment) + 3);
+  CHECK(st.reserved_bytes[GPUMEM_POOL_SMALL].current ==
+        before.reserved_bytes[GPUMEM_POOL_SMALL].current + (2 << 20));
+  CHECK(st.num_device_alloc == before.num_device_alloc + 3);
+  CHECK(st.backend_calls[GPUMEM_CALL_alloc] == before.backend_calls[GPUMEM_CALL_alloc]);
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, 21, &pi), GPUMEM_OK);
+  CHECK(pi.reserved_bytes == (48u << 20) && pi.allocations == 5);
+  /* Another stream outside the routing: the device's memory, as ever. */
+  void* side;
+  CHECK_STATUS(gpumem_malloc(gm, 4096, S_SIDE, &side), GPUMEM_OK);
+  CHECK(src_segment_of(&f, side, 1) == NULL && f.allocs == 3);
+  CHECK_STATUS(gpumem_free(gm, side), GPUMEM_OK);
+  /* empty_cache leaves the pool alone */
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(f.frees == 0);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 21), GPUMEM_OK);
+  void* all[] = {again, p[1], p[2], q, r};
+  for (int i = 0; i < 5; i++) {
+    CHECK_STATUS(gpumem_free(gm, all[i]), GPUMEM_OK);
+    CHECK(gpumem_check(gm) == 0);
+  }
+  CHECK(f.frees == 0 && f.releases == 0);               /* the pool is still in use */
+  CHECK_STATUS(gpumem_release_pool(gm, 21), GPUMEM_OK); /* the routing's */
+  CHECK(f.frees == 0);
+  gpumem_stats_t mid;
+  gpumem_get_stats(gm, &mid);
+  CHECK_STATUS(gpumem_release_pool(gm, 21), GPUMEM_OK); /* the retain's */
+  CHECK(f.frees == 3 && f.live == 0 && f.releases == 1);
+  CHECK_STATUS(gpumem_pool_info(gm, 21, &pi), GPUMEM_OK);
+  CHECK(!pi.exists);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.reserved_bytes) == cur(mid.reserved_bytes) - (48 << 20));
+  CHECK(cur(st.segment) == cur(mid.segment) - 3);
+  CHECK(st.num_device_free == mid.num_device_free + 3);
+  CHECK(st.backend_calls[GPUMEM_CALL_free] == mid.backend_calls[GPUMEM_CALL_free]);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK); /* (the side allocation's memory) */
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.reserved_bytes) == cur(before.reserved_bytes));
+  gpumem_destroy(gm);
+  CHECK(f.releases == 1);
+}
+
+/* Under a limit a source segment that would pass it is refused before the
+ * source is asked; a source that fails makes the request fail as out of
+ * memory, with a message, and leaves nothing behind. */
+static void test_source_failures(const config_t* c) {
+  gpumem_t* gm = make(c);
+  fake_src_t f = {0};
+  gpumem_segment_source_t src = source_of(&f);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 22, accept_main, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 22, &src), GPUMEM_OK);
+  void* small;
+  CHECK_STATUS(gpumem_malloc(gm, 1000, S_MAIN, &small), GPUMEM_OK);
+  gpumem_stats_t before, st;
+  gpumem_get_stats(gm, &before);
+  CHECK_STATUS(gpumem_set_limit(gm, (size_t)cur(before.reserved_bytes) + (10 << 20)), GPUMEM_OK);
+  void* p = NULL;
+  clear_error();
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK(p == NULL && f.allocs == 1);
+  CHECK_MSG(strstr(gpumem_last_error(), "limit") != NULL, "%s", gpumem_last_error());
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_malloc(gm, 600 << 10, S_MAIN, &p), GPUMEM_OK); /* the 2 MiB segment */
+  CHECK(f.allocs == 1 && src_segment_of(&f, p, 600 << 10));
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  gpumem_remove_limit(gm);
+  if (!strcmp(c->name, "default/limit")) CHECK_STATUS(gpumem_set_limit(gm, 160 << 20), GPUMEM_OK);
+
+  /* The source has nothing: out of memory, the retry ladder's retry too. */
+  gpumem_get_stats(gm, &before);
+  f.fail = -1;
+  clear_error();
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK(p == NULL && f.allocs >= 2 && f.live == 1);
+  CHECK_MSG(strstr(gpumem_last_error(), "out of memory") != NULL &&
+                strstr(gpumem_last_error(), "pool 22's own allocator gave no 20971520 bytes"),
+            "%s", gpumem_last_error());
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.reserved_bytes) == cur(before.reserved_bytes));
+  CHECK(cur(st.segment) == cur(before.segment) && cur(st.allocation) == cur(before.allocation));
+  CHECK(st.num_ooms == before.num_ooms + 1);
+  CHECK(st.num_device_alloc == before.num_device_alloc);
+  /* Its own message is kept. */
+  f.write_message = true;
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &p), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(), "fake source: no room for 20971520 bytes") &&
+                !strstr(gpumem_last_error(), "gave no"),
+            "%s", gpumem_last_error());
+  CHECK(gpumem_check(gm) == 0);
+  /* An address off the 512-byte grid is refused and given back. */
+  f.fail = 0;
+  f.misalign = true;
+  clear_error();
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &p), GPUMEM_ERR_BACKEND);
+  CHECK_MSG(strstr(gpumem_last_error(), "not a 512-byte aligned") != NULL, "%s",
+            gpumem_last_error());
+  CHECK(f.live == 1 && gpumem_check(gm) == 0);
+  f.misalign = false;
+  CHECK_STATUS(gpumem_malloc(gm, 3 << 20, S_MAIN, &p), GPUMEM_OK);
+  CHECK(f.live == 2 && src_segment_of(&f, p, 3 << 20));
+  CHECK(gpumem_check(gm) == 0);
+  /* IPC: the source's memory is not gpumem's to export. */
+  if (c->policy == GPUMEM_POLICY_DEFAULT) {
+    sim->export_page = fake_export_page;
+    sim->import_page = fake_import_page;
+    char handle[256];
+    size_t needed = 0;
+    CHECK_STATUS(gpumem_ipc_export(gm, p, handle, sizeof handle, &needed), GPUMEM_ERR_UNSUPPORTED);
+    CHECK_MSG(strstr(gpumem_last_error(), "pool's own allocator") != NULL, "%s",
+              gpumem_last_error());
+    sim->export_page = NULL;
+    sim->import_page = NULL;
+  }
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 22), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, small), GPUMEM_OK);
+  CHECK(f.frees == 1); /* (the misaligned one) */
+  CHECK_STATUS(gpumem_release_pool(gm, 22), GPUMEM_OK);
+  CHECK(f.live == 0 && f.releases == 1);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
+/* Released while blocks are live: the segments go back at the last free,
+ * then release, once. gpumem_destroy gives back what is still out. */
+static void test_source_lifetime(const config_t* c) {
+  gpumem_t* gm = make(c);
+  fake_src_t f = {0}, g = {0};
+  gpumem_segment_source_t src = source_of(&f);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 23, accept_main, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 23, &src), GPUMEM_OK);
+  void *a, *b;
+  CHECK_STATUS(gpumem_malloc(gm, 5 << 20, S_MAIN, &a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 100, S_MAIN, &b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 23), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 23), GPUMEM_OK);
+  CHECK(f.live == 2 && f.frees == 0 && f.releases == 0);
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, 23, &pi), GPUMEM_OK);
+  CHECK(pi.exists && pi.use_count == 0);
+  clear_error();
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 23, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "pool 23 was released") != NULL);
+  CHECK_STATUS(gpumem_free(gm, a), GPUMEM_OK);
+  CHECK(f.frees == 0 && f.releases == 0 && gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK(f.frees == 2 && f.live == 0 && f.releases == 1);
+  CHECK_STATUS(gpumem_pool_info(gm, 23, &pi), GPUMEM_OK);
+  CHECK(!pi.exists && gpumem_check(gm) == 0);
+
+  /* Destroyed with a live block and a cached segment in the pool. */
+  src = source_of(&g);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 24, accept_main, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 24, &src), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 5 << 20, S_MAIN, &a), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 100, S_MAIN, &b), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, b), GPUMEM_OK);
+  CHECK(g.live == 2 && gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+  CHECK(g.live == 0 && g.frees == 2 && g.releases == 1);
+  CHECK(f.releases == 1);
+}
+
+/* Refusals name the problem and keep nothing: the caller still owns ctx. */
+static void test_source_refusals(const config_t* c) {
+  gpumem_t* gm = make(c);
+  fake_src_t f = {0}, g = {0};
+  gpumem_segment_source_t src = source_of(&f);
+  clear_error();
+  CHECK_STATUS(gpumem_pool_set_segment_source(NULL, 25, &src), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "NULL allocator") != NULL);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, &src), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "pool 25 does not exist") != NULL);
+  CHECK_STATUS(gpumem_retain_pool(gm, 25), GPUMEM_OK);
+  gpumem_segment_source_t bad = src;
+  bad.alloc = NULL;
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, &bad), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "no alloc function") != NULL);
+  bad = src;
+  bad.free = NULL;
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, &bad), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "no free function") != NULL);
+  /* Replaced, then cleared, before the first allocation: each one given
+   * up is released at once. */
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, &src), GPUMEM_OK);
+  gpumem_segment_source_t other = source_of(&g);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, &other), GPUMEM_OK);
+  CHECK(f.releases == 1 && g.releases == 0);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, NULL), GPUMEM_OK);
+  CHECK(g.releases == 1);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, NULL), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  /* A pool that holds the device's memory keeps it. */
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 25, accept_main, NULL), GPUMEM_OK);
+  void* p;
+  CHECK_STATUS(gpumem_malloc(gm, 4096, S_MAIN, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK); /* (cached: still the pool's memory) */
+  fake_src_t h = {0};
+  gpumem_segment_source_t third = source_of(&h);
+  clear_error();
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 25, &third), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_MSG(strstr(gpumem_last_error(),
+                   "pool 25 holds memory already: set its allocator before its first "
+                   "allocation") != NULL,
+            "%s", gpumem_last_error());
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 25), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 25), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 25), GPUMEM_OK);
+  CHECK(h.allocs == 0 && h.releases == 0);
+  /* A pool that holds its source's memory keeps its source. */
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 26, accept_main, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 26, &third), GPUMEM_OK);
+  CHECK_STATUS(gpumem_malloc(gm, 4096, S_MAIN, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 26, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 26, &src), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "holds memory already") != NULL);
+  CHECK(f.releases == 1 && h.releases == 0 && h.live == 1);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 26), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 26), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK(h.live == 0 && h.releases == 1);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+  CHECK(f.releases == 1 && g.releases == 1 && h.releases == 1);
+}
+
+/* With no_split each allocation is a source segment of its own, of
+ * PyTorch's size, handed out whole; with use_on_oom a request outside
+ * the pool takes a cached block of the source's memory, mapping nothing. */
+static void test_source_options(const config_t* c) {
+  gpumem_t* gm = make(c);
+  fake_src_t f = {0};
+  gpumem_segment_source_t src = source_of(&f);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 27, accept_main, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 27, &src), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_no_split(gm, 27, 1), GPUMEM_OK);
+  const size_t sizes[] = {512, 3 << 20, 3 << 20, 12 << 20};
+  const size_t whole[] = {2 << 20, 20 << 20, 20 << 20, 12 << 20};
+  void* p[4];
+  gpumem_pool_info_t pi;
+  for (int i = 0; i < 4; i++) {
+    CHECK_STATUS(gpumem_pool_info(gm, 27, &pi), GPUMEM_OK);
+    uint64_t had = pi.allocated_bytes;
+    CHECK_STATUS(gpumem_malloc(gm, sizes[i], S_MAIN, &p[i]), GPUMEM_OK);
+    CHECK_STATUS(gpumem_pool_info(gm, 27, &pi), GPUMEM_OK);
+    const src_seg_t* seg = src_segment_of(&f, p[i], sizes[i]);
+    CHECK_MSG(seg && seg->addr == (uintptr_t)p[i] && seg->size == whole[i] &&
+                  pi.allocated_bytes - had == whole[i],
+              "%s: %zu bytes got a %llu-byte block", c->name, sizes[i],
+              (unsigned long long)(pi.allocated_bytes - had));
+    CHECK(gpumem_check(gm) == 0);
+  }
+  CHECK(f.allocs == 4);
+  CHECK_STATUS(gpumem_free(gm, p[1]), GPUMEM_OK);
+  void* again;
+  CHECK_STATUS(gpumem_malloc(gm, (2 << 20) + 4096, S_MAIN, &again), GPUMEM_OK);
+  CHECK(again == p[1] && f.allocs == 4);
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 27), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, again), GPUMEM_OK);
+  for (int i = 0; i < 4; i++)
+    if (i != 1) CHECK_STATUS(gpumem_free(gm, p[i]), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+
+  /* use_on_oom: the pool's cached 20 MiB segments serve the device's
+   * overflow (on the pool's stream). */
+  CHECK_STATUS(gpumem_pool_set_use_on_oom(gm, 27, 1), GPUMEM_OK);
+  void* fill[64];
+  int n = 0;
+  while (n < 64 && gpumem_malloc(gm, 16 << 20, S_MAIN, &fill[n]) == GPUMEM_OK &&
+         !src_segment_of(&f, fill[n], 1))
+    n++;
+  CHECK_MSG(n < 64, "%s: the device never filled", c->name);
+  /* the last one came from the pool: its 20 MiB segment, whole */
+  CHECK(n < 64 && src_segment_of(&f, fill[n], 16 << 20) &&
+        src_segment_of(&f, fill[n], 16 << 20)->size == (20u << 20));
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(gpumem_pool_allocations(gm, 27, NULL, 0) == 1);
+  CHECK(f.allocs == 4);
+  CHECK_STATUS(gpumem_free(gm, fill[n]), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  while (n) CHECK_STATUS(gpumem_free(gm, fill[--n]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_release_pool(gm, 27), GPUMEM_OK);
+  CHECK(f.live == 0 && f.frees == 4 && f.releases == 1);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
 /* A checkpoint puts a pool back as it was: what is live now is freed and
  * what was live then is live again at the same addresses (torch.compile's
  * CUDA graph trees, before recording a new branch). */
@@ -491,8 +932,22 @@ static size_t random_size(void) {
   }
 }
 
+/* Pools of a run given a segment source: one fake each, failing at random. */
+#define MAX_SOURCES 128
+static fake_src_t run_src[MAX_SOURCES];
+static uint64_t run_src_pool[MAX_SOURCES];
+static size_t run_nsrc;
+
+static fake_src_t* run_source_of(uint64_t pool) {
+  for (size_t k = 0; k < run_nsrc; k++)
+    if (run_src_pool[k] == pool) return &run_src[k];
+  return NULL;
+}
+
 static void random_run(const config_t* c, uint64_t seed, int ops) {
   rng_state = seed * 2654435761u + 1;
+  memset(run_src, 0, sizeof run_src);
+  run_nsrc = 0;
   gpumem_t* gm = make(c);
   void* live[2 * MAX_LIVE]; /* (restores may add up to MAX_LIVE more) */
   size_t nlive = 0;
@@ -514,7 +969,14 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
       if (st == GPUMEM_OK) {
         live[nlive++] = p;
         if (rnd() % 8 == 0) gpumem_record_stream(gm, p, s == S_MAIN ? S_SIDE : S_MAIN);
-        if (capturing_pool && s == S_MAIN && nwatch < MAX_WATCH) {
+        fake_src_t* fs = capturing_pool && s == S_MAIN ? run_source_of(capturing_pool) : NULL;
+        if (fs) {
+          /* (the source's memory is not the device's: nothing to watch) */
+          CHECK_MSG(src_segment_of(fs, p, 1) != NULL,
+                    "seed %llu op %d: pool %llu's allocation %p is not in its source's memory",
+                    (unsigned long long)seed, op, (unsigned long long)capturing_pool, p);
+          captured_allocs++;
+        } else if (capturing_pool && s == S_MAIN && nwatch < MAX_WATCH) {
           void* host = gpumem_sim_host_ptr(sim, (uintptr_t)p);
           CHECK(host != NULL);
           watch[nwatch++] = (watch_t){(uintptr_t)p, 512, host, capturing_pool};
@@ -530,17 +992,26 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
     } else if (what < 90) {
       if (!capturing_pool) { /* begin a capture, into a new pool or a live one */
         uint64_t pool = 0;
+        bool fresh = false;
         for (int k = 0; k < 8 && !pool; k++)
           if (pools_live[k] && rnd() % 3 == 0) pool = pools_live[k];
         if (!pool) {
           for (int k = 0; k < 8 && !pool; k++)
             if (!pools_live[k]) pool = pools_live[k] = next_pool++;
+          fresh = pool != 0;
         }
         if (pool) {
           capture_id++;
           CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, capture_id), GPUMEM_OK);
           CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, pool, capture_id), GPUMEM_OK);
           capturing_pool = pool;
+          /* MemPool(allocator=...), on some new pools */
+          if (fresh && run_nsrc < MAX_SOURCES && rnd() % 3 == 0) {
+            run_src[run_nsrc].fail_one_in = 6;
+            gpumem_segment_source_t src = source_of(&run_src[run_nsrc]);
+            CHECK_STATUS(gpumem_pool_set_segment_source(gm, pool, &src), GPUMEM_OK);
+            run_src_pool[run_nsrc++] = pool;
+          }
           /* MemPool's options, on some pools */
           if (rnd() % 4 == 0) CHECK_STATUS(gpumem_pool_set_no_split(gm, pool, 1), GPUMEM_OK);
           if (rnd() % 3 == 0)
@@ -659,7 +1130,20 @@ static void random_run(const config_t* c, uint64_t seed, int ops) {
   gpumem_stats_t st;
   gpumem_get_stats(gm, &st);
   CHECK(cur(st.allocation) == 0 && cur(st.active) == 0);
+  /* Every source segment went back, and each source was released once. */
+  CHECK_MSG(run_nsrc > 0, "seed %llu: no pool had a segment source", (unsigned long long)seed);
+  uint64_t src_allocs = 0;
+  for (size_t k = 0; k < run_nsrc; k++) {
+    src_allocs += run_src[k].allocs;
+    CHECK_MSG(run_src[k].live == 0 && run_src[k].releases == 1,
+              "seed %llu: pool %llu's source has %zu segments out and was released %llu times",
+              (unsigned long long)seed, (unsigned long long)run_src_pool[k], run_src[k].live,
+              (unsigned long long)run_src[k].releases);
+  }
+  CHECK_MSG(src_allocs > 0, "seed %llu: no source was asked for a segment",
+            (unsigned long long)seed);
   gpumem_destroy(gm);
+  for (size_t k = 0; k < run_nsrc; k++) CHECK(run_src[k].releases == 1);
 }
 
 int main(int argc, char** argv) {
@@ -678,6 +1162,11 @@ int main(int argc, char** argv) {
     test_checkpoint(c);
     test_no_split(c);
     test_use_on_oom(c);
+    test_source_basics(c);
+    test_source_failures(c);
+    test_source_lifetime(c);
+    test_source_refusals(c);
+    test_source_options(c);
     for (int s = 0; s < seeds; s++) random_run(c, first_seed + (uint64_t)s, 3000);
   }
   if (!only) test_bad_input();
