@@ -160,6 +160,14 @@ struct PoolInfo {  // gpumem_pool_info_t
   int exists, use_count, routed;
   uint64_t allocations, allocated_bytes, reserved_bytes;
 };
+// gpumem_segment_source_t: where a pool's segments come from.
+struct SegmentSource {
+  int (*alloc)(void* ctx, size_t size, uintptr_t stream, uintptr_t* out);
+  void (*free)(void* ctx, uintptr_t addr, size_t size, uintptr_t stream);
+  void (*release)(void* ctx);
+  void* ctx;
+};
+
 struct Api {
   void* (*malloc)(ssize_t, int, void*);
   void (*free)(void*, ssize_t, int, void*);
@@ -188,8 +196,43 @@ struct Api {
   int (*ipc_close)(int, void*);
   int (*set_use_on_oom)(void*, uint64_t, int);
   int (*set_no_split)(void*, uint64_t, int);
+  int (*set_segment_source)(void*, uint64_t, const SegmentSource*);
+  void (*set_last_error)(const char*, ...);
 };
 Api g;
+
+// torch.cuda.MemPool(allocator=...): the pool's segments come from that
+// allocator (raw_alloc / raw_delete), as under PyTorch's own allocator,
+// which caches and splits blocks inside them (ncclMemAlloc-backed pools for
+// NCCL's buffer registration are the common case). gpumem keeps the
+// allocator (a shared_ptr copy where torch passes one) until the pool's
+// last segment went back.
+struct PoolAllocator {
+  GM_POOL_ALLOCATOR_ARG allocator;
+};
+int pool_segment_alloc(void* ctx, size_t size, uintptr_t stream, uintptr_t* out) {
+  auto* a = static_cast<PoolAllocator*>(ctx);
+  try {
+    void* p = a->allocator->raw_alloc_with_stream(size, reinterpret_cast<cudaStream_t>(stream));
+    if (p == nullptr) return GPUMEM_SHIM_OOM_STATUS;
+    *out = reinterpret_cast<uintptr_t>(p);
+    return 0;
+  } catch (const std::exception& e) {
+    // (an exception must not cross the C library; its words go in gpumem's report)
+    g.set_last_error("the MemPool's own allocator failed to give %zu bytes: %s", size, e.what());
+    return GPUMEM_SHIM_OOM_STATUS;
+  }
+}
+void pool_segment_free(void* ctx, uintptr_t addr, size_t, uintptr_t) {
+  auto* a = static_cast<PoolAllocator*>(ctx);
+  try {
+    a->allocator->raw_delete(reinterpret_cast<void*>(addr));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpumem: the MemPool's own allocator failed to free 0x%lx: %s\n",
+                 (unsigned long)addr, e.what());
+  }
+}
+void pool_segment_release(void* ctx) { delete static_cast<PoolAllocator*>(ctx); }
 
 // Stack frames for snapshots (torch.cuda.memory._record_memory_history with
 // stacks): while on, each allocation keeps the traceback torch's own
@@ -291,11 +334,25 @@ class GpumemAllocator : public torch::cuda::CUDAPluggableAllocator::CUDAPluggabl
 #if GM_HAVE_createOrIncrefPool
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id,
                           GM_POOL_ALLOCATOR_ARG allocator) override {
-    TORCH_CHECK(allocator == nullptr || &*allocator == this,
-                "gpumem: a MemPool with its own allocator cannot be served while gpumem is "
-                "PyTorch's allocator (gpumem serves every pool); create MemPool() without one");
     std::lock_guard<std::mutex> lock(mu_);
-    check(g.retain(g.allocator(device), pool_id(device, id)), "createOrIncrefPool");
+    void* gm = g.allocator(device);
+    uint64_t pid = pool_id(device, id);
+    check(g.retain(gm, pid), "createOrIncrefPool");
+    // (gpumem itself as the pool's allocator: an ordinary pool)
+    if (allocator == nullptr || &*allocator == this) return;
+    PoolInfo info{};
+    info.struct_size = sizeof info;
+    check(g.info(gm, pid, &info), "createOrIncrefPool");
+    if (info.use_count > 1) return;  // the allocator is the pool's from its creation on
+    auto* a = new PoolAllocator{allocator};
+    SegmentSource source{pool_segment_alloc, pool_segment_free, pool_segment_release, a};
+    int status = g.set_segment_source(gm, pid, &source);
+    if (status != 0) {
+      delete a;  // (refused: gpumem kept nothing)
+      std::string why = g.last_error();
+      g.release(gm, pid);
+      TORCH_CHECK(false, "gpumem: createOrIncrefPool: ", why);
+    }
   }
 #endif
 #if GM_HAVE_setUseOnOOM
@@ -556,6 +613,8 @@ _GRAPHS_FNS = (
     "gpumem_torch_ipc_close",
     "gpumem_pool_set_use_on_oom",
     "gpumem_pool_set_no_split",
+    "gpumem_pool_set_segment_source",
+    "gpumem_set_last_error",
 )
 
 

@@ -181,6 +181,40 @@ def w_mempool_no_split(torch, args):
     emit(segments_made=made, allocations=len(sizes), reused_whole=reused, total=total)
 
 
+def w_mempool_allocator(torch, args):
+    """MemPool(allocator=...): the pool's segments come from that allocator
+    (pool_allocator.cu through CUDAPluggableAllocator), blocks inside them
+    cached and split; everything goes back to it once the pool is gone."""
+    import ctypes
+    import gc
+
+    lib = ctypes.CDLL(args.lib)
+    lib.pool_test_count.restype = ctypes.c_long
+    lib.pool_test_owns.argtypes = (ctypes.c_uint64, ctypes.c_size_t)
+    lib.pool_test_segment_size.restype = ctypes.c_size_t
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(args.lib, "pool_test_malloc", "pool_test_free")
+    torch.cuda.empty_cache()
+    reserved0 = stats(torch)["reserved"]
+    pool = torch.cuda.MemPool(alloc.allocator())
+    sizes = [128, 3 << 18, 3 << 18, 3 << 20]  # float32 elements: 512 B, 3 MiB, 3 MiB, 12 MiB
+    with torch.cuda.use_mem_pool(pool):
+        ts = [torch.full((n,), float(i + 1), device="cuda") for i, n in enumerate(sizes)]
+    pool_reserved = stats(torch)["reserved"] - reserved0
+    inside = [bool(lib.pool_test_owns(t.data_ptr(), t.numel() * 4)) for t in ts]
+    outside_t = torch.ones(1 << 10, device="cuda")  # not in the pool: not from its allocator
+    outside = not lib.pool_test_owns(outside_t.data_ptr(), 4096)
+    total = float(sum(t.double().sum() for t in ts))
+    segments = []
+    while lib.pool_test_segment_size(len(segments)):
+        segments.append(int(lib.pool_test_segment_size(len(segments))))
+    mallocs = int(lib.pool_test_count(0))
+    del ts, outside_t, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    emit(inside=inside, outside=outside, total=total, pool_reserved=pool_reserved, segments=sorted(segments),
+         mallocs=mallocs, frees=int(lib.pool_test_count(1)), live_after=int(lib.pool_test_count(2)))
+
+
 def w_mempool_use_on_oom(torch, args):
     """MemPool(use_on_oom=True): under a per-process cap, a request outside
     the pool that cannot get memory takes the pool's cached block; without
@@ -294,6 +328,7 @@ def main():
     ap.add_argument("workload")
     ap.add_argument("--allocator", default="gpumem", choices=("native", "gpumem"))
     ap.add_argument("--mode", default="infer")
+    ap.add_argument("--lib", default=None, help="pool_allocator.cu built as a shared library")
     args = ap.parse_args()
     torch = setup(args)
     try:

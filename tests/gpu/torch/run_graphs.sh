@@ -38,7 +38,7 @@ else:
     print("FAIL compile: the full allocator did not build; graphs fall back to a clear error.\n%s" % why)
 PY
   echo "== tests (native vs gpumem, fresh processes; one process per test)"
-  tests="${GRAPHS_TESTS:-test_cuda_graph test_make_graphed_callables test_reduce_overhead_inference test_reduce_overhead_training test_cudnn_benchmark test_mempool test_mempool_no_split test_mempool_use_on_oom test_snapshot test_ipc}"
+  tests="${GRAPHS_TESTS:-test_cuda_graph test_make_graphed_callables test_reduce_overhead_inference test_reduce_overhead_training test_cudnn_benchmark test_mempool test_mempool_no_split test_mempool_use_on_oom test_mempool_allocator test_snapshot test_ipc}"
   for t in $tests; do
     t0=$(date +%s)
     if (cd "$root/tests/gpu/torch" && timeout "${TEST_TIMEOUT:-240}" "$py" -m unittest "test_graphs.GraphsTest.$t") >"$out/$t.log" 2>&1; then

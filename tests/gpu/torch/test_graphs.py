@@ -31,6 +31,25 @@ def both(workload, *args):
     return run_child(workload, "--allocator", "native", *args), run_child(workload, "--allocator", "gpumem", *args)
 
 
+def build_pool_allocator():
+    """pool_allocator.cu as a shared library (nvcc), in a temporary directory."""
+    import shutil
+    import tempfile
+
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        from torch.utils import cpp_extension
+
+        home = getattr(cpp_extension, "CUDA_HOME", None)
+        nvcc = os.path.join(home, "bin", "nvcc") if home else None
+    if not nvcc or not os.path.exists(nvcc):
+        raise unittest.SkipTest("nvcc not found: cannot build the pool's allocator")
+    out = os.path.join(tempfile.mkdtemp(prefix="gpumem-pool-alloc-"), "pool_allocator.so")
+    subprocess.run([nvcc, "-shared", "-Xcompiler", "-fPIC", "-o", out, os.path.join(base.HERE, "pool_allocator.cu")],
+                   check=True, capture_output=True, text=True)
+    return out
+
+
 def close(a, b, rel=1e-5):
     return len(a) == len(b) and all(abs(x - y) <= rel * max(1.0, abs(x)) for x, y in zip(a, b))
 
@@ -76,6 +95,24 @@ class GraphsTest(unittest.TestCase):
         for r in (n, g):  # native's behaviour is the reference
             self.assertEqual(r["segments_made"], r["allocations"], r)
             self.assertTrue(r["reused_whole"], r)
+
+    def test_mempool_allocator(self):
+        lib = build_pool_allocator()
+        n, g = both("mempool_allocator", "--lib", lib)
+        print("mempool_allocator: segments from the pool's allocator, native %s, gpumem %s (bytes); freed %d/%d "
+              "and %d/%d" % (n["segments"], g["segments"], n["frees"], n["mallocs"], g["frees"], g["mallocs"]),
+              file=sys.stderr)
+        self.assertEqual(n["total"], g["total"])
+        for r in (n, g):  # native's behaviour is the reference
+            self.assertTrue(all(r["inside"]), r)
+            self.assertTrue(r["outside"], r)
+            self.assertGreater(r["mallocs"], 0, r)
+            self.assertEqual(r["frees"], r["mallocs"], r)
+            self.assertEqual(r["live_after"], 0, r)
+        # the same segments (PyTorch's sizes), all counted as reserved memory
+        self.assertEqual(g["segments"], n["segments"])
+        self.assertEqual(g["pool_reserved"], n["pool_reserved"])
+        self.assertEqual(g["pool_reserved"], sum(g["segments"]))
 
     def test_mempool_use_on_oom(self):
         n, g = both("mempool_use_on_oom")
