@@ -202,6 +202,7 @@ if command -v python3 >/dev/null 2>&1; then
 import json, sys
 d = json.loads(sys.stdin.readline()); c = d["backend_calls"]
 us = 12.7 * c["create_page"] + 35.1 * c["map"] + 19.6 * c["unmap"] + 18.4 * c["release_page"]
+us += 42.9 * c["alloc"] + 38.6 * c["free"]
 want = us / d["ops_cold"]
 sys.exit(0 if want > 0 and abs(d["est_h100_map_us_per_op_cold"] - want) < 0.001 else 1)'; then
     ok
@@ -213,6 +214,18 @@ fi
 run "$BIN" replay --json --policy pytorch "$TINY" "$T/tiny.trace.gz"
 expect_rc 0 "replay --json of two traces"
 expect_in '"policy":"pytorch"' "$out" "replay --json --policy pytorch"
+# Under pytorch the plain segments (native's cudaMalloc growth) are priced.
+if command -v python3 >/dev/null 2>&1; then
+  if printf '%s\n' "$out" | python3 -c '
+import json, sys
+d = json.loads(sys.stdin.readline()); c = d["backend_calls"]
+want = (42.9 * c["alloc"] + 38.6 * c["free"]) / d["ops_cold"]
+sys.exit(0 if c["alloc"] > 0 and c["map"] == 0 and abs(d["est_h100_map_us_per_op_cold"] - want) < 0.001 else 1)'; then
+    ok
+  else
+    bad "replay --json --policy pytorch: cudaMalloc growth is not priced: $out"
+  fi
+fi
 expect_true "two traces: not two lines: $out" [ "$(printf '%s\n' "$out" | wc -l)" -eq 2 ]
 
 # A limit below what the trace needs: out of memory, reported, exit 0.

@@ -577,9 +577,19 @@ static double per_1k(uint64_t calls, uint64_t ops) {
  * us. Other calls (events, synchronizations) are left out. Measured
  * against replays through CUDA (2026-11-25, on an H100): synth_random's warm
  * pass 16.3 estimated, 16.9 us/op measured. */
+/* The pytorch policy's plain segments (PyTorch's cudaMalloc growth) are
+ * priced too, so that a cold start can be set beside native's: cuMemAlloc
+ * and cuMemFree measured on an H200 (bench/gpu/vmm_cost.c, 2026-11-27; 2 MiB
+ * 100.0 / 44.0 us, 20 MiB 42.9 / 38.6, 1 GiB 119.8 / 339.9): the cheapest
+ * size's, so native's cost is if anything understated. */
+#define EST_ALLOC_US 42.9
+#define EST_FREE_US 38.6
+
 static double est_map_us(const uint64_t* calls) {
   return 12.7 * (double)calls[GPUMEM_CALL_create_page] + 35.1 * (double)calls[GPUMEM_CALL_map] +
-         19.6 * (double)calls[GPUMEM_CALL_unmap] + 18.4 * (double)calls[GPUMEM_CALL_release_page];
+         19.6 * (double)calls[GPUMEM_CALL_unmap] + 18.4 * (double)calls[GPUMEM_CALL_release_page] +
+         EST_ALLOC_US * (double)calls[GPUMEM_CALL_alloc] +
+         EST_FREE_US * (double)calls[GPUMEM_CALL_free];
 }
 
 static double est_map_us_per_op(const uint64_t* calls, uint64_t ops) {
@@ -1009,18 +1019,18 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
         "hold = the default holding reserved memory at the high-water mark whatever it costs\n"
         "(placement:planned,move_budget:unlimited,headroom:0.002).\n\n",
         cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit_note);
-    row_add(&row, "%-*s %10s | %-25s | %-22s | %-16s | %-16s", name_w, "", "", "replayed here",
+    row_add(&row, "%-*s %10s | %-25s | %-22s | %-25s | %-16s", name_w, "", "", "replayed here",
             "H200, BENCHMARKS.md", "us/op, 1st pass", "us/op, 2nd half");
     if (mins) row_add(&row, " | %-25s | %-22s", "min limit", "H200 min cap (measured)");
     row_print(&row);
-    row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, "trace",
-            "peak live", "pytorch", "default", "hold", "PyTorch", "best peer", "default", "hold",
-            "default", "hold");
+    row_add(&row, "%-*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s", name_w,
+            "trace", "peak live", "pytorch", "default", "hold", "PyTorch", "best peer", "pytorch",
+            "default", "hold", "default", "hold");
     if (mins)
       row_add(&row, " | %7s  %7s  %7s | %-8s  %-12s", "pytorch", "default", "hold", "PyTorch",
               "best peer");
     row_print(&row);
-    int width = name_w + 1 + 10 + 3 + 25 + 3 + 22 + 3 + 16 + 3 + 16 + (mins ? 3 + 25 + 3 + 22 : 0);
+    int width = name_w + 1 + 10 + 3 + 25 + 3 + 22 + 3 + 25 + 3 + 16 + (mins ? 3 + 25 + 3 + 22 : 0);
     for (int i = 0; i < width && row.len < sizeof row.text - 1; i++) row.text[row.len++] = '-';
     row_print(&row);
   }
@@ -1056,8 +1066,8 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
                  est_map_us_per_op(r[p].cold_half_calls, r[p].cold_half_ops));
       }
     }
-    row_add(&row, "%-*.*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s | %7s  %7s", name_w, name_w,
-            t->name, live, c[0], c[1], c[2], a0, a1, w[1], w[2], h[1], h[2]);
+    row_add(&row, "%-*.*s %10s | %7s  %7s  %7s | %-8s  %-12s | %7s  %7s  %7s | %7s  %7s", name_w,
+            name_w, t->name, live, c[0], c[1], c[2], a0, a1, w[0], w[1], w[2], h[1], h[2]);
     if (mins) {
       char m[NCOL][16], x0[32], x1[32];
       for (int p = 0; p < NCOL; p++) cell_min(m[p], sizeof m[p], &r[p], ok[p]);
@@ -1082,7 +1092,9 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
         " and of its\n"
         "  second half (a long job's steady state), priced at an H100's measured cost per call"
         " (create 12.7 us,\n"
-        "  map with access 35.1, unmap 19.6, release 18.4), per alloc or free.\n");
+        "  map with access 35.1, unmap 19.6, release 18.4), per alloc or free; under pytorch,"
+        " its cudaMalloc\n"
+        "  growth (cuMemAlloc 42.9 us, cuMemFree 38.6, H200), as native PyTorch pays it.\n");
     if (mins) {
       printf(
           "min limit: smallest hard limit under which the trace replays, / peak live"
