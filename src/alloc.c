@@ -869,8 +869,15 @@ gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t st
     return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_record_stream: NULL allocator or pointer");
   gm_lock_acquire(&gm->lock);
   gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
-  gpumem_status_t st = b ? gm_block_add_use(b, stream)
-                         : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
+  gpumem_status_t st =
+      b ? GPUMEM_OK : diagnose_bad_free(gm, (uintptr_t)ptr, "gpumem_record_stream");
+  /* The stream becomes one the allocator knows (if it was not): whether a
+   * graph capture is underway is asked of the known streams, and the
+   * block's free will record an event on this one, which must not happen
+   * while it captures, even if nothing was ever allocated on it. */
+  if (st == GPUMEM_OK && !gm_stream_get(gm, stream))
+    st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_record_stream: out of host memory for a stream");
+  if (st == GPUMEM_OK) st = gm_block_add_use(b, stream);
   if (st == GPUMEM_OK) gm_record(gm, 'r', b->serial, 0, stream);
   gm_lock_release(&gm->lock);
   return st;

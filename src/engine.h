@@ -450,6 +450,10 @@ struct gpumem {
   struct gm_graph_pool* graph_pools;
   struct gm_pool_route* routes;
   size_t num_routes, routes_capacity;
+  /* A capture went on after the last routing ended (graphpool.c,
+   * gpumem_end_allocate_to_pool): captures stay possible until the backend
+   * says no known stream captures. */
+  bool capture_outlives_routes;
   gm_block** capture_deferred;
   size_t num_capture_deferred, capture_deferred_capacity;
 
@@ -672,7 +676,7 @@ gm_stream* gm_graph_route(gpumem_t* gm, gpumem_stream_t stream);
  * no synchronization, event query or event record may be made. */
 bool gm_capture_underway(gpumem_t* gm);
 static inline bool gm_capture_possible(const gpumem_t* gm) {
-  return gm->num_routes != 0;
+  return gm->num_routes != 0 || gm->capture_outlives_routes;
 }
 /* Puts off the free of block b (with uses on other streams) until no
  * capture is underway: it turns PENDING, waiting for one sentinel event. */

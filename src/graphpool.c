@@ -121,6 +121,7 @@ bool gm_capture_underway(gpumem_t* gm) {
   if (any_capturing(gm, gm->streams)) return true;
   for (gm_graph_pool* p = gm->graph_pools; p; p = p->next)
     if (any_capturing(gm, p->streams)) return true;
+  gm->capture_outlives_routes = false; /* (whatever outlived its routing has ended) */
   return false;
 }
 
@@ -368,6 +369,11 @@ gpumem_status_t gpumem_end_allocate_to_pool(gpumem_t* gm, uint64_t pool_id) {
     gp->routed = false;
     memmove(&gm->routes[i], &gm->routes[i + 1], (gm->num_routes - i - 1) * sizeof *gm->routes);
     gm->num_routes--;
+    /* A capture still going on after its routing ended (the caller ended
+     * them in that order) keeps captures possible: nothing may synchronize
+     * or record on a capturing stream until the backend says it ended. */
+    if (!gm->num_routes && gm->backend->stream_capture_info && gm_capture_underway(gm))
+      gm->capture_outlives_routes = true;
     /* Frees put off, and pools released, while a capture was underway. */
     settle(gm);
     release_idle_pools(gm);

@@ -172,6 +172,44 @@ static void test_deferred_free(const config_t* c) {
   gpumem_destroy(gm);
 }
 
+/* Captures the allocator could miss: a block used (record_stream) on a
+ * capturing stream nothing was ever allocated on, freed during the
+ * capture; and a capture that goes on after its routing ended. Neither
+ * may bring a synchronization, event query or record on a capturing
+ * stream. */
+static void test_capture_unseen_streams(const config_t* c) {
+  gpumem_t* gm = make(c);
+  void* p;
+  CHECK_STATUS(gpumem_malloc(gm, 1 << 20, S_SIDE, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_sim_begin_capture(sim, S_MAIN, 5), GPUMEM_OK);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool_capture(gm, 6, 5), GPUMEM_OK);
+  /* S_MAIN has allocated nothing, in the pool or out of it */
+  CHECK_STATUS(gpumem_record_stream(gm, p, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(violations() == 0);
+  /* the routing ends first; the capture goes on */
+  CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 6), GPUMEM_OK);
+  void* q;
+  CHECK_STATUS(gpumem_malloc(gm, 4 << 20, S_SIDE, &q), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(violations() == 0);
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.active) == 2); /* p still waits for the capture to end */
+  CHECK_STATUS(gpumem_sim_end_capture(sim, S_MAIN), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, q), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  gpumem_get_stats(gm, &st);
+  CHECK(cur(st.active) == 0); /* p's free completed once the capture ended */
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(violations() == 0);
+  CHECK_STATUS(gpumem_release_pool(gm, 6), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+}
+
 static int accept_main(gpumem_stream_t s, void* arg) {
   (void)arg;
   return s == S_MAIN;
@@ -1158,6 +1196,7 @@ int main(int argc, char** argv) {
     if (only && strcmp(only, c->name)) continue;
     test_capture_and_release(c);
     test_deferred_free(c);
+    test_capture_unseen_streams(c);
     test_mempool(c);
     test_checkpoint(c);
     test_no_split(c);
