@@ -251,6 +251,17 @@ static void test_mempool(const config_t* c) {
   gpumem_destroy(gm);
 }
 
+/* Allocates size bytes on S_MAIN (routed to pool) into *p; returns how
+ * many bytes the pool's allocated memory grew by: the block it got. */
+static uint64_t malloc_in_pool(gpumem_t* gm, uint64_t pool, size_t size, void** p) {
+  gpumem_pool_info_t pi;
+  CHECK_STATUS(gpumem_pool_info(gm, pool, &pi), GPUMEM_OK);
+  uint64_t had = pi.allocated_bytes;
+  CHECK_STATUS(gpumem_malloc(gm, size, S_MAIN, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_info(gm, pool, &pi), GPUMEM_OK);
+  return pi.allocated_bytes - had;
+}
+
 /* MemPool(no_split=True): every allocation the pool serves is a segment
  * of its own, and a freed one is handed out again whole. */
 static void test_no_split(const config_t* c) {
@@ -265,14 +276,10 @@ static void test_no_split(const config_t* c) {
   /* the block each gets: whole pages, or PyTorch's segment sizes */
   const size_t whole[] = {2 << 20, vm ? 4 << 20 : 20 << 20, vm ? 4 << 20 : 20 << 20, 12 << 20};
   void* p[4];
-  gpumem_pool_info_t pi;
   for (int i = 0; i < 4; i++) {
-    CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
-    uint64_t had = pi.allocated_bytes;
-    CHECK_STATUS(gpumem_malloc(gm, sizes[i], S_MAIN, &p[i]), GPUMEM_OK);
-    CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
-    CHECK_MSG(pi.allocated_bytes - had == whole[i], "%s: %zu bytes got a %llu-byte block", c->name,
-              sizes[i], (unsigned long long)(pi.allocated_bytes - had));
+    uint64_t got = malloc_in_pool(gm, 11, sizes[i], &p[i]);
+    CHECK_MSG(got == whole[i], "%s: %zu bytes got a %llu-byte block", c->name, sizes[i],
+              (unsigned long long)got);
     CHECK(gpumem_check(gm) == 0);
   }
   gpumem_stats_t mid;
@@ -282,11 +289,8 @@ static void test_no_split(const config_t* c) {
   /* Freed, a block comes back whole for a smaller request, at its address. */
   CHECK_STATUS(gpumem_free(gm, p[1]), GPUMEM_OK);
   void* again;
-  CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
-  uint64_t had = pi.allocated_bytes;
-  CHECK_STATUS(gpumem_malloc(gm, (2 << 20) + 4096, S_MAIN, &again), GPUMEM_OK);
-  CHECK_STATUS(gpumem_pool_info(gm, 11, &pi), GPUMEM_OK);
-  CHECK(again == p[1] && pi.allocated_bytes - had == whole[1]);
+  uint64_t got = malloc_in_pool(gm, 11, (2 << 20) + 4096, &again);
+  CHECK(again == p[1] && got == whole[1]);
   CHECK(gpumem_check(gm) == 0);
   CHECK_STATUS(gpumem_end_allocate_to_pool(gm, 11), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(gm, again), GPUMEM_OK);
@@ -471,6 +475,15 @@ static const src_seg_t* src_segment_of(const fake_src_t* f, const void* p, size_
   return NULL;
 }
 
+/* An allocator with pool `pool` routed to on S_MAIN, its segments from f. */
+static gpumem_t* make_source_pool(const config_t* c, uint64_t pool, fake_src_t* f) {
+  gpumem_t* gm = make(c);
+  gpumem_segment_source_t src = source_of(f);
+  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, pool, accept_main, NULL), GPUMEM_OK);
+  CHECK_STATUS(gpumem_pool_set_segment_source(gm, pool, &src), GPUMEM_OK);
+  return gm;
+}
+
 /* A pool whose segments come from the source: PyTorch's segment sizes,
  * blocks split and reused inside them, counted in the statistics, and all
  * back to the source (then release) when the pool goes. */
@@ -564,11 +577,8 @@ static void test_source_basics(const config_t* c) {
  * source is asked; a source that fails makes the request fail as out of
  * memory, with a message, and leaves nothing behind. */
 static void test_source_failures(const config_t* c) {
-  gpumem_t* gm = make(c);
   fake_src_t f = {0};
-  gpumem_segment_source_t src = source_of(&f);
-  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 22, accept_main, NULL), GPUMEM_OK);
-  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 22, &src), GPUMEM_OK);
+  gpumem_t* gm = make_source_pool(c, 22, &f);
   void* small;
   CHECK_STATUS(gpumem_malloc(gm, 1000, S_MAIN, &small), GPUMEM_OK);
   gpumem_stats_t before, st;
@@ -751,26 +761,17 @@ static void test_source_refusals(const config_t* c) {
  * PyTorch's size, handed out whole; with use_on_oom a request outside
  * the pool takes a cached block of the source's memory, mapping nothing. */
 static void test_source_options(const config_t* c) {
-  gpumem_t* gm = make(c);
   fake_src_t f = {0};
-  gpumem_segment_source_t src = source_of(&f);
-  CHECK_STATUS(gpumem_begin_allocate_to_pool(gm, 27, accept_main, NULL), GPUMEM_OK);
-  CHECK_STATUS(gpumem_pool_set_segment_source(gm, 27, &src), GPUMEM_OK);
+  gpumem_t* gm = make_source_pool(c, 27, &f);
   CHECK_STATUS(gpumem_pool_set_no_split(gm, 27, 1), GPUMEM_OK);
   const size_t sizes[] = {512, 3 << 20, 3 << 20, 12 << 20};
   const size_t whole[] = {2 << 20, 20 << 20, 20 << 20, 12 << 20};
   void* p[4];
-  gpumem_pool_info_t pi;
   for (int i = 0; i < 4; i++) {
-    CHECK_STATUS(gpumem_pool_info(gm, 27, &pi), GPUMEM_OK);
-    uint64_t had = pi.allocated_bytes;
-    CHECK_STATUS(gpumem_malloc(gm, sizes[i], S_MAIN, &p[i]), GPUMEM_OK);
-    CHECK_STATUS(gpumem_pool_info(gm, 27, &pi), GPUMEM_OK);
+    uint64_t got = malloc_in_pool(gm, 27, sizes[i], &p[i]);
     const src_seg_t* seg = src_segment_of(&f, p[i], sizes[i]);
-    CHECK_MSG(seg && seg->addr == (uintptr_t)p[i] && seg->size == whole[i] &&
-                  pi.allocated_bytes - had == whole[i],
-              "%s: %zu bytes got a %llu-byte block", c->name, sizes[i],
-              (unsigned long long)(pi.allocated_bytes - had));
+    CHECK_MSG(seg && seg->addr == (uintptr_t)p[i] && seg->size == whole[i] && got == whole[i],
+              "%s: %zu bytes got a %llu-byte block", c->name, sizes[i], (unsigned long long)got);
     CHECK(gpumem_check(gm) == 0);
   }
   CHECK(f.allocs == 4);
