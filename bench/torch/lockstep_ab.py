@@ -1,7 +1,7 @@
 """Step times of allocators trained in turns, one step at a time, on one GPU.
 
     python3 bench/torch/lockstep_ab.py WORKLOAD [--steps N] [--warmup W] [--conf C] [--out FILE]
-            [--sides SIDE...] [--peak BYTES] [--pairs NUM/DEN...]
+            [--sides SIDE...] [--peak BYTES] [--pairs NUM/DEN...] [--runs R] [--pin]
     python3 bench/torch/lockstep_ab.py --summarize FILE.jsonl...
 
 Starts one process of bench/torch/workloads.py WORKLOAD per side on the same
@@ -22,6 +22,14 @@ gpumem+record:/tmp/x-%p.trace.gz): its configuration is that and CONF
 joined by a comma (CONF's keys win), so that two gpumem sides can differ by
 one setting, in turns on one GPU. A side is labelled by its spec.
 A side that runs out of memory stops there; the others go on.
+
+--runs R repeats the whole comparison R times, each time with fresh
+processes, and ends with a line of the runs' ratios of medians, their
+geometric mean and a 95% interval that resamples runs: the interval to
+judge a small difference by, since a process keeps some of its speed for
+its whole life (native against native moved 9.5% from run to run on an
+H200 host while each run's step-pair interval was 1-2% wide).
+--summarize gives the same over the runs it pools.
 
 --pin gives each side cores of its own (the CPUs this process may use, less
 the first, which stays with this process, split evenly between the sides):
@@ -202,6 +210,21 @@ def compare(native, gpumem, seed=0, resamples=4000, names=("native", "gpumem")):
     }
 
 
+def between_runs(ratios, seed=0, resamples=4000):
+    """Ratios of medians of several runs, each with fresh processes: their
+    geometric mean with a bootstrap 95% interval that resamples runs. What
+    stays fixed for a process's life (on the H200 host of 2026-11-27 it
+    moved one process's steps by up to 9.5% against another's running the
+    same program) is in this interval; a step-pair interval cannot see it."""
+    logs = [math.log(r) for r in ratios]
+    rnd = random.Random(seed)
+    means = sorted(math.exp(statistics.fmean(rnd.choices(logs, k=len(logs)))) for _ in range(resamples))
+    lo, hi = int(0.025 * resamples), int(0.975 * resamples) - 1
+    return {"runs": len(ratios), "run_ratios": [round(r, 4) for r in ratios],
+            "geo_mean_run_ratio": round(math.exp(statistics.fmean(logs)), 4),
+            "run_ratio_ci95": [round(means[lo], 4), round(means[hi], 4)]}
+
+
 def summarize(paths):
     """Pools the runs of JSON-lines files per (workload, conf, device)."""
     groups = {}
@@ -217,6 +240,8 @@ def summarize(paths):
                "ratio_of_medians_per_run": [r["ratio_of_medians"] for r in runs]}
         out.update(compare([t for r in runs for t in r["native_step_ms"]],
                            [t for r in runs for t in r["gpumem_step_ms"]]))
+        if len(runs) > 1:
+            out["between_runs"] = between_runs([r["ratio_of_medians"] for r in runs])
         print(json.dumps(out))
 
 
@@ -329,6 +354,9 @@ def main():
     ap.add_argument("--worker", default=os.environ.get("LOCKSTEP_WORKER") or os.path.join(HERE, "workloads.py"),
                     help=argparse.SUPPRESS)
     ap.add_argument("--pin", action="store_true", help="each side on CPUs of its own (see above)")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="this many runs, each with fresh processes, then a line with the runs' ratios, "
+                    "their geometric mean and an interval over runs (see between_runs)")
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     ap.add_argument("--summarize", nargs="+", metavar="JSONL",
                     help="train nothing: pool the runs in these files, one line per workload")
@@ -337,6 +365,8 @@ def main():
         return summarize(args.summarize)
     if not args.workload:
         ap.error("a workload, or --summarize")
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     try:
         parsed = [parse_side(spec, args.peak) for spec in args.sides]
         if len(set(args.sides)) != len(args.sides):
@@ -345,11 +375,26 @@ def main():
                  else [(j, 0) for j in range(1, len(args.sides))])
     except ValueError as e:
         ap.error(str(e))
-    result = run(args, parsed, pairs)
+    results = []
+    for _ in range(args.runs):
+        result = run(args, parsed, pairs)
+        results.append(result)
+        emit(result, args.out)
+    if args.runs > 1:
+        summary = {"workload": args.workload, "conf": args.conf, "summary_of_runs": args.runs, "pairs": []}
+        for k, (num, den) in enumerate(pairs):
+            ratios = [r["pairs"][k]["ratio_of_medians"] for r in results if "ratio_of_medians" in r["pairs"][k]]
+            pair = {"num": args.sides[num], "den": args.sides[den]}
+            pair.update(between_runs(ratios) if ratios else {"runs": 0})
+            summary["pairs"].append(pair)
+        emit(summary, args.out)
+
+
+def emit(result, out):
     line = json.dumps(result)
     print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
+    if out:
+        with open(out, "a") as f:
             f.write(line + "\n")
 
 

@@ -116,6 +116,21 @@ class LockstepTest(unittest.TestCase):
             self.assertTrue(r["pinned"])
             self.assertEqual(r["sides"][0]["steps"], 2)
 
+    def test_runs_give_an_interval_over_runs(self):
+        proc = run("lockstep_ab.py", "w", "--steps", "3", "--warmup", "0", "--runs", "3")
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+        self.assertEqual(len(lines), 4)  # three runs, then their summary
+        pair = lines[-1]["pairs"][0]
+        self.assertEqual(pair["runs"], 3)
+        self.assertEqual(pair["run_ratios"], [r["ratio_of_medians"] for r in lines[:3]])
+        lo, hi = pair["run_ratio_ci95"]
+        self.assertTrue(lo <= pair["geo_mean_run_ratio"] <= hi)
+        # with one ratio repeated the interval is that ratio
+        same = lockstep_ab.between_runs([1.05, 1.05, 1.05])
+        self.assertEqual(same["run_ratio_ci95"], [1.05, 1.05])
+        self.assertEqual(same["geo_mean_run_ratio"], 1.05)
+
     def test_bad_sides_are_named(self):
         for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
                           (["--sides", "native", "gpumem@1.1x"], "needs --peak"),
