@@ -264,8 +264,10 @@ static inline size_t segment_size_for(size_t rsize) {
   return gm_round_up(rsize, GM_ROUND_LARGE);
 }
 
-/* arena: b lies in an arena (gm_pool_maps_pages of its pool), where a
- * block is split whenever a minimum block is left over. */
+/* b, a free block of pool: in an arena (arena: pool->maps_pages, read
+ * once by the caller: reloaded after the stores around it, it cost ~5
+ * instructions an operation) a block is split whenever a minimum block is
+ * left over; in a plain segment by PyTorch's rules. */
 static inline bool should_split(const gpumem_t* gm, const gm_pool* pool, bool arena,
                                 const gm_block* b, size_t rsize) {
   size_t remaining = b->size - rsize;
@@ -280,7 +282,7 @@ static inline bool should_split(const gpumem_t* gm, const gm_pool* pool, bool ar
 static gm_block* find_free(gpumem_t* gm, gm_pool* pool, size_t rsize) {
   gm_block* b = gm_index_find(&pool->index, rsize);
   if (GM_UNLIKELY(pool->no_split) && b && (b->prev || b->next)) return NULL;
-  if (!b || !gm->opts.max_split_size || gm_pool_maps_pages(gm, pool)) return b;
+  if (!b || !gm->opts.max_split_size || pool->maps_pages) return b;
   size_t max_split = gm->opts.max_split_size;
   if (rsize < max_split && b->size >= max_split) return NULL;
   if (rsize >= max_split && b->size >= rsize + GM_LARGE_BUFFER) return NULL;
@@ -405,7 +407,7 @@ static int by_size_desc(const void* a, const void* b) {
 }
 
 static bool release_available(gpumem_t* gm, gm_pool* pool, size_t rsize) {
-  if (!gm->opts.max_split_size || pool->is_small || gm_pool_maps_pages(gm, pool)) return false;
+  if (!gm->opts.max_split_size || pool->is_small || pool->maps_pages) return false;
   size_t n = pool->index.count;
   if (!n) return false;
   available_state as = {rsize, NULL, malloc(n * sizeof(gm_block*)), 0, n};
@@ -524,7 +526,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
   }
   gm_block* b = find_free(gm, pool, rsize);
   /* (arenas only: a pool with a segment source has plain segments) */
-  if (gm_pool_maps_pages(gm, pool) && gm_grows_in_runs(gm) && !pool->no_split) {
+  if (pool->maps_pages && gm_grows_in_runs(gm) && !pool->no_split) {
     /* No hole holds it: best fit gave the arena's tail, or there is no arena yet. */
     bool for_want_of_hole = !b || !b->next;
     /* (small pools: not measured, left to best fit and prefer_walked_tail) */
@@ -544,7 +546,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     /* A new segment's block serves the request directly, as PyTorch's
      * alloc_block does: the max_split_size rules of find_free are for
      * cached blocks only. */
-    gpumem_status_t st = gm_pool_maps_pages(gm, pool)
+    gpumem_status_t st = pool->maps_pages
                              ? gm_arena_new(gm, pool, rsize, &b)
                              : new_plain_segment(gm, pool, segment_size_for(rsize), &b);
     if (st != GPUMEM_OK) return st;
@@ -566,9 +568,7 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
                                                     gm_block** out) {
   gm_index_remove(&pool->index, b);
   gm_dirty_remove(b);
-  /* (a pool with a segment source has plain segments under virtual memory
-   * too: no pages to map, PyTorch's split rule) */
-  bool arena = gm_pool_maps_pages(gm, pool);
+  bool arena = pool->maps_pages;
   /* Best fit takes the front of a hole; where taking its end leaves fewer
    * free bytes stranded in partly used pages, the end (ties: the front).
    * Measured (simulated device, min limit / peak live): synth_kvcache
@@ -590,6 +590,8 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
    * pages stay reclaimable while pages are found for this block. */
   gm_split_block(gm, b, rsize, should_split(gm, pool, arena, b, rsize) && !pool->no_split);
   b->state = GM_ALLOCATED;
+  /* (a pool with a segment source has plain segments under virtual memory
+   * too: no pages to map) */
   if (arena) {
     gm_arena_busy(gm, b, 1);
     gpumem_status_t st = gm_arena_map_range(gm, b->seg, b->addr, b->size);

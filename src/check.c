@@ -146,7 +146,7 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
   }
   /* Under virtual memory every segment is an arena but those of a pool
    * with a segment source, which are plain; without it, none is. */
-  if (seg->is_arena != gm_pool_maps_pages(gm, seg->pool))
+  if (seg->is_arena != seg->pool->maps_pages)
     violation(c, "segment 0x%lx is %s, but its pool %s", (unsigned long)seg->addr,
               seg->is_arena ? "an arena" : "plain",
               seg->pool->source    ? "takes its segments from a segment source"

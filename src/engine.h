@@ -219,7 +219,7 @@ struct gm_pool {
    * or a cached block of the pool whole. */
   bool no_split;
   /* Its segments are arenas whose pages are mapped on demand: virtual
-   * memory, unless the pool has a segment source (gm_pool_maps_pages).
+   * memory, unless the pool has a segment source.
    * A flag of its own, next to the others, rather than a test of both:
    * the malloc path reads one byte of the pool it holds (measured: fewer
    * instructions per operation than reading gm->virtual_memory). */
@@ -580,13 +580,6 @@ static inline bool gm_grows_in_runs(const gpumem_t* gm) {
    * one (provide_pages); whole-mapping reclaim left resnet at 1.0508 x
    * peak live under pressure with planned placement, against 1.0037. */
   return !gm->planner.enabled && gm->map_max_pages > 1;
-}
-/* Whether pool's blocks lie in arenas whose pages are mapped on demand
- * (virtual memory), rather than in plain segments: a pool with a segment
- * source has plain segments under either policy. */
-static inline bool gm_pool_maps_pages(const gpumem_t* gm, const gm_pool* pool) {
-  (void)gm; /* (gpumem_check verifies pool->maps_pages against gm->virtual_memory) */
-  return pool->maps_pages;
 }
 /* Re-arms the move guard (pages.c): empty_cache and a plan that starts
  * serving start it afresh. */

@@ -37,8 +37,7 @@ typedef struct gm_graph_pool {
   bool use_on_oom; /* torch.cuda.MemPool(use_on_oom=True) */
   bool no_split;   /* torch.cuda.MemPool(no_split=True) */
   /* torch.cuda.MemPool(allocator=...): where its segments come from (the
-   * caller's copy; its pools point here), and whether it has one. */
-  bool has_source;
+   * caller's copy; its pools point here); all zero when it has none. */
   gpumem_segment_source_t source;
   /* Pages mapped into its arenas so far and not yet released: they never
    * move, so this equals its arenas' mapped pages (gpumem_check). */
@@ -60,6 +59,25 @@ static gm_graph_pool* pool_find(gpumem_t* gm, uint64_t id) {
   return NULL;
 }
 
+/* The pool's segment source, or NULL (a set source has an alloc). */
+static const gpumem_segment_source_t* pool_source(const gm_graph_pool* gp) {
+  return gp->source.alloc ? &gp->source : NULL;
+}
+
+/* What each of a private stream's pools takes from its graph pool's
+ * options: kept in the pool, where the malloc path reads them. */
+static void pool_take_options(const gpumem_t* gm, const gm_graph_pool* gp, gm_pool* pool) {
+  pool->no_split = gp->no_split;
+  pool->source = pool_source(gp);
+  pool->maps_pages = gm->virtual_memory && !pool->source;
+}
+
+/* The same for every pool of every private stream gp has. */
+static void pools_take_options(const gpumem_t* gm, gm_graph_pool* gp) {
+  for (gm_stream* s = gp->streams; s; s = s->next)
+    for (int i = 0; i < GM_NUM_POOLS; i++) pool_take_options(gm, gp, &s->pools[i]);
+}
+
 static gm_stream* private_stream(const gpumem_t* gm, gm_graph_pool* gp, gpumem_stream_t handle) {
   for (gm_stream* s = gp->streams; s; s = s->next)
     if (s->handle == handle) return s;
@@ -71,9 +89,7 @@ static gm_stream* private_stream(const gpumem_t* gm, gm_graph_pool* gp, gpumem_s
     s->pools[i].stream = s;
     s->pools[i].is_small = i == GM_POOL_SMALL;
     s->pools[i].is_private = true;
-    s->pools[i].no_split = gp->no_split;
-    s->pools[i].source = gp->has_source ? &gp->source : NULL;
-    s->pools[i].maps_pages = gm->virtual_memory && !gp->has_source;
+    pool_take_options(gm, gp, &s->pools[i]);
     gm_dirty_init(&s->pools[i].dirty);
   }
   s->next = gp->streams;
@@ -133,12 +149,11 @@ static void free_pool_record(gm_graph_pool* gp) {
     n = s->next;
     free(s);
   }
-  if (gp->has_source && gp->source.release) gp->source.release(gp->source.ctx);
+  if (pool_source(gp) && gp->source.release) gp->source.release(gp->source.ctx);
   free(gp);
 }
 
 static bool pool_try_release(gpumem_t* gm, gm_graph_pool* gp);
-static void release_idle_pools(gpumem_t* gm);
 
 gpumem_status_t gm_capture_defer_free(gpumem_t* gm, gm_block* b) {
   if (gm->num_capture_deferred == gm->capture_deferred_capacity) {
@@ -177,7 +192,7 @@ void gm_capture_flush(gpumem_t* gm) {
     (void)pool;
   }
   gm->num_capture_deferred = kept;
-  if (kept < count) release_idle_pools(gm);
+  if (kept < count) gm_graph_pools_release_idle(gm);
 }
 
 /* ---- lifetime of a pool ---- */
@@ -251,15 +266,11 @@ static bool pool_try_release(gpumem_t* gm, gm_graph_pool* gp) {
 
 /* Every released pool that holds nothing goes back (each release frees
  * only its own pool, so the walk may go on past it). */
-static void release_idle_pools(gpumem_t* gm) {
+void gm_graph_pools_release_idle(gpumem_t* gm) {
   for (gm_graph_pool *p = gm->graph_pools, *next; p; p = next) {
     next = p->next;
     if (p->use_count == 0) pool_try_release(gm, p);
   }
-}
-
-void gm_graph_pools_release_idle(gpumem_t* gm) {
-  release_idle_pools(gm);
 }
 
 /* Completes what can be: frees put off by a capture, events completed. */
@@ -376,7 +387,7 @@ gpumem_status_t gpumem_end_allocate_to_pool(gpumem_t* gm, uint64_t pool_id) {
       gm->capture_outlives_routes = true;
     /* Frees put off, and pools released, while a capture was underway. */
     settle(gm);
-    release_idle_pools(gm);
+    gm_graph_pools_release_idle(gm);
   }
   gm_lock_release(&gm->lock);
   return st;
@@ -473,8 +484,7 @@ static gpumem_status_t set_option(gpumem_t* gm, uint64_t pool_id, pool_option op
     gp->use_on_oom = on != 0;
   } else {
     gp->no_split = on != 0;
-    for (gm_stream* s = gp->streams; s; s = s->next)
-      for (int i = 0; i < GM_NUM_POOLS; i++) s->pools[i].no_split = gp->no_split;
+    pools_take_options(gm, gp);
   }
   gm_lock_release(&gm->lock);
   return st;
@@ -513,18 +523,12 @@ gpumem_status_t gpumem_pool_set_segment_source(gpumem_t* gm, uint64_t pool_id,
                  "allocation",
                  what, (unsigned long long)pool_id);
   } else {
-    if (gp->has_source) old = gp->source;
-    gp->has_source = source != NULL;
+    old = gp->source;
     if (source)
       gp->source = *source;
     else
       memset(&gp->source, 0, sizeof gp->source);
-    for (gm_stream* s = gp->streams; s; s = s->next) {
-      for (int i = 0; i < GM_NUM_POOLS; i++) {
-        s->pools[i].source = source ? &gp->source : NULL;
-        s->pools[i].maps_pages = gm->virtual_memory && !source;
-      }
-    }
+    pools_take_options(gm, gp);
   }
   gm_lock_release(&gm->lock);
   /* (outside the lock: the replaced context's owner may do anything) */
@@ -791,15 +795,15 @@ size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed,
         if (pool->no_split != gp->no_split)
           GP_VIOLATION("pool %llu: a stream's pool disagrees on no_split",
                        (unsigned long long)gp->id);
-        if (pool->source != (gp->has_source ? &gp->source : NULL))
+        if (pool->source != pool_source(gp))
           GP_VIOLATION("pool %llu: a stream's pool disagrees on its segment source",
                        (unsigned long long)gp->id);
-        if (pool->maps_pages != (gm->virtual_memory && !gp->has_source))
+        if (pool->maps_pages != (gm->virtual_memory && !pool_source(gp)))
           GP_VIOLATION(
               "pool %llu: a stream's pool %s pages (segment source: %s, virtual "
               "memory: %s)",
               (unsigned long long)gp->id, pool->maps_pages ? "maps" : "does not map",
-              gp->has_source ? "yes" : "no", gm->virtual_memory ? "yes" : "no");
+              pool_source(gp) ? "yes" : "no", gm->virtual_memory ? "yes" : "no");
         errors += gm_index_check(&pool->index, pool);
         *indexed += pool->index.count;
         for (const gm_dirty_link* l = pool->dirty.next; l != &pool->dirty; l = l->next) {
@@ -814,8 +818,8 @@ size_t gm_graph_pools_check(gpumem_t* gm, size_t* indexed, size_t* dirty_listed,
     /* (that a pool with a source holds no arena, and one without holds
      * only arenas under virtual memory, gpumem_check's walk of the segments
      * verifies against maps_pages, checked above) */
-    if (gp->has_source && (!gp->source.alloc || !gp->source.free))
-      GP_VIOLATION("pool %llu: its segment source lacks alloc or free", (unsigned long long)gp->id);
+    if (pool_source(gp) && !gp->source.free)
+      GP_VIOLATION("pool %llu: its segment source lacks free", (unsigned long long)gp->id);
     size_t mapped = 0;
     for (gm_segment* seg = gm->segments; seg && pinned; seg = seg->next_seg) {
       if (seg->pool->stream->graph_pool != gp || !seg->is_arena) continue;
