@@ -1,7 +1,7 @@
 """Step time and peak reserved memory of torch.compile(mode="reduce-overhead")
 under native PyTorch and under gpumem, one step at a time, in turns.
 
-    python3 bench/torch/graphs_ab.py [--mode train|infer] [--steps N] [--warmup W] [--inner K]
+    python3 bench/torch/graphs_ab.py [--mode train|infer] [--steps N] [--warmup W] [--inner K] [--runs R]
 
 Two worker processes (this file with --worker) build the same model with the
 same seeds; the parent asks each for one step in turn (AB, BA, AB, ...), so
@@ -12,6 +12,12 @@ medians of the timed steps, their ratio gpumem / native with a bootstrap
 95% interval over the step pairs (and the geometric mean of the per-step
 ratios with its interval, lockstep_ab.compare), and each side's peak
 reserved memory (torch.cuda.max_memory_reserved).
+
+--runs R repeats the comparison R times with fresh processes (one JSON line
+each) and ends with a line of the runs' ratios, their geometric mean and a
+95% interval that resamples runs (lockstep_ab.between_runs): a process
+keeps some of its speed for its whole life, which no step-pair interval
+sees.
 """
 
 import argparse
@@ -81,9 +87,22 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--inner", type=int, default=20, help="iterations per timed step")
+    ap.add_argument("--runs", type=int, default=1, help="comparisons, each with fresh processes")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
+    sys.path.insert(0, HERE)
+    from lockstep_ab import between_runs
+
+    ratios = [one_run(args)["ratio"] for _ in range(args.runs)]
+    if args.runs > 1:
+        print(json.dumps({"mode": args.mode, **between_runs(ratios)}), flush=True)
+
+
+def one_run(args):
+    """One comparison with fresh processes; prints and returns its line."""
     procs = {}
     for a in ("native", "gpumem"):
         procs[a] = subprocess.Popen(
@@ -106,17 +125,18 @@ def main():
         mem[a] = json.loads(p.stdout.readline())
         p.wait(60)
     med = {a: statistics.median(t) for a, t in times.items()}
-    sys.path.insert(0, HERE)
     from lockstep_ab import compare
 
     stats = compare(times["native"], times["gpumem"])
-    print(json.dumps({
+    line = {
         "mode": args.mode, "steps": args.steps,
         "median_ms": med, "ratio": med["gpumem"] / med["native"],
         "ratio_ci95": stats["ratio_of_medians_ci95"],
         "geo_mean_step_ratio": stats["geo_mean_step_ratio"], "step_ratio_ci95": stats["step_ratio_ci95"],
         "peak_reserved": {a: m["peak_reserved"] for a, m in mem.items()},
-    }), flush=True)
+    }
+    print(json.dumps(line), flush=True)
+    return line
 
 
 if __name__ == "__main__":
