@@ -570,6 +570,12 @@ void gm_events_destroy(gpumem_t* gm);
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out);
 /* Maps every page under [addr, addr+size) of the arena. */
 gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size);
+/* The same; where the range grows the arena past its highest mapped page
+ * and the growth needs no reclaim, the new mapping also takes up to
+ * `ahead` bytes of the free pages above the range (alloc.c, map ahead of a
+ * tail run). */
+gpumem_status_t gm_arena_map_range_ahead(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size,
+                                         size_t ahead);
 /* Whether new memory comes in mappings of several pages (no limit, budget
  * or planner, and the device has not refused): nothing moves pages then,
  * and reserved memory is the address space the arenas walk. */

@@ -849,8 +849,11 @@ static gpumem_status_t reclaim_charged(gpumem_t* gm, size_t want) {
 /* Room for `need` more mapped pages for a request of `size` bytes in arena
  * seg: spare pages, or reserved memory allowed to grow, reclaiming first
  * where the setting or a limit says so. It creates nothing (map_range
- * does, one mapping per run). */
-static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need, size_t size) {
+ * does, one mapping per run). *grows_freely: reserved memory is to grow
+ * and nothing asked for or spent on keeping it small. */
+static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need, size_t size,
+                                     bool* grows_freely) {
+  *grows_freely = false;
   if (gm->num_spare_pages >= need) return GPUMEM_OK;
   /* During a graph capture reclaim may need synchronizations: grow. */
   if (GM_UNLIKELY(gm_capture_possible(gm)) && gm_capture_underway(gm)) return GPUMEM_OK;
@@ -892,9 +895,13 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
                 (gm->budget && !gm_budget_has_room(gm, (uint64_t)missing * ps));
   if (!needed) {
     /* Only headroom asks: move within the budget, else grow. */
-    if (!reclaim_first) return GPUMEM_OK;
+    if (!reclaim_first) {
+      *grows_freely = true;
+      return GPUMEM_OK;
+    }
     if (!move_budget_left(gm)) {
       gm->stats.num_moves_deferred++;
+      *grows_freely = true;
       return GPUMEM_OK;
     }
     return reclaim_charged(gm, missing);
@@ -1041,6 +1048,11 @@ static gpumem_status_t map_spare(gpumem_t* gm, gm_segment* seg, size_t p, uint32
 }
 
 gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size) {
+  return gm_arena_map_range_ahead(gm, seg, addr, size, 0);
+}
+
+gpumem_status_t gm_arena_map_range_ahead(gpumem_t* gm, gm_segment* seg, uintptr_t addr, size_t size,
+                                         size_t ahead) {
   size_t first = (addr - seg->addr) >> gm->page_shift;
   size_t last = (addr + size - 1 - seg->addr) >> gm->page_shift;
   if (GM_LIKELY(range_mapped(seg, first, last))) return GPUMEM_OK;
@@ -1058,10 +1070,14 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
     need += !done;
   }
   if (!need) return GPUMEM_OK;
-  gpumem_status_t st = provide_pages(gm, seg, need, size);
+  bool grows_freely = false;
+  gpumem_status_t st = provide_pages(gm, seg, need, size, &grows_freely);
   if (st != GPUMEM_OK) return st;
   bool all_tried = false;
   size_t max_run = map_run_limit(gm);
+  /* (ahead only in mappings of several pages: a one-page mapping is the
+   * setting for page-grained reclaim, which pages mapped unasked defeat) */
+  size_t ahead_pages = grows_freely && max_run > 1 ? ahead >> gm->page_shift : 0;
   for (size_t p = first; p <= last;) {
     if (gm_arena_page_mapped(seg, p)) {
       p++;
@@ -1088,13 +1104,23 @@ gpumem_status_t gm_arena_map_range(gpumem_t* gm, gm_segment* seg, uintptr_t addr
     while (n < max_run && p + n <= last && !gm_arena_page_mapped(seg, p + n) &&
            !seg->ghost_id[p + n])
       n++;
+    /* The range's last mapping, where it walks past the arena's highest
+     * mapped page, goes on over the free pages above: no block lies on an
+     * unmapped page, so they are the free tail's. */
+    if (ahead_pages && p + n > last && p + n >= seg->mapped_end) {
+      size_t want = n + ahead_pages;
+      while (n < want && n < max_run && p + n < seg->num_pages &&
+             !gm_arena_page_mapped(seg, p + n) && !seg->ghost_id[p + n])
+        n++;
+    }
     st = map_new(gm, seg, p, n);
     if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
       /* Memory is short: from now on one page per mapping, which may
        * still fit where the device or the limit has room, and which
-       * reclaim can take back one at a time. */
+       * reclaim can take back one at a time; nothing ahead. */
       gm->fine_mappings = true;
       max_run = 1;
+      ahead_pages = 0;
       if (n > 1) continue;
     }
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && !all_tried) {

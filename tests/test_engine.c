@@ -340,6 +340,58 @@ static void test_tail_run(const char* conf, bool follows) {
   fx_done(&f);
 }
 
+/* A run at the arena's tail maps ahead of itself (alloc.c,
+ * tail_run_ahead): a block that follows another to the top with no free
+ * between grows the arena by twice its size more, at most 128 MiB, and the
+ * run's next blocks find those pages mapped. The first block of a run, a
+ * block after a free and any block under a limit map only their own pages;
+ * the pages ahead are cached memory that empty_cache gives back. */
+static void test_map_ahead(void) {
+  fx_t f = fx_new("policy:default", 64 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 10 * MIB, SA); /* the first at the top: its 5 pages */
+  CHECK_MSG(reserved(&f) == (int64_t)(10 * MIB), "one block: reserved %lld, want 10 MiB",
+            (long long)reserved(&f));
+  char* b = alloc(&f, 10 * MIB, SA); /* a run: 10 MiB and 20 ahead */
+  CHECK_MSG(reserved(&f) == (int64_t)(40 * MIB), "a run of two: reserved %lld, want 40 MiB",
+            (long long)reserved(&f));
+  uint64_t creates = dev(&f).calls[GPUMEM_CALL_create_page];
+  char* c = alloc(&f, 10 * MIB, SA);
+  char* d = alloc(&f, 10 * MIB, SA); /* both in the pages ahead: no call */
+  CHECK_MSG(
+      c == b + 10 * MIB && d == c + 10 * MIB && dev(&f).calls[GPUMEM_CALL_create_page] == creates,
+      "the run's next blocks: %llu new mappings, want none",
+      (unsigned long long)(dev(&f).calls[GPUMEM_CALL_create_page] - creates));
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  char* e = alloc(&f, 100 * MIB, SA); /* walks on: 100 MiB and 128 ahead (capped) */
+  CHECK_MSG(reserved(&f) == (int64_t)(268 * MIB), "capped: reserved %lld, want 268 MiB",
+            (long long)reserved(&f));
+  release(&f, alloc(&f, 1000, SA)); /* a free on the stream: the run is over */
+  int64_t before = reserved(&f);
+  char* g = alloc(&f, 300 * MIB, SA); /* past the pages ahead: only its own */
+  CHECK_MSG(g == e + 100 * MIB && reserved(&f) == before + (int64_t)(172 * MIB),
+            "after a free: reserved grew %lld, want 172 MiB", (long long)(reserved(&f) - before));
+  char* h = alloc(&f, 10 * MIB, SA); /* the second of a new run */
+  CHECK_MSG(reserved(&f) == before + (int64_t)(202 * MIB), "a new run: reserved grew %lld",
+            (long long)(reserved(&f) - before));
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  char* live[] = {a, b, c, d, e, g, h};
+  for (size_t i = 0; i < sizeof live / sizeof live[0]; i++) release(&f, live[i]);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK_MSG(reserved(&f) == 0, "after empty_cache: reserved %lld, want 0", (long long)reserved(&f));
+  /* under a limit: one page per mapping, nothing ahead */
+  CHECK_STATUS(gpumem_set_limit(f.gm, 8 * GIB), GPUMEM_OK);
+  before = reserved(&f);
+  char* x = alloc(&f, 10 * MIB, SA);
+  char* y = alloc(&f, 10 * MIB, SA);
+  CHECK_MSG(reserved(&f) - before <= (int64_t)(20 * MIB), "under a limit: reserved grew %lld",
+            (long long)(reserved(&f) - before));
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  release(&f, x);
+  release(&f, y);
+  fx_done(&f);
+}
+
 /* A block freed on stream A is A's: B gets new memory, A gets it back at
  * once. */
 static void test_stream_ownership(void) {
@@ -703,16 +755,20 @@ static void test_mappings(void) {
                 s.num_device_alloc == 1,
             "5 MiB: %lld pages in %llu mappings, want 3 in 1", (long long)s.num_pages_mapped,
             (unsigned long long)dev(&f).pages_mapped);
-  char* b = alloc(&f, 20 * MIB, SA); /* page 2 shared; 3..12: 10 pages = 4 + 4 + 2 */
+  /* page 2 shared; 3..12: 10 pages = 4 + 4 + 2, and b follows a to the
+   * tail with no free between (a run): its last mapping goes on over the
+   * free pages above, up to map_max (13..14) */
+  char* b = alloc(&f, 20 * MIB, SA);
   s = stats(&f);
-  CHECK_MSG(s.num_pages_mapped == 13 && dev(&f).pages_mapped == 4,
-            "then 20 MiB: %lld pages in %llu mappings, want 13 in 4", (long long)s.num_pages_mapped,
+  CHECK_MSG(s.num_pages_mapped == 15 && dev(&f).pages_mapped == 4,
+            "then 20 MiB: %lld pages in %llu mappings, want 15 in 4", (long long)s.num_pages_mapped,
             (unsigned long long)dev(&f).pages_mapped);
-  CHECK(s.reserved_bytes[0].current == (int64_t)(26 * MIB));
-  /* a's free pages 0..1 share a mapping with page 2 under b: none goes */
+  CHECK(s.reserved_bytes[0].current == (int64_t)(30 * MIB));
+  /* a's free pages 0..1 share a mapping with page 2 under b, and the pages
+   * ahead one with b's last: none goes */
   release(&f, a);
   CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
-  CHECK_MSG(reserved(&f) == (int64_t)(26 * MIB) && dev(&f).pages_mapped == 4,
+  CHECK_MSG(reserved(&f) == (int64_t)(30 * MIB) && dev(&f).pages_mapped == 4,
             "empty_cache with a mapping partly under a live block: reserved %lld",
             (long long)reserved(&f));
   CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
@@ -889,7 +945,9 @@ static alias_fx_t alias_setup(int event_delay) {
   a.f.sim = gpumem_sim_create(&so);
   gpumem_options_t o;
   gpumem_options_init(&o);
-  CHECK_STATUS(gpumem_options_parse(&o, "policy:default,placement:bestfit"), GPUMEM_OK);
+  /* (single-page mappings: a page is aliased only where it is a mapping
+   * of its own, as under the limit set below) */
+  CHECK_STATUS(gpumem_options_parse(&o, "policy:default,placement:bestfit,map_max:2M"), GPUMEM_OK);
   gpumem_status_t st;
   a.f.gm = gpumem_create(a.f.sim, &o, &st);
   CHECK_MSG(a.f.gm != NULL, "create: %s", gpumem_last_error());
@@ -1500,6 +1558,7 @@ int main(int argc, char** argv) {
   test_hole_end();
   test_tail_run("policy:default", true);
   test_tail_run("policy:default,limit:4G", false);
+  test_map_ahead();
   test_stream_ownership();
   test_record_stream("policy:pytorch");
   test_record_stream("policy:default");
