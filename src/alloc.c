@@ -518,7 +518,9 @@ static inline bool follows_tail_run(const gm_pool* pool) {
 #define GM_TAIL_RUN_AHEAD_MAX ((size_t)128 << 20)
 
 static inline size_t tail_run_ahead(const gm_pool* pool, size_t rsize) {
-  if (pool->is_small || !follows_tail_run(pool)) return 0;
+  /* (the run first: on a warm path blocks come from holes, and that one
+   * test is all it costs) */
+  if (GM_LIKELY(!follows_tail_run(pool)) || pool->is_small) return 0;
   size_t ahead = GM_TAIL_RUN_AHEAD_FACTOR * rsize;
   return ahead < GM_TAIL_RUN_AHEAD_MAX ? ahead : GM_TAIL_RUN_AHEAD_MAX;
 }
