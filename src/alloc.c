@@ -509,11 +509,12 @@ static inline bool follows_tail_run(const gm_pool* pool) {
  * 0.197 (1.0803 -> 1.0926), resnet 0.428 -> 0.235 (1.0034 -> 1.0037), t5
  * 0.111 -> 0.053 (1.0353 -> 1.0350), synth_streams 0.778 -> 0.381 and
  * synth_varlen 1.285 -> 0.434; the pytorch policy's cudaMalloc growth
- * costs 0.283, 0.283, 0.317, 0.054, 0.739 and 0.980 there. Unbounded (four
- * times the block), llama rose to 1.1402 and t5 to 1.0854; at most 256 MiB
- * llama 1.1252; at 96 MiB t5 1.0507, at 64 MiB synth_streams stayed at
- * 0.519: the bundled traces' peaks sit within 0.0004 x of the best peer's
- * (gpt2, t5), and the cap is where none of them passes it. */
+ * costs 0.283, 0.283, 0.317, 0.054, 0.739 and 0.980 there. Unbounded,
+ * llama rose to 1.1283 (from a run's first block on, 1.1402, and t5 to
+ * 1.0854); at most 256 MiB llama 1.1252; at 96 MiB t5 1.0507, at 64 MiB
+ * synth_streams stayed at 0.519: the bundled traces' peaks sit within
+ * 0.0004 x of the best peer's (gpt2, t5), and the cap is where none of
+ * them passes it. */
 #define GM_TAIL_RUN_AHEAD_FACTOR 2
 #define GM_TAIL_RUN_AHEAD_MAX ((size_t)128 << 20)
 
