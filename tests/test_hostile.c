@@ -16,6 +16,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -433,12 +434,12 @@ static void test_liveness(void) {
  * flipping between its size and 0 while scans read it. */
 typedef struct flipper {
   char path[300];
-  volatile int stop;
+  atomic_int stop; /* set by the scanning thread */
 } flipper_t;
 
 static void* flip(void* arg) {
   flipper_t* f = arg;
-  while (!f->stop) {
+  while (!atomic_load(&f->stop)) {
     CHECK(truncate(f->path, 0) == 0);
     CHECK(truncate(f->path, 192) == 0);
   }
@@ -467,7 +468,7 @@ static void test_fifo_and_flipping(void) {
   CHECK(pthread_create(&t, NULL, flip, &f) == 0);
   int both = 0;
   for (int i = 0; i < 2000; i++) both += scan().count == 2;
-  f.stop = 1;
+  atomic_store(&f.stop, 1);
   pthread_join(t, NULL);
   alarm(0);
   printf("test_hostile: a flipping page read whole in %d of 2000 scans\n", both);
