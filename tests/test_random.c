@@ -952,6 +952,12 @@ static void op_free(run_t* r, size_t i) {
         int waited = 0;
         for (int y = 0; y < 4; y++)
           waited |= y != k && spy_ordered(&r->spy, use_streams[y], use_streams[k], t);
+        /* Or k is the shared arena's own stream, which the block was
+         * handed from to its allocating stream: the free made k wait for
+         * that one (ordered_free), k's own later work is in stream order,
+         * and a stream that takes the bytes next waits for k then
+         * (gm_shared_take; the reuse checks hold it to that). */
+        waited |= use_streams[k] != a.stream && spy_ordered(&r->spy, use_streams[k], a.stream, t);
         ordered &= waited;
       }
       RUN_CHECK(r, ordered,
