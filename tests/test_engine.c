@@ -392,6 +392,62 @@ static void test_map_ahead(void) {
   fx_done(&f);
 }
 
+/* Mapping ahead under random runs and frees on three streams, on a device
+ * large enough never to refuse (a refusal turns mapping ahead off for
+ * good, so the randomized test's small devices reach it rarely):
+ * gpumem_check after every operation, the device holding exactly what the
+ * allocator reserves, and some growth that did map ahead. */
+static void test_map_ahead_random(void) {
+  fx_t f = fx_new("policy:default", 8 * GIB, 1);
+  if (!f.gm) return fx_done(&f);
+  static const gpumem_stream_t streams[] = {SA, SB, SC};
+  enum { LIVE = 96 };
+  char* live[LIVE] = {0};
+  uint64_t rng = 0x9E3779B97F4A7C15ull;
+  long grew_ahead = 0, violations = 0;
+  size_t live_bytes = 0, sizes[LIVE] = {0};
+  for (int op = 0; op < 4000 && !violations; op++) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    int slot = (int)(rng % LIVE);
+    if (live[slot] && (rng >> 8) % 3 == 0) {
+      release(&f, live[slot]);
+      live_bytes -= sizes[slot];
+      live[slot] = NULL;
+    } else if (!live[slot] && live_bytes < 3 * GIB) {
+      /* one to four in a row on one stream, with no free between: a run */
+      gpumem_stream_t s = streams[(rng >> 12) % 3];
+      for (uint64_t k = (rng >> 16) % 4; slot < LIVE; slot++) {
+        if (live[slot]) continue;
+        size_t size = (size_t)1 << (10 + (rng >> (20 + 3 * k)) % 17); /* 1 KiB - 64 MiB */
+        size += (size_t)(rng >> 40) % size;
+        int64_t before = reserved(&f);
+        live[slot] = alloc(&f, size, s);
+        if (!live[slot]) break;
+        sizes[slot] = size;
+        live_bytes += size;
+        grew_ahead += reserved(&f) - before > (int64_t)(size + 2 * 2 * MIB);
+        violations += gpumem_check(f.gm) != 0;
+        if (k-- == 0) break;
+      }
+    }
+    violations += gpumem_check(f.gm) != 0;
+    if (op % 500 == 499) CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  }
+  CHECK_MSG(!violations, "gpumem_check: %s", gpumem_last_error());
+  CHECK_MSG(grew_ahead > 0, "no growth mapped ahead of its block");
+  CHECK_MSG((int64_t)dev(&f).bytes_in_use == reserved(&f),
+            "the device holds %llu bytes, the allocator reserves %lld",
+            (unsigned long long)dev(&f).bytes_in_use, (long long)reserved(&f));
+  CHECK_MSG(stats(&f).num_ooms == 0, "a device of 8 GiB refused 3 GiB live");
+  for (int i = 0; i < LIVE; i++)
+    if (live[i]) release(&f, live[i]);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK_MSG(reserved(&f) == 0, "after every free and empty_cache: reserved %lld",
+            (long long)reserved(&f));
+  printf("map ahead, random: %ld growths mapped ahead of their block\n", grew_ahead);
+  fx_done(&f);
+}
+
 /* A block freed on stream A is A's: B gets new memory, A gets it back at
  * once. */
 static void test_stream_ownership(void) {
@@ -1559,6 +1615,7 @@ int main(int argc, char** argv) {
   test_tail_run("policy:default", true);
   test_tail_run("policy:default,limit:4G", false);
   test_map_ahead();
+  test_map_ahead_random();
   test_stream_ownership();
   test_record_stream("policy:pytorch");
   test_record_stream("policy:default");
