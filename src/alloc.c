@@ -198,6 +198,23 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
   return gm;
 }
 
+/* A plain segment's memory comes from, and goes back to, the backend, or
+ * its pool's segment source where the pool has one (graphpool.c; a
+ * source's free cannot fail). */
+static gpumem_status_t plain_memory_alloc(gpumem_t* gm, gm_pool* pool, size_t size,
+                                          uintptr_t* addr) {
+  if (GM_UNLIKELY(pool->source)) return gm_graph_pool_source_alloc(pool, size, addr);
+  return GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, size, addr));
+}
+
+static gpumem_status_t plain_memory_free(gpumem_t* gm, gm_segment* seg) {
+  if (GM_UNLIKELY(seg->pool->source)) {
+    gm_graph_pool_source_free(seg);
+    return GPUMEM_OK;
+  }
+  return GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
+}
+
 static void release_all_segments(gpumem_t* gm) {
   gm_segment* seg = gm->segments;
   while (seg) {
@@ -211,10 +228,7 @@ static void release_all_segments(gpumem_t* gm) {
     if (seg->is_arena) {
       gm_arena_destroy(gm, seg);
     } else {
-      if (GM_UNLIKELY(seg->pool->source))
-        gm_graph_pool_source_free(seg);
-      else
-        GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
+      plain_memory_free(gm, seg);
       free(seg);
     }
     seg = next;
@@ -295,8 +309,7 @@ static bool over_limit(const gpumem_t* gm, size_t extra) {
   return reserved + extra > gm->limit;
 }
 
-/* A new plain segment for the pytorch rules, from the backend or from
- * the pool's segment source; its one block is indexed. */
+/* A new plain segment for the pytorch rules; its one block is indexed. */
 static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg_size,
                                          gm_block** out) {
   if (over_limit(gm, seg_size)) {
@@ -313,9 +326,7 @@ static gpumem_status_t new_plain_segment(gpumem_t* gm, gm_pool* pool, size_t seg
   gpumem_status_t st = gm->budget ? gm_budget_take(gm, seg_size) : GPUMEM_OK;
   uintptr_t addr = 0;
   if (st == GPUMEM_OK) {
-    st = GM_UNLIKELY(pool->source)
-             ? gm_graph_pool_source_alloc(pool, seg_size, &addr)
-             : GM_CALL(gm, alloc, gm->backend->alloc(gm->backend->ctx, seg_size, &addr));
+    st = plain_memory_alloc(gm, pool, seg_size, &addr);
     if (st != GPUMEM_OK && gm->budget) gm_budget_give(gm, seg_size);
   }
   if (st != GPUMEM_OK) {
@@ -338,13 +349,8 @@ gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b) {
 }
 static gpumem_status_t release_plain_segment(gpumem_t* gm, gm_block* b) {
   gm_segment* seg = b->seg;
-  if (GM_UNLIKELY(b->pool->source)) {
-    gm_graph_pool_source_free(seg); /* (cannot fail) */
-  } else {
-    gpumem_status_t st =
-        GM_CALL(gm, free, gm->backend->free(gm->backend->ctx, seg->addr, seg->size));
-    if (st != GPUMEM_OK) return st;
-  }
+  gpumem_status_t st = plain_memory_free(gm, seg);
+  if (st != GPUMEM_OK) return st;
   gm->stats.num_device_free++;
   gm_index_remove(&b->pool->index, b);
   gm_stat_pool_add(gm, gm->stats.segment, b->pool->is_small, -1);
