@@ -99,8 +99,8 @@ static const char* policy_name(int policy) {
   return policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default";
 }
 
-/* An allocator over a fresh CUDA backend it owns; NULL (with a failed
- * check) when it cannot be made. */
+/* An allocator over a fresh CUDA backend it owns (map_max_bytes 0: the
+ * default's); NULL (with a failed check) when it cannot be made. */
 static gpumem_t* make_mapped(int policy, int virtual_memory, gpumem_placement_t placement,
                              size_t map_max_bytes) {
   gpumem_cuda_options_t co;
@@ -123,12 +123,8 @@ static gpumem_t* make_mapped(int policy, int virtual_memory, gpumem_placement_t 
   return gm;
 }
 
-static gpumem_t* make_placed(int policy, int virtual_memory, gpumem_placement_t placement) {
-  return make_mapped(policy, virtual_memory, placement, 0);
-}
-
 static gpumem_t* make(int policy, int virtual_memory) {
-  return make_placed(policy, virtual_memory, GPUMEM_PLACEMENT_AUTO);
+  return make_mapped(policy, virtual_memory, GPUMEM_PLACEMENT_AUTO, 0);
 }
 
 static size_t reserved_now(gpumem_t* gm) {
@@ -449,7 +445,7 @@ static size_t check_then_free_busy(gpumem_t* gm, void** blk, const size_t* len, 
  * stream's late writes. */
 static void test_shared_plan(void) {
   /* planned placement asked for: uncapped, the default places by best fit */
-  gpumem_t* gm = make_placed(GPUMEM_POLICY_DEFAULT, 1, GPUMEM_PLACEMENT_PLANNED);
+  gpumem_t* gm = make_mapped(GPUMEM_POLICY_DEFAULT, 1, GPUMEM_PLACEMENT_PLANNED, 0);
   if (!gm) return;
   drv_stream sa = NULL, sb = NULL;
   DRV_OK(drv.StreamCreate(&sa, DRV_STREAM_NON_BLOCKING));
