@@ -34,8 +34,14 @@ H200 host while each run's step-pair interval was 1-2% wide).
 --pin gives each side cores of its own (the CPUs this process may use, less
 the first, which stays with this process, split evenly between the sides):
 no side's leftover threads (OpenMP workers spinning after a parallel region,
-the CUDA driver's) then share a core with the side whose turn it is, and
-which cores a side runs on no longer changes from run to run.
+the CUDA driver's) then share a core with the side whose turn it is. Run r
+of --runs hands the sets round by r (side i gets set (i + r) mod sides), so
+that over an even number of runs of two sides neither side keeps the faster
+cores; each side's line names its CPUs.
+
+--seconds S (with --runs R, at most R runs) starts no run that the longest
+run so far says could not end within S seconds of the start: as many fresh
+process pairs as a time budget allows, with the summary line over them.
 
 Why: on the GPU machines of 2026-11 the t5 workload leaves the GPU idle most
 of each step and its step time follows the host (run medians 152 to 223 ms for
@@ -65,6 +71,7 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ALLOCATORS = ("native", "expandable", "async", "gpumem")
@@ -116,15 +123,17 @@ def parse_pair(text, count):
     return num, den
 
 
-def side_cores(available, count):
+def side_cores(available, count, run_index=0):
     """The CPUs of each of count sides under --pin: the available ones in
     order, the first kept for this process, the rest split evenly (the
-    remainder unused); None when there are fewer than one per side."""
+    remainder unused), side i taking set (i + run_index) mod count; None
+    when there are fewer than one per side."""
     cpus = sorted(available)[1:]
     per = len(cpus) // count if count else 0
     if per == 0:
         return None
-    return [set(cpus[i * per:(i + 1) * per]) for i in range(count)]
+    sets = [set(cpus[i * per:(i + 1) * per]) for i in range(count)]
+    return [sets[(i + run_index) % count] for i in range(count)]
 
 
 def start(workload, allocator, limit, conf, args, cores=None):
@@ -271,11 +280,12 @@ def side_report(label, allocator, limit, times, final, stopped_at):
     return out
 
 
-def run(args, parsed, pairs):
+def run(args, parsed, pairs, run_index=0):
     """Trains the sides in turns (parsed: (allocator, limit, conf) per
-    side); returns the JSON line's dict with the ratios of pairs."""
+    side); returns the JSON line's dict with the ratios of pairs. Under
+    --pin the CPU sets go round by run_index (see the module's text)."""
     specs = args.sides
-    cores = side_cores(os.sched_getaffinity(0), len(specs)) if args.pin else None
+    cores = side_cores(os.sched_getaffinity(0), len(specs), run_index) if args.pin else None
     if args.pin and cores is None:
         print("lockstep_ab: --pin: fewer CPUs than sides + 1; not pinned", file=sys.stderr)
     procs = [start(args.workload, alloc, limit, conf, args, cores[i] if cores else None)
@@ -310,8 +320,10 @@ def run(args, parsed, pairs):
 
     sides = [side_report(specs[i], parsed[i][0], parsed[i][1], ms[i], finals[i], stopped_at[i])
              for i in range(len(specs))]
+    for i, side in enumerate(sides):
+        side["cpus"] = sorted(cores[i]) if cores else None
     result = {"workload": args.workload, "conf": args.conf, "steps": args.steps, "warmup": args.warmup,
-              "peak": args.peak, "pinned": cores is not None, "device": next((f.get("device") for f in finals if f.get("device")), None),
+              "peak": args.peak, "pin": args.pin, "pinned": cores is not None, "device": next((f.get("device") for f in finals if f.get("device")), None),
               "sides": sides, "pairs": []}
     for num, den in pairs:
         pair = {"num": specs[num], "den": specs[den]}
@@ -357,6 +369,9 @@ def main():
     ap.add_argument("--runs", type=int, default=1,
                     help="this many runs, each with fresh processes, then a line with the runs' ratios, "
                     "their geometric mean and an interval over runs (see between_runs)")
+    ap.add_argument("--seconds", type=float, default=None, metavar="S",
+                    help="start no run that could not end within S seconds of the start (judged by the "
+                    "longest run so far); --runs is then the most runs")
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     ap.add_argument("--summarize", nargs="+", metavar="JSONL",
                     help="train nothing: pool the runs in these files, one line per workload")
@@ -367,6 +382,8 @@ def main():
         ap.error("a workload, or --summarize")
     if args.runs < 1:
         ap.error("--runs must be at least 1")
+    if args.seconds is not None and args.seconds <= 0:
+        ap.error("--seconds must be positive")
     try:
         parsed = [parse_side(spec, args.peak) for spec in args.sides]
         if len(set(args.sides)) != len(args.sides):
@@ -376,12 +393,17 @@ def main():
     except ValueError as e:
         ap.error(str(e))
     results = []
-    for _ in range(args.runs):
-        result = run(args, parsed, pairs)
+    start_time, longest = time.monotonic(), 0.0
+    for r in range(args.runs):
+        if args.seconds is not None and r > 0 and time.monotonic() - start_time + longest > args.seconds:
+            break
+        t0 = time.monotonic()
+        result = run(args, parsed, pairs, run_index=r)
+        longest = max(longest, time.monotonic() - t0)
         results.append(result)
         emit(result, args.out)
-    if args.runs > 1:
-        summary = {"workload": args.workload, "conf": args.conf, "summary_of_runs": args.runs, "pairs": []}
+    if len(results) > 1:
+        summary = {"workload": args.workload, "conf": args.conf, "summary_of_runs": len(results), "pairs": []}
         for k, (num, den) in enumerate(pairs):
             ratios = [r["pairs"][k]["ratio_of_medians"] for r in results if "ratio_of_medians" in r["pairs"][k]]
             pair = {"num": args.sides[num], "den": args.sides[den]}

@@ -110,6 +110,9 @@ class LockstepTest(unittest.TestCase):
         self.assertEqual(lockstep_ab.side_cores({0, 1, 2, 3, 4, 5, 6}, 2), [{1, 2, 3}, {4, 5, 6}])
         self.assertEqual(lockstep_ab.side_cores({8, 3, 5, 9}, 3), [{5}, {8}, {9}])
         self.assertIsNone(lockstep_ab.side_cores({0, 1}, 2))
+        # run r hands the sets round by r: over two runs each side has had each set
+        self.assertEqual(lockstep_ab.side_cores({0, 1, 2, 3, 4, 5, 6}, 2, 1), [{4, 5, 6}, {1, 2, 3}])
+        self.assertEqual(lockstep_ab.side_cores({8, 3, 5, 9}, 3, 4), [{8}, {9}, {5}])
         # and a pinned side runs (one side needs two CPUs: its own and the harness's)
         if len(os.sched_getaffinity(0)) >= 2:
             r = lockstep("w", "--steps", "2", "--warmup", "0", "--sides", "native", "--pin")
@@ -130,6 +133,20 @@ class LockstepTest(unittest.TestCase):
         same = lockstep_ab.between_runs([1.05, 1.05, 1.05])
         self.assertEqual(same["run_ratio_ci95"], [1.05, 1.05])
         self.assertEqual(same["geo_mean_run_ratio"], 1.05)
+
+    def test_seconds_stop_starting_runs(self):
+        # the fake's steps take milliseconds: a budget far below one run's
+        # length still gives the first run, and no second
+        proc = run("lockstep_ab.py", "w", "--steps", "3", "--warmup", "0", "--runs", "5", "--seconds", "0.001")
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+        self.assertEqual(len(lines), 1)
+        self.assertEqual(lines[0]["step_pairs"], 3)
+        # a generous budget gives every run asked for, and the summary over them
+        proc = run("lockstep_ab.py", "w", "--steps", "2", "--warmup", "0", "--runs", "2", "--seconds", "600")
+        lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
+        self.assertEqual(lines[-1]["summary_of_runs"], 2)
+        self.assertEqual(lines[-1]["pairs"][0]["runs"], 2)
 
     def test_bad_sides_are_named(self):
         for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
@@ -213,6 +230,13 @@ class UserJobsTest(unittest.TestCase):
         rows, _, _ = self.drive(WORKLOADS="a", FAKE_GPUMEM_FITS="1.015", LIMITS="1.01")
         self.assertEqual(rows[1]["verdict"], "FAIL")
         self.assertIn("gpumem out of memory at 1.01 x", rows[1]["why"])
+
+    def test_pin_reaches_the_runs(self):
+        # (whether the sides were pinned depends on this machine's CPUs; that --pin was asked does not)
+        rows, _, _ = self.drive(WORKLOADS="a", LIMITS="1.02", PIN="1")
+        self.assertEqual([r["pin"] for r in rows], [True, True])
+        rows, _, _ = self.drive(WORKLOADS="a", PHASES="free")
+        self.assertEqual([r["pin"] for r in rows], [False])
 
     def test_peak_from_a_native_run_when_the_free_phase_is_off(self):
         rows, _, _ = self.drive(WORKLOADS="a", PHASES="limits", LIMITS="1.02")

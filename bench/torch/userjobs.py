@@ -30,6 +30,7 @@ Environment (all optional):
                    30 for llama_finetune_varlen, 40 otherwise; warm-up 4)
   CONF             GPUMEM_CONF of the gpumem sides (default: none, the
                    library's default policy)
+  PIN=1            each side on CPUs of its own (lockstep_ab.py --pin)
   RUN_TIMEOUT=300  seconds per run;  DEADLINE=540 seconds in all
   OUT              directory for the results (default: BUILD/userjobs)
 """
@@ -66,6 +67,7 @@ def settings(environ=os.environ):
         "steps": int(environ["STEPS"]) if environ.get("STEPS") else None,
         "warmup": int(environ.get("WARMUP") or 4),
         "conf": environ.get("CONF") or None,
+        "pin": environ.get("PIN") == "1",
         "run_timeout": int(environ.get("RUN_TIMEOUT") or 300),
         "deadline": int(environ.get("DEADLINE") or 540),
     }
@@ -117,6 +119,8 @@ def lockstep(workload, sides, pairs, cfg, clock, peak=None):
         cmd += ["--peak", str(peak)]
     if cfg["conf"]:
         cmd += ["--conf", cfg["conf"]]
+    if cfg.get("pin"):
+        cmd.append("--pin")
     t0 = time.monotonic()
     status, out, tail = run_command(cmd, timeout)
     result = last_json(out)
