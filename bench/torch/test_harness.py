@@ -147,6 +147,9 @@ class LockstepTest(unittest.TestCase):
         lines = [json.loads(x) for x in proc.stdout.strip().splitlines() if x.startswith("{")]
         self.assertEqual(lines[-1]["summary_of_runs"], 2)
         self.assertEqual(lines[-1]["pairs"][0]["runs"], 2)
+        proc = run("lockstep_ab.py", "w", "--seconds", "0")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("--seconds must be positive", proc.stderr)
 
     def test_bad_sides_are_named(self):
         for args, why in ((["--sides", "native", "cuda"], "allocator must be one of"),
