@@ -234,6 +234,19 @@ def between_runs(ratios, seed=0, resamples=4000):
             "run_ratio_ci95": [round(means[lo], 4), round(means[hi], 4)]}
 
 
+def pairs_over_runs(results):
+    """Per pair of the runs' JSON lines (the same sides in each): num, den
+    and between_runs of the runs whose pair has a ratio ("runs": 0 when
+    none has)."""
+    out = []
+    for k, first in enumerate(results[0]["pairs"]):
+        ratios = [r["pairs"][k]["ratio_of_medians"] for r in results if "ratio_of_medians" in r["pairs"][k]]
+        pair = {"num": first["num"], "den": first["den"]}
+        pair.update(between_runs(ratios) if ratios else {"runs": 0})
+        out.append(pair)
+    return out
+
+
 def summarize(paths):
     """Pools the runs of JSON-lines files per (workload, conf, device)."""
     groups = {}
@@ -403,13 +416,8 @@ def main():
         results.append(result)
         emit(result, args.out)
     if len(results) > 1:
-        summary = {"workload": args.workload, "conf": args.conf, "summary_of_runs": len(results), "pairs": []}
-        for k, (num, den) in enumerate(pairs):
-            ratios = [r["pairs"][k]["ratio_of_medians"] for r in results if "ratio_of_medians" in r["pairs"][k]]
-            pair = {"num": args.sides[num], "den": args.sides[den]}
-            pair.update(between_runs(ratios) if ratios else {"runs": 0})
-            summary["pairs"].append(pair)
-        emit(summary, args.out)
+        emit({"workload": args.workload, "conf": args.conf, "summary_of_runs": len(results),
+              "pairs": pairs_over_runs(results)}, args.out)
 
 
 def emit(result, out):

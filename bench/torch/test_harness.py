@@ -241,6 +241,23 @@ class UserJobsTest(unittest.TestCase):
         rows, _, _ = self.drive(WORKLOADS="a", PHASES="free")
         self.assertEqual([r["pin"] for r in rows], [False])
 
+    def test_runs_judge_over_runs(self):
+        rows, _, stdout = self.drive(WORKLOADS="a", LIMITS="1.01", RUNS="2")
+        free, capped = rows
+        self.assertEqual(len(free["over_runs"]), 1)
+        self.assertEqual(free["over_runs"][0]["runs"], 2)
+        self.assertIn("gpumem / native over 2 runs", free["why"])
+        # the verdict takes the ratio over runs, not the last run's
+        self.assertIn("%.4f" % free["over_runs"][0]["geo_mean_run_ratio"], free["why"])
+        self.assertEqual(capped["verdict"], "PASS")
+        self.assertIn("gpumem capped / unlimited over 2 runs", capped["why"])
+        # expandable ran out of memory in both runs: no ratio over runs for it
+        self.assertEqual(capped["over_runs"][0]["runs"], 0)
+        # one run: the run's own interval, as before
+        rows, _, _ = self.drive(WORKLOADS="a", PHASES="free")
+        self.assertNotIn("over_runs", rows[0])
+        self.assertNotIn("over", rows[0]["why"].split("(")[0])
+
     def test_peak_from_a_native_run_when_the_free_phase_is_off(self):
         rows, _, _ = self.drive(WORKLOADS="a", PHASES="limits", LIMITS="1.02")
         self.assertEqual([r["phase"] for r in rows], ["limit 1.02x"])

@@ -31,6 +31,13 @@ Environment (all optional):
   CONF             GPUMEM_CONF of the gpumem sides (default: none, the
                    library's default policy)
   PIN=1            each side on CPUs of its own (lockstep_ab.py --pin)
+  RUNS=1           runs of fresh processes per comparison (lockstep_ab.py
+                   --runs, as many as fit in RUN_TIMEOUT each); with more
+                   than one, each verdict takes the geometric mean of the
+                   runs' ratios of medians and its interval over runs (a
+                   process keeps part of its speed for its life, so one
+                   run's interval cannot judge 1%); the table shows the
+                   last run's sides
   RUN_TIMEOUT=300  seconds per run;  DEADLINE=540 seconds in all
   OUT              directory for the results (default: BUILD/userjobs)
 """
@@ -41,6 +48,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import lockstep_ab  # (beside this file: run as a script, its folder is on the path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
@@ -68,6 +77,7 @@ def settings(environ=os.environ):
         "warmup": int(environ.get("WARMUP") or 4),
         "conf": environ.get("CONF") or None,
         "pin": environ.get("PIN") == "1",
+        "runs": max(1, int(environ.get("RUNS") or 1)),
         "run_timeout": int(environ.get("RUN_TIMEOUT") or 300),
         "deadline": int(environ.get("DEADLINE") or 540),
     }
@@ -97,20 +107,29 @@ def run_command(cmd, timeout):
     return status, out, err.strip().splitlines()[-3:]
 
 
-def last_json(text):
-    for line in reversed(text.splitlines()):
+def json_lines(text):
+    out = []
+    for line in text.splitlines():
         if line.startswith("{"):
             try:
-                return json.loads(line)
+                out.append(json.loads(line))
             except ValueError:
                 pass
-    return None
+    return out
+
+
+def last_json(text):
+    lines = json_lines(text)
+    return lines[-1] if lines else None
 
 
 def lockstep(workload, sides, pairs, cfg, clock, peak=None):
-    """One lockstep_ab.py run; its JSON line, or a line saying why none."""
+    """One lockstep_ab.py comparison: its (last) run's JSON line, with the
+    pairs over runs as "over_runs" where it made several; or a line saying
+    why none."""
     steps = cfg["steps"] or DEFAULT_STEPS.get(workload, 40)
-    timeout = min(cfg["run_timeout"], clock.left())
+    runs = cfg.get("runs", 1)
+    timeout = min(cfg["run_timeout"] * runs, clock.left())
     if timeout < MIN_RUN_S:
         return {"workload": workload, "error": "skipped: %.0f s left before DEADLINE" % clock.left()}
     cmd = [sys.executable, os.path.join(HERE, "lockstep_ab.py"), workload, "--steps", str(steps),
@@ -121,9 +140,16 @@ def lockstep(workload, sides, pairs, cfg, clock, peak=None):
         cmd += ["--conf", cfg["conf"]]
     if cfg.get("pin"):
         cmd.append("--pin")
+    if runs > 1:
+        # (the budget leaves the last run time to end before the timeout)
+        cmd += ["--runs", str(runs), "--seconds", str(max(1, int(timeout - 10)))]
     t0 = time.monotonic()
     status, out, tail = run_command(cmd, timeout)
-    result = last_json(out)
+    # (from the runs' own lines: a timeout may cut the summary line off)
+    run_lines = [d for d in json_lines(out) if "sides" in d]
+    result = run_lines[-1] if run_lines else None
+    if len(run_lines) > 1:
+        result["over_runs"] = lockstep_ab.pairs_over_runs(run_lines)
     if result is None:
         why = "timed out after %.0f s" % timeout if status == "timeout" else "exit %s" % status
         result = {"workload": workload, "error": "%s: %s" % (why, " | ".join(tail)[-400:])}
@@ -145,15 +171,25 @@ def side_of(result, label):
     return None
 
 
+def judged(result, pair):
+    """The ratio a verdict takes for pair (num over den): over runs where
+    the comparison made two or more that gave it, else the run's ratio of
+    medians; (ratio, (low, high), words saying which)."""
+    for p in result.get("over_runs") or []:
+        if p["num"] == pair["num"] and p["den"] == pair["den"] and p.get("runs", 0) >= 2:
+            return p["geo_mean_run_ratio"], p["run_ratio_ci95"], " over %d runs" % p["runs"]
+    return pair["ratio_of_medians"], pair["ratio_of_medians_ci95"], ""
+
+
 def judge_free(result):
     """PASS / FAIL / ERROR of an unlimited gpumem-against-native run."""
     pair = pair_of(result, "gpumem", "native")
     if pair is None or "skipped" in pair:
         return "ERROR", (pair or {}).get("skipped") or result.get("error", "no result")
-    ratio, hi = pair["ratio_of_medians"], pair["ratio_of_medians_ci95"][1]
+    ratio, (lo, hi), over = judged(result, pair)
     ok = ratio <= FREE_RATIO_MAX and hi <= FREE_CI_HIGH_MAX
-    return ("PASS" if ok else "FAIL"), "gpumem / native %.4f [%.4f, %.4f] (need <= %.2f, upper <= %.2f)" % (
-        ratio, pair["ratio_of_medians_ci95"][0], hi, FREE_RATIO_MAX, FREE_CI_HIGH_MAX)
+    return ("PASS" if ok else "FAIL"), "gpumem / native%s %.4f [%.4f, %.4f] (need <= %.2f, upper <= %.2f)" % (
+        over, ratio, lo, hi, FREE_RATIO_MAX, FREE_CI_HIGH_MAX)
 
 
 def judge_limit(result, r):
@@ -168,17 +204,17 @@ def judge_limit(result, r):
         return "FAIL", "gpumem %s at %g x peak allocated" % (why, r)
     vs_exp = pair_of(result, gm, exp)
     if vs_exp is not None and "skipped" not in vs_exp:
-        ratio = vs_exp["ratio_of_medians"]
+        ratio, ci, over = judged(result, vs_exp)
         return ("PASS" if ratio <= VS_EXPANDABLE_MAX else "FAIL"), (
-            "expandable runs; gpumem / expandable %.4f [%.4f, %.4f] (need <= %.2f)" % (
-                ratio, *vs_exp["ratio_of_medians_ci95"], VS_EXPANDABLE_MAX))
+            "expandable runs; gpumem / expandable%s %.4f [%.4f, %.4f] (need <= %.2f)" % (
+                over, ratio, *ci, VS_EXPANDABLE_MAX))
     vs_free = pair_of(result, gm, "gpumem")
     if vs_free is None or "skipped" in vs_free:
         return "ERROR", "no unlimited gpumem to compare with: %s" % ((vs_free or {}).get("skipped"),)
-    ratio = vs_free["ratio_of_medians"]
+    ratio, ci, over = judged(result, vs_free)
     return ("PASS" if ratio <= VS_UNLIMITED_MAX else "FAIL"), (
-        "expandable out of memory; gpumem capped / unlimited %.4f [%.4f, %.4f] (need <= %.2f)" % (
-            ratio, *vs_free["ratio_of_medians_ci95"], VS_UNLIMITED_MAX))
+        "expandable out of memory; gpumem capped / unlimited%s %.4f [%.4f, %.4f] (need <= %.2f)" % (
+            over, ratio, *ci, VS_UNLIMITED_MAX))
 
 
 def native_peak(workload, cfg, clock):

@@ -9,7 +9,7 @@
 #
 # About 6-8 minutes on one H200 with the defaults. Knobs (environment):
 # WORKLOADS, LIMIT_WORKLOADS, LIMITS, PHASES, STEPS, WARMUP, CONF,
-# PIN, RUN_TIMEOUT, DEADLINE, OUT (see userjobs.py). Results: OUT/userjobs.jsonl
+# PIN, RUNS, RUN_TIMEOUT, DEADLINE, OUT (see userjobs.py). Results: OUT/userjobs.jsonl
 # and OUT/userjobs.txt (OUT defaults to BUILD_DIR/userjobs); a PASS, FAIL
 # or ERROR line per run on stdout.
 set -u
