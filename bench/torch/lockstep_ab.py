@@ -267,12 +267,13 @@ def summarize(paths):
         print(json.dumps(out))
 
 
-def side_report(label, allocator, limit, times, final, stopped_at):
-    """What one side's JSON line says about it."""
+def side_report(label, allocator, limit, times, final, stopped_at, cpus=None):
+    """What one side's JSON line says about it (cpus: the set it was pinned to)."""
     out = {
         "label": label,
         "allocator": allocator,
         "limit": limit,
+        "cpus": sorted(cpus) if cpus else None,
         "conf": final.get("conf"),
         "steps": len(times),
         "median_ms": round(statistics.median(times), 3) if times else None,
@@ -331,10 +332,9 @@ def run(args, parsed, pairs, run_index=0):
             if p.poll() is None:
                 p.kill()
 
-    sides = [side_report(specs[i], parsed[i][0], parsed[i][1], ms[i], finals[i], stopped_at[i])
+    sides = [side_report(specs[i], parsed[i][0], parsed[i][1], ms[i], finals[i], stopped_at[i],
+                         cores[i] if cores else None)
              for i in range(len(specs))]
-    for i, side in enumerate(sides):
-        side["cpus"] = sorted(cores[i]) if cores else None
     result = {"workload": args.workload, "conf": args.conf, "steps": args.steps, "warmup": args.warmup,
               "peak": args.peak, "pin": args.pin, "pinned": cores is not None, "device": next((f.get("device") for f in finals if f.get("device")), None),
               "sides": sides, "pairs": []}

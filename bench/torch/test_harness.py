@@ -242,7 +242,7 @@ class UserJobsTest(unittest.TestCase):
         self.assertEqual([r["pin"] for r in rows], [False])
 
     def test_runs_judge_over_runs(self):
-        rows, _, stdout = self.drive(WORKLOADS="a", LIMITS="1.01", RUNS="2")
+        rows, _, _ = self.drive(WORKLOADS="a", LIMITS="1.01", RUNS="2")
         free, capped = rows
         self.assertEqual(len(free["over_runs"]), 1)
         self.assertEqual(free["over_runs"][0]["runs"], 2)

@@ -128,7 +128,7 @@ def lockstep(workload, sides, pairs, cfg, clock, peak=None):
     pairs over runs as "over_runs" where it made several; or a line saying
     why none."""
     steps = cfg["steps"] or DEFAULT_STEPS.get(workload, 40)
-    runs = cfg.get("runs", 1)
+    runs = cfg["runs"]
     timeout = min(cfg["run_timeout"] * runs, clock.left())
     if timeout < MIN_RUN_S:
         return {"workload": workload, "error": "skipped: %.0f s left before DEADLINE" % clock.left()}
@@ -138,7 +138,7 @@ def lockstep(workload, sides, pairs, cfg, clock, peak=None):
         cmd += ["--peak", str(peak)]
     if cfg["conf"]:
         cmd += ["--conf", cfg["conf"]]
-    if cfg.get("pin"):
+    if cfg["pin"]:
         cmd.append("--pin")
     if runs > 1:
         # (the budget leaves the last run time to end before the timeout)
@@ -147,10 +147,11 @@ def lockstep(workload, sides, pairs, cfg, clock, peak=None):
     status, out, tail = run_command(cmd, timeout)
     # (from the runs' own lines: a timeout may cut the summary line off)
     run_lines = [d for d in json_lines(out) if "sides" in d]
-    result = run_lines[-1] if run_lines else None
-    if len(run_lines) > 1:
-        result["over_runs"] = lockstep_ab.pairs_over_runs(run_lines)
-    if result is None:
+    if run_lines:
+        result = run_lines[-1]
+        if len(run_lines) > 1:
+            result["over_runs"] = lockstep_ab.pairs_over_runs(run_lines)
+    else:
         why = "timed out after %.0f s" % timeout if status == "timeout" else "exit %s" % status
         result = {"workload": workload, "error": "%s: %s" % (why, " | ".join(tail)[-400:])}
     result["wall_s"] = round(time.monotonic() - t0, 1)
