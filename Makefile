@@ -2,23 +2,28 @@
 BUILD ?= build
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE_FLAGS ?=
+# make's "Entering directory" lines say nothing a reader needs.
+MAKEFLAGS += --no-print-directory
 
-.PHONY: all build test sanitize demo bench synth python-test gpu-torch bench-torch bench-torch-lockstep bench-torch-paired bench-torch-requests gpu-bench format format-check clean
+.PHONY: all build build-all test sanitize demo bench synth python-test gpu-torch bench-torch bench-torch-lockstep bench-torch-paired bench-torch-requests gpu-bench format format-check clean
 
 all: build
 
+# The library and the command line alone; `make test` builds the tests too.
 build:
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
-	@cmake --build $(BUILD) -j $(JOBS)
+	@cmake --build $(BUILD) -j $(JOBS) --target gpumem gpumem_static gpumem_cli
 
-test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+test:
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 # The same suite under AddressSanitizer and UndefinedBehaviorSanitizer.
 sanitize:
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DGPUMEM_SANITIZE=ON >/dev/null
 	@cmake --build build-asan -j $(JOBS)
-	cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	@cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j $(JOBS)
 
 # The main job: replay the bundled traces under both policies on the
@@ -40,8 +45,12 @@ demo:
 bench: build
 	@$(BUILD)/gpumem replay --compare --passes 5 traces/*.trace.gz
 
+build-all:
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
 # Synthetic workloads (bench/bench_synth.c) beyond the bundled traces.
-synth: build
+synth: build-all
 	@mkdir -p $(BUILD)/synth && $(BUILD)/bench/bench_synth $(BUILD)/synth >/dev/null
 	@$(BUILD)/gpumem replay --compare --min-limit $(BUILD)/synth/*.trace
 
