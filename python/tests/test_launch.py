@@ -100,7 +100,10 @@ class LauncherTest(unittest.TestCase):
     def test_without_torch_says_so(self):
         # The real entry point: gpumem/torch.py run as __main__.
         script = self.write("s.py", "print('script ran')\n")
-        r = _run([sys.executable, "-m", "gpumem.torch", script], env_extra={"PYTHONPATH": PYTHON_DIR + ":" + self.dir})
+        # A torch that cannot be imported, whether or not one is installed.
+        self.write("notorch/torch/__init__.py", "raise ImportError('No module named torch (hidden)')\n")
+        path = os.path.join(self.dir, "notorch") + ":" + PYTHON_DIR + ":" + self.dir
+        r = _run([sys.executable, "-m", "gpumem.torch", script], env_extra={"PYTHONPATH": path})
         self.assertEqual(r.returncode, 1, r.stderr)
         self.assertIn("cannot enable gpumem: gpumem.torch needs PyTorch", r.stderr)
         self.assertNotIn("script ran", r.stdout)
