@@ -752,6 +752,21 @@ typedef void (*gpumem_torch_fail_fn)(const char* func, const char* file, uint32_
 /* Installs (or, with NULL, removes) the hook gpumem_torch_malloc calls
  * before it would return NULL. */
 GPUMEM_API void gpumem_torch_set_fail_hook(gpumem_torch_fail_fn fn);
+/* Out of memory under PyTorch: the report gpumem_torch_last_oom gives opens
+ * with PyTorch's own sentences ("CUDA out of memory. Tried to allocate ...",
+ * in the wording of the PyTorch version set here; 2.2 onward by default),
+ * then gpumem's report. */
+GPUMEM_API void gpumem_torch_set_version(int major, int minor);
+/* What PyTorch's caching allocator would ask the device for at a request
+ * of size bytes (the "Tried to allocate" figure of its message). */
+GPUMEM_API uint64_t gpumem_torch_segment_size(uint64_t size);
+/* Called once per out-of-memory failure of gpumem_torch_malloc, before it
+ * returns, with no lock held: the arguments of the observers of
+ * torch._C._cuda_attach_out_of_memory_observer (device, allocation size,
+ * memory allowed, device free). NULL removes it. */
+typedef void (*gpumem_torch_oom_observer_fn)(int64_t device, int64_t alloc_size, int64_t allowed,
+                                             int64_t device_free);
+GPUMEM_API void gpumem_torch_set_oom_observer(gpumem_torch_oom_observer_fn fn);
 /* The largest allocation that needs no reclaim or device refusal: for
  * torch's cacheInfo (cuDNN's benchmark mode sizes workspaces by it). */
 GPUMEM_API uint64_t gpumem_torch_largest_free(int device);

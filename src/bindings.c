@@ -197,6 +197,90 @@ static void remember_failure(gpumem_status_t st, const char* prefix) {
   last_status = (int)st;
 }
 
+/* ---- out of memory in PyTorch's words ---------------------------------
+ *
+ * Tools recognise an out-of-memory error by its text, not its type:
+ * Accelerate's batch-size finder looks for "CUDA out of memory." in the
+ * message, Lightning's for "CUDA" and "out of memory", and users' own
+ * loops copy them. So under PyTorch a failure's message opens with the
+ * sentences PyTorch's caching allocator writes (c10/cuda/
+ * CUDACachingAllocator.cpp), with its figures, and gpumem's report follows.
+ * "Tried to allocate" is what PyTorch's allocator would have asked the
+ * device for at that request (its segment rounding), so that the two
+ * messages compare for the same request; gpumem's report gives the request
+ * itself in bytes. */
+
+static _Atomic int torch_minor = 11; /* the installed PyTorch 2.x's minor */
+static _Atomic(gpumem_torch_oom_observer_fn) oom_observer;
+
+void gpumem_torch_set_version(int major, int minor) {
+  atomic_store_explicit(&torch_minor, major > 2 ? 99 : minor, memory_order_relaxed);
+}
+
+void gpumem_torch_set_oom_observer(gpumem_torch_oom_observer_fn fn) {
+  atomic_store_explicit(&oom_observer, fn, memory_order_release);
+}
+
+/* c10's format_size: bytes up to 1 KiB, then KiB, MiB and GiB with two
+ * decimals, each unit up to and including its upper bound. */
+static const char* torch_format_size(uint64_t size, char* out, size_t cap) {
+  if (size <= 1024)
+    snprintf(out, cap, "%llu bytes", (unsigned long long)size);
+  else if (size <= 1048576)
+    snprintf(out, cap, "%.2f KiB", (double)size / 1024.0);
+  else if (size <= 1073741824ULL)
+    snprintf(out, cap, "%.2f MiB", (double)size / 1048576.0);
+  else
+    snprintf(out, cap, "%.2f GiB", (double)size / 1073741824.0);
+  return out;
+}
+
+/* What PyTorch's allocator asks the device for at a request of size bytes:
+ * the request rounded to 512 bytes, then a 2 MiB segment for small ones, a
+ * 20 MiB one up to 10 MiB, else the request rounded up to 2 MiB. */
+uint64_t gpumem_torch_segment_size(uint64_t size) {
+  const uint64_t mib = 1048576;
+  uint64_t rounded = size < 512 ? 512 : (size + 511) / 512 * 512;
+  if (rounded <= mib) return 2 * mib;
+  if (rounded < 10 * mib) return 20 * mib;
+  return (rounded + 2 * mib - 1) / (2 * mib) * (2 * mib);
+}
+
+static void remember_torch_oom(gpumem_t* gm, size_t size, int device) {
+  gpumem_stats_t st;
+  gpumem_get_stats(gm, &st);
+  int64_t allocated = st.allocated_bytes[GPUMEM_POOL_ALL].current;
+  int64_t reserved = st.reserved_bytes[GPUMEM_POOL_ALL].current;
+  uint64_t unallocated = reserved > allocated ? (uint64_t)(reserved - allocated) : 0;
+  uint64_t asked = gpumem_torch_segment_size(size);
+  char tried[32], total[32], free_b[32], allowed[48] = "", alloc_b[32], unalloc_b[32];
+  if (st.limit_bytes) {
+    char lim[32];
+    snprintf(allowed, sizeof allowed, "%s allowed; ",
+             torch_format_size(st.limit_bytes, lim, sizeof lim));
+  }
+  /* PyTorch 2.1 spelled it "capacty". */
+  int minor = atomic_load_explicit(&torch_minor, memory_order_relaxed);
+  char prefix[640];
+  snprintf(prefix, sizeof prefix,
+           "CUDA out of memory. Tried to allocate %s. GPU %d has a total %s of %s of which %s is "
+           "free. %sOf the allocated memory %s is allocated by PyTorch, and %s is reserved by "
+           "PyTorch but unallocated. ",
+           torch_format_size(asked, tried, sizeof tried), device,
+           minor == 1 ? "capacty" : "capacity", torch_format_size(st.device_total, total, sizeof total),
+           torch_format_size(st.device_free, free_b, sizeof free_b), allowed,
+           torch_format_size((uint64_t)(allocated > 0 ? allocated : 0), alloc_b, sizeof alloc_b),
+           torch_format_size(unallocated, unalloc_b, sizeof unalloc_b));
+  remember_failure(GPUMEM_ERR_OUT_OF_MEMORY, prefix);
+  /* torch._C._cuda_attach_out_of_memory_observer's arguments: the device,
+   * the allocation size, the memory allowed (the limit, else the device's
+   * total) and the device's free memory. Called with no lock held. */
+  gpumem_torch_oom_observer_fn obs = atomic_load_explicit(&oom_observer, memory_order_acquire);
+  if (obs)
+    obs(device, (int64_t)asked, (int64_t)(st.limit_bytes ? st.limit_bytes : st.device_total),
+        (int64_t)st.device_free);
+}
+
 const char* gpumem_torch_last_oom(void) {
   return last_report;
 }
@@ -225,7 +309,10 @@ void* gpumem_torch_malloc(ssize_t size, int device, void* stream) {
   if (GM_LIKELY(gm != NULL)) {
     st = gpumem_malloc(gm, (size_t)size, (gpumem_stream_t)(uintptr_t)stream, &p);
     if (GM_LIKELY(st == GPUMEM_OK)) return p;
-    remember_failure(st, "");
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY)
+      remember_torch_oom(gm, (size_t)size, device);
+    else
+      remember_failure(st, "");
   } else {
     /* No allocator at all (no driver, bad GPUMEM_CONF): not an OOM, but
      * the report must still say why every allocation fails. */

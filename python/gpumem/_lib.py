@@ -152,6 +152,9 @@ _PROTOTYPES = {
     "gpumem_torch_last_oom": (cstr, []),
     "gpumem_torch_last_status": (cint, []),
     "gpumem_torch_set_fail_hook": (None, [vp]),
+    "gpumem_torch_set_version": (None, [cint, cint]),
+    "gpumem_torch_segment_size": (u64, [u64]),
+    "gpumem_torch_set_oom_observer": (None, [vp]),
     "gpumem_cupy_malloc": (vp, [vp, size_t, cint]),
     "gpumem_cupy_free": (None, [vp, vp, cint]),
 }
