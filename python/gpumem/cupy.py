@@ -52,14 +52,23 @@ def _oom_class(cupy):
     cls = _oom_classes.get(base)
     if cls is None:
 
-        class CupyOutOfMemoryError(base, errors.OutOfMemoryError):
-            def __init__(self, report, size=0):
-                # CuPy's constructor formats its own message; gpumem's report
-                # replaces it.
-                try:
-                    base.__init__(self, size, 0, 0)
-                except TypeError:
-                    base.__init__(self, report)
+        # (a CuPy without the class: gpumem's error alone)
+        bases = (errors.OutOfMemoryError,) if base is MemoryError else (base, errors.OutOfMemoryError)
+
+        class CupyOutOfMemoryError(*bases):
+            def __init__(self, report, size=0, allocated=0, limit=0, whole=False):
+                # CuPy's constructor formats its own message ("Out of memory
+                # allocating N bytes (allocated so far: M bytes)."), which
+                # code written for CuPy recognises; gpumem's report follows.
+                # whole: report is the full message already (unpickling).
+                if base is not MemoryError:
+                    try:
+                        base.__init__(self, size, allocated, limit)
+                        head = self.args[0] if self.args else None
+                        if not whole and isinstance(head, str):
+                            report = "%s %s" % (head, report)
+                    except TypeError:
+                        base.__init__(self, report)
                 errors.GpumemError.__init__(self, report, errors.ERR_OUT_OF_MEMORY)
                 self.args = (report,)
 
@@ -67,7 +76,7 @@ def _oom_class(cupy):
                 return self.detail
 
             def __reduce__(self):
-                return (type(self), (self.detail,))
+                return (type(self), (self.detail, 0, 0, 0, True))
 
         _oom_classes[base] = cls = CupyOutOfMemoryError
     return cls
@@ -75,7 +84,14 @@ def _oom_class(cupy):
 
 def _raise_failure(cupy, size, status, report):
     if status == errors.ERR_OUT_OF_MEMORY:
-        raise _oom_class(cupy)(report, size)
+        allocated = limit = 0
+        try:
+            stats = _alloc.memory_stats(cupy.cuda.Device().id)
+            allocated = int(stats.get("allocated_bytes.all.current", 0))
+            limit = int(stats.get("limit_bytes", 0) or 0)
+        except Exception:  # figures for the message only
+            pass
+        raise _oom_class(cupy)(report, size, allocated, limit)
     raise errors.error_for(status or errors.ERR_BACKEND, report)
 
 

@@ -56,6 +56,7 @@ import threading
 import warnings
 
 from . import _core as _alloc, _lib, errors
+from .microbatch import CannotSplitError, MicroBatchStep, microbatch  # noqa: F401 (API)
 
 _lock = threading.Lock()
 _state = None  # the _Enabled record once enable() succeeded
@@ -301,7 +302,10 @@ def is_oom(exc):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
         return True
-    return isinstance(exc, (RuntimeError, MemoryError)) and "gpumem: out of memory" in str(exc)
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        text.startswith("CUDA out of memory.") or "gpumem: out of memory" in text
+    )
 
 
 # ---- the shim ---------------------------------------------------------------
@@ -655,6 +659,47 @@ def _keep_cudnn_benchmark_off(torch, originals):
         set_benchmark(True)  # turned on before enable(): off, with the warning
 
 
+# ---- out-of-memory observers ---------------------------------------------------
+#
+# torch._C._cuda_attach_out_of_memory_observer(fn): fn(device, alloc_size,
+# allowed, device_free) once per failure, before the error is raised (people
+# dump a snapshot there). Under a pluggable allocator PyTorch has nowhere to
+# keep them, so gpumem keeps them here and its library calls them through
+# one C callback (gpumem_torch_set_oom_observer), whichever way the error is
+# then raised.
+
+_OOM_OBSERVER_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
+_oom_observers = []
+_oom_callback = None  # the ctypes callback, kept alive while installed
+
+
+def _call_oom_observers(device, alloc_size, allowed, device_free):
+    for obs in list(_oom_observers):
+        try:
+            obs(device, alloc_size, allowed, device_free)
+        except Exception as e:  # as PyTorch does: an observer's failure is printed, not raised
+            sys.stderr.write("gpumem: an out-of-memory observer raised %s: %s\n" % (type(e).__name__, e))
+
+
+def _install_oom_observers(torch, lib, originals):
+    global _oom_callback
+    if _oom_callback is None:
+        _oom_callback = _OOM_OBSERVER_FN(_call_oom_observers)
+    lib.gpumem_torch_set_oom_observer(ctypes.cast(_oom_callback, ctypes.c_void_p))
+
+    def attach_out_of_memory_observer(observer):
+        if not callable(observer):
+            raise TypeError("_cuda_attach_out_of_memory_observer: the observer must be callable")
+        _oom_observers.append(observer)
+
+    _patch(torch._C, "_cuda_attach_out_of_memory_observer", attach_out_of_memory_observer, originals)
+
+
+def _torch_version(torch):
+    m = re.match(r"(\d+)\.(\d+)", getattr(torch, "__version__", ""))
+    return (int(m.group(1)), int(m.group(2))) if m else (2, 11)
+
+
 def _torch_device(torch, device):
     if device is None:
         return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
@@ -675,9 +720,12 @@ def enable(conf=None, shim=True):
     tensor, or torch.cuda.init()); after that it raises RuntimeError.
     Calling it again with the same conf (or none) does nothing.
 
-    shim=False skips compiling the C++ shim and uses the fallback: an
-    out-of-memory then raises RuntimeError (with gpumem's report), not
-    torch.OutOfMemoryError.
+    Out of memory raises torch.OutOfMemoryError whose message opens as
+    PyTorch's own does ("CUDA out of memory. Tried to allocate ..."), then
+    gpumem's report. shim=False skips compiling the C++ and uses the
+    fallback: an out-of-memory then raises RuntimeError with the same
+    message (text-matching tools recognise it; `except
+    torch.OutOfMemoryError` does not catch it).
     """
     global _state
     torch = _torch()
@@ -706,6 +754,8 @@ def enable(conf=None, shim=True):
 
         if conf is not None:
             os.environ["GPUMEM_CONF"] = conf
+        lib.gpumem_torch_set_version(*_torch_version(torch))  # the wording of its OOM message
+        _install_oom_observers(torch, lib, state.originals)
         if shim and _install_graphs(torch, lib, state):
             _install_patches(torch, state.originals, graphs=True, frames_path=state.graphs_path)
             _state = state

@@ -20,6 +20,7 @@ from gpumem import _core, _lib  # noqa: E402
 MIB = 1 << 20
 
 FAIL_HOOK = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_char_p)
+OOM_OBSERVER = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64)
 
 
 class TorchAbiTest(unittest.TestCase):
@@ -87,6 +88,99 @@ class TorchAbiTest(unittest.TestCase):
         t.start()
         t.join()
         self.assertEqual(seen, [b""])
+
+    def _torch_size(self, n):
+        # c10's format_size, written out independently of the C code
+        if n <= 1024:
+            return "%d bytes" % n
+        for limit, div, unit in ((1 << 20, 1024.0, "KiB"), (1 << 30, float(1 << 20), "MiB")):
+            if n <= limit:
+                return "%.2f %s" % (n / div, unit)
+        return "%.2f GiB" % (n / float(1 << 30))
+
+    def test_oom_message_opens_as_pytorchs(self):
+        lib = self.lib
+        self.a.set_limit("32M")
+        keep = [lib.gpumem_torch_malloc(8 * MIB, 0, None), lib.gpumem_torch_malloc(3 * MIB, 0, None)]
+        try:
+            self.assertIsNone(lib.gpumem_torch_malloc(40 * MIB, 0, None))
+            report = lib.gpumem_torch_last_oom().decode()
+            s = self.a.memory_stats()
+            expected = (
+                "CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 1024.00 MiB "
+                "of which %s is free. 32.00 MiB allowed; Of the allocated memory %s is allocated by "
+                "PyTorch, and %s is reserved by PyTorch but unallocated. gpumem: out of memory: tried to "
+                "allocate 40.00 MiB"
+                % (
+                    self._torch_size(s["device_free"]),
+                    self._torch_size(s["allocated_bytes.all.current"]),
+                    self._torch_size(s["reserved_bytes.all.current"] - s["allocated_bytes.all.current"]),
+                )
+            )
+            self.assertTrue(report.startswith(expected), report)
+            # What Accelerate's and Lightning's finders look for.
+            self.assertIn("CUDA out of memory.", report)
+        finally:
+            for p in keep:
+                lib.gpumem_torch_free(p, 0, 0, None)
+
+    def test_oom_message_follows_the_torch_version(self):
+        lib = self.lib
+        self.a.set_limit("4M")
+        try:
+            lib.gpumem_torch_set_version(2, 1)
+            self.assertIsNone(lib.gpumem_torch_malloc(64 * MIB, 0, None))
+            self.assertIn("has a total capacty of", lib.gpumem_torch_last_oom().decode())
+            lib.gpumem_torch_set_version(2, 5)
+            self.assertIsNone(lib.gpumem_torch_malloc(64 * MIB, 0, None))
+            self.assertIn("has a total capacity of", lib.gpumem_torch_last_oom().decode())
+        finally:
+            lib.gpumem_torch_set_version(2, 11)
+
+    def test_segment_size_is_pytorchs(self):
+        seg = self.lib.gpumem_torch_segment_size
+        self.assertEqual(seg(1), 2 * MIB)
+        self.assertEqual(seg(MIB), 2 * MIB)
+        self.assertEqual(seg(MIB + 1), 20 * MIB)
+        self.assertEqual(seg(10 * MIB - 512), 20 * MIB)
+        self.assertEqual(seg(10 * MIB), 10 * MIB)
+        self.assertEqual(seg(11 * MIB), 12 * MIB)
+        self.assertEqual(seg(12 * MIB + 1), 14 * MIB)
+
+    def test_hundred_failed_trials_leave_nothing_behind(self):
+        # A batch-size finder's trials: some tensors fit, the next does not,
+        # the trial unwinds and frees them; the observer sees every failure.
+        lib = self.lib
+        seen = []
+        obs = OOM_OBSERVER(lambda dev, size, allowed, free: seen.append((dev, size, allowed, free)))
+        self._keep_obs = obs
+        lib.gpumem_torch_set_oom_observer(ctypes.cast(obs, ctypes.c_void_p))
+        self.a.set_limit("64M")
+        base = self.a.memory_stats()
+        try:
+            for trial in range(100):
+                held = []
+                size = (trial % 7 + 1) * MIB
+                while True:
+                    p = lib.gpumem_torch_malloc(size, 0, None)
+                    if not p:
+                        break
+                    held.append(p)
+                self.assertTrue(lib.gpumem_torch_last_oom().decode().startswith("CUDA out of memory."))
+                for p in held:
+                    lib.gpumem_torch_free(p, 0, 0, None)
+                self.assertEqual(self.a.check(), 0)
+            s = self.a.memory_stats()
+            self.assertEqual(s["num_ooms"] - base["num_ooms"], 100)
+            self.assertEqual(len(seen), 100)
+            self.assertTrue(all(d == 0 and allowed == 64 * MIB for d, _, allowed, _ in seen))
+            self.assertEqual(s["allocated_bytes.all.current"], 0)
+            self.assertEqual(s["allocation.all.current"], 0)
+            # and the memory goes back to the device when asked
+            self.assertEqual(lib.gpumem_torch_empty_cache(0), 0)
+            self.assertEqual(self.a.memory_stats()["reserved_bytes.all.current"], 0)
+        finally:
+            lib.gpumem_torch_set_oom_observer(None)
 
     def test_fail_hook_gets_the_report(self):
         lib = self.lib
@@ -220,7 +314,8 @@ class UnwindTest(unittest.TestCase):
                 self.skipTest("cannot link a C++ program against %s: %s" % (_lib.path(), build.stdout[-500:]))
             run = subprocess.run([exe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.assertEqual(run.returncode, 0, run.stdout)
-        self.assertIn("caught gpumem_torch_malloc: gpumem: out of memory", run.stdout)
+        self.assertIn("caught gpumem_torch_malloc: CUDA out of memory. Tried to allocate", run.stdout)
+        self.assertIn("gpumem: out of memory", run.stdout)
 
 
 if __name__ == "__main__":
