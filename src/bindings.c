@@ -267,7 +267,8 @@ static void remember_torch_oom(gpumem_t* gm, size_t size, int device) {
            "free. %sOf the allocated memory %s is allocated by PyTorch, and %s is reserved by "
            "PyTorch but unallocated. ",
            torch_format_size(asked, tried, sizeof tried), device,
-           minor == 1 ? "capacty" : "capacity", torch_format_size(st.device_total, total, sizeof total),
+           minor == 1 ? "capacty" : "capacity",
+           torch_format_size(st.device_total, total, sizeof total),
            torch_format_size(st.device_free, free_b, sizeof free_b), allowed,
            torch_format_size((uint64_t)(allocated > 0 ? allocated : 0), alloc_b, sizeof alloc_b),
            torch_format_size(unallocated, unalloc_b, sizeof unalloc_b));
