@@ -685,6 +685,8 @@ def device_index(device=None):
                 "gpumem: device %r is not \"cuda\", \"cuda:N\" or a device ordinal" % (device,)
             )
         return _checked_int(int(digits), "device", 0, _INT_MAX)
+    if hasattr(type(device), "__index__"):  # numpy integers and the like
+        return _checked_int(device, "device", 0, _INT_MAX)
     kind = getattr(device, "type", None)  # torch.device
     if isinstance(kind, str) and kind != "cuda":
         raise errors.InvalidArgumentError("gpumem: device %r is not a CUDA device" % (device,))
