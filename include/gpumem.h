@@ -398,6 +398,9 @@ typedef struct gpumem_stats {
   uint64_t page_size;
   int policy;
   int virtual_memory; /* 1 when blocks live on reserved ranges with pages */
+  /* PyTorch's max_split_size: option max_split_size_mb in bytes, -1 when
+   * unset (PyTorch's SIZE_MAX read as a signed number). */
+  int64_t max_split_size;
 } gpumem_stats_t;
 
 /* Snapshot of all statistics. */
@@ -417,6 +420,14 @@ GPUMEM_API int gpumem_print_summary(gpumem_t* gm, gpumem_write_fn write, void* a
 GPUMEM_API int gpumem_print_stats_json(gpumem_t* gm, gpumem_write_fn write, void* arg);
 /* Formatting from a stats snapshot (no allocator needed). */
 GPUMEM_API int gpumem_format_summary(const gpumem_stats_t* stats, gpumem_write_fn write, void* arg);
+/* Flags of gpumem_format_summary_flags. ABBREVIATED: each metric's total
+ * row alone, without its "from large pool"/"from small pool" rows, as
+ * torch.cuda.memory_summary(abbreviated=True) prints it. */
+enum { GPUMEM_SUMMARY_ABBREVIATED = 1 };
+/* gpumem_format_summary with flags (GPUMEM_SUMMARY_*; 0: the same table).
+ * Unknown flags are refused (GPUMEM_ERR_INVALID_ARGUMENT). */
+GPUMEM_API int gpumem_format_summary_flags(const gpumem_stats_t* stats, int flags,
+                                           gpumem_write_fn write, void* arg);
 GPUMEM_API int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_write_fn write,
                                         void* arg);
 /* A gpumem_write_fn that writes to a FILE* given as arg. */
@@ -717,6 +728,9 @@ GPUMEM_API gpumem_status_t gpumem_binding_set_allocator(int device, gpumem_t* gm
  * gm NULL formats all-zero statistics (an allocator that never ran). */
 GPUMEM_API size_t gpumem_binding_stats_json(gpumem_t* gm, char* buf, size_t cap);
 GPUMEM_API size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap);
+/* gpumem_binding_summary with gpumem_format_summary_flags' flags; 0 when
+ * flags are unknown. */
+GPUMEM_API size_t gpumem_binding_summary_flags(gpumem_t* gm, int flags, char* buf, size_t cap);
 /* gpumem_snapshot_json into buf, the same way; 0 when gm is NULL or device
  * negative. The state may change between two calls: a caller that grows
  * its buffer calls again until the text fits. */

@@ -1057,6 +1057,7 @@ static void fill_derived(gpumem_t* gm, gpumem_stats_t* out) {
   out->page_size = gm->virtual_memory ? gm->page_size : 0;
   out->policy = (int)gm->opts.policy;
   out->virtual_memory = gm->virtual_memory;
+  out->max_split_size = gm->opts.max_split_size ? (int64_t)gm->opts.max_split_size : -1;
 }
 
 void gpumem_get_stats(gpumem_t* gm, gpumem_stats_t* out) {

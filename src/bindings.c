@@ -144,7 +144,7 @@ static int text_buf_write(const char* text, size_t len, void* arg) {
   return 0;
 }
 
-static size_t format_into(gpumem_t* gm, char* buf, size_t cap, int json) {
+static size_t format_into(gpumem_t* gm, char* buf, size_t cap, int json, int flags) {
   gm_text_buf t = {buf, buf ? cap : 0, 0};
   gpumem_stats_t st;
   if (gm) {
@@ -152,22 +152,27 @@ static size_t format_into(gpumem_t* gm, char* buf, size_t cap, int json) {
   } else {
     memset(&st, 0, sizeof st);
     st.struct_size = (uint32_t)sizeof st;
+    st.max_split_size = -1; /* an allocator with default options */
   }
   if (json) {
     gpumem_format_stats_json(&st, text_buf_write, &t);
-  } else {
-    gpumem_format_summary(&st, text_buf_write, &t);
+  } else if (gpumem_format_summary_flags(&st, flags, text_buf_write, &t) != 0) {
+    return 0; /* unknown flags: nothing written, the sink never fails */
   }
   if (t.cap) t.buf[t.len < t.cap ? t.len : t.cap - 1] = '\0';
   return t.len;
 }
 
 size_t gpumem_binding_stats_json(gpumem_t* gm, char* buf, size_t cap) {
-  return format_into(gm, buf, cap, 1);
+  return format_into(gm, buf, cap, 1, 0);
 }
 
 size_t gpumem_binding_summary(gpumem_t* gm, char* buf, size_t cap) {
-  return format_into(gm, buf, cap, 0);
+  return format_into(gm, buf, cap, 0, 0);
+}
+
+size_t gpumem_binding_summary_flags(gpumem_t* gm, int flags, char* buf, size_t cap) {
+  return format_into(gm, buf, cap, 0, flags);
 }
 
 size_t gpumem_binding_snapshot_json(gpumem_t* gm, int device, const char* tag_file, char* buf,

@@ -298,6 +298,15 @@ static void compare(check_ctx* c, const char* name, const gpumem_stat_t* stat, c
       violation(c, "%s.%s: current %lld outside [0, peak %lld]", name, pools[p],
                 (long long)stat[p].current, (long long)stat[p].peak);
   }
+  /* The pools' totals add up to the all-pools ones, as in PyTorch's table
+   * (peaks, reached at different times, need not). */
+  const gpumem_stat_t *all = &stat[GPUMEM_POOL_ALL], *sm = &stat[GPUMEM_POOL_SMALL],
+                      *lg = &stat[GPUMEM_POOL_LARGE];
+  if (sm->allocated + lg->allocated != all->allocated || sm->freed + lg->freed != all->freed) {
+    violation(c, "%s: the pools' allocated %lld + %lld and freed %lld + %lld are not all's %lld and %lld",
+              name, (long long)sm->allocated, (long long)lg->allocated, (long long)sm->freed,
+              (long long)lg->freed, (long long)all->allocated, (long long)all->freed);
+  }
 }
 
 /* A counts-only index (plan pools) holds no tree: its counts must be the

@@ -760,6 +760,17 @@ static inline void gm_stat_pool_shrink(gpumem_stat_t* arr, bool small, int64_t n
   gm_stat_shrink(&arr[GPUMEM_POOL_ALL], n);
   gm_stat_shrink(&arr[small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], n);
 }
+/* n reserved bytes change pools (a page made live in a small segment, or
+ * back): freed from one pool and allocated to the other, and both in the
+ * all-pools entry too, so each pool's current stays allocated - freed and
+ * the two pools' totals add up to the all-pools ones, as in PyTorch's
+ * table. The all-pools current, and so its peak, does not move. */
+static inline void gm_stat_pool_move(gpumem_stat_t* arr, bool to_small, int64_t n) {
+  gm_stat_shrink(&arr[to_small ? GPUMEM_POOL_LARGE : GPUMEM_POOL_SMALL], n);
+  gm_stat_grow(&arr[to_small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE], n);
+  arr[GPUMEM_POOL_ALL].allocated += n;
+  arr[GPUMEM_POOL_ALL].freed += n;
+}
 void gm_segment_link(gpumem_t* gm, gm_segment* seg);
 void gm_segment_unlink(gpumem_t* gm, gm_segment* seg);
 /* Links a new segment [addr, addr+size) whose one block b is free and

@@ -409,8 +409,7 @@ static void make_live(gpumem_t* gm, gm_segment* seg, size_t p, uint32_t id) {
   r->live_seg = seg;
   r->live_page = (uint32_t)p;
   if (seg->pool->is_small) {
-    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], -(int64_t)gm->page_size);
-    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], (int64_t)gm->page_size);
+    gm_stat_pool_move(gm->stats.reserved_bytes, true, (int64_t)gm->page_size);
   }
 }
 
@@ -418,8 +417,7 @@ static void unmake_live(gpumem_t* gm, gm_segment* seg, size_t p) {
   clear_mapped(seg, p);
   seg->live_id[p] = 0;
   if (seg->pool->is_small) {
-    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], -(int64_t)gm->page_size);
-    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], (int64_t)gm->page_size);
+    gm_stat_pool_move(gm->stats.reserved_bytes, false, (int64_t)gm->page_size);
   }
 }
 
@@ -656,8 +654,7 @@ static gpumem_status_t reclaim_block(gpumem_t* gm, gm_block* b, size_t* budget, 
     }
     gm->stats.num_pages_unmapped += (int64_t)pages;
     if (small) {
-      gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], -(int64_t)(pages * ps));
-      gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], (int64_t)(pages * ps));
+      gm_stat_pool_move(gm->stats.reserved_bytes, false, (int64_t)(pages * ps));
     }
     *got += pages;
     p = batch_end;
@@ -970,8 +967,7 @@ static gpumem_status_t map_new(gpumem_t* gm, gm_segment* seg, size_t p, size_t n
   }
   for (size_t q = p; q < p + n; q++) set_mapped(seg, q, h, p);
   if (seg->pool->is_small) {
-    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_LARGE], -(int64_t)size);
-    gm_stat_add(&gm->stats.reserved_bytes[GPUMEM_POOL_SMALL], (int64_t)size);
+    gm_stat_pool_move(gm->stats.reserved_bytes, true, (int64_t)size);
   }
   return GPUMEM_OK;
 }

@@ -154,8 +154,8 @@ static void size_cell(char* out, size_t len, int64_t v, int64_t pref) {
   static const char* const units[] = {"B  ", "KiB", "MiB", "GiB", "TiB", "PiB"};
   size_t u = 0;
   double p = (double)pref;
-  /* The pool's value may be larger than "all" (reserved pages moving
-   * between pools count in both totals): never overflow the column. */
+  /* A pool's value never exceeds "all"'s, but a snapshot read back from
+   * elsewhere may hold anything: never overflow the column. */
   while (u + 1 < sizeof units / sizeof units[0] &&
          (p >= 768.0 * 1024.0 || v > 999999 || v < -99999)) {
     v = floor_div(v, 1024);
@@ -178,14 +178,16 @@ static void count_cell(char* out, size_t len, int64_t v, int64_t pref) {
   snprintf(out, len, "%7" PRId64 " %s ", v, units[u]);
 }
 
-static void metric_rows(gm_emitter* e, const gpumem_stats_t* s, const stat_array_desc_t* d) {
-  /* torch's order: the total, then large before small. */
+static void metric_rows(gm_emitter* e, const gpumem_stats_t* s, const stat_array_desc_t* d,
+                        int abbreviated) {
+  /* torch's order: the total, then large before small; torch's abbreviated
+   * table keeps the total alone. */
   static const int pools[] = {GPUMEM_POOL_ALL, GPUMEM_POOL_LARGE, GPUMEM_POOL_SMALL};
   static const char* const labels[] = {NULL, "      from large pool", "      from small pool"};
   const gpumem_stat_t* all = stat_at(s, d, GPUMEM_POOL_ALL);
   const int64_t prefs[4] = {all->current, all->peak, all->allocated, all->freed};
   rule(e, '-');
-  for (size_t r = 0; r < 3; r++) {
+  for (size_t r = 0; r < (abbreviated ? 1u : 3u); r++) {
     const gpumem_stat_t* st = stat_at(s, d, pools[r]);
     const int64_t vals[4] = {st->current, st->peak, st->allocated, st->freed};
     char cells[4][32];
@@ -207,8 +209,19 @@ static void kv_row(gm_emitter* e, const char* label, const char* value) {
 }
 
 int gpumem_format_summary(const gpumem_stats_t* stats, gpumem_write_fn write, void* arg) {
+  return gpumem_format_summary_flags(stats, 0, write, arg);
+}
+
+int gpumem_format_summary_flags(const gpumem_stats_t* stats, int flags, gpumem_write_fn write,
+                                void* arg) {
   int bad = check_args(stats, write, "gpumem_format_summary");
   if (bad) return bad;
+  if (flags & ~GPUMEM_SUMMARY_ABBREVIATED) {
+    return (int)gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                        "gpumem_format_summary_flags: unknown flags 0x%x",
+                        (unsigned)(flags & ~GPUMEM_SUMMARY_ABBREVIATED));
+  }
+  const int abbreviated = (flags & GPUMEM_SUMMARY_ABBREVIATED) != 0;
   gm_emitter e = {write, arg, 0};
   char v[64];
 
@@ -224,7 +237,8 @@ int gpumem_format_summary(const gpumem_stats_t* stats, gpumem_write_fn write, vo
   /* Memory rows first, then counts, as torch groups them; both from the list. */
   for (int want_bytes = 1; want_bytes >= 0; want_bytes--) {
     for (size_t i = 0; i < STAT_ARRAY_COUNT; i++) {
-      if (stat_arrays[i].is_bytes == want_bytes) metric_rows(&e, stats, &stat_arrays[i]);
+      if (stat_arrays[i].is_bytes == want_bytes)
+        metric_rows(&e, stats, &stat_arrays[i], abbreviated);
     }
   }
   rule(&e, '=');
@@ -319,6 +333,16 @@ int gpumem_format_stats_json(const gpumem_stats_t* stats, gpumem_write_fn write,
   for (size_t i = 0; i < STAT_COUNTER_COUNT; i++) {
     json_key(&e, &first, ind, stat_counters[i].name);
     gm_emitf(&e, "%" PRId64, counter_at(stats, &stat_counters[i]));
+  }
+  /* The rest of torch.cuda.memory_stats()'s keys. Oversize blocks (at
+   * least max_split_size) are counted by nothing in gpumem: zeros, so a
+   * reader of torch's dict finds every key it expects. */
+  json_key(&e, &first, ind, "max_split_size");
+  gm_emitf(&e, "%" PRId64, stats->max_split_size);
+  static const char* const oversize[] = {"oversize_allocations", "oversize_segments"};
+  for (size_t i = 0; i < sizeof oversize / sizeof oversize[0]; i++) {
+    json_key(&e, &first, ind, oversize[i]);
+    gm_emitf(&e, "{\"current\": 0, \"peak\": 0, \"allocated\": 0, \"freed\": 0}");
   }
 
   json_key(&e, &first, ind, "largest_free_block");

@@ -246,6 +246,7 @@ static void fill(gpumem_stats_t* s) {
   s->page_size = 2 * (uint64_t)GM_MIB;
   s->policy = GPUMEM_POLICY_PYTORCH;
   s->virtual_memory = 1;
+  s->max_split_size = 64 * (int64_t)GM_MIB;
 }
 
 /* ---- tests ----------------------------------------------------------------- */
@@ -398,6 +399,48 @@ static void test_summary(void) {
   sink_free(&out);
 }
 
+/* torch's abbreviated table: the full one less every "from ... pool" row. */
+static void test_summary_abbreviated(void) {
+  gpumem_stats_t s;
+  fill(&s);
+  sink_t full = {0}, same = {0}, brief = {0}, refused = {0};
+  CHECK(gpumem_format_summary(&s, sink_write, &full) == 0);
+  CHECK(gpumem_format_summary_flags(&s, 0, sink_write, &same) == 0);
+  CHECK(full.text && same.text && strcmp(full.text, same.text) == 0);
+  CHECK(gpumem_format_summary_flags(&s, GPUMEM_SUMMARY_ABBREVIATED, sink_write, &brief) == 0);
+  const char* t = full.text ? full.text : "";
+  char* want = calloc(strlen(t) + 1, 1);
+  size_t n = 0, dropped = 0;
+  for (const char* l = t; *l;) {
+    const char* nl = strchr(l, '\n');
+    size_t len = nl ? (size_t)(nl - l) + 1 : strlen(l);
+    if (strncmp(l, "|       from ", 13) == 0) {
+      dropped++;
+    } else {
+      memcpy(want + n, l, len);
+      n += len;
+    }
+    l += len;
+  }
+#define COUNT_ARRAY(name, title, is_bytes) +1
+  const size_t arrays = 0 GPUMEM_STAT_ARRAYS(COUNT_ARRAY);
+#undef COUNT_ARRAY
+  CHECK(dropped == 2 * arrays); /* two pool rows a metric */
+  CHECK_MSG(brief.text && strcmp(brief.text, want) == 0, "abbreviated:\n%s",
+            brief.text ? brief.text : "(none)");
+  CHECK(brief.text && strstr(brief.text,
+                             "| Allocated memory      |  12345 KiB |   2048 MiB |   5120 GiB |    100 B   |\n"
+                             "|-----"));
+  /* An unknown flag is refused, and nothing is written. */
+  CHECK(gpumem_format_summary_flags(&s, 2, sink_write, &refused) == GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(refused.text == NULL || refused.text[0] == '\0');
+  free(want);
+  sink_free(&full);
+  sink_free(&same);
+  sink_free(&brief);
+  sink_free(&refused);
+}
+
 static void test_json(void) {
   gpumem_stats_t s;
   fill(&s);
@@ -450,6 +493,18 @@ static void test_json(void) {
   check_member(j, "policy", "\"pytorch\"");
   check_member(j, "virtual_memory", "true");
   expected += 10;
+  /* The rest of torch's keys: max_split_size, and oversize counts of zero. */
+  check_member(j, "max_split_size", "67108864");
+  expected++;
+  static const char* const oversize[] = {"oversize_allocations", "oversize_segments"};
+  for (int i = 0; i < 2; i++) {
+    for (int f = 0; f < 4; f++) {
+      char key[96];
+      snprintf(key, sizeof key, "%s/%s", oversize[i], types[f]);
+      check_member(j, key, "0");
+    }
+    expected += 5; /* the object and its four members */
+  }
   for (int k = 0; k < GPUMEM_CALL_COUNT; k++) {
     char key[64], want[32];
     snprintf(key, sizeof key, "backend_calls/%s", gpumem_backend_call_name(k));
@@ -471,6 +526,11 @@ static void test_json(void) {
   check_member(j, "fragmentation", "0.333333");
   check_member(j, "virtual_memory", "false");
   check_member(j, "policy", "\"default\"");
+  sink_free(&out);
+  s.max_split_size = -1; /* unset, as torch reports it */
+  CHECK(gpumem_format_stats_json(&s, sink_write, &out) == 0);
+  CHECK(json_parse(j, out.text ? out.text : ""));
+  check_member(j, "max_split_size", "-1");
   sink_free(&out);
   const double odd[] = {NAN, INFINITY, -INFINITY};
   for (size_t i = 0; i < 3; i++) {
@@ -563,6 +623,7 @@ int main(void) {
   test_json_checker();
   test_format_bytes();
   test_summary();
+  test_summary_abbreviated();
   test_json();
   check_failing_sink(gpumem_format_summary, "summary");
   check_failing_sink(gpumem_format_stats_json, "json");

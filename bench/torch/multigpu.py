@@ -55,7 +55,7 @@ RUN_KEYS = ("strategy", "side", "steps", "warmup", "seed", "varlen", "determinis
 STAT_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms", "num_sync_all_streams")
 GPUMEM_KEYS = ("num_syncs", "num_sync_all_streams", "num_pages_mapped", "num_pages_unmapped", "num_reclaims",
                "num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms", "num_plans",
-               "num_plan_drops", "num_planned_allocs", "num_pages_revived", "num_pages_aliased", "policy")
+               "num_plan_drops", "num_planned_allocs", "num_pages_revived", "num_pages_aliased")
 
 
 def seq_len(strategy, varlen, seed, step):
@@ -202,6 +202,7 @@ class TorchJob:
             out["gpumem_status"] = gt.status()
             gst = gpumem.memory_stats(self.dev.index)
             out["gpumem"] = {k: gst[k] for k in GPUMEM_KEYS if k in gst}
+            out["gpumem"]["policy"] = gpumem.allocator(self.dev.index).policy  # not in memory_stats
             out["gpumem"].update({k: v for k, v in gst.items() if k.startswith("backend_calls.") and v})
         return out
 

@@ -502,7 +502,7 @@ def main():
     keep = ("num_syncs", "num_sync_all_streams", "num_pages_mapped", "num_pages_unmapped", "num_reclaims",
             "num_alloc_retries", "num_device_alloc", "num_device_free", "allocation.all.allocated",
             "num_ooms", "num_plans", "num_plan_drops", "num_planned_allocs", "num_pages_revived",
-            "num_pages_aliased", "num_move_guard_trips", "mapping_time_ns", "move_work_us", "limit_bytes", "policy")
+            "num_pages_aliased", "num_move_guard_trips", "mapping_time_ns", "move_work_us", "limit_bytes")
 
     def snapshot():
         import gpumem
@@ -556,6 +556,7 @@ def main():
 
         st = gpumem.memory_stats()
         result["gpumem"] = {k: st.get(k) for k in keep}
+        result["gpumem"]["policy"] = gpumem.allocator().policy  # not a statistic: not in memory_stats
         result["gpumem"].update({k: v for k, v in st.items() if k.startswith("backend_calls.") and v})
         # The same counters over the timed steps alone: device work there is
         # what could lengthen a step.

@@ -22,6 +22,7 @@ from ._lib import VERSION as __version__
 from ._lib import load as load_library
 from ._lib import path as library_path
 from ._core import (
+    SIM_CAPACITY,
     Allocator,
     LeakCheck,
     StepLeakWatcher,
@@ -50,6 +51,7 @@ from ._core import (
     set_per_process_memory_fraction,
 )
 from .errors import (
+    ArgumentTypeError,
     ConfigError,
     GpumemError,
     InvalidArgumentError,
@@ -64,6 +66,7 @@ from .errors import (
 
 __all__ = [
     "Allocator",
+    "ArgumentTypeError",
     "ConfigError",
     "GpumemError",
     "InvalidArgumentError",
@@ -73,6 +76,7 @@ __all__ = [
     "LeakWarning",
     "LibraryNotFoundError",
     "OutOfMemoryError",
+    "SIM_CAPACITY",
     "StepLeakWatcher",
     "UnsupportedError",
     "allocator",

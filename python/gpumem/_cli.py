@@ -13,12 +13,23 @@ def candidates():
     yield os.path.join(os.path.dirname(os.path.dirname(_PKG_DIR)), "build", "gpumem")
 
 
-def main():
+def find():
+    """The command line program's path, or None."""
+    for path in candidates():
+        if os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def main(argv=None):
+    """Replaces this process with the command line program, given argv
+    (default: this process's arguments)."""
+    args = sys.argv[1:] if argv is None else list(argv)
     tried = []
     for path in candidates():
         if os.access(path, os.X_OK):
             try:
-                os.execv(path, [path] + sys.argv[1:])
+                os.execv(path, [path] + args)
             except OSError as e:
                 tried.append("  %s: %s" % (path, e))
         else:

@@ -28,11 +28,16 @@ _SIZE_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_size_t))) - 1
 _PTR_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_void_p))) - 1
 _U64_MAX = (1 << 64) - 1
 _INT_MAX = (1 << 31) - 1
+_INT_MIN = -(1 << 31)
+_LONG_MAX = (1 << (8 * ctypes.sizeof(ctypes.c_long) - 1)) - 1
+_LONG_MIN = -_LONG_MAX - 1
 
+# The simulated device's memory when capacity is not given: the command
+# line's default (gpumem replay --capacity), so that a trace replayed from
+# Python and from the shell meets the same device.
+SIM_CAPACITY = 1 << 40
 
-class ArgumentTypeError(errors.InvalidArgumentError, TypeError):
-    """An argument of the wrong type: gpumem's InvalidArgumentError, and a
-    TypeError as Python code expects."""
+ArgumentTypeError = errors.ArgumentTypeError
 
 
 def _checked_int(value, what, low=0, high=_SIZE_MAX):
@@ -51,6 +56,39 @@ def _checked_int(value, what, low=0, high=_SIZE_MAX):
             "gpumem: %s %d is out of range (%d to %d)" % (what, value, low, high)
         )
     return value
+
+
+def _checked_text(value, what, path=False):
+    """value as the bytes C will read: a str (path=True: also bytes or an
+    os.PathLike) holding no NUL, which would end the string there and
+    silently make it another one."""
+    if path:
+        try:
+            value = os.fspath(value)
+        except TypeError:
+            raise ArgumentTypeError(
+                "gpumem: %s must be a str or a path, not %s" % (what, type(value).__name__)
+            ) from None
+    if isinstance(value, str):
+        data = os.fsencode(value) if path else value.encode()
+    elif path and isinstance(value, bytes):
+        data = value
+    else:
+        raise ArgumentTypeError("gpumem: %s must be a str, not %s" % (what, type(value).__name__))
+    if b"\0" in data:
+        raise errors.InvalidArgumentError(
+            "gpumem: %s contains a NUL character at %d (C would end the string there)"
+            % (what, data.index(b"\0"))
+        )
+    return data
+
+
+def _checked_size(value, what, high=_SIZE_MAX):
+    """A byte count given the way sizes are given everywhere in gpumem: an
+    int, or a size string ("4096", "4G", "1.5GiB"; parse_size)."""
+    if isinstance(value, str):
+        value = _parse_size_text(value, what)
+    return _checked_int(value, what, 0, high)
 
 
 def _checked_fraction(fraction):
@@ -118,13 +156,41 @@ def flatten_stats(obj, prefix=""):
     return out
 
 
-def _stats_of(handle):
+def _stats_json(handle):
     lib = _lib.load()
     if hasattr(lib, "gpumem_binding_stats_json"):
         text = _lib.read_text(lib.gpumem_binding_stats_json, handle)
     else:
         text = _lib.print_to_string(lib.gpumem_print_stats_json, handle)
-    return flatten_stats(json.loads(text))
+    return json.loads(text)
+
+
+# Keys of the statistics JSON that are not statistics: memory_stats()
+# values are numbers, as torch.cuda.memory_stats()'s are, so these are
+# reached elsewhere (Allocator.policy).
+_NOT_STATS = ("policy",)
+
+
+def _stats_of(handle):
+    """memory_stats(): every key torch.cuda.memory_stats() has, plus
+    gpumem's figures, all numbers (virtual_memory 0 or 1)."""
+    out = {}
+    for key, value in flatten_stats(_stats_json(handle)).items():
+        if key in _NOT_STATS:
+            continue
+        if isinstance(value, bool):
+            value = int(value)
+        elif value is None:  # a figure with no meaningful value (JSON null)
+            value = 0.0
+        out[key] = value
+    # A library built before max_split_size and the oversize counts were
+    # in its JSON: torch's values for an allocator that makes no oversize
+    # blocks and has no max_split_size.
+    out.setdefault("max_split_size", -1)
+    for name in ("oversize_allocations", "oversize_segments"):
+        for metric in ("current", "peak", "allocated", "freed"):
+            out.setdefault("%s.%s" % (name, metric), 0)
+    return out
 
 
 # Entries recorded at most: torch's default for max_entries is sys.maxsize
@@ -135,12 +201,12 @@ MAX_HISTORY_ENTRIES = 1 << 22
 def _snapshot_of(handle, device, tag_file=None):
     """gpumem_snapshot_json of one allocator as a dict, in the shape of
     torch.cuda.memory._snapshot()."""
-    name = tag_file.encode() if tag_file else None
+    name = None if tag_file is None else _checked_text(tag_file, "tag_file", path=True)
     text = _lib.read_text(
         _lib.load().gpumem_binding_snapshot_json,
         handle,
-        device,
-        name,
+        _checked_int(device, "device", 0, _INT_MAX),
+        name or None,
         cap=1 << 20,
         failed=errors.ERR_INVALID_ARGUMENT,
         what="memory_snapshot",
@@ -177,22 +243,41 @@ def _merge_snapshot(into, device, snap):
     into["gpumem"][device] = snap["gpumem"]
 
 
-def _summary_of(handle):
+# gpumem_format_summary_flags' GPUMEM_SUMMARY_ABBREVIATED (include/gpumem.h).
+_SUMMARY_ABBREVIATED = 1
+_POOL_ROWS = ("      from large pool", "      from small pool")
+
+
+def _summary_of(handle, abbreviated=False):
+    """The summary table; abbreviated: each metric's total row alone, as
+    torch.cuda.memory_summary(abbreviated=True) prints it."""
     lib = _lib.load()
+    if hasattr(lib, "gpumem_binding_summary_flags"):
+        flags = _SUMMARY_ABBREVIATED if abbreviated else 0
+        return _lib.read_text(lib.gpumem_binding_summary_flags, handle, flags)
     if hasattr(lib, "gpumem_binding_summary"):
-        return _lib.read_text(lib.gpumem_binding_summary, handle)
-    return _lib.print_to_string(lib.gpumem_print_summary, handle)
+        text = _lib.read_text(lib.gpumem_binding_summary, handle)
+    else:
+        text = _lib.print_to_string(lib.gpumem_print_summary, handle)
+    if abbreviated:  # a library without the flag: drop the pool rows here
+        text = "".join(
+            line for line in text.splitlines(True) if not line[2:].startswith(_POOL_ROWS)
+        )
+    return text
 
 
 class Allocator:
     """One gpumem allocator.
 
     device="sim" makes a simulated device (no GPU needed): capacity and
-    page_size in bytes (defaults 80 GiB and 2 MiB), host_backed=True backs
-    every byte with host memory so contents can be read and written through
-    host_view(). device=N makes a new allocator over CUDA device N (the
-    per-device allocators that PyTorch and CuPy use are reached through the
-    module functions instead). conf is a configuration string such as
+    page_size in bytes or size strings ("8G"; defaults 1 TiB, as the
+    command line's --capacity, and 2 MiB), host_backed=True backs every
+    byte with host memory so contents can be read and written through
+    host_view(). Any other device (an int N, "cuda", "cuda:N", a
+    torch.device: the forms the module functions take) makes a new
+    allocator over that CUDA device (the per-device allocators that
+    PyTorch and CuPy use are reached through the module functions
+    instead). conf is a configuration string such as
     "policy:pytorch,limit:4G" (the grammar of GPUMEM_CONF).
 
     Use as a context manager, or call close(): it frees the device memory
@@ -208,13 +293,13 @@ class Allocator:
         self._owned = True
         self._lock = threading.Lock()
         opts = _lib.parse_conf(_checked_conf(conf))  # raises ConfigError before touching a device
-        if device == "sim":
+        is_sim = isinstance(device, str) and device.strip() == "sim"
+        if is_sim:
             sim = _lib.SimOptions()
             lib.gpumem_sim_options_init(ctypes.byref(sim))
-            if capacity is not None:
-                sim.capacity = _checked_int(capacity, "capacity", 0, _U64_MAX)
+            sim.capacity = _checked_size(SIM_CAPACITY if capacity is None else capacity, "capacity")
             if page_size is not None:
-                sim.page_size = _checked_int(page_size, "page_size", 0, _U64_MAX)
+                sim.page_size = _checked_size(page_size, "page_size")
             sim.host_backed = 1 if host_backed else 0
             backend = lib.gpumem_sim_create(ctypes.byref(sim))
             if not backend:
@@ -222,7 +307,9 @@ class Allocator:
                     _lib.last_error() or "gpumem: cannot create the simulated device"
                 )
             self._backend_kind = "sim"
-        elif isinstance(device, int) and not isinstance(device, bool):
+            device = "sim"
+        else:
+            device = device_index(device)  # InvalidArgumentError for anything else
             if capacity is not None or page_size is not None or host_backed:
                 raise errors.InvalidArgumentError(
                     "gpumem: capacity, page_size and host_backed apply to device='sim' only"
@@ -235,8 +322,6 @@ class Allocator:
             if not backend:
                 _lib.check(st.value or errors.ERR_BACKEND, "gpumem_cuda_create")
             self._backend_kind = "cuda"
-        else:
-            raise TypeError('device must be "sim" or a CUDA device ordinal, not %r' % (device,))
         self._backend = backend
         st = ctypes.c_int(0)
         gm = lib.gpumem_create(backend, opts, ctypes.byref(st))
@@ -347,9 +432,7 @@ class Allocator:
 
     def set_limit(self, nbytes):
         """Caps reserved memory at nbytes (an int, or a size string like "4G")."""
-        if isinstance(nbytes, str):
-            nbytes = parse_size(nbytes)
-        nbytes = _checked_int(nbytes, "limit")
+        nbytes = _checked_size(nbytes, "limit")
         _lib.check(self._lib.gpumem_set_limit(self._h(), nbytes))
 
     def set_limit_fraction(self, fraction):
@@ -366,16 +449,24 @@ class Allocator:
     # -- statistics --
 
     def memory_stats(self):
-        """Statistics as a flat dict in torch.cuda.memory_stats()'s key
-        vocabulary ("allocated_bytes.all.current", "num_ooms", ...), plus
+        """Statistics as a flat dict with every key of
+        torch.cuda.memory_stats() ("allocated_bytes.all.current",
+        "num_ooms", "max_split_size", "oversize_segments.peak", ...), plus
         gpumem's own figures (largest_free_block, fragmentation,
-        backend_calls.<kind>, ...)."""
+        backend_calls.<kind>, ...); every value a number."""
         return _stats_of(self._h())
 
-    def memory_summary(self):
+    def memory_summary(self, abbreviated=False):
         """The table torch.cuda.memory_summary() prints, plus gpumem's
-        figures."""
-        return _summary_of(self._h())
+        figures; abbreviated=True leaves out the per-pool rows, as torch's
+        does."""
+        return _summary_of(self._h(), abbreviated)
+
+    @property
+    def policy(self):
+        """The allocation policy in use: "default" or "pytorch" (option
+        policy). Not in memory_stats(), whose values are all numbers."""
+        return _stats_json(self._h()).get("policy", "unknown")
 
     def publish(self):
         """Publishes the figures `gpumem top` shows now (they are otherwise
@@ -397,7 +488,7 @@ class Allocator:
         path as a gzip trace that `gpumem replay` and `gpumem fit` read
         ("%p": the process id, "%d": the device); None stops and finishes
         the file."""
-        arg = None if path is None else os.fsencode(path)
+        arg = None if path is None else _checked_text(path, "path", path=True)
         _lib.check(self._lib.gpumem_record_trace(self._h(), arg), "record_trace")
 
     def record_step(self):
@@ -477,8 +568,20 @@ class Allocator:
 
     def sim_fail(self, kind=-1, skip=0, count=1, status=errors.ERR_OUT_OF_MEMORY):
         """Scripted device failures: after `skip` more calls of `kind` (a
-        backend call index, -1 for any) succeed, the next `count` fail."""
-        self._lib.gpumem_sim_fail(self._sim(), kind, skip, count, status)
+        backend call index or name such as "map", -1 for any) succeed, the
+        next `count` fail (count < 0: every later one) with `status` (a
+        failure status of gpumem.errors)."""
+        sim = self._sim()
+        kind = _call_kind(kind)
+        skip = _checked_int(skip, "skip", 0, _LONG_MAX)
+        count = _checked_int(count, "count", _LONG_MIN, _LONG_MAX)
+        status = _checked_int(status, "status", _INT_MIN, _INT_MAX)
+        if status == errors.OK or status not in errors.STATUS_NAMES:
+            raise errors.InvalidArgumentError(
+                "gpumem: status %d is not a failure status (%s)"
+                % (status, ", ".join(str(k) for k in sorted(errors.STATUS_NAMES) if k))
+            )
+        self._lib.gpumem_sim_fail(sim, kind, skip, count, status)
 
     def sim_fail_clear(self):
         self._lib.gpumem_sim_fail_clear(self._sim())
@@ -486,6 +589,7 @@ class Allocator:
     def host_view(self, ptr, size):
         """A writable memoryview of size bytes at device address ptr on a
         host-backed simulated device."""
+        size = _checked_int(size, "size", 0, _PTR_MAX)
         host = self._lib.gpumem_sim_host_ptr(self._sim(), _ptr_value(ptr))
         if not host:
             raise errors.InvalidPointerError(
@@ -494,16 +598,44 @@ class Allocator:
         return memoryview((ctypes.c_char * size).from_address(host)).cast("B")
 
 
+def _call_kind(kind):
+    """A backend call kind for sim_fail: -1 (any), an index, or a name."""
+    lib = _lib.load()
+    names = []
+    while True:
+        name = lib.gpumem_backend_call_name(len(names))
+        if not name:
+            break
+        names.append(name.decode())
+    if isinstance(kind, str):
+        if kind not in names:
+            raise errors.InvalidArgumentError(
+                "gpumem: kind %r is not a backend call (%s)" % (kind, ", ".join(names))
+            )
+        return names.index(kind)
+    return _checked_int(kind, "kind", -1, len(names) - 1)
+
+
 def last_error():
     """The C library's detail message for the last failure on this thread."""
     return _lib.last_error()
 
 
-def parse_size(text):
-    """Bytes in a size string: "123", "4K", "1.5G", "2GiB" (binary units)."""
+def _parse_size_text(text, what):
+    data = _checked_text(text, what)
     out = ctypes.c_size_t(0)
-    _lib.check(_lib.load().gpumem_parse_size(str(text).encode(), ctypes.byref(out)))
+    status = _lib.load().gpumem_parse_size(data, ctypes.byref(out))
+    if status != errors.OK:
+        raise errors.error_for(status, "gpumem: %s %r: %s" % (what, text, _lib.last_error()))
     return out.value
+
+
+def parse_size(text):
+    """Bytes in a size string: "123", "4K", "1.5G", "2GiB" (binary units);
+    an int is returned as it is, once checked to fit a size_t."""
+    if isinstance(text, str):
+        return _parse_size_text(text, "size")
+    return _checked_int(text, "size")
 
 
 def check_conf(conf):
@@ -533,28 +665,38 @@ def _current_device():
 
 
 def device_index(device=None):
-    """A CUDA device ordinal from None (the current device), an int, a
-    "cuda:N" string, a torch.device or a cupy Device."""
+    """A CUDA device ordinal from None or "cuda" (the current device), an
+    int, a "cuda:N" (or "N") string, a torch.device or a cupy Device.
+    ArgumentTypeError for another type, InvalidArgumentError for a
+    negative or too large ordinal or a string of another form."""
     if device is None:
         return _current_device()
     if isinstance(device, bool):
-        raise TypeError("device must be an int, a string or a device object")
+        raise ArgumentTypeError("gpumem: device must be an int, a string or a device object, not a bool")
     if isinstance(device, int):
-        return device
+        return _checked_int(device, "device", 0, _INT_MAX)
     if isinstance(device, str):
         text = device.strip()
         if text == "cuda":
             return _current_device()
-        if text.startswith("cuda:"):
-            return int(text[5:])
-        return int(text)
+        digits = text[5:] if text.startswith("cuda:") else text
+        if not (digits.isascii() and digits.isdigit()):
+            raise errors.InvalidArgumentError(
+                "gpumem: device %r is not \"cuda\", \"cuda:N\" or a device ordinal" % (device,)
+            )
+        return _checked_int(int(digits), "device", 0, _INT_MAX)
+    if hasattr(type(device), "__index__"):  # numpy integers and the like
+        return _checked_int(device, "device", 0, _INT_MAX)
+    kind = getattr(device, "type", None)  # torch.device
+    if isinstance(kind, str) and kind != "cuda":
+        raise errors.InvalidArgumentError("gpumem: device %r is not a CUDA device" % (device,))
     for attr in ("index", "id"):  # torch.device, cupy.cuda.Device
         value = getattr(device, attr, None)
-        if value is None and attr == "index" and getattr(device, "type", None) == "cuda":
+        if value is None and attr == "index" and kind == "cuda":
             return _current_device()
-        if isinstance(value, int):
-            return value
-    raise TypeError("cannot tell a CUDA device from %r" % (device,))
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _checked_int(value, "device", 0, _INT_MAX)
+    raise ArgumentTypeError("gpumem: cannot tell a CUDA device from %r" % (device,))
 
 
 _views = {}
@@ -581,6 +723,10 @@ def set_allocator(device, alloc):
     the device through them."""
     lib = _lib.load()
     idx = device_index(device)
+    if alloc is not None and not isinstance(alloc, Allocator):
+        raise ArgumentTypeError(
+            "gpumem: alloc must be a gpumem.Allocator or None, not %s" % type(alloc).__name__
+        )
     handle = None if alloc is None else alloc.handle
     _lib.check(lib.gpumem_binding_set_allocator(idx, handle))
     _views.pop(idx, None)
@@ -615,7 +761,9 @@ class LeakCheck:
 
     def __init__(self, alloc, action="warn", collect=True):
         if action not in ("warn", "raise", None):
-            raise ValueError('action must be "warn", "raise" or None, not %r' % (action,))
+            raise errors.InvalidArgumentError(
+                'gpumem: action must be "warn", "raise" or None, not %r' % (action,)
+            )
         self.allocator = alloc
         self.action = action
         self.collect = collect
@@ -656,10 +804,11 @@ class StepLeakWatcher:
     not live by then. After a report the count starts again."""
 
     def __init__(self, alloc, patience=3, action="warn"):
-        if int(patience) < 1:
-            raise ValueError("patience must be at least 1 step, not %r" % (patience,))
+        patience = _checked_int(patience, "patience", 1, _INT_MAX)
         if action not in ("warn", "raise", None):
-            raise ValueError('action must be "warn", "raise" or None, not %r' % (action,))
+            raise errors.InvalidArgumentError(
+                'gpumem: action must be "warn", "raise" or None, not %r' % (action,)
+            )
         self.allocator = alloc
         self.patience = int(patience)
         self.action = action
@@ -757,9 +906,10 @@ def memory_snapshot(device=None):
 
 
 def memory_summary(device=None, abbreviated=False):
-    """torch.cuda.memory_summary() for gpumem (abbreviated is accepted for
-    compatibility; gpumem's table is always the full one)."""
-    return _summary_of(_peek(device))
+    """torch.cuda.memory_summary() for gpumem: torch's table plus gpumem's
+    figures; abbreviated=True leaves out the per-pool ("from large pool",
+    "from small pool") rows, as torch's does."""
+    return _summary_of(_peek(device), abbreviated)
 
 
 def memory_allocated(device=None):
@@ -801,9 +951,9 @@ def empty_cache(device=None):
 def set_per_process_memory_fraction(fraction, device=None):
     """Caps device's reserved memory at fraction of its total memory."""
     if not isinstance(fraction, (float, int)) or isinstance(fraction, bool):
-        raise TypeError("Invalid type for fraction argument, must be `float`")
-    if fraction < 0 or fraction > 1:
-        raise ValueError("Invalid fraction value: %r. Allowed range: 0~1" % (fraction,))
+        raise ArgumentTypeError("gpumem: fraction must be a float, not %s" % type(fraction).__name__)
+    if not 0 <= fraction <= 1:  # NaN included
+        raise errors.InvalidArgumentError("gpumem: fraction %r is outside 0 to 1" % (fraction,))
     allocator(device).set_limit_fraction(_checked_fraction(fraction))
 
 

@@ -95,6 +95,7 @@ class SharedBudget(ctypes.Structure):
 _PROTOTYPES = {
     "gpumem_version": (cint, []),
     "gpumem_strerror": (cstr, [cint]),
+    "gpumem_backend_call_name": (cstr, [cint]),
     "gpumem_last_error": (cstr, []),
     "gpumem_options_init": (None, [vp]),
     "gpumem_options_parse": (cint, [vp, cstr]),
@@ -139,6 +140,7 @@ _PROTOTYPES = {
     "gpumem_binding_set_allocator": (cint, [cint, vp]),
     "gpumem_binding_stats_json": (size_t, [vp, ctypes.c_char_p, size_t]),
     "gpumem_binding_summary": (size_t, [vp, ctypes.c_char_p, size_t]),
+    "gpumem_binding_summary_flags": (size_t, [vp, cint, ctypes.c_char_p, size_t]),
     "gpumem_binding_snapshot_json": (size_t, [vp, cint, cstr, ctypes.c_char_p, size_t]),
     "gpumem_binding_leaks": (size_t, [vp, u64, cint, ctypes.c_char_p, size_t]),
     "gpumem_torch_malloc": (vp, [ssize_t, cint, vp]),

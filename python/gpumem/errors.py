@@ -63,6 +63,14 @@ class InvalidArgumentError(GpumemError, ValueError):
         super().__init__(detail, status)
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (a str where an int is wanted, a bool
+    for a size): an InvalidArgumentError, and a TypeError as Python code
+    expects. Out-of-range integers and strings holding a NUL are
+    InvalidArgumentError (a ValueError): C would cut the one to its type's
+    width and end the other at the NUL, silently."""
+
+
 class UnsupportedError(GpumemError):
     """The backend lacks what the call needs (e.g. no CUDA driver or GPU)."""
 
