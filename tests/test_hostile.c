@@ -220,6 +220,90 @@ static void test_snapshot_link(void) {
   unlink(path);
 }
 
+/* A trace recorded to a path in a directory anyone can write (record:PATH,
+ * the README's example once was /tmp/job.trace.gz): another user's link at
+ * the path, or at the names of coming pids, points at a file of root's; a
+ * file they made first, 0666, would receive the trace. Each is refused with
+ * a message naming the path, nothing is written through or into them, and
+ * a new trace is 0600 whatever the umask. */
+static void plant(const char* target, const char* path, bool as_file) {
+  pid_t child = root ? fork() : 0;
+  if (child == 0) {
+    if (root) become(ATTACKER, ATTACKER, 0, NULL);
+    int ok;
+    if (as_file) {
+      int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+      ok = fd >= 0 && fchmod(fd, 0666) == 0 && close(fd) == 0;
+    } else {
+      ok = symlink(target, path) == 0;
+    }
+    if (root) _exit(ok ? 0 : 1);
+    CHECK(ok);
+    return;
+  }
+  CHECK(wait_child(child) == 0);
+}
+
+static void test_record_planted(void) {
+  char target[300], path[400], conf[600];
+  snprintf(target, sizeof target, "%s/precious-trace", safe);
+  write_file(target, "precious");
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch", &sim);
+  /* a link at the path */
+  snprintf(path, sizeof path, "%s/job.trace.gz", dir);
+  plant(target, path, false);
+  clear_error();
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  CHECK_MSG(strstr(gpumem_last_error(), "refusing to write") && strstr(gpumem_last_error(), path) &&
+                strstr(gpumem_last_error(), "symbolic link"),
+            "%s", gpumem_last_error());
+  /* links at the names of this and coming pids, with record:PATH-%p */
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/job-%d.trace.gz", dir, (int)getpid() + i);
+    plant(target, path, false);
+  }
+  snprintf(path, sizeof path, "%s/job-%%p.trace.gz", dir);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  done(gm, sim);
+  snprintf(conf, sizeof conf, "policy:pytorch,record:%s/job-%%p.trace.gz", dir);
+  gm = make(conf, &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_OK); /* recording off, allocation on */
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  done(gm, sim);
+  CHECK_MSG(file_is(target, "precious"), "the trace went through a link");
+  /* a file the other user made first, open to all */
+  snprintf(path, sizeof path, "%s/pre.trace.gz", dir);
+  plant(NULL, path, true);
+  gm = make("policy:pytorch", &sim);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  CHECK_MSG(strstr(gpumem_last_error(), path) &&
+                (root ? strstr(gpumem_last_error(), "belongs to uid 60001")
+                      : strstr(gpumem_last_error(), "other users can write it (mode 0666)")),
+            "%s", gpumem_last_error());
+  struct stat st;
+  CHECK(stat(path, &st) == 0 && st.st_size == 0);
+  /* another name of a file of root's (a hard link) */
+  snprintf(path, sizeof path, "%s/hard.trace.gz", dir);
+  CHECK(link(target, path) == 0);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  CHECK_MSG(strstr(gpumem_last_error(), "hard links"), "%s", gpumem_last_error());
+  CHECK(file_is(target, "precious"));
+  /* a new trace: the user's alone */
+  mode_t old = umask(022);
+  snprintf(path, sizeof path, "%s/fresh.trace.gz", dir);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_OK);
+  umask(old);
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_record_trace(gm, NULL), GPUMEM_OK);
+  CHECK_MSG(lstat(path, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 0777) == 0600 &&
+                st.st_uid == geteuid() && st.st_size > 0,
+            "the trace is mode %04o", (unsigned)(st.st_mode & 07777));
+  done(gm, sim);
+}
+
 /* Rows 4 and 5: another user's budget file, made first, plain or well
  * formed with an absurd content, at the name every user once shared and at
  * this user's own name. */
@@ -678,6 +762,7 @@ int main(void) {
   test_publication_links();
   test_budget_link();
   test_snapshot_link();
+  test_record_planted();
   test_budget_squatted();
   test_budget_repairs();
   test_truncated();
