@@ -14,6 +14,7 @@
 #include <grp.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <pwd.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -665,16 +666,46 @@ static void test_long_dir(void) {
   setenv("GPUMEM_PUBLISH_DIR", dir, 1);
 }
 
+/* A group of the test's own whose members, in the group database (what
+ * gpumem consults to trust an owner), are the system users daemon and bin;
+ * removed at the end. */
+static char test_group[32];
+static uid_t member_uid[2];
+static gid_t member_gid[2];
+static const char* why_no_group = "needs root, groupadd and gpasswd, and users daemon and bin";
+
+static bool make_test_group(void) {
+  const char* names[2] = {"daemon", "bin"};
+  for (int i = 0; i < 2; i++) {
+    struct passwd* pw = getpwnam(names[i]);
+    if (!pw) return false;
+    member_uid[i] = pw->pw_uid;
+    member_gid[i] = pw->pw_gid;
+  }
+  snprintf(test_group, sizeof test_group, "gmhostile%d", (int)getpid());
+  char cmd[200];
+  snprintf(cmd, sizeof cmd, "groupadd %s 2>/dev/null && gpasswd -M daemon,bin %s >/dev/null 2>&1",
+           test_group, test_group);
+  if (system(cmd) == 0 && getgrnam(test_group)) return true;
+  test_group[0] = '\0';
+  return false;
+}
+
+static void remove_test_group(void) {
+  char cmd[200];
+  snprintf(cmd, sizeof cmd, "groupdel %s", test_group);
+  if (test_group[0] && system(cmd) != 0)
+    printf("test_hostile: could not remove group %s\n", test_group);
+}
+
 /* Opt-in sharing: two users of one group share a budget in the group's
  * directory; a user outside the group cannot open it. */
 static void test_group_budget(void) {
-  if (!root) return skip("a budget shared by two users");
-  struct group* g = getgrnam("users");
-  if (!g) g = getgrnam("nogroup");
-  if (!g) {
-    printf("test_hostile: SKIPPED group budget: no group 'users' or 'nogroup'\n");
+  if (!root || !test_group[0]) {
+    printf("test_hostile: SKIPPED a budget shared by two users: %s\n", why_no_group);
     return;
   }
+  struct group* g = getgrnam(test_group);
   gid_t gid = g->gr_gid;
   char conf[200];
   snprintf(conf, sizeof conf, "policy:pytorch,shared_limit:1G,shared_name:team,shared_group:%s",
@@ -683,7 +714,7 @@ static void test_group_budget(void) {
   CHECK(pipe(ready) == 0 && pipe(go) == 0);
   pid_t first = fork();
   if (first == 0) {
-    become(ATTACKER, ATTACKER, 1, &gid);
+    become(member_uid[0], member_gid[0], 1, &gid);
     umask(077); /* the file is made 0660 whatever the umask */
     gpumem_backend_t* sim;
     gpumem_t* gm = make(conf, &sim);
@@ -699,7 +730,7 @@ static void test_group_budget(void) {
   CHECK(read(ready[0], &c, 1) == 1 && c == 'y');
   pid_t second = fork();
   if (second == 0) {
-    become(OTHER, OTHER, 1, &gid);
+    become(member_uid[1], member_gid[1], 1, &gid);
     gpumem_backend_t* sim;
     gpumem_t* gm = make(conf, &sim);
     void* p = NULL;
@@ -735,6 +766,86 @@ static void test_group_budget(void) {
   close(go[1]);
 }
 
+/* A group's directory an outsider made first, whose group and mode root
+ * then fixed as the old message advised (the outsider still owns it and can
+ * write in it), with the outsider's budget file inside; then the directory
+ * given to root, the outsider's file still there. Members refuse both,
+ * saying whose they are. */
+static int member_tries(const char* conf, const char* want1, const char* want2) {
+  gid_t gid = getgrnam(test_group)->gr_gid;
+  pid_t child = fork();
+  if (child == 0) {
+    become(member_uid[0], member_gid[0], 1, &gid);
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make(conf, &sim);
+    void* p = NULL;
+    gpumem_status_t st = gpumem_malloc(gm, MIB, 0, &p);
+    const char* e = gpumem_last_error();
+    bool ok = st == GPUMEM_ERR_BACKEND && strstr(e, want1) && strstr(e, want2);
+    if (!ok) fprintf(stderr, "member: %s: %s\n", gpumem_strerror(st), e);
+    _exit(ok ? 0 : 1);
+  }
+  return wait_child(child);
+}
+
+static void test_group_outsider(void) {
+  if (!root || !test_group[0]) {
+    printf("test_hostile: SKIPPED a group directory an outsider made: %s\n", why_no_group);
+    return;
+  }
+  char pub[300], gdir[400], file[500], conf[200];
+  snprintf(pub, sizeof pub, "%s/outsider", dir);
+  CHECK(mkdir(pub, 01777) == 0 && chmod(pub, 01777) == 0);
+  setenv("GPUMEM_PUBLISH_DIR", pub, 1);
+  snprintf(gdir, sizeof gdir, "%s/gpumem-group.%s", pub, test_group);
+  snprintf(file, sizeof file, "%s/gpumem-budget.team.-1", gdir);
+  snprintf(conf, sizeof conf, "policy:pytorch,shared_limit:1G,shared_name:team,shared_group:%s",
+           test_group);
+  pid_t child = fork();
+  if (child == 0) {
+    become(OUTSIDER, OUTSIDER, 0, NULL);
+    _exit(mkdir(gdir, 0777) == 0 && chmod(gdir, 0777) == 0 ? 0 : 1);
+  }
+  CHECK(wait_child(child) == 0);
+  CHECK(chown(gdir, (uid_t)-1, getgrnam(test_group)->gr_gid) == 0 && chmod(gdir, 03770) == 0);
+  child = fork();
+  if (child == 0) {
+    become(OUTSIDER, OUTSIDER, 0, NULL);
+    int fd = open(file, O_RDWR | O_CREAT | O_EXCL, 0660); /* of the group: setgid directory */
+    _exit(fd >= 0 && fchmod(fd, 0660) == 0 ? 0 : 1);
+  }
+  CHECK(wait_child(child) == 0);
+  CHECK_MSG(member_tries(conf, "belongs to uid 60003, who is not root nor a member", gdir) == 0,
+            "a member used a directory an outsider owns");
+  CHECK(chown(gdir, 0, (gid_t)-1) == 0 && chmod(gdir, 03770) == 0);
+  CHECK_MSG(member_tries(conf, "belongs to uid 60003, who is not root nor a member", file) == 0,
+            "a member used a budget an outsider made");
+  struct stat st;
+  CHECK_MSG(stat(file, &st) == 0 && st.st_size == 0, "the outsider's file was written");
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+}
+
+/* At protected_hardlinks=0 another user can link a victim's file to the
+ * victim's budget name: adopting it would rewrite the file as a budget.
+ * A hard link is refused (the test links its own file: no second user). */
+static void test_budget_hardlink(void) {
+  char target[300];
+  snprintf(target, sizeof target, "%s/empty-notes", safe);
+  write_file(target, "");
+  CHECK(link(target, budget_of("hard")) == 0);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch,shared_limit:1G,shared_name:hard", &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+  CHECK_MSG(
+      strstr(gpumem_last_error(), "2 hard links") && strstr(gpumem_last_error(), budget_of("hard")),
+      "%s", gpumem_last_error());
+  done(gm, sim);
+  struct stat st;
+  CHECK_MSG(stat(target, &st) == 0 && st.st_size == 0, "the linked file was rewritten");
+  unlink(budget_of("hard"));
+}
+
 /* Whether this root can become another user at all (a container may not
  * let it). */
 static bool can_switch_user(void) {
@@ -759,6 +870,7 @@ int main(void) {
     return 1;
   }
   setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+  if (root && !make_test_group()) why_no_group = "groupadd or gpasswd failed here";
   test_publication_links();
   test_budget_link();
   test_snapshot_link();
@@ -771,6 +883,9 @@ int main(void) {
   test_top();
   test_long_dir();
   test_group_budget();
+  test_group_outsider();
+  test_budget_hardlink();
+  remove_test_group();
   char cmd[400];
   snprintf(cmd, sizeof cmd, "rm -rf %s %s", dir, safe);
   if (system(cmd) != 0) printf("test_hostile: could not remove %s\n", dir);
