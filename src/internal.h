@@ -56,7 +56,7 @@ typedef struct gm_emitter {
 void gm_emit(gm_emitter* e, const char* text, size_t len);
 void gm_emitf(gm_emitter* e, const char* fmt, ...) GM_PRINTF(2, 3);
 /* s as a JSON string: quotes and backslashes escaped, control characters
- * as \u00XX. */
+ * (C0, DEL, C1) as \u00XX, bytes that are not UTF-8 as \ufffd. */
 void gm_emit_json_string(gm_emitter* e, const char* s);
 
 /* ---- output files at a user's path (outfile.c) ---- */

@@ -24,6 +24,7 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "shmfile.h"
@@ -565,20 +566,54 @@ static void test_fifo_and_flipping(void) {
 /* Rows 11 and 12 through the command: a process named with escape
  * sequences, pages with INT64_MAX figures, and 5,000 fake ones beside the
  * real page. */
-static void run_top(const char* args, char* out, size_t cap) {
+static int run_top_in(const char* in, const char* args, char* out, size_t cap) {
   char exe[512], cmd[1200];
   ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   out[0] = '\0';
-  if (n <= 0) return;
+  if (n <= 0) return -1;
   exe[n] = '\0';
   char* slash = strrchr(exe, '/');
   if (slash) *slash = '\0';
-  snprintf(cmd, sizeof cmd, "%s/../gpumem top %s --dir %s 2>&1", exe, args, dir);
+  snprintf(cmd, sizeof cmd, "%s/../gpumem top %s --dir %s 2>&1", exe, args, in);
   FILE* f = popen(cmd, "r");
-  if (!f) return;
+  if (!f) return -1;
   size_t len = fread(out, 1, cap - 1, f);
   out[len] = '\0';
-  pclose(f);
+  return pclose(f);
+}
+
+static void run_top(const char* args, char* out, size_t cap) {
+  run_top_in(dir, args, out, cap);
+}
+
+/* Whether s is valid UTF-8 with no raw control character but newlines (C0,
+ * DEL, or C1: U+0080-U+009F, which terminals act on): what `top --json`
+ * may print, whatever names the processes gave themselves. */
+static bool clean_utf8(const char* s) {
+  const unsigned char* p = (const unsigned char*)s;
+  while (*p) {
+    unsigned c = *p;
+    if ((c < 0x20 && c != '\n') || c == 0x7f) return false;
+    if (c < 0x80) {
+      p++;
+      continue;
+    }
+    int n = c >= 0xc2 && c <= 0xdf   ? 2
+            : c >= 0xe0 && c <= 0xef ? 3
+            : c >= 0xf0 && c <= 0xf4 ? 4
+                                     : 0;
+    if (!n) return false;
+    unsigned cp = c & (0x7f >> n);
+    for (int i = 1; i < n; i++) {
+      if ((p[i] & 0xc0) != 0x80) return false;
+      cp = cp << 6 | (p[i] & 0x3f);
+    }
+    if ((n == 3 && cp < 0x800) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+        (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f))
+      return false;
+    p += n;
+  }
+  return true;
 }
 
 static void test_top(void) {
@@ -608,6 +643,13 @@ static void test_top(void) {
   close(fd);
   int64_t big = INT64_MAX;
   for (int at = 104; at < 136; at += 8) memcpy(page + at, &big, 8); /* allocated..reserved_peak */
+  /* a name of bytes that are no UTF-8 (0x9b: CSI on an 8-bit terminal) */
+  char hostile_name[32] =
+      "\x9b"
+      "31m\xff\xfe\xc2\x9b\xe2\x82";
+  char saved_name[32];
+  memcpy(saved_name, page + 40, sizeof saved_name);
+  memcpy(page + 40, hostile_name, sizeof hostile_name);
   char path[400];
   int held[2];
   for (int i = 0; i < 2; i++) {
@@ -619,6 +661,11 @@ static void test_top(void) {
   run_top("--once", out, sizeof out);
   CHECK_MSG(strstr(out, "3 allocators published") && strstr(out, "3 running, allocated 8.00 EiB"),
             "%s", out);
+  run_top("--json", out, sizeof out);
+  CHECK_MSG(clean_utf8(out), "top --json is not clean UTF-8: %s", out);
+  CHECK_MSG(strstr(out, "\"process\":\"\\ufffd31m\\ufffd\\ufffd\\u009b\\ufffd\\ufffd\""), "%s",
+            out);
+  memcpy(page + 40, saved_name, sizeof saved_name);
   for (int i = 0; i < 2; i++) {
     snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, (int)child, 100 + i);
     unlink(path);
@@ -645,6 +692,57 @@ static void test_top(void) {
   close(ready[1]);
   close(go[0]);
   close(go[1]);
+}
+
+/* Another user's 5,000 pages with a valid header and a sequence number held
+ * odd (a writer forever mid-update): each refresh of root's top reads each
+ * within a fixed number of tries, skips them, and takes well under a
+ * second, not seconds per thousand; and with nothing published, top says
+ * so and exits 0 (it sorted a NULL array: UBSan stopped it). */
+static void test_top_odd_pages(void) {
+  static char out[1 << 16];
+  char odd[300], path[400];
+  snprintf(odd, sizeof odd, "%s/odd", dir);
+  CHECK(mkdir(odd, 01777) == 0 && chmod(odd, 01777) == 0);
+  CHECK_MSG(
+      run_top_in(odd, "--once", out, sizeof out) == 0 && strstr(out, "0 allocators published"),
+      "top with nothing published: %s", out);
+  CHECK_MSG(run_top_in(odd, "--json", out, sizeof out) == 0 && strcmp(out, "[]\n") == 0,
+            "top --json with nothing published: %s", out);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("publish:on", &sim);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  seen_t s = scan();
+  char page[192];
+  int fd = open(s.last.path, O_RDONLY);
+  CHECK(fd >= 0 && read(fd, page, sizeof page) == 192);
+  close(fd);
+  done(gm, sim);
+  uint64_t seq = 12345; /* odd */
+  memcpy(page + 16, &seq, sizeof seq);
+  pid_t child = root ? fork() : 0;
+  if (child == 0) {
+    if (root) become(ATTACKER, ATTACKER, 0, NULL);
+    int made = 0;
+    for (int i = 0; i < 5000; i++) {
+      snprintf(path, sizeof path, "%s/gpumem.%d.0", odd, 100000 + i);
+      int o = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+      made += o >= 0 && write(o, page, sizeof page) == 192;
+      if (o >= 0) close(o);
+    }
+    if (root) _exit(made == 5000 ? 0 : 1);
+    CHECK(made == 5000);
+  } else {
+    CHECK(wait_child(child) == 0);
+  }
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = run_top_in(odd, "--once", out, sizeof out);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  printf("test_hostile: top over 5,000 pages held odd: %.2f s\n", secs);
+  CHECK_MSG(rc == 0 && strstr(out, "0 allocators published"), "%s", out);
+  CHECK_MSG(secs < 3.0, "one refresh over 5,000 odd pages took %.1f s", secs);
 }
 
 /* Row 13: a directory so long that budget paths would be cut. */
@@ -881,6 +979,7 @@ int main(void) {
   test_liveness();
   test_fifo_and_flipping();
   test_top();
+  test_top_odd_pages();
   test_long_dir();
   test_group_budget();
   test_group_outsider();
