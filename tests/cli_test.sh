@@ -583,5 +583,31 @@ run "$BIN" report "$TRACE" --memory
 expect_rc 2 "report --memory without a value"
 expect_in "option '--memory' needs a value" "$err" "report --memory without a value"
 
+# ---- run: code only from a package this user or root owns ----
+# The binary built into a directory whose parent anyone can write (make
+# build BUILD=/tmp/gmb): another user's WORLD/_bootstrap/sitecustomize.py
+# (WORLD/.. of the binary, where an installed package would be) must not
+# run; the package of the checkout is used instead.
+if command -v python3 >/dev/null; then
+  chmod 711 "$T"
+  mkdir -m 1777 "$T/world"
+  mkdir "$T/world/gmb"
+  cp "$BIN" "$T/world/gmb/gpumem"
+  plant='mkdir -p "$0/_bootstrap" && touch "$0/__init__.py" &&
+    printf "open(\"%s\", \"w\").write(\"ran\")\n" "$0/pwned" >"$0/_bootstrap/sitecustomize.py"'
+  if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+    setpriv --reuid=65534 --regid=65534 --clear-groups bash -c "$plant" "$T/world"
+  else
+    bash -c "$plant" "$T/world"
+  fi
+  run "$T/world/gmb/gpumem" run -- python3 -c 'import sys; print(sys.path[1])'
+  expect_rc 0 "run from a binary below a directory anyone can write"
+  expect_true "run did not run another user's sitecustomize.py" [ ! -e "$T/world/pwned" ]
+  expect_in "python/gpumem/_bootstrap" "$out" "run put the checkout's hook on PYTHONPATH instead"
+  expect_not_in "$T/world/_bootstrap" "$out" "run did not put the planted hook on PYTHONPATH"
+else
+  echo "cli_test: SKIPPED run from a binary below a shared directory: no python3"
+fi
+
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]
