@@ -1181,7 +1181,7 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
   }
   char live[512];
   gm_live_groups_locked(gm, live, sizeof live);
-  char snapshot[sizeof gm->opts.oom_snapshot + 80] = "";
+  char snapshot[2 * sizeof gm->opts.oom_snapshot + 400] = ""; /* room for why it failed */
   if (cause == GPUMEM_ERR_OUT_OF_MEMORY && gm->opts.oom_snapshot[0]) {
     char said[sizeof snapshot - 16];
     gm_oom_snapshot(gm, said, sizeof said);

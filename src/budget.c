@@ -33,6 +33,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <pwd.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,11 +87,28 @@ static uint64_t add_capped(uint64_t a, uint64_t b) {
   return a > UINT64_MAX - b ? UINT64_MAX : a + b;
 }
 
+/* Whether files owned by uid may hold the group's budget: this user's, root's,
+ * or a member's by the group database (primary group or listed member). A
+ * user outside the group who owns the directory or a file in it can
+ * rewrite or swap what members trust, whatever its group and mode say. */
+static bool trusted_in_group(uid_t uid, const struct group* gr) {
+  if (uid == 0 || uid == geteuid()) return true;
+  struct passwd pw, *found = NULL;
+  char buf[16384];
+  if (getpwuid_r(uid, &pw, buf, sizeof buf, &found) != 0 || !found) return false;
+  if (pw.pw_gid == gr->gr_gid) return true;
+  for (char** m = gr->gr_mem; m && *m; m++)
+    if (strcmp(*m, pw.pw_name) == 0) return true;
+  return false;
+}
+
 /* The group's directory, made (setgid and sticky, closed to others) when
  * it is missing, and checked when it is not: a directory, not a link, of
- * the group, not writable by other users. Returns its descriptor or -1
+ * the group, not writable by other users, owned by root or a member. Returns its descriptor or -1
  * with the failure reported. */
-static int open_group_dir(const char* path, gid_t gid, const char* group) {
+static int open_group_dir(const char* path, const struct group* gr) {
+  gid_t gid = gr->gr_gid;
+  const char* group = gr->gr_name;
   int dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (dfd < 0 && errno == ENOENT && mkdir(path, 0700) == 0) {
     dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
@@ -119,13 +137,38 @@ static int open_group_dir(const char* path, gid_t gid, const char* group) {
             path, group, (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777), group, path, path);
     return -1;
   }
+  if (!trusted_in_group(st.st_uid, gr)) {
+    close(dfd);
+    gm_fail(GPUMEM_ERR_BACKEND,
+            "gpumem shared budget: the directory %s belongs to uid %u, who is not root nor a "
+            "member of group %s: its owner could change any budget in it; ask root to give it "
+            "to root (chown root %s) or remove it",
+            path, (unsigned)st.st_uid, group, path);
+    return -1;
+  }
   return dfd;
 }
 
 /* Why fd's file is not one this process may use as its budget, or NULL. */
-static const char* untrusted(const struct stat* st, bool grouped, gid_t gid, char* why,
-                             size_t cap) {
+static const char* untrusted(const struct stat* st, const struct group* gr, char* why, size_t cap) {
+  bool grouped = gr != NULL;
   if (!S_ISREG(st->st_mode)) return "it is not a regular file";
+  /* another name of a file (a hard link made where protected_hardlinks is
+   * off): adopting it would rewrite the file under its other name */
+  if (st->st_nlink != 1) {
+    snprintf(why, cap,
+             "it has %lu hard links (another name of some file), and gpumem never uses one as "
+             "a budget",
+             (unsigned long)st->st_nlink);
+    return why;
+  }
+  if (grouped && !trusted_in_group(st->st_uid, gr)) {
+    snprintf(why, cap,
+             "it belongs to uid %u, who is not root nor a member of group %s, and gpumem never "
+             "uses a budget an outsider made",
+             (unsigned)st->st_uid, gr->gr_name);
+    return why;
+  }
   if (!grouped && st->st_uid != geteuid()) {
     snprintf(why, cap,
              "it belongs to uid %u, not to this user (uid %u), and gpumem never uses a budget "
@@ -137,7 +180,7 @@ static const char* untrusted(const struct stat* st, bool grouped, gid_t gid, cha
     snprintf(why, cap, "other users can open it (mode %04o)", (unsigned)(st->st_mode & 07777));
     return why;
   }
-  if (grouped && (st->st_gid != gid || (st->st_mode & 07))) {
+  if (grouped && (st->st_gid != gr->gr_gid || (st->st_mode & 07))) {
     snprintf(why, cap, "it is not the group's alone (group %u, mode %04o)", (unsigned)st->st_gid,
              (unsigned)(st->st_mode & 07777));
     return why;
@@ -191,10 +234,10 @@ static gpumem_status_t attach(gpumem_t* gm, gm_budget* b) {
   char file[128], dir_path[300];
   int dir_fd = -1, n;
   gid_t gid = 0;
+  struct group gr, *found = NULL;
+  char grbuf[16384];
   if (grouped) {
-    struct group gr, *found = NULL;
-    char buf[16384];
-    if (getgrnam_r(group, &gr, buf, sizeof buf, &found) != 0 || !found) {
+    if (getgrnam_r(group, &gr, grbuf, sizeof grbuf, &found) != 0 || !found) {
       return gm_fail(GPUMEM_ERR_BACKEND, "gpumem shared budget: no group named %s (shared_group)",
                      group);
     }
@@ -217,7 +260,7 @@ static gpumem_status_t attach(gpumem_t* gm, gm_budget* b) {
                    gm_publish_dir(), sizeof b->path - 1);
   }
   if (grouped) {
-    dir_fd = open_group_dir(dir_path, gid, group);
+    dir_fd = open_group_dir(dir_path, &gr);
     if (dir_fd < 0) return GPUMEM_ERR_BACKEND;
   } else if ((dir_fd = open(dir_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)) < 0) {
     return gm_fail(GPUMEM_ERR_BACKEND, "gpumem shared budget: cannot open the directory %s: %s",
@@ -244,9 +287,9 @@ static gpumem_status_t attach(gpumem_t* gm, gm_budget* b) {
                       : "");
   }
   struct stat st;
-  char why[200];
+  char why[300];
   const char* bad =
-      fstat(fd, &st) != 0 ? strerror(errno) : untrusted(&st, grouped, gid, why, sizeof why);
+      fstat(fd, &st) != 0 ? strerror(errno) : untrusted(&st, grouped ? &gr : NULL, why, sizeof why);
   if (bad) {
     close(fd);
     return gm_fail(GPUMEM_ERR_BACKEND,

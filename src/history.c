@@ -297,37 +297,35 @@ static void oom_snapshot_path(const char* pattern, char* out, size_t cap) {
   out[n] = '\0';
 }
 
-/* The snapshot goes to a file made afresh beside the target (mkostemp:
- * O_EXCL, mode 0600), then renamed over it: a link, FIFO or another
- * user's file planted at the target (as in a shared /tmp) is replaced as a
- * name or refused, never followed, truncated or written through. */
+/* The snapshot goes to a file made afresh beside the target, renamed over
+ * it (outfile.c): a link, FIFO or another user's file planted at the
+ * target (as in a shared /tmp) is refused, never followed, truncated or
+ * written through. */
 bool gm_oom_snapshot(gpumem_t* gm, char* said, size_t said_cap) {
-  char path[sizeof gm->opts.oom_snapshot + 32], tmp[sizeof path + 8];
+  char path[sizeof gm->opts.oom_snapshot + 32], why[1400];
   oom_snapshot_path(gm->opts.oom_snapshot, path, sizeof path);
-  snprintf(tmp, sizeof tmp, "%s.XXXXXX", path);
-  int fd = mkostemp(tmp, O_CLOEXEC);
+  gm_outfile out;
+  int fd = gm_outfile_open(&out, path, 0600, why, sizeof why);
   FILE* f = fd >= 0 ? fdopen(fd, "w") : NULL;
   if (!f) {
-    int e = errno;
     if (fd >= 0) {
+      snprintf(why, sizeof why, "cannot write %s: %s", path, strerror(errno));
       close(fd);
-      unlink(tmp);
+      gm_outfile_abandon(&out);
     }
-    snprintf(said, said_cap, "could not write the snapshot to %s: %s", path, strerror(e));
+    snprintf(said, said_cap, "could not write the snapshot: %s", why);
     return false;
   }
   gm_emitter e = {gpumem_write_to_file, f, 0};
   snapshot_locked(gm, gm->device_index >= 0 ? gm->device_index : 0, NULL, &e);
   bool ok = e.rc == 0;
   if (fclose(f) != 0) ok = false;
-  if (ok && rename(tmp, path) != 0) {
-    int err = errno;
-    unlink(tmp);
-    snprintf(said, said_cap, "could not write the snapshot to %s: %s%s", path, strerror(err),
-             err == EPERM || err == EACCES ? " (the name is another user's)" : "");
+  if (!ok) {
+    gm_outfile_abandon(&out);
+  } else if (!gm_outfile_commit(&out, why, sizeof why)) {
+    snprintf(said, said_cap, "could not write the snapshot: %s", why);
     return false;
   }
-  if (!ok) unlink(tmp);
   snprintf(said, said_cap, ok ? "snapshot written to %s" : "writing the snapshot to %s failed",
            path);
   return ok;

@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
@@ -55,7 +56,29 @@ typedef struct gm_emitter {
 void gm_emit(gm_emitter* e, const char* text, size_t len);
 void gm_emitf(gm_emitter* e, const char* fmt, ...) GM_PRINTF(2, 3);
 /* s as a JSON string: quotes and backslashes escaped, control characters
- * as \u00XX. */
+ * (C0, DEL, C1) as \u00XX, bytes that are not UTF-8 as \ufffd. */
 void gm_emit_json_string(gm_emitter* e, const char* s);
+
+/* ---- output files at a user's path (outfile.c) ---- */
+
+/* A file being written beside its target, renamed into place at commit.
+ * Never opened through a link nor into a file that exists: the target is
+ * refused (a link, not a regular file, another user's, writable by other
+ * users, with other hard links) with the reason naming the path. */
+typedef struct gm_outfile {
+  int dir_fd;
+  char path[1024]; /* as given */
+  char name[256];  /* the target's name in its directory */
+  char tmp[256];   /* the new file's name there, "" once renamed or removed */
+} gm_outfile;
+/* The new file's descriptor (O_WRONLY, O_CLOEXEC; mode exactly `mode`,
+ * 0600 unless there is a reason), or -1 with why ("refusing to write PATH:
+ * ..." or "cannot write PATH: ...") and nothing left behind. */
+int gm_outfile_open(gm_outfile* o, const char* path, mode_t mode, char* why, size_t cap);
+/* Renames the new file over the target (the descriptor stays usable);
+ * false with why, the new file removed. */
+bool gm_outfile_commit(gm_outfile* o, char* why, size_t cap);
+/* Removes the new file (a failed write); nothing after a commit. */
+void gm_outfile_abandon(gm_outfile* o);
 
 #endif

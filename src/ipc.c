@@ -17,7 +17,9 @@
  * The exporter keeps the descriptors open while the allocation lives (the
  * importer may open the handle any time until then: torch keeps a shared
  * tensor's memory alive until every receiver is done) and closes them when
- * it is freed, or at gpumem_destroy. The mapped pages of a live allocation
+ * it is freed, or at gpumem_destroy. An allocation exported again gets the
+ * same descriptors in its handle: one set per allocation, however often it
+ * is shared. The mapped pages of a live allocation
  * never move, so what the importer maps stays the allocation's. */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
@@ -193,6 +195,20 @@ gpumem_status_t gpumem_ipc_export(gpumem_t* gm, void* ptr, char* out, size_t cap
     len += (size_t)snprintf(NULL, 0, " %010d:%zu", 0, runs[i].pages * gm->page_size);
   *needed = len + 1;
   if (cap < len + 1) goto done;
+  /* The allocation exported before: its descriptors again (its pages have
+   * not moved while it lives), so that torch sharing one tensor anew each
+   * time holds one set of descriptors per allocation, not one per export,
+   * and cannot run the process out of them. */
+  for (size_t i = 0; i < gm->num_ipc_exports; i++) {
+    const struct gm_ipc_export* x = &gm->ipc_exports[i];
+    if (x->addr != b->addr || x->num_fds != n) continue;
+    memcpy(out, head, (size_t)head_len + 1);
+    size_t at = (size_t)head_len;
+    for (size_t k = 0; k < n; k++)
+      at += (size_t)snprintf(out + at, cap - at, " %010d:%zu", x->fds[k],
+                             runs[k].pages * gm->page_size);
+    goto done;
+  }
   fds = malloc(n * sizeof *fds);
   if (!fds) {
     st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_ipc_export: out of host memory");
@@ -211,8 +227,6 @@ gpumem_status_t gpumem_ipc_export(gpumem_t* gm, void* ptr, char* out, size_t cap
     out[0] = '\0';
     goto done;
   }
-  /* a second export of the same allocation keeps the first's descriptors
-   * too: an importer may still be opening that handle */
   st = remember_export(gm, b->addr, fds, n);
   if (st != GPUMEM_OK) {
     out[0] = '\0';

@@ -31,6 +31,7 @@
 #include <stddef.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +66,8 @@ struct gm_publication {
   int64_t limit, device_total;
   int64_t num_allocations, num_ooms, num_alloc_retries;
 };
+
+#define PUBLISH_READ_TRIES 4
 
 static atomic_uint next_instance;
 
@@ -257,8 +260,13 @@ static bool read_page(const char* path, struct gm_publication* out, bool* alive,
   if (fd < 0) return false;
   bool ok = false;
   const off_t seq_at = (off_t)offsetof(struct gm_publication, seq);
-  for (int tries = 0; tries < 1000 && !ok; tries++) {
+  /* A few tries: a writer holds its sequence odd for a few stores, so a
+   * page that stays odd or changing is skipped this refresh. Another user
+   * can plant thousands of pages held odd; a bounded time per file keeps
+   * root's refresh from taking seconds per thousand of them. */
+  for (int tries = 0; tries < PUBLISH_READ_TRIES && !ok; tries++) {
     uint64_t before = 0, after = 0;
+    if (tries) sched_yield();
     if (!gm_pread_all(fd, &before, sizeof before, seq_at)) break;
     if (before & 1) continue;
     if (!gm_pread_all(fd, out, sizeof *out, 0)) break;

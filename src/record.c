@@ -57,6 +57,7 @@ struct gm_recorder {
   struct gm_recorder* next_open; /* the recorders atexit finishes */
   char path[512];                /* as given, before expansion */
   char opened[600];
+  char why[900]; /* why the file could not be made */
 };
 
 /* Recorders with a file open: finished at exit (and forgotten in a forked
@@ -166,16 +167,24 @@ static bool open_file(gpumem_t* gm, struct gm_recorder* r) {
   if (r->file) return !atomic_load(&r->failed);
   if (atomic_load(&r->failed)) return false;
   expand_path(r->path, gm->device_index, r->opened, sizeof r->opened);
-  errno = 0;
-  r->file = gzopen(r->opened, "wb1");
-  int open_errno = errno;
+  /* The path is often in /tmp, where another user may have planted a link
+   * or a file of theirs at it (outfile.c). The new file is put in place at
+   * once, so that a job killed before it exits leaves its trace so far
+   * under the name asked for. */
+  gm_outfile out;
+  int fd = gm_outfile_open(&out, r->opened, 0600, r->why, sizeof r->why);
+  if (fd >= 0 && !gm_outfile_commit(&out, r->why, sizeof r->why)) {
+    close(fd);
+    fd = -1;
+  }
+  r->file = fd >= 0 ? gzdopen(fd, "wb1") : NULL;
+  if (fd >= 0 && !r->file) close(fd);
   r->buf = r->file ? malloc(REC_BUFFER) : NULL;
+  if (fd >= 0 && (!r->file || !r->buf))
+    snprintf(r->why, sizeof r->why, "cannot write %s: out of host memory", r->opened);
   if (!r->file || !r->buf) {
     r->failed = 1;
-    fprintf(stderr, "gpumem: record: cannot write %s: %s; not recording\n", r->opened,
-            r->file      ? "out of host memory"
-            : open_errno ? strerror(open_errno)
-                         : "unknown error");
+    fprintf(stderr, "gpumem: record: %s; not recording\n", r->why);
     if (r->file) gzclose(r->file);
     r->file = NULL;
     return false;
@@ -307,8 +316,7 @@ gpumem_status_t gpumem_record_trace(gpumem_t* gm, const char* path) {
     st = gm_record_start(gm, path);
     /* open now, so that a path that cannot be written is an error here */
     if (st == GPUMEM_OK && !open_file(gm, gm->recorder)) {
-      st = gm_fail(GPUMEM_ERR_IO, "gpumem_record_trace: cannot write %s: %s", gm->recorder->opened,
-                   errno ? strerror(errno) : "unknown error");
+      st = gm_fail(GPUMEM_ERR_IO, "gpumem_record_trace: %s", gm->recorder->why);
       gm_record_destroy(gm);
     }
   } else {

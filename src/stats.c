@@ -53,17 +53,50 @@ void gm_emitf(gm_emitter* e, const char* fmt, ...) {
   gm_emit(e, buf, (size_t)n < sizeof buf ? (size_t)n : sizeof buf - 1);
 }
 
+/* The length of the valid UTF-8 sequence at s (1 to 4), or 0 when it is
+ * not one (a stray byte, an overlong form, a surrogate, past U+10FFFF). */
+static int utf8_length(const unsigned char* s) {
+  unsigned char c = s[0];
+  int n = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+  for (int i = 1; i < n; i++)
+    if ((s[i] & 0xc0) != 0x80) return 0;
+  if ((c == 0xe0 && s[1] < 0xa0) || (c == 0xed && s[1] > 0x9f) || (c == 0xf0 && s[1] < 0x90) ||
+      (c == 0xf4 && s[1] > 0x8f))
+    return 0;
+  return n;
+}
+
 void gm_emit_json_string(gm_emitter* e, const char* s) {
+  /* Strings may come from another process (a published process name, a
+   * path): the output stays valid UTF-8, with every control character,
+   * C1 ones (U+0080-U+009F, which terminals act on) included, escaped, and
+   * each byte that is not UTF-8 replaced by U+FFFD. */
   gm_emit(e, "\"", 1);
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
+  const unsigned char* p = (const unsigned char*)s;
+  while (*p) {
+    unsigned char c = *p;
     if (c == '"' || c == '\\') {
       char esc[2] = {'\\', (char)c};
       gm_emit(e, esc, 2);
-    } else if (c < 0x20) {
+      p++;
+    } else if (c < 0x20 || c == 0x7f) {
       gm_emitf(e, "\\u%04x", c);
+      p++;
+    } else if (c < 0x80) {
+      gm_emit(e, (const char*)p, 1);
+      p++;
     } else {
-      gm_emit(e, (const char*)&c, 1);
+      int n = utf8_length(p);
+      if (n == 0) {
+        gm_emit(e, "\\ufffd", 6);
+        p++;
+      } else if (n == 2 && c == 0xc2 && p[1] <= 0x9f) {
+        gm_emitf(e, "\\u%04x", p[1]);
+        p += 2;
+      } else {
+        gm_emit(e, (const char*)p, (size_t)n);
+        p += n;
+      }
     }
   }
   gm_emit(e, "\"", 1);

@@ -447,6 +447,56 @@ run "$BIN" report -o "$T/no/such/dir/r.html" "$TINY"
 expect_rc 1 "report into a missing directory"
 expect_in "cannot write" "$err" "report into a missing directory"
 
+# Output files at names another user may have planted (docs/security.md):
+# a link at the path is refused, its target untouched; so is a file other
+# users can write or another name of a file (a hard link); new files are
+# 0600 whatever the umask, and an own file is replaced, not written through.
+echo precious >"$T/precious"
+for sub in report explain; do
+  ln -sf "$T/precious" "$T/$sub-link"
+  if [ $sub = report ]; then
+    run "$BIN" report -o "$T/$sub-link" "$TINY"
+  else
+    run "$BIN" explain --snapshot "$T/$sub-link" "$TINY"
+  fi
+  expect_rc 1 "$sub: a link at the output path"
+  expect_in "refusing to write $T/$sub-link: it is a symbolic link" "$err" "$sub: a link at the output path"
+  expect_true "$sub: the link's target is untouched" [ "$(cat "$T/precious")" = precious ]
+  expect_true "$sub: the link stays a link" [ -L "$T/$sub-link" ]
+done
+echo shared >"$T/shared.html"
+chmod 666 "$T/shared.html"
+run "$BIN" report -o "$T/shared.html" "$TINY"
+expect_rc 1 "report: a file other users can write"
+expect_in "other users can write it (mode 0666)" "$err" "report: a file other users can write"
+ln -f "$T/precious" "$T/hard.json"
+run "$BIN" explain --snapshot "$T/hard.json" "$TINY"
+expect_rc 1 "explain --snapshot: a hard link"
+expect_in "it has 2 hard links" "$err" "explain --snapshot: a hard link"
+expect_true "explain --snapshot: the other name is untouched" [ "$(cat "$T/precious")" = precious ]
+run bash -c "umask 022; \"$BIN\" report -o \"$T/fresh.html\" \"$TINY\" && \"$BIN\" explain --snapshot \"$T/fresh.json\" \"$TINY\""
+expect_rc 0 "report and explain into new files"
+expect_true "report -o makes its file 0600" [ "$(stat -c %a "$T/fresh.html")" = 600 ]
+expect_true "explain --snapshot makes its file 0600" [ "$(stat -c %a "$T/fresh.json")" = 600 ]
+ln "$T/fresh.html" "$T/fresh-copy.html" && rm "$T/fresh-copy.html"
+ino=$(stat -c %i "$T/fresh.html")
+run "$BIN" report -o "$T/fresh.html" "$TINY"
+expect_rc 0 "report over its own earlier file"
+expect_true "report replaces its earlier file" [ "$(stat -c %i "$T/fresh.html")" != "$ino" ]
+expect_true "no temporary file is left behind" [ -z "$(ls -A "$T" | grep '^\.')" ]
+if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+  # another user's file at the path, in a sticky directory anyone can write
+  chmod 711 "$T"
+  mkdir -m 1777 "$T/shared"
+  setpriv --reuid=65534 --regid=65534 --clear-groups bash -c "echo theirs >$T/shared/r.html"
+  run "$BIN" report -o "$T/shared/r.html" "$TINY"
+  expect_rc 1 "report: another user's file"
+  expect_in "belongs to uid 65534" "$err" "report: another user's file"
+  expect_true "report: the other user's file is untouched" [ "$(cat "$T/shared/r.html")" = theirs ]
+else
+  echo "cli_test: SKIPPED report into another user's file: needs root and setpriv"
+fi
+
 run "$BIN" report --conf "limt:1G" "$TINY"
 expect_rc 1 "report --conf with a typo"
 expect_in 'unknown key "limt"' "$err" "report --conf with a typo"
@@ -532,6 +582,32 @@ expect_in "bad --memory '0'" "$err" "report --memory=0 names the value"
 run "$BIN" report "$TRACE" --memory
 expect_rc 2 "report --memory without a value"
 expect_in "option '--memory' needs a value" "$err" "report --memory without a value"
+
+# ---- run: code only from a package this user or root owns ----
+# The binary built into a directory whose parent anyone can write (make
+# build BUILD=/tmp/gmb): another user's WORLD/_bootstrap/sitecustomize.py
+# (WORLD/.. of the binary, where an installed package would be) must not
+# run; the package of the checkout is used instead.
+if command -v python3 >/dev/null; then
+  chmod 711 "$T"
+  mkdir -m 1777 "$T/world"
+  mkdir "$T/world/gmb"
+  cp "$BIN" "$T/world/gmb/gpumem"
+  plant='mkdir -p "$0/_bootstrap" && touch "$0/__init__.py" &&
+    printf "open(\"%s\", \"w\").write(\"ran\")\n" "$0/pwned" >"$0/_bootstrap/sitecustomize.py"'
+  if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
+    setpriv --reuid=65534 --regid=65534 --clear-groups bash -c "$plant" "$T/world"
+  else
+    bash -c "$plant" "$T/world"
+  fi
+  run "$T/world/gmb/gpumem" run -- python3 -c 'import sys; print(sys.path[1])'
+  expect_rc 0 "run from a binary below a directory anyone can write"
+  expect_true "run did not run another user's sitecustomize.py" [ ! -e "$T/world/pwned" ]
+  expect_in "python/gpumem/_bootstrap" "$out" "run put the checkout's hook on PYTHONPATH instead"
+  expect_not_in "$T/world/_bootstrap" "$out" "run did not put the planted hook on PYTHONPATH"
+else
+  echo "cli_test: SKIPPED run from a binary below a shared directory: no python3"
+fi
 
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

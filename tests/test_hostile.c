@@ -14,6 +14,7 @@
 #include <grp.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <pwd.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -23,6 +24,7 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "shmfile.h"
@@ -218,6 +220,90 @@ static void test_snapshot_link(void) {
   /* root may replace the name (its target untouched); another user is refused */
   CHECK(lstat(path, &st) == 0 && (S_ISLNK(st.st_mode) || st.st_uid == geteuid()));
   unlink(path);
+}
+
+/* A trace recorded to a path in a directory anyone can write (record:PATH,
+ * the README's example once was /tmp/job.trace.gz): another user's link at
+ * the path, or at the names of coming pids, points at a file of root's; a
+ * file they made first, 0666, would receive the trace. Each is refused with
+ * a message naming the path, nothing is written through or into them, and
+ * a new trace is 0600 whatever the umask. */
+static void plant(const char* target, const char* path, bool as_file) {
+  pid_t child = root ? fork() : 0;
+  if (child == 0) {
+    if (root) become(ATTACKER, ATTACKER, 0, NULL);
+    int ok;
+    if (as_file) {
+      int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+      ok = fd >= 0 && fchmod(fd, 0666) == 0 && close(fd) == 0;
+    } else {
+      ok = symlink(target, path) == 0;
+    }
+    if (root) _exit(ok ? 0 : 1);
+    CHECK(ok);
+    return;
+  }
+  CHECK(wait_child(child) == 0);
+}
+
+static void test_record_planted(void) {
+  char target[300], path[400], conf[600];
+  snprintf(target, sizeof target, "%s/precious-trace", safe);
+  write_file(target, "precious");
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch", &sim);
+  /* a link at the path */
+  snprintf(path, sizeof path, "%s/job.trace.gz", dir);
+  plant(target, path, false);
+  clear_error();
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  CHECK_MSG(strstr(gpumem_last_error(), "refusing to write") && strstr(gpumem_last_error(), path) &&
+                strstr(gpumem_last_error(), "symbolic link"),
+            "%s", gpumem_last_error());
+  /* links at the names of this and coming pids, with record:PATH-%p */
+  for (int i = 0; i < 3; i++) {
+    snprintf(path, sizeof path, "%s/job-%d.trace.gz", dir, (int)getpid() + i);
+    plant(target, path, false);
+  }
+  snprintf(path, sizeof path, "%s/job-%%p.trace.gz", dir);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  done(gm, sim);
+  snprintf(conf, sizeof conf, "policy:pytorch,record:%s/job-%%p.trace.gz", dir);
+  gm = make(conf, &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_OK); /* recording off, allocation on */
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  done(gm, sim);
+  CHECK_MSG(file_is(target, "precious"), "the trace went through a link");
+  /* a file the other user made first, open to all */
+  snprintf(path, sizeof path, "%s/pre.trace.gz", dir);
+  plant(NULL, path, true);
+  gm = make("policy:pytorch", &sim);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  CHECK_MSG(strstr(gpumem_last_error(), path) &&
+                (root ? strstr(gpumem_last_error(), "belongs to uid 60001")
+                      : strstr(gpumem_last_error(), "other users can write it (mode 0666)")),
+            "%s", gpumem_last_error());
+  struct stat st;
+  CHECK(stat(path, &st) == 0 && st.st_size == 0);
+  /* another name of a file of root's (a hard link) */
+  snprintf(path, sizeof path, "%s/hard.trace.gz", dir);
+  CHECK(link(target, path) == 0);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_ERR_IO);
+  CHECK_MSG(strstr(gpumem_last_error(), "hard links"), "%s", gpumem_last_error());
+  CHECK(file_is(target, "precious"));
+  /* a new trace: the user's alone */
+  mode_t old = umask(022);
+  snprintf(path, sizeof path, "%s/fresh.trace.gz", dir);
+  CHECK_STATUS(gpumem_record_trace(gm, path), GPUMEM_OK);
+  umask(old);
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(gm, p), GPUMEM_OK);
+  CHECK_STATUS(gpumem_record_trace(gm, NULL), GPUMEM_OK);
+  CHECK_MSG(lstat(path, &st) == 0 && S_ISREG(st.st_mode) && (st.st_mode & 0777) == 0600 &&
+                st.st_uid == geteuid() && st.st_size > 0,
+            "the trace is mode %04o", (unsigned)(st.st_mode & 07777));
+  done(gm, sim);
 }
 
 /* Rows 4 and 5: another user's budget file, made first, plain or well
@@ -480,20 +566,54 @@ static void test_fifo_and_flipping(void) {
 /* Rows 11 and 12 through the command: a process named with escape
  * sequences, pages with INT64_MAX figures, and 5,000 fake ones beside the
  * real page. */
-static void run_top(const char* args, char* out, size_t cap) {
+static int run_top_in(const char* in, const char* args, char* out, size_t cap) {
   char exe[512], cmd[1200];
   ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   out[0] = '\0';
-  if (n <= 0) return;
+  if (n <= 0) return -1;
   exe[n] = '\0';
   char* slash = strrchr(exe, '/');
   if (slash) *slash = '\0';
-  snprintf(cmd, sizeof cmd, "%s/../gpumem top %s --dir %s 2>&1", exe, args, dir);
+  snprintf(cmd, sizeof cmd, "%s/../gpumem top %s --dir %s 2>&1", exe, args, in);
   FILE* f = popen(cmd, "r");
-  if (!f) return;
+  if (!f) return -1;
   size_t len = fread(out, 1, cap - 1, f);
   out[len] = '\0';
-  pclose(f);
+  return pclose(f);
+}
+
+static void run_top(const char* args, char* out, size_t cap) {
+  run_top_in(dir, args, out, cap);
+}
+
+/* Whether s is valid UTF-8 with no raw control character but newlines (C0,
+ * DEL, or C1: U+0080-U+009F, which terminals act on): what `top --json`
+ * may print, whatever names the processes gave themselves. */
+static bool clean_utf8(const char* s) {
+  const unsigned char* p = (const unsigned char*)s;
+  while (*p) {
+    unsigned c = *p;
+    if ((c < 0x20 && c != '\n') || c == 0x7f) return false;
+    if (c < 0x80) {
+      p++;
+      continue;
+    }
+    int n = c >= 0xc2 && c <= 0xdf   ? 2
+            : c >= 0xe0 && c <= 0xef ? 3
+            : c >= 0xf0 && c <= 0xf4 ? 4
+                                     : 0;
+    if (!n) return false;
+    unsigned cp = c & (0x7f >> n);
+    for (int i = 1; i < n; i++) {
+      if ((p[i] & 0xc0) != 0x80) return false;
+      cp = cp << 6 | (p[i] & 0x3f);
+    }
+    if ((n == 3 && cp < 0x800) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+        (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f))
+      return false;
+    p += n;
+  }
+  return true;
 }
 
 static void test_top(void) {
@@ -523,6 +643,13 @@ static void test_top(void) {
   close(fd);
   int64_t big = INT64_MAX;
   for (int at = 104; at < 136; at += 8) memcpy(page + at, &big, 8); /* allocated..reserved_peak */
+  /* a name of bytes that are no UTF-8 (0x9b: CSI on an 8-bit terminal) */
+  char hostile_name[32] =
+      "\x9b"
+      "31m\xff\xfe\xc2\x9b\xe2\x82";
+  char saved_name[32];
+  memcpy(saved_name, page + 40, sizeof saved_name);
+  memcpy(page + 40, hostile_name, sizeof hostile_name);
   char path[400];
   int held[2];
   for (int i = 0; i < 2; i++) {
@@ -534,6 +661,11 @@ static void test_top(void) {
   run_top("--once", out, sizeof out);
   CHECK_MSG(strstr(out, "3 allocators published") && strstr(out, "3 running, allocated 8.00 EiB"),
             "%s", out);
+  run_top("--json", out, sizeof out);
+  CHECK_MSG(clean_utf8(out), "top --json is not clean UTF-8: %s", out);
+  CHECK_MSG(strstr(out, "\"process\":\"\\ufffd31m\\ufffd\\ufffd\\u009b\\ufffd\\ufffd\""), "%s",
+            out);
+  memcpy(page + 40, saved_name, sizeof saved_name);
   for (int i = 0; i < 2; i++) {
     snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, (int)child, 100 + i);
     unlink(path);
@@ -562,6 +694,57 @@ static void test_top(void) {
   close(go[1]);
 }
 
+/* Another user's 5,000 pages with a valid header and a sequence number held
+ * odd (a writer forever mid-update): each refresh of root's top reads each
+ * within a fixed number of tries, skips them, and takes well under a
+ * second, not seconds per thousand; and with nothing published, top says
+ * so and exits 0 (it sorted a NULL array: UBSan stopped it). */
+static void test_top_odd_pages(void) {
+  static char out[1 << 16];
+  char odd[300], path[400];
+  snprintf(odd, sizeof odd, "%s/odd", dir);
+  CHECK(mkdir(odd, 01777) == 0 && chmod(odd, 01777) == 0);
+  CHECK_MSG(
+      run_top_in(odd, "--once", out, sizeof out) == 0 && strstr(out, "0 allocators published"),
+      "top with nothing published: %s", out);
+  CHECK_MSG(run_top_in(odd, "--json", out, sizeof out) == 0 && strcmp(out, "[]\n") == 0,
+            "top --json with nothing published: %s", out);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("publish:on", &sim);
+  CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
+  seen_t s = scan();
+  char page[192];
+  int fd = open(s.last.path, O_RDONLY);
+  CHECK(fd >= 0 && read(fd, page, sizeof page) == 192);
+  close(fd);
+  done(gm, sim);
+  uint64_t seq = 12345; /* odd */
+  memcpy(page + 16, &seq, sizeof seq);
+  pid_t child = root ? fork() : 0;
+  if (child == 0) {
+    if (root) become(ATTACKER, ATTACKER, 0, NULL);
+    int made = 0;
+    for (int i = 0; i < 5000; i++) {
+      snprintf(path, sizeof path, "%s/gpumem.%d.0", odd, 100000 + i);
+      int o = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
+      made += o >= 0 && write(o, page, sizeof page) == 192;
+      if (o >= 0) close(o);
+    }
+    if (root) _exit(made == 5000 ? 0 : 1);
+    CHECK(made == 5000);
+  } else {
+    CHECK(wait_child(child) == 0);
+  }
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  int rc = run_top_in(odd, "--once", out, sizeof out);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+  printf("test_hostile: top over 5,000 pages held odd: %.2f s\n", secs);
+  CHECK_MSG(rc == 0 && strstr(out, "0 allocators published"), "%s", out);
+  CHECK_MSG(secs < 3.0, "one refresh over 5,000 odd pages took %.1f s", secs);
+}
+
 /* Row 13: a directory so long that budget paths would be cut. */
 static void test_long_dir(void) {
   char longdir[400];
@@ -581,16 +764,46 @@ static void test_long_dir(void) {
   setenv("GPUMEM_PUBLISH_DIR", dir, 1);
 }
 
+/* A group of the test's own whose members, in the group database (what
+ * gpumem consults to trust an owner), are the system users daemon and bin;
+ * removed at the end. */
+static char test_group[32];
+static uid_t member_uid[2];
+static gid_t member_gid[2];
+static const char* why_no_group = "needs root, groupadd and gpasswd, and users daemon and bin";
+
+static bool make_test_group(void) {
+  const char* names[2] = {"daemon", "bin"};
+  for (int i = 0; i < 2; i++) {
+    struct passwd* pw = getpwnam(names[i]);
+    if (!pw) return false;
+    member_uid[i] = pw->pw_uid;
+    member_gid[i] = pw->pw_gid;
+  }
+  snprintf(test_group, sizeof test_group, "gmhostile%d", (int)getpid());
+  char cmd[200];
+  snprintf(cmd, sizeof cmd, "groupadd %s 2>/dev/null && gpasswd -M daemon,bin %s >/dev/null 2>&1",
+           test_group, test_group);
+  if (system(cmd) == 0 && getgrnam(test_group)) return true;
+  test_group[0] = '\0';
+  return false;
+}
+
+static void remove_test_group(void) {
+  char cmd[200];
+  snprintf(cmd, sizeof cmd, "groupdel %s", test_group);
+  if (test_group[0] && system(cmd) != 0)
+    printf("test_hostile: could not remove group %s\n", test_group);
+}
+
 /* Opt-in sharing: two users of one group share a budget in the group's
  * directory; a user outside the group cannot open it. */
 static void test_group_budget(void) {
-  if (!root) return skip("a budget shared by two users");
-  struct group* g = getgrnam("users");
-  if (!g) g = getgrnam("nogroup");
-  if (!g) {
-    printf("test_hostile: SKIPPED group budget: no group 'users' or 'nogroup'\n");
+  if (!root || !test_group[0]) {
+    printf("test_hostile: SKIPPED a budget shared by two users: %s\n", why_no_group);
     return;
   }
+  struct group* g = getgrnam(test_group);
   gid_t gid = g->gr_gid;
   char conf[200];
   snprintf(conf, sizeof conf, "policy:pytorch,shared_limit:1G,shared_name:team,shared_group:%s",
@@ -599,7 +812,7 @@ static void test_group_budget(void) {
   CHECK(pipe(ready) == 0 && pipe(go) == 0);
   pid_t first = fork();
   if (first == 0) {
-    become(ATTACKER, ATTACKER, 1, &gid);
+    become(member_uid[0], member_gid[0], 1, &gid);
     umask(077); /* the file is made 0660 whatever the umask */
     gpumem_backend_t* sim;
     gpumem_t* gm = make(conf, &sim);
@@ -615,7 +828,7 @@ static void test_group_budget(void) {
   CHECK(read(ready[0], &c, 1) == 1 && c == 'y');
   pid_t second = fork();
   if (second == 0) {
-    become(OTHER, OTHER, 1, &gid);
+    become(member_uid[1], member_gid[1], 1, &gid);
     gpumem_backend_t* sim;
     gpumem_t* gm = make(conf, &sim);
     void* p = NULL;
@@ -651,6 +864,86 @@ static void test_group_budget(void) {
   close(go[1]);
 }
 
+/* A group's directory an outsider made first, whose group and mode root
+ * then fixed as the old message advised (the outsider still owns it and can
+ * write in it), with the outsider's budget file inside; then the directory
+ * given to root, the outsider's file still there. Members refuse both,
+ * saying whose they are. */
+static int member_tries(const char* conf, const char* want1, const char* want2) {
+  gid_t gid = getgrnam(test_group)->gr_gid;
+  pid_t child = fork();
+  if (child == 0) {
+    become(member_uid[0], member_gid[0], 1, &gid);
+    gpumem_backend_t* sim;
+    gpumem_t* gm = make(conf, &sim);
+    void* p = NULL;
+    gpumem_status_t st = gpumem_malloc(gm, MIB, 0, &p);
+    const char* e = gpumem_last_error();
+    bool ok = st == GPUMEM_ERR_BACKEND && strstr(e, want1) && strstr(e, want2);
+    if (!ok) fprintf(stderr, "member: %s: %s\n", gpumem_strerror(st), e);
+    _exit(ok ? 0 : 1);
+  }
+  return wait_child(child);
+}
+
+static void test_group_outsider(void) {
+  if (!root || !test_group[0]) {
+    printf("test_hostile: SKIPPED a group directory an outsider made: %s\n", why_no_group);
+    return;
+  }
+  char pub[300], gdir[400], file[500], conf[200];
+  snprintf(pub, sizeof pub, "%s/outsider", dir);
+  CHECK(mkdir(pub, 01777) == 0 && chmod(pub, 01777) == 0);
+  setenv("GPUMEM_PUBLISH_DIR", pub, 1);
+  snprintf(gdir, sizeof gdir, "%s/gpumem-group.%s", pub, test_group);
+  snprintf(file, sizeof file, "%s/gpumem-budget.team.-1", gdir);
+  snprintf(conf, sizeof conf, "policy:pytorch,shared_limit:1G,shared_name:team,shared_group:%s",
+           test_group);
+  pid_t child = fork();
+  if (child == 0) {
+    become(OUTSIDER, OUTSIDER, 0, NULL);
+    _exit(mkdir(gdir, 0777) == 0 && chmod(gdir, 0777) == 0 ? 0 : 1);
+  }
+  CHECK(wait_child(child) == 0);
+  CHECK(chown(gdir, (uid_t)-1, getgrnam(test_group)->gr_gid) == 0 && chmod(gdir, 03770) == 0);
+  child = fork();
+  if (child == 0) {
+    become(OUTSIDER, OUTSIDER, 0, NULL);
+    int fd = open(file, O_RDWR | O_CREAT | O_EXCL, 0660); /* of the group: setgid directory */
+    _exit(fd >= 0 && fchmod(fd, 0660) == 0 ? 0 : 1);
+  }
+  CHECK(wait_child(child) == 0);
+  CHECK_MSG(member_tries(conf, "belongs to uid 60003, who is not root nor a member", gdir) == 0,
+            "a member used a directory an outsider owns");
+  CHECK(chown(gdir, 0, (gid_t)-1) == 0 && chmod(gdir, 03770) == 0);
+  CHECK_MSG(member_tries(conf, "belongs to uid 60003, who is not root nor a member", file) == 0,
+            "a member used a budget an outsider made");
+  struct stat st;
+  CHECK_MSG(stat(file, &st) == 0 && st.st_size == 0, "the outsider's file was written");
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+}
+
+/* At protected_hardlinks=0 another user can link a victim's file to the
+ * victim's budget name: adopting it would rewrite the file as a budget.
+ * A hard link is refused (the test links its own file: no second user). */
+static void test_budget_hardlink(void) {
+  char target[300];
+  snprintf(target, sizeof target, "%s/empty-notes", safe);
+  write_file(target, "");
+  CHECK(link(target, budget_of("hard")) == 0);
+  gpumem_backend_t* sim;
+  gpumem_t* gm = make("policy:pytorch,shared_limit:1G,shared_name:hard", &sim);
+  void* p = NULL;
+  CHECK_STATUS(gpumem_malloc(gm, MIB, 0, &p), GPUMEM_ERR_BACKEND);
+  CHECK_MSG(
+      strstr(gpumem_last_error(), "2 hard links") && strstr(gpumem_last_error(), budget_of("hard")),
+      "%s", gpumem_last_error());
+  done(gm, sim);
+  struct stat st;
+  CHECK_MSG(stat(target, &st) == 0 && st.st_size == 0, "the linked file was rewritten");
+  unlink(budget_of("hard"));
+}
+
 /* Whether this root can become another user at all (a container may not
  * let it). */
 static bool can_switch_user(void) {
@@ -675,17 +968,23 @@ int main(void) {
     return 1;
   }
   setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+  if (root && !make_test_group()) why_no_group = "groupadd or gpasswd failed here";
   test_publication_links();
   test_budget_link();
   test_snapshot_link();
+  test_record_planted();
   test_budget_squatted();
   test_budget_repairs();
   test_truncated();
   test_liveness();
   test_fifo_and_flipping();
   test_top();
+  test_top_odd_pages();
   test_long_dir();
   test_group_budget();
+  test_group_outsider();
+  test_budget_hardlink();
+  remove_test_group();
   char cmd[400];
   snprintf(cmd, sizeof cmd, "rm -rf %s %s", dir, safe);
   if (system(cmd) != 0) printf("test_hostile: could not remove %s\n", dir);

@@ -13,6 +13,7 @@
 #endif
 #include <dirent.h>
 #include <inttypes.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -245,6 +246,27 @@ int main(void) {
                  GPUMEM_ERR_INVALID_POINTER);
     CHECK_STATUS(gpumem_ipc_export(a, &need, NULL, 0, &need), GPUMEM_ERR_INVALID_POINTER);
     CHECK_STATUS(gpumem_ipc_export(a, ps[0], NULL, 0, NULL), GPUMEM_ERR_INVALID_ARGUMENT);
+    /* one allocation exported again and again (torch shares a tensor anew
+     * each time): the same descriptors each time, not one set per export,
+     * so 1,100 exports do not run the process out of descriptors */
+    {
+      char first[4096], again[4096];
+      long exports_before = s.exports;
+      CHECK_STATUS(gpumem_ipc_export(a, ps[2], first, sizeof first, &need), GPUMEM_OK);
+      int fds_after_one = open_fds();
+      bool same = true;
+      for (int i = 0; i < 1100 && same; i++) {
+        CHECK_STATUS(gpumem_ipc_export(a, ps[2], again, sizeof again, &need), GPUMEM_OK);
+        same = strcmp(first, again) == 0;
+      }
+      CHECK_MSG(same, "a second export's handle differs: %s / %s", first, again);
+      CHECK_MSG(open_fds() == fds_after_one,
+                "%d descriptors open after 1,100 exports, %d after one", open_fds(), fds_after_one);
+      CHECK(s.exports - exports_before <= 3); /* at most the first export's pages, once */
+      void* q2 = NULL;
+      CHECK_STATUS(gpumem_ipc_open(b, again, strlen(again), &q2), GPUMEM_OK);
+      CHECK_STATUS(gpumem_ipc_close(b, q2), GPUMEM_OK);
+    }
     /* an import still open when its allocator is destroyed is unmapped */
     char* text = malloc(4096);
     CHECK_STATUS(gpumem_ipc_export(a, ps[1], text, 4096, &need), GPUMEM_OK);

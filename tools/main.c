@@ -1479,11 +1479,24 @@ static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
 
 /* The snapshot of gm, its frames tagged with trace lines of t, into path. */
 static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
-  FILE* f = fopen(path, "w");
-  if (!f) return error("cannot write %s: %s", path, strerror(errno));
+  /* never through a link or into another user's file (src/outfile.c) */
+  gm_outfile out;
+  char why[1400];
+  int fd = gm_outfile_open(&out, path, 0600, why, sizeof why);
+  if (fd < 0) return error("%s", why);
+  FILE* f = fdopen(fd, "w");
+  if (!f) {
+    close(fd);
+    gm_outfile_abandon(&out);
+    return error("cannot write %s: %s", path, strerror(errno));
+  }
   int failed = gpumem_snapshot_json(gm, 0, t->path, gpumem_write_to_file, f) != 0;
   if (fclose(f) != 0) failed = 1;
-  if (failed) return error("writing %s failed", path);
+  if (failed) {
+    gm_outfile_abandon(&out);
+    return error("writing %s failed", path);
+  }
+  if (!gm_outfile_commit(&out, why, sizeof why)) return error("%s", why);
   printf("\nsnapshot at that event: %s\n", path);
   return 0;
 }

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "gpumem.h"
 #include "fit.h"
@@ -513,15 +514,30 @@ int gm_cli_report(int argc, char** argv) {
       }
     }
   }
-  p->out = out_path ? fopen(out_path, "w") : stdout;
+  /* -o: never through a link or into another user's file (src/outfile.c) */
+  gm_outfile out;
+  char why[1400];
+  int fd = out_path ? gm_outfile_open(&out, out_path, 0600, why, sizeof why) : -1;
+  if (out_path && fd < 0) {
+    fprintf(stderr, "gpumem: %s\n", why);
+    goto done;
+  }
+  p->out = out_path ? fdopen(fd, "w") : stdout;
   if (!p->out) {
     fprintf(stderr, "gpumem: cannot write %s: %s\n", out_path, strerror(errno));
+    close(fd);
+    gm_outfile_abandon(&out);
     goto done;
   }
   write_page(p);
   rc = ferror(p->out) ? 1 : 0;
   if (out_path && fclose(p->out) != 0) rc = 1;
   if (rc) fprintf(stderr, "gpumem: writing %s failed\n", out_path ? out_path : "the page");
+  if (out_path && rc) gm_outfile_abandon(&out);
+  if (out_path && !rc && !gm_outfile_commit(&out, why, sizeof why)) {
+    fprintf(stderr, "gpumem: %s\n", why);
+    rc = 1;
+  }
   if (!rc && out_path) printf("%s: report written to %s\n", t->name, out_path);
 done:
   if (p) {

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "gpumem.h"
@@ -45,36 +46,109 @@ static int run_usage_error(const char* what, const char* arg) {
   return EXIT_USAGE;
 }
 
-/* Whether dir holds the package's start-up hook. */
+/* Whether dir holds the package's start-up hook (and is a package). */
 static int has_hook(const char* dir) {
-  char path[PATH_MAX];
+  char path[PATH_MAX], init[PATH_MAX];
   int n = snprintf(path, sizeof path, "%s" HOOK, dir);
-  return n > 0 && (size_t)n < sizeof path && access(path, R_OK) == 0;
+  int m = snprintf(init, sizeof init, "%s/__init__.py", dir);
+  return n > 0 && (size_t)n < sizeof path && m > 0 && (size_t)m < sizeof init &&
+         access(path, R_OK) == 0 && access(init, R_OK) == 0;
+}
+
+/* Why the code at path (a file or directory whose contents Python will
+ * run) may not be trusted, or NULL: it must belong to this user or root and
+ * be writable by nobody else, or another user could put code there that
+ * runs as this user. */
+static const char* untrusted(const char* path, char* why, size_t cap) {
+  struct stat st;
+  if (lstat(path, &st) != 0) {
+    snprintf(why, cap, "%s: %s", path, strerror(errno));
+  } else if (S_ISLNK(st.st_mode)) {
+    snprintf(why, cap, "%s is a symbolic link", path);
+  } else if (st.st_uid != 0 && st.st_uid != geteuid()) {
+    snprintf(why, cap, "%s belongs to uid %u, not to this user or root", path, (unsigned)st.st_uid);
+  } else if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+    snprintf(why, cap, "other users can write %s (mode %04o)", path,
+             (unsigned)(st.st_mode & 07777));
+  } else {
+    return NULL;
+  }
+  return why;
+}
+
+/* The same for the directories above pkg (a resolved path): another user
+ * who could rename an entry in one could swap the whole package. A sticky
+ * directory (/tmp) lets nobody rename what they do not own. */
+static const char* untrusted_above(const char* pkg, char* why, size_t cap) {
+  char dir[PATH_MAX];
+  snprintf(dir, sizeof dir, "%s", pkg);
+  for (char* slash = strrchr(dir, '/'); slash; slash = strrchr(dir, '/')) {
+    if (slash == dir)
+      slash[1] = '\0';
+    else
+      *slash = '\0';
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+      snprintf(why, cap, "%s: %s", dir, strerror(errno));
+      return why;
+    }
+    if (st.st_uid != 0 && st.st_uid != geteuid()) {
+      snprintf(why, cap, "%s belongs to uid %u, not to this user or root", dir,
+               (unsigned)st.st_uid);
+      return why;
+    }
+    if ((st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX)) {
+      snprintf(why, cap, "other users can write %s (mode %04o)", dir,
+               (unsigned)(st.st_mode & 07777));
+      return why;
+    }
+    if (slash == dir) break;
+  }
+  return NULL;
+}
+
+/* Whether the package at pkg (resolved) may be put on PYTHONPATH: the
+ * package, its _bootstrap and the hook, and every directory above. */
+static const char* package_untrusted(const char* pkg, char* why, size_t cap) {
+  char path[PATH_MAX + 64];
+  const char* parts[] = {"", "/__init__.py", "/_bootstrap", HOOK};
+  for (size_t i = 0; i < sizeof parts / sizeof parts[0]; i++) {
+    snprintf(path, sizeof path, "%s%s", pkg, parts[i]);
+    if (untrusted(path, why, cap)) return why;
+  }
+  return untrusted_above(pkg, why, cap);
 }
 
 /* The gpumem Python package that belongs with this binary: the one it is
  * shipped in (gpumem/bin/gpumem), the checkout it was built from
  * (build/gpumem beside python/gpumem, or the source directory CMake saw).
- * exe_dir receives the binary's directory. 0 when found. */
-static int find_package(char* pkg, char* exe_dir, size_t cap) {
+ * Only a package that this user or root owns and nobody else can write is
+ * taken: a binary built into /tmp/x would otherwise run whatever another
+ * user put in /tmp/_bootstrap. exe_dir receives the binary's directory; why
+ * receives why a package found was refused. 0 when found. */
+static int find_package(char* pkg, char* exe_dir, size_t cap, char* why, size_t why_cap) {
+  why[0] = '\0';
   ssize_t n = readlink("/proc/self/exe", exe_dir, cap - 1);
   if (n <= 0) return -1;
   exe_dir[n] = '\0';
   char* slash = strrchr(exe_dir, '/');
   if (slash) *slash = '\0';
-  const char* layouts[] = {"%s/..", "%s/../python/gpumem", NULL};
-  char candidate[PATH_MAX];
-  for (int i = 0; layouts[i]; i++) {
-    int len = snprintf(candidate, sizeof candidate, layouts[i], exe_dir);
-    if (len > 0 && (size_t)len < sizeof candidate && has_hook(candidate) &&
-        realpath(candidate, pkg))
-      return 0;
+  char candidates[3][PATH_MAX];
+  int count = 0;
+  const char* layouts[] = {"%s/..", "%s/../python/gpumem"};
+  for (int i = 0; i < 2; i++) {
+    int len = snprintf(candidates[count], sizeof candidates[count], layouts[i], exe_dir);
+    if (len > 0 && (size_t)len < sizeof candidates[count]) count++;
   }
 #ifdef GPUMEM_SOURCE_DIR
-  if (has_hook(GPUMEM_SOURCE_DIR "/python/gpumem") &&
-      realpath(GPUMEM_SOURCE_DIR "/python/gpumem", pkg))
-    return 0;
+  snprintf(candidates[count++], sizeof candidates[0], "%s", GPUMEM_SOURCE_DIR "/python/gpumem");
 #endif
+  char refused[PATH_MAX + 200];
+  for (int i = 0; i < count; i++) {
+    if (!has_hook(candidates[i]) || !realpath(candidates[i], pkg)) continue;
+    if (!package_untrusted(pkg, refused, sizeof refused)) return 0;
+    if (!why[0]) snprintf(why, why_cap, "refused the package at %s: %s", pkg, refused);
+  }
   return -1;
 }
 
@@ -115,13 +189,14 @@ int gm_cli_run(int argc, char** argv) {
       return EXIT_USAGE;
     }
   }
-  char pkg[PATH_MAX], exe_dir[PATH_MAX];
-  if (find_package(pkg, exe_dir, sizeof exe_dir) != 0) {
+  char pkg[PATH_MAX], exe_dir[PATH_MAX], why[PATH_MAX + 300];
+  if (find_package(pkg, exe_dir, sizeof exe_dir, why, sizeof why) != 0) {
     fprintf(stderr,
             "gpumem run: cannot find the gpumem Python package that belongs with this program "
             "(looked for gpumem" HOOK
-            " beside it and in python/gpumem of its checkout); "
-            "install it with pip install <gpumem checkout>\n");
+            " beside it and in python/gpumem of its checkout%s%s); "
+            "install it with pip install <gpumem checkout>\n",
+            why[0] ? "; " : "", why);
     return EXIT_FAILURE;
   }
 
@@ -132,7 +207,10 @@ int gm_cli_run(int argc, char** argv) {
   snprintf(library, sizeof library, "%s/libgpumem.so", exe_dir);
   const char* env_library = getenv("GPUMEM_LIBRARY");
   /* A build tree's binary sits beside the library it was built with. */
-  int use_library = (!env_library || !*env_library) && access(library, R_OK) == 0;
+  char refused[PATH_MAX + 200];
+  int use_library = (!env_library || !*env_library) && access(library, R_OK) == 0 &&
+                    !untrusted(library, refused, sizeof refused) &&
+                    !untrusted(exe_dir, refused, sizeof refused);
   if (setenv("PYTHONPATH", path, 1) != 0 || setenv("GPUMEM_ENABLE_TORCH", "1", 1) != 0 ||
       (conf && setenv("GPUMEM_CONF", conf, 1) != 0) ||
       (verbose && setenv("GPUMEM_TORCH_VERBOSE", "1", 1) != 0) ||

@@ -272,7 +272,8 @@ int gm_cli_top(int argc, char** argv) {
       clean = 0;
       continue; /* show what is left */
     }
-    qsort(r.items, r.count, sizeof *r.items, by_device_then_pid);
+    /* (qsort's array may not be NULL, even for no elements) */
+    if (r.count > 1) qsort(r.items, r.count, sizeof *r.items, by_device_then_pid);
     if (json) {
       print_json(&r);
       if (r.dropped) {

@@ -55,7 +55,7 @@ import tempfile
 import threading
 import warnings
 
-from . import _core as _alloc, _lib, errors
+from . import _core as _alloc, _lib, _safefs, errors
 from .microbatch import CannotSplitError, MicroBatchStep, microbatch  # noqa: F401 (API)
 
 _lock = threading.Lock()
@@ -232,6 +232,7 @@ def _install_graphs(torch, lib, state):
         state.why_no_graphs = why
         return False
     try:
+        _safefs.check_library(path)
         glib = ctypes.CDLL(path)
         install = glib.gpumem_graphs_install
     except (OSError, AttributeError) as e:
@@ -312,19 +313,8 @@ def is_oom(exc):
 
 
 def _cache_dir():
-    base = os.environ.get("GPUMEM_CACHE_DIR")
-    if not base:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = os.path.join(xdg, "gpumem")
-    try:
-        os.makedirs(base, exist_ok=True)
-        if os.access(base, os.W_OK):
-            return base
-    except OSError:
-        pass
-    base = os.path.join(tempfile.gettempdir(), "gpumem-%d" % os.getuid())
-    os.makedirs(base, exist_ok=True)
-    return base
+    # a directory of this user's alone: another user's library there would run as this user
+    return _safefs.cache_dir()
 
 
 def _shim_source():
@@ -569,6 +559,7 @@ def _frames_library(path):
     if not path:
         return None
     try:
+        _safefs.check_library(path)
         dll = ctypes.PyDLL(path)
         dll.gpumem_graphs_stacks.argtypes = [ctypes.c_int]
         dll.gpumem_graphs_stacks.restype = None
@@ -767,6 +758,7 @@ def enable(conf=None, shim=True):
             shim_lib = None
             if shim_path:
                 try:
+                    _safefs.check_library(shim_path)
                     shim_lib = ctypes.CDLL(shim_path)
                     bind = shim_lib.gpumem_shim_bind
                 except (OSError, AttributeError) as e:  # a stale or foreign cached file
