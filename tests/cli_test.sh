@@ -340,18 +340,18 @@ expect_rc 2 "summary of two traces"
 
 # ---- explain --snapshot: the state at the peak, for memory_viz ----
 
-run "$BIN" explain --snapshot "$T/snap.json" "$TINY"
+run "$BIN" explain --snapshot "$T/snap.pickle" "$TINY"
 expect_rc 0 "explain --snapshot"
-expect_in "snapshot at that event: $T/snap.json" "$out" "explain --snapshot"
+expect_in "snapshot at that event: $T/snap.pickle" "$out" "explain --snapshot"
 if command -v python3 >/dev/null 2>&1; then
   # Blocks tile their segments; every live block carries one frame, the
   # trace line of the allocation that made it; segments and spare pages
   # make the reserved bytes; the live blocks are those explain counted at
   # the peak.
   live_said=$(printf '%s\n' "$out" | sed -n 's/.* requested by \([0-9]*\) live allocations.*/\1/p')
-  if why=$(python3 - "$T/snap.json" "$TINY" "$live_said" 2>&1 <<'PY'
-import json, sys
-snap = json.load(open(sys.argv[1]))
+  if why=$(python3 - "$T/snap.pickle" "$TINY" "$live_said" 2>&1 <<'PY'
+import pickle, sys
+snap = pickle.load(open(sys.argv[1], "rb"))
 alloc_lines = {n for n, l in enumerate(open(sys.argv[2]), 1) if l.startswith("a ")}
 live = 0
 for seg in snap["segments"]:
@@ -373,6 +373,22 @@ assert actions.count("alloc") - actions.count("free_requested") == live, actions
 PY
   ); then ok; else bad "explain --snapshot: $why"; fi
 fi
+
+# The snapshot reads back as a trace: the job up to the peak, every
+# allocation it made and every free.
+run "$BIN" replay --json --passes 0 "$T/snap.pickle"
+expect_rc 0 "replay of explain's snapshot"
+if command -v python3 >/dev/null 2>&1; then
+  if why=$(python3 - "$T/snap.pickle" "$out" 2>&1 <<'PY'
+import json, pickle, sys
+actions = [e["action"] for e in pickle.load(open(sys.argv[1], "rb"))["device_traces"][0]]
+r = json.loads(sys.argv[2])
+assert r["allocations"] == actions.count("alloc") > 0, (r["allocations"], actions)
+PY
+  ); then ok; else bad "replay of explain's snapshot: $why"; fi
+fi
+run "$BIN" summary "$T/snap.pickle"
+expect_rc 0 "summary of explain's snapshot"
 
 run "$BIN" explain --snapshot "$T/no/such/dir/snap.json" "$TINY"
 expect_rc 1 "explain --snapshot into a missing directory"

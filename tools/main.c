@@ -18,6 +18,7 @@
 #include "gpumem.h"
 #include "fit.h"
 #include "internal.h" /* gm_format_bytes */
+#include "jsonpickle.h"
 #include "peer_models.h"
 #include "replay.h"
 #include "report.h"
@@ -150,9 +151,11 @@ static const char usage_explain[] =
     "                            over GPUMEM_CONF's keys; --policy, --limit override both\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --snapshot FILE           also write the allocator's snapshot at that event\n"
-    "                            as JSON in the shape of torch.cuda.memory._snapshot():\n"
+    "                            as a pickle of torch.cuda.memory._snapshot()'s shape:\n"
     "                            segments, blocks and the events so far, each tagged\n"
-    "                            with its trace line (pickle it for memory_viz)\n"
+    "                            with its trace line; memory_viz opens it, and every\n"
+    "                            gpumem command reads it as a TRACE (the job up to\n"
+    "                            the peak)\n"
     "  -h, --help                this text\n";
 
 static int usage_error(const char* usage, const char* fmt, ...)
@@ -1601,13 +1604,45 @@ static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
          live ? 100.0 * (double)bytes / (double)live : 0.0);
 }
 
-/* The snapshot of gm, its frames tagged with trace lines of t, into path. */
+/* A growing buffer the library's JSON writers can fill. */
+typedef struct buffer {
+  char* s;
+  size_t len, cap;
+} buffer_t;
+
+static int buffer_write(const char* s, size_t len, void* arg) {
+  buffer_t* b = arg;
+  if (b->len + len > b->cap) {
+    size_t cap = (b->len + len) * 2;
+    char* grown = realloc(b->s, cap);
+    if (!grown) return 1;
+    b->s = grown;
+    b->cap = cap;
+  }
+  memcpy(b->s + b->len, s, len);
+  b->len += len;
+  return 0;
+}
+
+/* The snapshot of gm, its frames tagged with trace lines of t, into path
+ * as a pickle: the form PyTorch's memory_viz opens and every gpumem
+ * command reads back (the library writes it as JSON; the pickle is the
+ * same value). */
 static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
-  FILE* f = fopen(path, "w");
-  if (!f) return error("cannot write %s: %s", path, strerror(errno));
-  int failed = gpumem_snapshot_json(gm, 0, t->path, gpumem_write_to_file, f) != 0;
+  buffer_t json = {NULL, 0, 0};
+  if (gpumem_snapshot_json(gm, 0, t->path, buffer_write, &json) != 0) {
+    free(json.s);
+    return error("out of host memory for the snapshot");
+  }
+  FILE* f = fopen(path, "wb");
+  if (!f) {
+    free(json.s);
+    return error("cannot write %s: %s", path, strerror(errno));
+  }
+  int failed = json_to_pickle(json.s, json.len, gpumem_write_to_file, f) != GPUMEM_OK;
+  free(json.s);
   if (fclose(f) != 0) failed = 1;
-  if (failed) return error("writing %s failed", path);
+  if (failed) return error("writing %s failed: %s", path, detail(gpumem_last_error()));
   printf("\nsnapshot at that event: %s\n", path);
   return 0;
 }
