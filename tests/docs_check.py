@@ -232,6 +232,22 @@ for n in bundled:
     if row["h200_pytorch_reserved_ratio"] != torch_r or row["h200_best_peer_reserved_ratio"] != min(exp_r, async_r):
         fail("tools/main.c", f"{n}: the H200 figures replay --compare prints differ from BENCHMARKS.md's Peers table")
 
+# GPU figures quoted from the Peers table elsewhere must be the table's.
+peer_cols = {"torch": [], "torch_exp": [], "async": []}
+for n in bundled:
+    for cells in table_rows(peers, n)[:1]:
+        for k, cell in zip(("torch", "torch_exp", "async"), cells[1:4]):
+            peer_cols[k].append(float(cell))
+expect_range("README.md", readme, r"expandable segments reserve ([\d.]+)-([\d.]+) x peak live,", peer_cols["torch_exp"],
+             "expandable segments in BENCHMARKS.md's Peers table")
+expect_range("README.md", readme, r"x peak live, cudaMallocAsync ([\d.]+)-([\d.]+) x\.", peer_cols["async"],
+             "cudaMallocAsync in BENCHMARKS.md's Peers table")
+for cells in table_rows(design, "bundled traces, no limit")[:1]:
+    for cell, k in ((cells[3], "torch"), (cells[4], "torch_exp")):
+        lo, hi = cell.split("-")
+        expect("docs/design.md", lo, min(peer_cols[k]), f"{k} in BENCHMARKS.md's Peers table (lowest)")
+        expect("docs/design.md", hi, max(peer_cols[k]), f"{k} in BENCHMARKS.md's Peers table (highest)")
+
 # ---- docs/whatif.md: the example of gpumem fit, line for line ----
 whatif = read("docs/whatif.md")
 example = re.split(r"checks these lines against it\):", whatif, 1)
