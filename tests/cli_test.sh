@@ -643,6 +643,24 @@ expect_in "give one or the other" "$err" "expandable_segments with --policy asyn
 run "$BIN" replay --conf policy:pytorch,expandable_segments:True --json "$SMALL"
 expect_in '"policy":"pytorch-expandable"' "$out" "policy:pytorch in --conf selects the model too"
 
+# The engine's policies: a key one of them has nothing to act on is refused.
+run "$BIN" replay --conf max_split_size_mb:20 "$SMALL"
+expect_rc 1 "max_split_size_mb under the default policy"
+expect_in "'max_split_size_mb' does not apply to the default policy" "$err" \
+  "max_split_size_mb under the default policy is refused by name"
+run "$BIN" replay --passes 0 --policy pytorch --conf max_split_size_mb:20 "$SMALL"
+expect_rc 0 "max_split_size_mb under the pytorch policy"
+run "$BIN" replay --policy pytorch --conf placement:planned "$SMALL"
+expect_rc 1 "placement under the pytorch policy"
+expect_in "--conf key 'placement' does not apply to the pytorch policy" "$err" \
+  "placement under the pytorch policy is refused by name"
+run env GPUMEM_CONF=reclaim:pressure "$BIN" summary --policy pytorch "$SMALL"
+expect_rc 1 "GPUMEM_CONF's reclaim under summary --policy pytorch"
+expect_in "GPUMEM_CONF key 'reclaim' does not apply to the pytorch policy" "$err" \
+  "GPUMEM_CONF's reclaim under the pytorch policy is refused by name"
+run "$BIN" replay --compare --passes 0 --conf placement:bestfit "$SMALL"
+expect_rc 0 "replay --compare takes the default policy's keys"
+
 # --compare: the header says the limit the figures were made under; the
 # help and the JSON name the third column as the table does.
 run "$BIN" replay --compare --passes 0 --conf limit:30M "$TINY"

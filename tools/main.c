@@ -115,7 +115,8 @@ static const char usage_replay[] =
     "                            pytorch, default, and hold (the default holding reserved\n"
     "                            memory at the high-water mark: placement:planned,\n"
     "                            move_budget:unlimited,headroom:0.002); --conf, --limit and\n"
-    "                            GPUMEM_CONF apply to all three\n"
+    "                            GPUMEM_CONF apply to all three, each column taking the keys\n"
+    "                            its policy has\n"
     "  -h, --help                this text\n";
 
 static const char usage_summary[] =
@@ -308,6 +309,38 @@ static int model_key(const char* key, size_t len, void* arg) {
                why);
 }
 
+/* A key that one engine policy has nothing to act on: the default
+ * policy's own settings (how pages move, where blocks go in an arena) in
+ * the pytorch policy's plain segments, and PyTorch's max_split_size_mb in
+ * the default policy's arenas (which split any block). A replay would run
+ * as if they were not there; refused by name instead. */
+typedef struct policy_key {
+  gpumem_policy_t policy;
+  const char* source; /* "GPUMEM_CONF" or "--conf" */
+} policy_key_t;
+
+static int policy_key(const char* key, size_t len, void* arg) {
+  const policy_key_t* k = arg;
+  static const char* const vmm_only[] = {"reclaim", "headroom",   "move_budget", "placement",
+                                         "map_max", "move_guard", "stream_waits"};
+  if (k->policy == GPUMEM_POLICY_DEFAULT) {
+    if (len == 17 && strncasecmp(key, "max_split_size_mb", len) == 0)
+      return error(
+          "%s key 'max_split_size_mb' does not apply to the default policy: it is PyTorch's rule "
+          "for its segments (--policy pytorch), and the default policy's arenas split any block",
+          k->source);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof vmm_only / sizeof vmm_only[0]; i++) {
+    if (strlen(vmm_only[i]) == len && strncasecmp(key, vmm_only[i], len) == 0)
+      return error(
+          "%s key '%.*s' does not apply to the pytorch policy: it is a setting of the default "
+          "policy's virtual memory, and PyTorch's rules have none",
+          k->source, (int)len, key);
+  }
+  return 0;
+}
+
 /* After the options: which model of another allocator, if any, replays,
  * and that every configuration key is applied under it or refused. */
 static int resolve_model(cli_t* cli, int limit_flag) {
@@ -329,6 +362,13 @@ static int resolve_model(cli_t* cli, int limit_flag) {
           "(the %s policy has no such setting)",
           v, replay_policy_name(policy));
     if (cli->expandable == 1) cli->peer = PEER_EXPANDABLE;
+  }
+  /* --compare's columns take one conf between them, each the keys its
+   * policy has (its help says so) */
+  if (!cli->peer && !cli->compare) {
+    policy_key_t env = {policy, "GPUMEM_CONF"}, flag = {policy, "--conf"};
+    int rc = cli_each_key(cli_env_conf(), policy_key, &env);
+    return rc ? rc : cli_each_key(cli->conf_rest, policy_key, &flag);
   }
   if (!cli->peer) return 0;
   model_key_t env = {cli, "GPUMEM_CONF"}, flag = {cli, "--conf"};
