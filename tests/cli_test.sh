@@ -643,6 +643,18 @@ expect_in "give one or the other" "$err" "expandable_segments with --policy asyn
 run "$BIN" replay --conf policy:pytorch,expandable_segments:True --json "$SMALL"
 expect_in '"policy":"pytorch-expandable"' "$out" "policy:pytorch in --conf selects the model too"
 
+# record: would write the replay over the recording it reads; refused.
+cp "$TINY" "$T/rec.trace"
+for cmd in replay summary explain leaks report; do
+  run env GPUMEM_CONF="record:$T/rec.trace" "$BIN" $cmd "$T/rec.trace"
+  expect_rc 1 "GPUMEM_CONF=record: gpumem $cmd"
+  expect_in "GPUMEM_CONF key 'record' would record this replay" "$err" "GPUMEM_CONF=record: gpumem $cmd"
+done
+run "$BIN" replay --conf "record:$T/rec.trace" "$T/rec.trace"
+expect_rc 1 "replay --conf record:"
+expect_in "--conf key 'record'" "$err" "replay --conf record:"
+expect_true "the recording was left as it was" cmp -s "$TINY" "$T/rec.trace"
+
 # The engine's policies: a key one of them has nothing to act on is refused.
 run "$BIN" replay --conf max_split_size_mb:20 "$SMALL"
 expect_rc 1 "max_split_size_mb under the default policy"

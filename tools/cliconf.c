@@ -58,6 +58,18 @@ typedef struct {
   const char* want;
 } has_t;
 
+int cli_refuse_record(const char* conf) {
+  const char* source = cli_conf_has(cli_env_conf(), "record") ? "GPUMEM_CONF"
+                       : cli_conf_has(conf, "record")         ? "--conf"
+                                                              : NULL;
+  if (!source) return 0;
+  fprintf(stderr,
+          "gpumem: %s key 'record' would record this replay as a trace (over the recording "
+          "it reads, if the path is the same): leave it out for the trace commands\n",
+          source);
+  return 1;
+}
+
 static int has_key(const char* key, size_t len, void* arg) {
   const has_t* h = arg;
   return strlen(h->want) == len && strncasecmp(key, h->want, len) == 0;

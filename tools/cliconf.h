@@ -29,6 +29,12 @@ int cli_each_key(const char* conf, int (*fn)(const char* key, size_t len, void* 
 /* Whether conf names key (any case). */
 int cli_conf_has(const char* conf, const char* key);
 
+/* 0 when neither GPUMEM_CONF nor conf (--conf) holds record; else prints
+ * why and returns 1. In a command that replays a trace, record would
+ * write the replay itself as a trace, over the recording being read when
+ * the paths are the same. */
+int cli_refuse_record(const char* conf);
+
 /* A size typed on the command line (option names it, e.g. "--limit"): as
  * gpumem_parse_size, but a number without a unit is refused ("80" would be
  * 80 bytes, almost never what was meant; "80B" says so). On failure

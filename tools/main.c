@@ -589,6 +589,8 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
   if (replay_check_config(&cli->config) != GPUMEM_OK) {
     return error("bad --conf '%s': %s", cli->conf_rest, detail(gpumem_last_error()));
   }
+  /* fit's rows run at their own settings: nothing of GPUMEM_CONF records */
+  if (((allowed >> OPT_CONF) & 1) && cli_refuse_record(cli->conf_rest)) return EXIT_FAILURE;
   return resolve_model(cli, limit_text || ratio_text);
 }
 

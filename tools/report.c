@@ -477,6 +477,7 @@ int gm_cli_report(int argc, char** argv) {
     fprintf(stderr, "gpumem: %s\n", gpumem_last_error());
     return 1;
   }
+  if (cli_refuse_record(conf)) return 1;
   /* GPUMEM_CONF first, then --conf, as every command reads them */
   static char joined[4096];
   if (cli_join_conf(conf, joined, sizeof joined) != 0) {
