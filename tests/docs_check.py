@@ -151,7 +151,7 @@ for m in re.finditer(r"pip install (\.[^\s`]*)", readme):
 m = find(W, readme, r"make build +# ([^\n]+)")
 build = os.environ.get("GPUMEM_BUILD")
 if m and build:
-    for f in re.findall(r"build/(\S+?)(?:,|$)", m.group(1)):
+    for f in re.findall(r"build/([\w.-]+)", m.group(1)):
         checked += 1
         if not os.path.exists(os.path.join(build, f)):
             fail(W, f"says make build makes build/{f}; {build} has no {f}")
