@@ -1264,9 +1264,12 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
     limit = (uint64_t)(cli->config.limit_ratio * (double)t->peak_live_bytes);
   /* with a fraction of the device as well, the smaller cap holds, as in gpumem */
   if (cli->model_cap && (!limit || cli->model_cap < limit)) limit = cli->model_cap;
+  /* and the simulated device's memory (--capacity) bounds the model as it
+   * bounds the engine, a cap that is not a limit */
+  uint64_t bound = limit && limit < cli->config.sim_capacity ? limit : cli->config.sim_capacity;
   peer_result_t r;
   uint64_t min = 0;
-  if (peer_run(t, cli->peer, limit, 0, &r) != GPUMEM_OK ||
+  if (peer_run(t, cli->peer, bound, 0, &r) != GPUMEM_OK ||
       (cli->min_limit &&
        peer_min_limit(t, cli->peer, cli->config.min_limit_tolerance, 0, &min) != GPUMEM_OK))
     return error("%s", detail(gpumem_last_error()));
@@ -1284,7 +1287,12 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
     if (t->recorded_peak_reserved)
       printf(",\"recorded_peak_reserved_bytes\":%llu",
              (unsigned long long)t->recorded_peak_reserved);
-    printf(",\"limit_bytes\":%llu,\"oom\":%s", (unsigned long long)limit, r.oom ? "true" : "false");
+    if (limit) {
+      printf(",\"limit_bytes\":%llu", (unsigned long long)limit);
+    } else {
+      printf(",\"limit_bytes\":null");
+    }
+    printf(",\"oom\":%s", r.oom ? "true" : "false");
     if (r.oom)
       printf(",\"oom_event\":%zu,\"oom_size\":%llu", r.oom_event, (unsigned long long)r.oom_size);
     if (cli->min_limit)
@@ -1295,7 +1303,8 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
     return 0;
   }
   printf("%s (%s)\n", t->name, t->path);
-  printf("  %-16s%s (a model of it, no device)", "policy", peer_model_name(cli->peer));
+  printf("  %-16s%s (a model of it, in %.3f GiB of simulated device memory)", "policy",
+         peer_model_name(cli->peer), (double)cli->config.sim_capacity / GIB);
   if (limit) {
     printf(", limit %.3f GiB\n", (double)limit / GIB);
   } else {
