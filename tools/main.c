@@ -1,8 +1,10 @@
 /* The gpumem command line: `replay` (one trace at a time, or --compare for
- * both policies side by side with the figures measured on an H200) and
- * `summary` (the allocator's table at the end of a trace). Owns argument
- * parsing, exit codes (2 usage, 1 error), the human, JSON and table
- * output, and the progress line. The replay itself lives in replay.c. */
+ * both policies side by side with the figures measured on an H200),
+ * `summary`, `explain`, `leaks` and `fit`, and the dispatch to report, top
+ * and run. Owns argument parsing, exit codes (2 usage, 1 error), the
+ * human, JSON and table output, and the progress line. The replay itself
+ * lives in replay.c; what every command reads alike (GPUMEM_CONF, its
+ * precedence, sizes) in cliconf.c. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
