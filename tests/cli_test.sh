@@ -88,12 +88,12 @@ expect_in "--min-limit" "$out" "replay --help"
 run "$BIN" frobnicate
 expect_rc 2 "unknown command"
 expect_in "unknown command 'frobnicate'" "$err" "unknown command"
-expect_in "usage:" "$err" "unknown command"
+expect_in "try 'gpumem --help'" "$err" "unknown command"
 
 run "$BIN" replay --frobnicate "$TINY"
 expect_rc 2 "unknown option"
 expect_in "unknown option '--frobnicate'" "$err" "unknown option"
-expect_in "usage: gpumem replay" "$err" "unknown option"
+expect_in "try 'gpumem replay --help'" "$err" "unknown option"
 
 run "$BIN" replay -x "$TINY"
 expect_rc 2 "unknown short option"
@@ -105,7 +105,7 @@ run "$BIN" replay "$TINY" --limit
 expect_rc 2 "--limit without a value"
 
 # A limit of 0 (or one that rounds to 0) is refused, not read as "none".
-for zero in 0 0.1; do
+for zero in 0B 0.1B; do
   run "$BIN" replay "$TINY" --limit "$zero"
   expect_rc 1 "--limit $zero"
   expect_in "bad --limit '$zero': expected a size of at least 1 byte" "$err" "--limit $zero"
@@ -262,9 +262,9 @@ expect_true "peak reserved differs between runs: $RES vs $RESERVED" [ "$RES" = "
 
 # It is the smallest to a page (reserved memory grows by 2 MiB pages on the
 # simulated device): the limit replays, one page less runs out of memory.
-run "$BIN" replay --json --passes 0 --limit "$MIN" "$TINY"
+run "$BIN" replay --json --passes 0 --limit "${MIN}B" "$TINY"
 expect_in '"oom":false' "$out" "replay under the min limit $MIN"
-run "$BIN" replay --json --passes 0 --limit "$((MIN - 2097152))" "$TINY"
+run "$BIN" replay --json --passes 0 --limit "$((MIN - 2097152))B" "$TINY"
 expect_in '"oom":true' "$out" "replay a page under the min limit $MIN"
 run "$BIN" replay --json --min-limit-tolerance 0.5 "$TINY"
 expect_rc 0 "replay --min-limit-tolerance 0.5"
@@ -340,18 +340,18 @@ expect_rc 2 "summary of two traces"
 
 # ---- explain --snapshot: the state at the peak, for memory_viz ----
 
-run "$BIN" explain --snapshot "$T/snap.json" "$TINY"
+run "$BIN" explain --snapshot "$T/snap.pickle" "$TINY"
 expect_rc 0 "explain --snapshot"
-expect_in "snapshot at that event: $T/snap.json" "$out" "explain --snapshot"
+expect_in "snapshot at that event: $T/snap.pickle" "$out" "explain --snapshot"
 if command -v python3 >/dev/null 2>&1; then
   # Blocks tile their segments; every live block carries one frame, the
   # trace line of the allocation that made it; segments and spare pages
   # make the reserved bytes; the live blocks are those explain counted at
   # the peak.
   live_said=$(printf '%s\n' "$out" | sed -n 's/.* requested by \([0-9]*\) live allocations.*/\1/p')
-  if why=$(python3 - "$T/snap.json" "$TINY" "$live_said" 2>&1 <<'PY'
-import json, sys
-snap = json.load(open(sys.argv[1]))
+  if why=$(python3 - "$T/snap.pickle" "$TINY" "$live_said" 2>&1 <<'PY'
+import pickle, sys
+snap = pickle.load(open(sys.argv[1], "rb"))
 alloc_lines = {n for n, l in enumerate(open(sys.argv[2]), 1) if l.startswith("a ")}
 live = 0
 for seg in snap["segments"]:
@@ -373,6 +373,22 @@ assert actions.count("alloc") - actions.count("free_requested") == live, actions
 PY
   ); then ok; else bad "explain --snapshot: $why"; fi
 fi
+
+# The snapshot reads back as a trace: the job up to the peak, every
+# allocation it made and every free.
+run "$BIN" replay --json --passes 0 "$T/snap.pickle"
+expect_rc 0 "replay of explain's snapshot"
+if command -v python3 >/dev/null 2>&1; then
+  if why=$(python3 - "$T/snap.pickle" "$out" 2>&1 <<'PY'
+import json, pickle, sys
+actions = [e["action"] for e in pickle.load(open(sys.argv[1], "rb"))["device_traces"][0]]
+r = json.loads(sys.argv[2])
+assert r["allocations"] == actions.count("alloc") > 0, (r["allocations"], actions)
+PY
+  ); then ok; else bad "replay of explain's snapshot: $why"; fi
+fi
+run "$BIN" summary "$T/snap.pickle"
+expect_rc 0 "summary of explain's snapshot"
 
 run "$BIN" explain --snapshot "$T/no/such/dir/snap.json" "$TINY"
 expect_rc 1 "explain --snapshot into a missing directory"
@@ -608,6 +624,172 @@ if command -v python3 >/dev/null; then
 else
   echo "cli_test: SKIPPED run from a binary below a shared directory: no python3"
 fi
+
+# ---- what the command line says is what it did ----
+
+want_version=$(sed -n 's/^project(gpumem VERSION \([0-9.]*\).*/\1/p' "$SRC/CMakeLists.txt")
+for flag in --version -V; do
+  run "$BIN" $flag
+  expect_rc 0 "gpumem $flag"
+  expect_true "gpumem $flag says '$out', CMakeLists.txt $want_version" \
+    [ -n "$want_version" -a "$out" = "gpumem $want_version" ]
+done
+
+# A size without a unit is refused with the likely meaning, never taken as bytes.
+run "$BIN" fit --memory 80 "$TINY"
+expect_rc 1 "fit --memory 80"
+expect_in "bad --memory '80': 80 bytes: did you mean 80G? write 80B for bytes" "$err" "fit --memory 80"
+expect_true "fit --memory 80 printed a table: $out" [ -z "$out" ]
+for args in "replay --limit 80" "replay --capacity 80" "summary --limit 80" "replay --conf limit:80" \
+  "explain --conf map_max:2097152" "report --memory 80" "report --conf limit:80"; do
+  run "$BIN" $args "$TINY"
+  expect_rc 1 "$args"
+  expect_in "did you mean" "$err" "$args"
+done
+run "$BIN" run --conf limit:80 -- true
+expect_rc 2 "run --conf limit:80"
+expect_in "did you mean 80G" "$err" "run --conf limit:80"
+run "$BIN" replay --json --passes 0 --limit "${PEAK_LIVE}B" "$TINY"
+expect_rc 0 "replay --limit in bytes with B"
+expect_in "\"limit_bytes\":$PEAK_LIVE," "$out" "replay --limit ${PEAK_LIVE}B"
+
+# GPUMEM_CONF: applied by the offline commands, under --conf, under the flags.
+run env GPUMEM_CONF=limit:20M "$BIN" replay --json --passes 0 "$TINY"
+expect_rc 0 "GPUMEM_CONF=limit:20M replay"
+expect_in '"limit_bytes":20971520,' "$out" "GPUMEM_CONF's limit applies to replay"
+expect_in '"oom":true' "$out" "GPUMEM_CONF's limit applies to replay"
+run env GPUMEM_CONF=limit:20M "$BIN" replay --json --passes 0 --conf limit:1G "$TINY"
+expect_in '"limit_bytes":1073741824,' "$out" "--conf wins over GPUMEM_CONF"
+run env GPUMEM_CONF=limit:20M "$BIN" replay --json --passes 0 --conf limit:1G --limit 30M "$TINY"
+expect_in '"limit_bytes":31457280,' "$out" "--limit wins over --conf and GPUMEM_CONF"
+run env GPUMEM_CONF=policy:pytorch "$BIN" summary "$TINY"
+expect_in "(policy pytorch," "$out" "GPUMEM_CONF applies to summary"
+run env GPUMEM_CONF=policy:pytorch "$BIN" explain "$TINY"
+expect_in "policy pytorch" "$out" "GPUMEM_CONF applies to explain"
+run env GPUMEM_CONF=policy:pytorch "$BIN" leaks "$TINY"
+expect_in "(policy pytorch;" "$out" "GPUMEM_CONF applies to leaks"
+run env GPUMEM_CONF=limit:1G "$BIN" fit --memory 1G --json "$TINY"
+expect_rc 0 "fit under a GPUMEM_CONF"
+expect_in "GPUMEM_CONF is not applied" "$err" "fit says it runs each allocator at its own settings"
+# A bad GPUMEM_CONF is refused by every command, by name; --help still answers.
+for cmd in "replay $TINY" "summary $TINY" "explain $TINY" "leaks $TINY" "fit --memory 1G $TINY" \
+  "report $TINY" "top --once" "run -- true"; do
+  run env GPUMEM_CONF=limit:abc "$BIN" $cmd
+  expect_rc 1 "GPUMEM_CONF=limit:abc gpumem $cmd"
+  expect_in "bad GPUMEM_CONF 'limit:abc'" "$err" "GPUMEM_CONF=limit:abc gpumem $cmd"
+done
+run env GPUMEM_CONF=limit:abc "$BIN" replay --help
+expect_rc 0 "replay --help under a bad GPUMEM_CONF"
+# run: the processes get GPUMEM_CONF, then --conf (whose keys win).
+run env GPUMEM_CONF=reclaim:eager "$BIN" run --conf limit:1G -- sh -c 'echo "$GPUMEM_CONF"'
+if [ "$rc" -eq 0 ]; then
+  expect_in "reclaim:eager,limit:1G" "$out" "run passes GPUMEM_CONF then --conf"
+else
+  expect_in "cannot find the gpumem Python package" "$err" "gpumem run"
+fi
+
+# The models of other allocators: each key applied or refused by name.
+SMALL="$SRC/tests/snapshots/small.trace"
+run "$BIN" replay --policy pytorch --limit 100M --conf expandable_segments:True "$SMALL"
+by_flag=$out
+run "$BIN" replay --policy pytorch --conf expandable_segments:True,limit:100M "$SMALL"
+expect_rc 0 "expandable segments with limit in --conf"
+expect_in "limit 0.098 GiB" "$out" "the expandable model applies --conf's limit"
+expect_in "oom             yes" "$out" "the expandable model runs out under --conf's limit"
+expect_true "limit in --conf and --limit differ: $out / $by_flag" [ "$out" = "$by_flag" ]
+run "$BIN" replay --policy async --capacity 100M "$SMALL"
+expect_in "oom             yes" "$out" "the async model runs out of the simulated device's --capacity"
+expect_in "no limit" "$out" "the device's memory is no limit"
+run "$BIN" replay --policy async --capacity 1G --conf fraction:0.1 "$SMALL"
+expect_in "limit 0.100 GiB" "$out" "the async model applies the fraction of --capacity"
+run "$BIN" replay --policy pytorch --conf expandable_segments:True,max_split_size_mb:20 "$SMALL"
+expect_rc 1 "max_split_size_mb under the expandable model"
+expect_in "'max_split_size_mb' does not apply to the pytorch-expandable model" "$err" \
+  "max_split_size_mb under the expandable model is refused by name"
+run "$BIN" replay --policy async --conf max_split_size_mb:20 "$SMALL"
+expect_rc 1 "max_split_size_mb under the async model"
+expect_in "cudaMallocAsync has no such setting" "$err" "max_split_size_mb under async"
+run env GPUMEM_CONF=reclaim:eager "$BIN" replay --policy async "$SMALL"
+expect_rc 1 "a gpumem key from GPUMEM_CONF under the async model"
+expect_in "GPUMEM_CONF key 'reclaim' does not apply to the cudaMallocAsync model" "$err" \
+  "a gpumem key from GPUMEM_CONF under the async model"
+run "$BIN" replay --conf expandable_segments:True "$SMALL"
+expect_rc 1 "expandable_segments without --policy"
+expect_in "give it with --policy pytorch" "$err" "expandable_segments without --policy"
+run "$BIN" replay --policy async --conf expandable_segments:True "$SMALL"
+expect_rc 1 "expandable_segments with --policy async"
+expect_in "give one or the other" "$err" "expandable_segments with --policy async"
+run "$BIN" replay --conf policy:pytorch,expandable_segments:True --json "$SMALL"
+expect_in '"policy":"pytorch-expandable"' "$out" "policy:pytorch in --conf selects the model too"
+
+# record: would write the replay over the recording it reads; refused.
+cp "$TINY" "$T/rec.trace"
+for cmd in replay summary explain leaks report; do
+  run env GPUMEM_CONF="record:$T/rec.trace" "$BIN" $cmd "$T/rec.trace"
+  expect_rc 1 "GPUMEM_CONF=record: gpumem $cmd"
+  expect_in "GPUMEM_CONF key 'record' would record this replay" "$err" "GPUMEM_CONF=record: gpumem $cmd"
+done
+run "$BIN" replay --conf "record:$T/rec.trace" "$T/rec.trace"
+expect_rc 1 "replay --conf record:"
+expect_in "--conf key 'record'" "$err" "replay --conf record:"
+expect_true "the recording was left as it was" cmp -s "$TINY" "$T/rec.trace"
+
+# The engine's policies: a key one of them has nothing to act on is refused.
+run "$BIN" replay --conf max_split_size_mb:20 "$SMALL"
+expect_rc 1 "max_split_size_mb under the default policy"
+expect_in "'max_split_size_mb' does not apply to the default policy" "$err" \
+  "max_split_size_mb under the default policy is refused by name"
+run "$BIN" replay --passes 0 --policy pytorch --conf max_split_size_mb:20 "$SMALL"
+expect_rc 0 "max_split_size_mb under the pytorch policy"
+run "$BIN" replay --policy pytorch --conf placement:planned "$SMALL"
+expect_rc 1 "placement under the pytorch policy"
+expect_in "--conf key 'placement' does not apply to the pytorch policy" "$err" \
+  "placement under the pytorch policy is refused by name"
+run env GPUMEM_CONF=reclaim:pressure "$BIN" summary --policy pytorch "$SMALL"
+expect_rc 1 "GPUMEM_CONF's reclaim under summary --policy pytorch"
+expect_in "GPUMEM_CONF key 'reclaim' does not apply to the pytorch policy" "$err" \
+  "GPUMEM_CONF's reclaim under the pytorch policy is refused by name"
+run "$BIN" replay --compare --passes 0 --conf placement:bestfit "$SMALL"
+expect_rc 0 "replay --compare takes the default policy's keys"
+
+# --compare: the header says the limit the figures were made under; the
+# help and the JSON name the third column as the table does.
+run "$BIN" replay --compare --passes 0 --conf limit:30M "$TINY"
+expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare under --conf limit"
+expect_not_in "no limit" "$out" "replay --compare under --conf limit"
+run env GPUMEM_CONF=limit:30M "$BIN" replay --compare --passes 0 "$TINY"
+expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare under GPUMEM_CONF"
+run "$BIN" replay --help
+compare_help=$(printf '%s\n' "$out" | sed -n '/--compare/,/-h, --help/p')
+expect_in "hold" "$compare_help" "replay --help names --compare's hold column"
+expect_not_in "reclaim:pressure" "$compare_help" "replay --help: --compare shows no reclaim:pressure column"
+run "$BIN" replay --compare --json --passes 0 "$TINY"
+n=0
+for col in pytorch default hold; do
+  line=$(printf '%s\n' "$out" | grep "\"column\":\"$col\"")
+  [ -n "$line" ] && n=$((n + 1))
+done
+expect_true "compare --json: each line names its column: $out" [ "$n" -eq 3 ]
+expect_in '"column":"hold","conf":"placement:planned,move_budget:unlimited,headroom:0.002"' "$out" \
+  "compare --json: the hold rows carry their setting"
+
+# A wrong combination: its reason and where to look, not the whole usage.
+run "$BIN" replay --passes 0 --policy async "$TINY"
+expect_rc 2 "replay --passes 0 --policy async"
+expect_true "a usage mistake takes two lines, not the usage: $err" [ "$(printf '%s\n' "$err" | wc -l)" -eq 2 ]
+expect_in "try 'gpumem replay --help'" "$err" "a usage mistake points to --help"
+expect_not_in "usage:" "$err" "a usage mistake does not print the usage"
+run "$BIN" replay --compare --step-ms 10 --steps 3 "$TINY"
+expect_rc 2 "--step-ms with --compare"
+expect_in "--step-ms" "$err" "--step-ms with --compare"
+run "$BIN" replay --policy async --step-ms 10 --steps 3 "$TINY"
+expect_rc 2 "--step-ms with --policy async"
+expect_in "no device calls to price" "$err" "--step-ms with --policy async"
+run "$BIN" leaks --since-line 55 "$TINY"
+expect_rc 2 "leaks --since-line past the end"
+expect_in "the last event of $TINY is at line 54" "$err" "leaks --since-line past the end"
+run "$BIN" leaks --since-line 54 "$TINY"
+expect_rc 0 "leaks --since-line at the last line"
 
 echo "cli_test: $PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "cliconf.h"
+
 #define GIB 1073741824.0
 
 const fit_row_t fit_rows[] = {
@@ -33,6 +35,8 @@ gpumem_status_t fit_parse_memory(const char* text, size_t* out) {
                           text);
     return GPUMEM_ERR_INVALID_ARGUMENT;
   }
+  /* "80" parses as 80 bytes: refused with a hint rather than answered */
+  if (cli_parse_size("--memory", text, &bytes) != GPUMEM_OK) return GPUMEM_ERR_INVALID_ARGUMENT;
   *out = bytes;
   return GPUMEM_OK;
 }

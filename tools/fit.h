@@ -33,7 +33,7 @@ typedef struct fit_result {
   uint64_t needed;        /* smallest limit; 0: none found */
 } fit_result_t;
 
-/* Reads a --memory value: bytes with an optional K/M/G/T suffix, above 0.
+/* Reads a --memory value: a size with its unit (80G; 4096B for bytes), above 0.
  * GPUMEM_ERR_INVALID_ARGUMENT with gpumem_last_error() naming the value. */
 gpumem_status_t fit_parse_memory(const char* text, size_t* out);
 

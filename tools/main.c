@@ -1,8 +1,10 @@
 /* The gpumem command line: `replay` (one trace at a time, or --compare for
- * both policies side by side with the figures measured on an H200) and
- * `summary` (the allocator's table at the end of a trace). Owns argument
- * parsing, exit codes (2 usage, 1 error), the human, JSON and table
- * output, and the progress line. The replay itself lives in replay.c. */
+ * both policies side by side with the figures measured on an H200),
+ * `summary`, `explain`, `leaks` and `fit`, and the dispatch to report, top
+ * and run. Owns argument parsing, exit codes (2 usage, 1 error), the
+ * human, JSON and table output, and the progress line. The replay itself
+ * lives in replay.c; what every command reads alike (GPUMEM_CONF, its
+ * precedence, sizes) in cliconf.c. */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -10,12 +12,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "cliconf.h"
 #include "gpumem.h"
 #include "fit.h"
 #include "internal.h" /* gm_format_bytes */
+#include "jsonpickle.h"
 #include "peer_models.h"
 #include "replay.h"
 #include "report.h"
@@ -70,7 +75,12 @@ static const char usage_main[] =
     "  top       the memory of every process using gpumem on this machine, live\n"
     "  run       run a command with gpumem as PyTorch's allocator in its Python processes\n"
     "\n"
-    "Run 'gpumem <command> --help' for a command's options.\n";
+    "Every command reads GPUMEM_CONF (the allocator's configuration) and refuses a\n"
+    "bad one. Settings apply in this order, later ones winning key by key:\n"
+    "GPUMEM_CONF, then --conf, then the explicit flags (--policy, --limit, ...).\n"
+    "Sizes take a unit: 80G, 1.5GiB, 512M; bytes are written 4096B.\n"
+    "\n"
+    "Run 'gpumem <command> --help' for a command's options; 'gpumem --version'.\n";
 
 static const char usage_replay[] =
     "usage: gpumem replay [options] TRACE...\n"
@@ -84,9 +94,12 @@ static const char usage_replay[] =
     "                            a model of cudaMallocAsync (release threshold never)\n"
     "  --limit SIZE              hard cap on reserved memory (e.g. 12G, 1.5GiB)\n"
     "  --limit-ratio R           cap at R x each trace's peak live bytes\n"
-    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...);\n"
-    "                            with --policy pytorch, expandable_segments:True replays\n"
-    "                            a model of PyTorch's expandable segments\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...),\n"
+    "                            over GPUMEM_CONF's keys; --policy and --limit override\n"
+    "                            both. With --policy pytorch, expandable_segments:True\n"
+    "                            replays a model of PyTorch's expandable segments; the\n"
+    "                            models (it and async) take limit and fraction (of\n"
+    "                            --capacity) and refuse other keys\n"
     "  --passes N                warm passes after the cold one (default 3)\n"
     "  --device sim|cuda         simulated device (default) or the real GPU\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
@@ -100,8 +113,12 @@ static const char usage_replay[] =
     "                            H100's costs is also given as a share of the steps' time\n"
     "  --steps N                 how many steps the trace holds (with --step-ms)\n"
     "  --json                    one JSON object per trace (and policy) per line\n"
-    "  --compare                 pytorch, default and default with reclaim:pressure side by side,\n"
-    "                            beside measured H200 figures\n"
+    "  --compare                 three columns side by side, beside measured H200 figures:\n"
+    "                            pytorch, default, and hold (the default holding reserved\n"
+    "                            memory at the high-water mark: placement:planned,\n"
+    "                            move_budget:unlimited,headroom:0.002); --conf, --limit and\n"
+    "                            GPUMEM_CONF apply to all three, each column taking the keys\n"
+    "                            its policy has\n"
     "  -h, --help                this text\n";
 
 static const char usage_summary[] =
@@ -114,7 +131,8 @@ static const char usage_summary[] =
     "options:\n"
     "  --policy default|pytorch  allocation policy (default: default)\n"
     "  --limit SIZE              hard cap on reserved memory\n"
-    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...),\n"
+    "                            over GPUMEM_CONF's keys; --policy, --limit override both\n"
     "  --device sim|cuda         simulated device (default) or the real GPU\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --json                    the statistics as one JSON object instead\n"
@@ -132,26 +150,33 @@ static const char usage_explain[] =
     "options:\n"
     "  --policy default|pytorch  allocation policy (default: default)\n"
     "  --limit SIZE              hard cap on reserved memory\n"
-    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...),\n"
+    "                            over GPUMEM_CONF's keys; --policy, --limit override both\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --snapshot FILE           also write the allocator's snapshot at that event\n"
-    "                            as JSON in the shape of torch.cuda.memory._snapshot():\n"
+    "                            as a pickle of torch.cuda.memory._snapshot()'s shape:\n"
     "                            segments, blocks and the events so far, each tagged\n"
-    "                            with its trace line (pickle it for memory_viz)\n"
+    "                            with its trace line; memory_viz opens it, and every\n"
+    "                            gpumem command reads it as a TRACE (the job up to\n"
+    "                            the peak)\n"
     "  -h, --help                this text\n";
 
 static int usage_error(const char* usage, const char* fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-/* Usage mistakes: say what was wrong, then how to call, exit 2. */
+/* Usage mistakes: say what was wrong and where the options are, exit 2.
+ * The whole usage text would bury the one line that matters. usage is the
+ * command's usage text, whose first line names the command. */
 static int usage_error(const char* usage, const char* fmt, ...) {
   va_list ap;
   fputs("gpumem: ", stderr);
   va_start(ap, fmt);
   vfprintf(stderr, fmt, ap);
   va_end(ap);
-  fputs("\n\n", stderr);
-  fputs(usage, stderr);
+  static const char head[] = "usage: gpumem ";
+  const char* cmd = strncmp(usage, head, sizeof head - 1) == 0 ? usage + sizeof head - 1 : "<";
+  int n = cmd[0] == '<' ? 0 : (int)strcspn(cmd, " \n");
+  fprintf(stderr, "\ntry 'gpumem %.*s%s--help'\n", n, cmd, n ? " " : "");
   return EXIT_USAGE;
 }
 
@@ -242,6 +267,9 @@ typedef struct cli {
   peer_model_t peer;    /* replay through a model of another allocator */
   size_t memory;        /* fit: the device memory asked about */
   char conf_rest[1024]; /* --conf without PyTorch's expandable_segments key */
+  char conf_all[4096];  /* GPUMEM_CONF, then conf_rest: what the replays read */
+  int expandable;       /* --conf's expandable_segments: 1, 0, or -1 when absent */
+  uint64_t model_cap;   /* a peer model's cap from the fraction key (0: none) */
   const char** traces;
   int num_traces;
 } cli_t;
@@ -258,11 +286,110 @@ static int parse_count(const char* value, long min, long max, int* out) {
   return 1;
 }
 
+/* A key of the configuration under a peer model: limit and fraction cap
+ * the model as they cap gpumem, policy is overridden by --policy; the
+ * rest are gpumem's settings or ones the model does not model, and are
+ * refused by name rather than dropped. */
+typedef struct model_key {
+  const cli_t* cli;
+  const char* source; /* "GPUMEM_CONF" or "--conf" */
+} model_key_t;
+
+static int model_key(const char* key, size_t len, void* arg) {
+  const model_key_t* m = arg;
+  static const char* const applied[] = {"limit", "fraction", "policy"};
+  for (size_t i = 0; i < sizeof applied / sizeof applied[0]; i++)
+    if (strlen(applied[i]) == len && strncasecmp(key, applied[i], len) == 0) return 0;
+  const char* model = peer_model_name(m->cli->peer);
+  const char* why = "it is a setting of gpumem's allocator, and the model replays none";
+  if (len == 17 && strncasecmp(key, "max_split_size_mb", len) == 0)
+    why = m->cli->peer == PEER_ASYNC
+              ? "cudaMallocAsync has no such setting"
+              : "the expandable segments model does not model it (--policy pytorch without "
+                "expandable_segments replays PyTorch's rules with it)";
+  return error("%s key '%.*s' does not apply to the %s model: %s", m->source, (int)len, key, model,
+               why);
+}
+
+/* A key that one engine policy has nothing to act on: the default
+ * policy's own settings (how pages move, where blocks go in an arena) in
+ * the pytorch policy's plain segments, and PyTorch's max_split_size_mb in
+ * the default policy's arenas (which split any block). A replay would run
+ * as if they were not there; refused by name instead. */
+typedef struct policy_key {
+  gpumem_policy_t policy;
+  const char* source; /* "GPUMEM_CONF" or "--conf" */
+} policy_key_t;
+
+static int policy_key(const char* key, size_t len, void* arg) {
+  const policy_key_t* k = arg;
+  static const char* const vmm_only[] = {"reclaim", "headroom",   "move_budget", "placement",
+                                         "map_max", "move_guard", "stream_waits"};
+  if (k->policy == GPUMEM_POLICY_DEFAULT) {
+    if (len == 17 && strncasecmp(key, "max_split_size_mb", len) == 0)
+      return error(
+          "%s key 'max_split_size_mb' does not apply to the default policy: it is PyTorch's rule "
+          "for its segments (--policy pytorch), and the default policy's arenas split any block",
+          k->source);
+    return 0;
+  }
+  for (size_t i = 0; i < sizeof vmm_only / sizeof vmm_only[0]; i++) {
+    if (strlen(vmm_only[i]) == len && strncasecmp(key, vmm_only[i], len) == 0)
+      return error(
+          "%s key '%.*s' does not apply to the pytorch policy: it is a setting of the default "
+          "policy's virtual memory, and PyTorch's rules have none",
+          k->source, (int)len, key);
+  }
+  return 0;
+}
+
+/* After the options: which model of another allocator, if any, replays,
+ * and that every configuration key is applied under it or refused. */
+static int resolve_model(cli_t* cli, int limit_flag) {
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  if (cli->config.conf && gpumem_options_parse(&o, cli->config.conf) != GPUMEM_OK)
+    return error("bad --conf '%s': %s", cli->conf_rest, detail(gpumem_last_error()));
+  gpumem_policy_t policy = cli->config.policy_set ? cli->config.policy : o.policy;
+  if (cli->expandable >= 0) {
+    const char* v = cli->expandable ? "True" : "False";
+    if (cli->peer == PEER_ASYNC)
+      return error(
+          "--conf expandable_segments:%s is a setting of PyTorch's caching allocator, and "
+          "--policy async replays cudaMallocAsync instead: give one or the other",
+          v);
+    if (policy != GPUMEM_POLICY_PYTORCH)
+      return error(
+          "--conf expandable_segments:%s is PyTorch's setting: give it with --policy pytorch "
+          "(the %s policy has no such setting)",
+          v, replay_policy_name(policy));
+    if (cli->expandable == 1) cli->peer = PEER_EXPANDABLE;
+  }
+  /* --compare's columns take one conf between them, each the keys its
+   * policy has (its help says so) */
+  if (!cli->peer && !cli->compare) {
+    policy_key_t env = {policy, "GPUMEM_CONF"}, flag = {policy, "--conf"};
+    int rc = cli_each_key(cli_env_conf(), policy_key, &env);
+    return rc ? rc : cli_each_key(cli->conf_rest, policy_key, &flag);
+  }
+  if (!cli->peer) return 0;
+  model_key_t env = {cli, "GPUMEM_CONF"}, flag = {cli, "--conf"};
+  int rc = cli_each_key(cli_env_conf(), model_key, &env);
+  if (!rc) rc = cli_each_key(cli->conf_rest, model_key, &flag);
+  if (rc) return rc;
+  /* The explicit --limit or --limit-ratio wins over the configuration's. */
+  if (!limit_flag) cli->config.limit_bytes = o.limit_bytes;
+  if (o.limit_fraction > 0)
+    cli->model_cap = (uint64_t)(o.limit_fraction * (double)cli->config.sim_capacity);
+  return 0;
+}
+
 static int parse_args(int argc, char** argv, unsigned allowed, const char* usage, cli_t* cli) {
   int only_files = 0;
   const char* limit_text = NULL;
   const char* ratio_text = NULL;
   replay_config_init(&cli->config);
+  cli->expandable = -1;
   cli->traces = calloc((size_t)argc + 1, sizeof *cli->traces);
   if (!cli->traces) return error("out of host memory");
 
@@ -331,14 +458,15 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
         break;
       case OPT_CONF: {
         /* PyTorch's own key selects the model of its expandable segments */
-        int expandable = -1;
-        if (peer_take_expandable(value, cli->conf_rest, sizeof cli->conf_rest, &expandable) !=
+        if (peer_take_expandable(value, cli->conf_rest, sizeof cli->conf_rest, &cli->expandable) !=
             GPUMEM_OK)
           return error("bad --conf '%s': %s", value, detail(gpumem_last_error()));
-        if (expandable == 1 && !((allowed >> OPT_PEER_MODELS) & 1))
-          return error("--conf expandable_segments:True is a model: only replay and fit take it");
-        if (expandable == 1) cli->peer = PEER_EXPANDABLE;
-        c->conf = cli->conf_rest;
+        if (cli->expandable >= 0 && !((allowed >> OPT_PEER_MODELS) & 1))
+          return error(
+              "--conf expandable_segments is PyTorch's setting, modelled only by gpumem replay "
+              "--policy pytorch (gpumem fit shows every allocator)");
+        if (cli_check_conf_units("--conf", cli->conf_rest) != GPUMEM_OK)
+          return error("%s", gpumem_last_error());
         break;
       }
       case OPT_MEMORY:
@@ -382,10 +510,9 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
         break;
       case OPT_CAPACITY: {
         size_t cap = 0;
-        if (gpumem_parse_size(value, &cap) != GPUMEM_OK || cap == 0) {
-          return error("bad --capacity '%s': %s", value,
-                       gpumem_last_error()[0] ? detail(gpumem_last_error()) : "must be above 0");
-        }
+        if (cli_parse_size("--capacity", value, &cap) != GPUMEM_OK)
+          return error("%s", gpumem_last_error());
+        if (cap == 0) return error("bad --capacity '%s': must be above 0", value);
         c->sim_capacity = cap;
         break;
       }
@@ -427,21 +554,20 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
     }
   }
   if (cli->help) return 0;
-  if (cli->peer == PEER_EXPANDABLE && cli->config.policy_set &&
-      cli->config.policy != GPUMEM_POLICY_PYTORCH)
-    return error("expandable_segments:True is PyTorch's setting: give it with --policy pytorch");
-  if (cli->peer == PEER_ASYNC && cli->config.conf && cli->config.conf[0])
-    return error("--policy async takes no --conf (cudaMallocAsync has no gpumem settings)");
+
+  /* One precedence for every command: GPUMEM_CONF, then --conf, then the
+   * explicit flags (--policy, --limit, --limit-ratio), later ones winning
+   * key by key. main() has already refused a bad GPUMEM_CONF. */
+  if (cli_join_conf(cli->conf_rest, cli->conf_all, sizeof cli->conf_all) != 0)
+    return error("GPUMEM_CONF and --conf together are too long (%zu bytes at most)",
+                 sizeof cli->conf_all - 1);
+  cli->config.conf = cli->conf_all[0] ? cli->conf_all : NULL;
 
   if (limit_text && ratio_text) return error("give either --limit or --limit-ratio, not both");
   if (limit_text) {
     size_t bytes = 0;
-    gpumem_set_last_error("%s", "");
-    if (gpumem_parse_size(limit_text, &bytes) != GPUMEM_OK) {
-      return error("bad --limit '%s': %s", limit_text,
-                   gpumem_last_error()[0] ? detail(gpumem_last_error())
-                                          : "expected bytes with an optional K/M/G/T suffix");
-    }
+    if (cli_parse_size("--limit", limit_text, &bytes) != GPUMEM_OK)
+      return error("%s", gpumem_last_error());
     /* 0 means "no limit" inside; a limit that rounds to 0 is a mistake */
     if (bytes == 0) {
       return error(
@@ -463,10 +589,11 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
   }
   /* A bad --conf is reported before any trace is read. */
   if (replay_check_config(&cli->config) != GPUMEM_OK) {
-    return error("bad --conf '%s': %s", cli->config.conf ? cli->config.conf : "",
-                 detail(gpumem_last_error()));
+    return error("bad --conf '%s': %s", cli->conf_rest, detail(gpumem_last_error()));
   }
-  return 0;
+  /* fit's rows run at their own settings: nothing of GPUMEM_CONF records */
+  if (((allowed >> OPT_CONF) & 1) && cli_refuse_record(cli->conf_rest)) return EXIT_FAILURE;
+  return resolve_model(cli, limit_text || ratio_text);
 }
 
 /* ---- progress --------------------------------------------------------- */
@@ -602,14 +729,37 @@ static double half_share(const replay_result_t* r) {
   return r->ops_cold ? (double)r->cold_half_ops / (double)r->ops_cold : 0.5;
 }
 
+/* The cap a replay of t (NULL: before any trace, so no --limit-ratio)
+ * runs under: the limit from the flags or the configuration, or the
+ * configuration's fraction of the simulated device, the smaller; 0: none.
+ * (On a GPU the fraction's bytes are known only once it is open.) */
+static uint64_t effective_cap(const replay_config_t* c, const trace_t* t) {
+  gpumem_options_t o;
+  if (replay_options(c, t, &o) != GPUMEM_OK) return 0;
+  uint64_t cap = o.limit_bytes;
+  if (o.limit_fraction > 0 && c->device == REPLAY_DEVICE_SIM) {
+    uint64_t f = (uint64_t)(o.limit_fraction * (double)c->sim_capacity);
+    if (!cap || f < cap) cap = f;
+  }
+  return cap;
+}
+
+/* column: the --compare column the row belongs to (NULL: not compared). */
 static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
-                       const replay_result_t* r, const anchor_t* anchor) {
+                       const replay_result_t* r, const anchor_t* anchor, const char* column) {
   fputs("{\"trace\":", f);
   json_string(f, t->path);
   fputs(",\"name\":", f);
   json_string(f, t->name);
   fprintf(f, ",\"policy\":\"%s\",\"device\":\"%s\"", replay_policy_name(r->policy),
           replay_device_name(c->device));
+  if (column) fprintf(f, ",\"column\":\"%s\"", column);
+  fputs(",\"conf\":", f);
+  if (c->conf && c->conf[0]) {
+    json_string(f, c->conf);
+  } else {
+    fputs("null", f);
+  }
   fprintf(f, ",\"events\":%zu,\"allocations\":%zu,\"streams\":%zu", t->num_events, t->num_allocs,
           t->num_streams);
   fprintf(f, ",\"peak_live_bytes\":%llu,\"peak_live_event\":%zu",
@@ -635,8 +785,9 @@ static void print_json(FILE* f, const trace_t* t, const replay_config_t* c,
   } else {
     fputs(",\"oom\":false,\"oom_event\":null", f);
   }
-  if (r->limit_bytes) {
-    fprintf(f, ",\"limit_bytes\":%zu", r->limit_bytes);
+  uint64_t cap = effective_cap(c, t);
+  if (cap) {
+    fprintf(f, ",\"limit_bytes\":%llu", (unsigned long long)cap);
   } else {
     fputs(",\"limit_bytes\":null", f);
   }
@@ -736,8 +887,9 @@ static void print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   fprintf(f, "%s (%s)\n", t->name, t->path);
   fprintf(f, "  %-16s%s on the %s device, ", "policy", replay_policy_name(r->policy),
           c->device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated");
-  if (r->limit_bytes) {
-    fprintf(f, "limit %.3f GiB (%zu bytes)\n", (double)r->limit_bytes / GIB, r->limit_bytes);
+  uint64_t cap = effective_cap(c, t);
+  if (cap) {
+    fprintf(f, "limit %.3f GiB (%llu bytes)\n", (double)cap / GIB, (unsigned long long)cap);
   } else {
     fputs("no limit\n", f);
   }
@@ -986,6 +1138,7 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
   enum { NCOL = 3 };
   static const gpumem_policy_t policies[NCOL] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT,
                                                  GPUMEM_POLICY_DEFAULT};
+  static const char* const columns[NCOL] = {"pytorch", "default", "hold"};
   char hold_conf[512];
   snprintf(
       hold_conf, sizeof hold_conf, "%s%splacement:planned,move_budget:unlimited,headroom:0.002",
@@ -1004,9 +1157,9 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
   if (!cli->json) {
     const char* limit_note = "no limit";
     char limit_buf[96];
-    if (cli->config.limit_bytes) {
-      snprintf(limit_buf, sizeof limit_buf, "limit %.3f GiB",
-               (double)cli->config.limit_bytes / GIB);
+    uint64_t cap = effective_cap(&cli->config, NULL);
+    if (cap) {
+      snprintf(limit_buf, sizeof limit_buf, "limit %.3f GiB", (double)cap / GIB);
       limit_note = limit_buf;
     } else if (cli->config.limit_ratio > 0) {
       snprintf(limit_buf, sizeof limit_buf, "limit %.4f x peak live", cli->config.limit_ratio);
@@ -1046,7 +1199,7 @@ static int cmd_compare(const cli_t* cli, trace_t** traces, progress_t* progress)
       if (p == 2) c.conf = hold_conf;
       ok[p] = run_one(t, &c, mins, progress, &r[p]) == 0;
       if (!ok[p]) failed = 1;
-      if (ok[p] && cli->json) print_json(stdout, t, &c, &r[p], anchor);
+      if (ok[p] && cli->json) print_json(stdout, t, &c, &r[p], anchor, columns[p]);
     }
     if (cli->json) continue;
 
@@ -1111,9 +1264,14 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
   uint64_t limit = cli->config.limit_bytes;
   if (cli->config.limit_ratio > 0)
     limit = (uint64_t)(cli->config.limit_ratio * (double)t->peak_live_bytes);
+  /* with a fraction of the device as well, the smaller cap holds, as in gpumem */
+  if (cli->model_cap && (!limit || cli->model_cap < limit)) limit = cli->model_cap;
+  /* and the simulated device's memory (--capacity) bounds the model as it
+   * bounds the engine, a cap that is not a limit */
+  uint64_t bound = limit && limit < cli->config.sim_capacity ? limit : cli->config.sim_capacity;
   peer_result_t r;
   uint64_t min = 0;
-  if (peer_run(t, cli->peer, limit, 0, &r) != GPUMEM_OK ||
+  if (peer_run(t, cli->peer, bound, 0, &r) != GPUMEM_OK ||
       (cli->min_limit &&
        peer_min_limit(t, cli->peer, cli->config.min_limit_tolerance, 0, &min) != GPUMEM_OK))
     return error("%s", detail(gpumem_last_error()));
@@ -1131,7 +1289,12 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
     if (t->recorded_peak_reserved)
       printf(",\"recorded_peak_reserved_bytes\":%llu",
              (unsigned long long)t->recorded_peak_reserved);
-    printf(",\"limit_bytes\":%llu,\"oom\":%s", (unsigned long long)limit, r.oom ? "true" : "false");
+    if (limit) {
+      printf(",\"limit_bytes\":%llu", (unsigned long long)limit);
+    } else {
+      printf(",\"limit_bytes\":null");
+    }
+    printf(",\"oom\":%s", r.oom ? "true" : "false");
     if (r.oom)
       printf(",\"oom_event\":%zu,\"oom_size\":%llu", r.oom_event, (unsigned long long)r.oom_size);
     if (cli->min_limit)
@@ -1142,7 +1305,8 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
     return 0;
   }
   printf("%s (%s)\n", t->name, t->path);
-  printf("  %-16s%s (a model of it, no device)", "policy", peer_model_name(cli->peer));
+  printf("  %-16s%s (a model of it, in %.3f GiB of simulated device memory)", "policy",
+         peer_model_name(cli->peer), (double)cli->config.sim_capacity / GIB);
   if (limit) {
     printf(", limit %.3f GiB\n", (double)limit / GIB);
   } else {
@@ -1190,7 +1354,10 @@ static const char usage_fit[] =
     "  --min-limit-tolerance F   bisect the needed memory to F x peak live (default:\n"
     "                            one page or 0.25%, the finer)\n"
     "  --json                    one JSON object per row\n"
-    "  -h, --help                this text\n";
+    "  -h, --help                this text\n"
+    "\n"
+    "Each row runs at that allocator's own settings: GPUMEM_CONF is checked, not\n"
+    "applied (a note says so when it is set).\n";
 
 /* One row of the table, with the progress line labelled by the row. */
 static int fit_row(const trace_t* t, const fit_row_t* row, const cli_t* cli, progress_t* progress,
@@ -1222,6 +1389,10 @@ static int cmd_fit(int argc, char** argv) {
     free(cli.traces);
     return rc;
   }
+  if (cli_env_conf())
+    fprintf(stderr,
+            "gpumem: note: GPUMEM_CONF is not applied: fit runs each allocator at its own "
+            "settings\n");
   progress_t progress = {0};
   progress.enabled = isatty(STDERR_FILENO);
   for (int i = 0; i < cli.num_traces && rc == 0; i++) {
@@ -1291,6 +1462,14 @@ static int cmd_replay(int argc, char** argv) {
     rc = usage_error(usage_replay, "no trace given");
   } else if (rc == 0 && cli.compare && (cli.config.policy_set || cli.peer)) {
     rc = usage_error(usage_replay, "--compare replays both policies: drop --policy");
+  } else if (rc == 0 && cli.config.step_ms > 0 && (cli.compare || cli.peer)) {
+    /* refused rather than dropped: the figure it asks for would not appear */
+    rc = usage_error(usage_replay,
+                     cli.compare ? "--step-ms prices one replay's mapping calls as a share of "
+                                   "its steps: not with --compare (its us/op columns price them)"
+                                 : "--step-ms prices gpumem's mapping calls: the %s model makes "
+                                   "no device calls to price",
+                     peer_model_name(cli.peer));
   } else if (rc == 0 && (cli.config.step_ms > 0) != (cli.config.steps > 0)) {
     rc = usage_error(usage_replay,
                      "--step-ms and --steps go together (a step's time, and how "
@@ -1332,7 +1511,7 @@ static int cmd_replay(int argc, char** argv) {
           continue;
         }
         if (cli.json) {
-          print_json(stdout, traces[i], &cli.config, r, NULL);
+          print_json(stdout, traces[i], &cli.config, r, NULL, NULL);
         } else {
           print_human(stdout, traces[i], &cli.config, r);
         }
@@ -1429,8 +1608,9 @@ static int cmd_summary(int argc, char** argv) {
   } else {
     printf("%s: allocator state at the end of the trace (policy %s, %s device, ", t->name,
            replay_policy_name(opts.policy), replay_device_name(cli.config.device));
-    if (opts.limit_bytes) {
-      printf("limit %zu bytes)\n", opts.limit_bytes);
+    uint64_t cap = effective_cap(&cli.config, t);
+    if (cap) {
+      printf("limit %llu bytes)\n", (unsigned long long)cap);
     } else {
       printf("no limit)\n");
     }
@@ -1477,24 +1657,57 @@ static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
          live ? 100.0 * (double)bytes / (double)live : 0.0);
 }
 
-/* The snapshot of gm, its frames tagged with trace lines of t, into path. */
+/* A growing buffer the library's JSON writers can fill. */
+typedef struct buffer {
+  char* s;
+  size_t len, cap;
+} buffer_t;
+
+static int buffer_write(const char* s, size_t len, void* arg) {
+  buffer_t* b = arg;
+  if (b->len + len > b->cap) {
+    size_t cap = (b->len + len) * 2;
+    char* grown = realloc(b->s, cap);
+    if (!grown) return 1;
+    b->s = grown;
+    b->cap = cap;
+  }
+  memcpy(b->s + b->len, s, len);
+  b->len += len;
+  return 0;
+}
+
+/* The snapshot of gm, its frames tagged with trace lines of t, into path
+ * as a pickle: the form PyTorch's memory_viz opens and every gpumem
+ * command reads back (the library writes it as JSON; the pickle is the
+ * same value). */
 static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
+  buffer_t json = {NULL, 0, 0};
+  if (gpumem_snapshot_json(gm, 0, t->path, buffer_write, &json) != 0) {
+    free(json.s);
+    return error("out of host memory for the snapshot");
+  }
   /* never through a link or into another user's file (src/outfile.c) */
   gm_outfile out;
   char why[1400];
   int fd = gm_outfile_open(&out, path, 0600, why, sizeof why);
-  if (fd < 0) return error("%s", why);
-  FILE* f = fdopen(fd, "w");
+  if (fd < 0) {
+    free(json.s);
+    return error("%s", why);
+  }
+  FILE* f = fdopen(fd, "wb");
   if (!f) {
+    free(json.s);
     close(fd);
     gm_outfile_abandon(&out);
     return error("cannot write %s: %s", path, strerror(errno));
   }
-  int failed = gpumem_snapshot_json(gm, 0, t->path, gpumem_write_to_file, f) != 0;
+  int failed = json_to_pickle(json.s, json.len, gpumem_write_to_file, f) != GPUMEM_OK;
+  free(json.s);
   if (fclose(f) != 0) failed = 1;
   if (failed) {
     gm_outfile_abandon(&out);
-    return error("writing %s failed", path);
+    return error("writing %s failed: %s", path, detail(gpumem_last_error()));
   }
   if (!gm_outfile_commit(&out, why, sizeof why)) return error("%s", why);
   printf("\nsnapshot at that event: %s\n", path);
@@ -1588,7 +1801,8 @@ static const char usage_leaks[] =
     "                            (a step's first line: what later steps kept)\n"
     "  --policy default|pytorch  allocation policy (default: default)\n"
     "  --limit SIZE              hard cap on reserved memory\n"
-    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...)\n"
+    "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...),\n"
+    "                            over GPUMEM_CONF's keys; --policy, --limit override both\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --json                    the report as one JSON object\n"
     "  -h, --help                this text\n";
@@ -1609,6 +1823,15 @@ static int cmd_leaks(int argc, char** argv) {
   if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
       replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
     rc = error("%s", detail(gpumem_last_error()));
+    goto done;
+  }
+  /* A line past the last event would count nothing and say so as if the
+   * trace had no leak. */
+  if (cli.since_line &&
+      (!t->num_events || (int64_t)cli.since_line > (int64_t)t->events[t->num_events - 1].line)) {
+    rc =
+        usage_error(usage_leaks, "bad --since-line %d: the last event of %s is at line %u",
+                    cli.since_line, t->path, t->num_events ? t->events[t->num_events - 1].line : 0);
     goto done;
   }
   /* The mark: the allocations made before the first event at the line. */
@@ -1653,6 +1876,13 @@ static const command_t commands[] = {
     {"run", gm_cli_run},    {"fit", cmd_fit},
 };
 
+/* Whether the arguments (up to a "--") ask for a command's help. */
+static int asks_help(int argc, char** argv) {
+  for (int i = 0; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (strcmp(argv[i], "-h") == 0 || strcmp(argv[i], "--help") == 0) return 1;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     fputs(usage_main, stderr);
@@ -1663,8 +1893,16 @@ int main(int argc, char** argv) {
     fputs(usage_main, stdout);
     return 0;
   }
+  if (strcmp(cmd, "-V") == 0 || strcmp(cmd, "--version") == 0) {
+    printf("gpumem %s\n", GPUMEM_PROJECT_VERSION);
+    return 0;
+  }
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
-    if (strcmp(cmd, commands[i].name) == 0) return commands[i].run(argc - 2, argv + 2);
+    if (strcmp(cmd, commands[i].name) != 0) continue;
+    /* Every command refuses a bad GPUMEM_CONF, as the library would in the
+     * processes it configures; only asking for help goes on regardless. */
+    if (!asks_help(argc - 2, argv + 2) && cli_check_env_conf() != 0) return EXIT_FAILURE;
+    return commands[i].run(argc - 2, argv + 2);
   }
   if (cmd[0] == '-') return usage_error(usage_main, "unknown option '%s'", cmd);
   return usage_error(usage_main, "unknown command '%s'", cmd);

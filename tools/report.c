@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "gpumem.h"
+#include "cliconf.h"
 #include "fit.h"
 #include "internal.h" /* gm_format_bytes, gm_print_leak_table */
 #include "replay.h"
@@ -35,7 +36,7 @@ static const char usage_report[] =
     "options:\n"
     "  -o FILE                   write the page to FILE (default: standard output)\n"
     "  --conf STRING             configuration of the default policy's allocator\n"
-    "                            (GPUMEM_CONF grammar)\n"
+    "                            (GPUMEM_CONF grammar), over GPUMEM_CONF's keys\n"
     "  --min-limit               also bisect the smallest limit each policy fits in\n"
     "                            (a cold replay per probe: seconds on large traces)\n"
     "                            and each allocator's in the table\n"
@@ -45,6 +46,9 @@ static const char usage_report[] =
     "                            memory and the smallest memory it needs (fixed\n"
     "                            settings: --conf does not change these rows)\n"
     "  -h, --help                this text\n";
+
+/* After a usage mistake: the one line that says what, then where to look. */
+#define HINT "try 'gpumem report --help'\n"
 
 enum { BUCKETS = 800, TOP_GROUPS = 12 };
 
@@ -435,12 +439,12 @@ int gm_cli_report(int argc, char** argv) {
                                                          : NULL;
     if (value) {
       if (!eq && i + 1 >= argc) {
-        fprintf(stderr, "gpumem: option '%s' needs a value\n\n%s", a, usage_report);
+        fprintf(stderr, "gpumem: option '%s' needs a value\n%s", a, HINT);
         return 2;
       }
       *value = eq ? eq + 1 : argv[++i];
     } else if (eq && (option_is(a, len, "--help") || option_is(a, len, "--min-limit"))) {
-      fprintf(stderr, "gpumem: option '%.*s' takes no value\n\n%s", (int)len, a, usage_report);
+      fprintf(stderr, "gpumem: option '%.*s' takes no value\n%s", (int)len, a, HINT);
       return 2;
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       fputs(usage_report, stdout);
@@ -448,17 +452,17 @@ int gm_cli_report(int argc, char** argv) {
     } else if (strcmp(a, "--min-limit") == 0) {
       min_limit = 1;
     } else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "gpumem: unknown option '%s'\n\n%s", a, usage_report);
+      fprintf(stderr, "gpumem: unknown option '%s'\n%s", a, HINT);
       return 2;
     } else if (trace_path) {
-      fprintf(stderr, "gpumem: one trace at a time\n\n%s", usage_report);
+      fprintf(stderr, "gpumem: one trace at a time\n%s", HINT);
       return 2;
     } else {
       trace_path = a;
     }
   }
   if (!trace_path) {
-    fprintf(stderr, "gpumem: no trace given\n\n%s", usage_report);
+    fprintf(stderr, "gpumem: no trace given\n%s", HINT);
     return 2;
   }
   /* Bad values are reported before any trace is read, as gpumem fit does. */
@@ -469,10 +473,19 @@ int gm_cli_report(int argc, char** argv) {
   }
   gpumem_options_t check;
   gpumem_options_init(&check);
-  if (conf && gpumem_options_parse(&check, conf) != GPUMEM_OK) {
+  if (conf && (cli_check_conf_units("--conf", conf) != GPUMEM_OK ||
+               gpumem_options_parse(&check, conf) != GPUMEM_OK)) {
     fprintf(stderr, "gpumem: %s\n", gpumem_last_error());
     return 1;
   }
+  if (cli_refuse_record(conf)) return 1;
+  /* GPUMEM_CONF first, then --conf, as every command reads them */
+  static char joined[4096];
+  if (cli_join_conf(conf, joined, sizeof joined) != 0) {
+    fprintf(stderr, "gpumem: GPUMEM_CONF and --conf together are too long\n");
+    return 1;
+  }
+  conf = joined[0] ? joined : NULL;
   page_t* p = calloc(1, sizeof *p);
   trace_t* t = NULL;
   void** slots = NULL;

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "cliconf.h"
 #include "gpumem.h"
 
 #define EXIT_USAGE 2
@@ -31,7 +32,8 @@ static const char usage_run[] =
     "\n"
     "options:\n"
     "  --conf STRING   configuration, GPUMEM_CONF grammar (key:value,...), checked\n"
-    "                  here; without it GPUMEM_CONF from the environment applies\n"
+    "                  here; the processes get GPUMEM_CONF from the environment\n"
+    "                  followed by it, so its keys win\n"
     "  --verbose       each such process says on stderr that gpumem is enabled,\n"
     "                  and its peak memory when it exits\n"
     "  -h, --help      this text\n"
@@ -41,8 +43,8 @@ static const char usage_run[] =
     "torch is imported, then runs the sitecustomize it shadows, if any.\n";
 
 static int run_usage_error(const char* what, const char* arg) {
-  fprintf(stderr, "gpumem run: %s%s%s%s\n\n%s", what, arg ? " '" : "", arg ? arg : "",
-          arg ? "'" : "", usage_run);
+  fprintf(stderr, "gpumem run: %s%s%s%s\ntry 'gpumem run --help'\n", what, arg ? " '" : "",
+          arg ? arg : "", arg ? "'" : "");
   return EXIT_USAGE;
 }
 
@@ -180,14 +182,22 @@ int gm_cli_run(int argc, char** argv) {
   }
   if (i >= argc) return run_usage_error("no command to run", NULL);
 
+  char joined[4096];
   if (conf) {
     /* A bad key is reported now, not in every process the command starts. */
     gpumem_options_t opts;
     gpumem_options_init(&opts);
-    if (gpumem_options_parse(&opts, conf) != GPUMEM_OK) {
+    if (cli_check_conf_units("--conf", conf) != GPUMEM_OK ||
+        gpumem_options_parse(&opts, conf) != GPUMEM_OK) {
       fprintf(stderr, "gpumem run: --conf: %s\n", gpumem_last_error());
       return EXIT_USAGE;
     }
+    /* GPUMEM_CONF first, then --conf, as every command reads them */
+    if (cli_join_conf(conf, joined, sizeof joined) != 0) {
+      fprintf(stderr, "gpumem run: GPUMEM_CONF and --conf together are too long\n");
+      return EXIT_USAGE;
+    }
+    conf = joined;
   }
   char pkg[PATH_MAX], exe_dir[PATH_MAX], why[PATH_MAX + 300];
   if (find_package(pkg, exe_dir, sizeof exe_dir, why, sizeof why) != 0) {

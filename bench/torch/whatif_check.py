@@ -34,7 +34,7 @@ failures = 0
 def replay(build, path, *args, capacity=None):
     cmd = [os.path.join(build, "gpumem"), "replay", "--json"] + list(args)
     if capacity and "async" not in args and "expandable_segments:True" not in args:
-        cmd += ["--capacity", str(capacity)]
+        cmd += ["--capacity", f"{capacity}B"]  # bytes: the command line wants the unit
     if "--policy" in args and "async" not in args and "expandable_segments:True" not in args:
         cmd += ["--passes", "0"]
     cmd.append(path)

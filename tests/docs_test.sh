@@ -1,0 +1,37 @@
+#!/bin/bash
+# The figures the docs quote from the simulated device against what the
+# program prints now: runs the commands the docs show (make demo's replay
+# --compare of the bundled traces, with the min limit; reclaim:pressure;
+# the fit example of docs/whatif.md; make synth's workloads) and hands
+# their output to tests/docs_check.py, which finds each quoted figure.
+# GPU figures are measured elsewhere and named with their script and date;
+# they are not checked here.
+# usage: bash tests/docs_test.sh SOURCE_DIR GPUMEM_BIN [BENCH_SYNTH]
+set -u
+SRC=$1
+BIN=$2
+SYNTH=${3:-}
+if ! command -v python3 >/dev/null 2>&1; then
+  echo "docs_test: skipped, no python3"
+  exit 77
+fi
+T=$(mktemp -d "${TMPDIR:-/tmp}/gpumem_docs.XXXXXX")
+trap 'rm -rf "$T"' EXIT
+die() {
+  echo "FAIL: $*" >&2
+  exit 1
+}
+
+"$BIN" replay --compare --min-limit --passes 0 --json "$SRC"/traces/*.trace.gz >"$T/compare.jsonl" ||
+  die "gpumem replay --compare of the bundled traces failed"
+"$BIN" replay --passes 0 --json --conf reclaim:pressure "$SRC"/traces/*.trace.gz >"$T/pressure.jsonl" ||
+  die "gpumem replay --conf reclaim:pressure failed"
+"$BIN" fit --memory 13.5G "$SRC/traces/gpt2_train.trace.gz" >"$T/fit.txt" || die "gpumem fit failed"
+set -- "$SRC" "$T/compare.jsonl" "$T/pressure.jsonl" "$T/fit.txt"
+if [ -n "$SYNTH" ]; then
+  mkdir "$T/synth" && "$SYNTH" "$T/synth" >/dev/null || die "bench_synth failed"
+  "$BIN" replay --compare --min-limit --passes 0 --json "$T"/synth/*.trace >"$T/synth.jsonl" ||
+    die "gpumem replay --compare of the synthetic workloads failed"
+  set -- "$@" "$T/synth.jsonl"
+fi
+GPUMEM_BUILD=$(dirname "$BIN") python3 "$SRC/tests/docs_check.py" "$@"
