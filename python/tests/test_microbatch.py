@@ -5,6 +5,7 @@ of a plain loop that accumulates the same micro-batches. Needs PyTorch (the
 CPU build does); skipped without it."""
 
 import os
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -265,13 +266,22 @@ def _ddp_worker(rank, world, path, rows, result_dir):
 class MicroBatchDDPTest(unittest.TestCase):
     def test_ranks_agree_on_k_and_sync_only_the_last_micro_batch(self):
         import torch.distributed as dist
-        import torch.multiprocessing as mp
 
         if not dist.is_available() or not dist.is_gloo_available():
             self.skipTest("this PyTorch has no gloo backend")
         with tempfile.TemporaryDirectory() as d:
-            # rank 0 fits 8 rows, rank 1 only 4: both must run 4 micro-batches
-            mp.spawn(_ddp_worker, args=(2, os.path.join(d, "store"), (8, 4), d), nprocs=2, join=True)
+            # rank 0 fits 8 rows, rank 1 only 4: both must run 4 micro-batches.
+            # (fresh interpreters running this file: the test runner may
+            # read its main module from stdin, which spawn cannot import)
+            env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+            procs = [
+                subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ddp-worker", str(rank), d],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for rank in range(2)
+            ]
+            outs = [p.communicate(timeout=300)[0] for p in procs]
+            for p, out in zip(procs, outs):
+                self.assertEqual(p.returncode, 0, out[-3000:])
             r0 = torch.load(os.path.join(d, "rank0.pt"))
             r1 = torch.load(os.path.join(d, "rank1.pt"))
         self.assertEqual((r0["k"], r1["k"]), (4, 4))
@@ -299,4 +309,8 @@ class MicroBatchDDPTest(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    if len(sys.argv) == 4 and sys.argv[1] == "--ddp-worker":
+        rank, d = int(sys.argv[2]), sys.argv[3]
+        _ddp_worker(rank, 2, os.path.join(d, "store"), (8, 4), d)
+    else:
+        unittest.main()
