@@ -234,6 +234,107 @@ def oom(args):
     )
 
 
+# ---- out of memory in PyTorch's form ------------------------------------------
+
+
+def oom_form(args):
+    """Under a per-process fraction, fails the same requests the same way
+    under either allocator: the message, the observer's arguments, num_ooms,
+    100 failed trials and what is left after them, a failure inside a
+    captured graph and inside a MemPool."""
+    torch = setup(args)
+    import re
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = 4 << 30
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    calls = []
+    torch._C._cuda_attach_out_of_memory_observer(lambda *a: calls.append(list(a)))
+    chunk = 256 << 20  # 256 MiB a tensor
+
+    def fill():
+        held = []
+        while True:
+            try:
+                held.append(torch.empty(chunk, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError as e:
+                return held, str(e), type(e).__name__
+            if len(held) > 1000:
+                return held, "", "no failure"
+
+    torch.empty(1, device="cuda")  # context and baseline
+    base_allocated = torch.cuda.memory_allocated()
+    held, message, etype = fill()
+    filled = len(held)
+    del held
+    first = re.match(r"CUDA out of memory\. Tried to allocate [\d.]+ \w+\. GPU \d+ has a total capacit?y of [\d.]+ \w+", message)
+    allowed = re.search(r"([\d.]+ \w+) allowed; ", message)
+    ooms_before = torch.cuda.memory_stats().get("num_ooms", 0)
+    calls_before = len(calls)
+    # 100 failed trials: what unwinding frees is reusable at once
+    trial_fills = []
+    for _ in range(100):
+        held, _, _ = fill()
+        trial_fills.append(len(held))
+        del held
+    after_trials = torch.cuda.memory_allocated()
+    ooms_after = torch.cuda.memory_stats().get("num_ooms", 0)
+    reserved_before_empty = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    reserved_after_empty = torch.cuda.memory_reserved()
+    # inside a captured graph, and inside a MemPool
+    graph = {}
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    x = torch.ones(16, device="cuda")
+    with torch.cuda.stream(s):
+        (x * 2).sum()
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.graph(g, stream=s):
+            y = x * 2
+            big = torch.empty(cap * 2, dtype=torch.uint8, device="cuda")
+        graph["raised"] = "nothing"
+    except Exception as e:
+        graph["raised"] = type(e).__name__
+        graph["text_ok"] = str(e).startswith("CUDA out of memory.")
+    torch.cuda.synchronize()
+    graph["alloc_after"] = bool(torch.ones(1024, device="cuda").sum().item() == 1024)
+    pool = {}
+    if hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
+        mp = torch.cuda.MemPool()
+        try:
+            with torch.cuda.use_mem_pool(mp):
+                big = torch.empty(cap * 2, dtype=torch.uint8, device="cuda")
+            pool["raised"] = "nothing"
+        except Exception as e:
+            pool["raised"] = type(e).__name__
+            pool["text_ok"] = str(e).startswith("CUDA out of memory.")
+        with torch.cuda.use_mem_pool(mp):
+            t = torch.ones(1024, device="cuda")
+        pool["alloc_after"] = bool(t.sum().item() == 1024)
+        del t
+    emit(
+        message=message[:1500],
+        exc_type=etype,
+        first_sentence=first.group(0) if first else None,
+        allowed=allowed.group(1) if allowed else None,
+        filled=filled,
+        trial_fills=sorted(set(trial_fills)),
+        observer_calls=calls_before,
+        observer_first=calls[0] if calls else None,
+        observer_after_trials=len(calls) - calls_before,
+        ooms_before=ooms_before,
+        ooms_trials=ooms_after - ooms_before,
+        base_allocated=base_allocated,
+        after_trials=after_trials,
+        reserved_before_empty=reserved_before_empty,
+        reserved_after_empty=reserved_after_empty,
+        graph=graph,
+        pool=pool,
+    )
+
+
 # ---- the torch.cuda memory functions ----------------------------------------
 
 
@@ -638,6 +739,7 @@ WORKLOADS = {
     "ddp": ddp,
     "two_streams": two_streams,
     "snapshot": snapshot,
+    "oom_form": oom_form,
     "leaks": leaks,
     "budget_hold": budget_hold,
     "budget_take": budget_take,

@@ -164,6 +164,47 @@ class OutOfMemoryTest(unittest.TestCase):
         self.check_recovery(r)
 
 
+class OutOfMemoryFormTest(unittest.TestCase):
+    """The same failures under a per-process fraction, native PyTorch and
+    gpumem side by side: what tools read off the error must agree."""
+
+    def test_oom_reads_as_pytorchs(self):
+        need()
+        native = run_child("oom_form", "--allocator", "native")
+        mine = run_child("oom_form", "--allocator", "gpumem")
+        print("\n  native: %s\n  gpumem: %s" % (native["message"][:400], mine["message"][:600]), file=sys.stderr)
+        self.assertEqual(mine["exc_type"], "OutOfMemoryError")
+        self.assertIsNotNone(native["first_sentence"], native["message"])
+        self.assertEqual(mine["first_sentence"], native["first_sentence"])
+        self.assertEqual(mine["allowed"], native["allowed"])
+        self.assertIn("gpumem: out of memory", mine["message"])
+        # what Accelerate's and Lightning's finders look for
+        self.assertIn("CUDA out of memory.", mine["message"])
+        # the observer: once per failure, PyTorch's arguments
+        self.assertEqual(mine["observer_calls"], 1)
+        self.assertEqual(mine["observer_after_trials"], 100)
+        self.assertEqual(native["observer_after_trials"], 100)
+        self.assertEqual(mine["observer_first"][0], native["observer_first"][0])  # device
+        self.assertEqual(mine["observer_first"][1], native["observer_first"][1])  # allocation size
+        # allowed: the fraction of the device, as each rounds it
+        self.assertLessEqual(abs(mine["observer_first"][2] - native["observer_first"][2]), 2 << 20)
+        self.assertEqual(mine["ooms_before"], 1)
+        self.assertEqual(mine["ooms_trials"], 100)
+        # recovery: every trial fits as much as the first; nothing left
+        self.assertEqual(mine["trial_fills"], [mine["filled"]], mine)
+        self.assertGreaterEqual(mine["filled"], native["filled"])
+        self.assertEqual(mine["after_trials"], mine["base_allocated"])
+        self.assertLess(mine["reserved_after_empty"], 64 << 20, mine)
+        # a failure inside a captured graph and inside a MemPool: as native
+        self.assertEqual(mine["graph"]["raised"], native["graph"]["raised"], (native["graph"], mine["graph"]))
+        self.assertTrue(mine["graph"]["alloc_after"])
+        if native["graph"]["raised"] == "OutOfMemoryError":
+            self.assertTrue(mine["graph"]["text_ok"])
+        if native["pool"]:
+            self.assertEqual(mine["pool"]["raised"], native["pool"]["raised"], (native["pool"], mine["pool"]))
+            self.assertTrue(mine["pool"]["alloc_after"])
+
+
 class MemoryFunctionsTest(unittest.TestCase):
     def test_torch_cuda_memory_functions_report_gpumem(self):
         need()
