@@ -1520,7 +1520,7 @@ static int cmd_explain(int argc, char** argv) {
     }
     size_t found = explain_run(gm, t, stop, slots);
     if (found == SIZE_MAX) {
-      rc = error("%s: out of memory before the peak: %s", t->name, detail(gpumem_last_error()));
+      rc = error("%s: the replay failed before the peak: %s", t->name, detail(gpumem_last_error()));
       goto done;
     }
     if (run == 0) {
