@@ -270,7 +270,8 @@ static gpumem_status_t field_count(parser_t* p, size_t got, size_t want, const t
 static gpumem_status_t add_stream(parser_t* p, uintptr_t stream) {
   /* Checked before the insert, so the map never holds more than the cap. */
   if (p->streams.count >= TRACE_MAX_STREAMS && map_get(&p->streams, (uint64_t)stream) == MAP_EMPTY)
-    return fail_line(p, "stream 0x%llx is the trace's %dth distinct stream: more than the "
+    return fail_line(p,
+                     "stream 0x%llx is the trace's %dth distinct stream: more than the "
                      "readers' limit of %d streams",
                      (unsigned long long)stream, TRACE_MAX_STREAMS + 1, TRACE_MAX_STREAMS);
   if (map_put(&p->streams, (uint64_t)stream, 0) < 0) return no_memory(p);
@@ -314,8 +315,8 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
     }
     if (t->num_allocs >= MAP_EMPTY) return fail_line(p, "too many allocations");
     if (p->live_bytes + size < p->live_bytes) return fail_line(p, "live bytes overflow 64 bits");
-    if (t->total_alloc_bytes + size < t->total_alloc_bytes)
-      return fail_line(p, "the total of allocated bytes overflows 64 bits");
+    if (size > TRACE_MAX_TOTAL - t->total_alloc_bytes)
+      return fail_line(p, "the total of allocated bytes passes the readers' limit of 2^62");
     size_t slot = t->num_allocs;
     if (slot >= p->slots_cap && grow_slots(p) != 0) return no_memory(p);
     if (map_put(&p->ids, id, (uint32_t)slot) < 0) return no_memory(p);
@@ -631,11 +632,11 @@ static int same_request(const trace_t* t, size_t a, size_t b) {
 typedef struct period_search {
   const trace_t* t;
   size_t n;
-  size_t* z;            /* Z-function of the allocations, last first */
-  size_t* other;        /* indices of the non-alloc events, in order */
+  size_t* z;     /* Z-function of the allocations, last first */
+  size_t* other; /* indices of the non-alloc events, in order */
   size_t num_other;
-  uint32_t* min_id;     /* min_id[k]: smallest ID named by other[k..] */
-  size_t* freed_in;     /* per slot: the try (P) that saw it freed, 0 for none */
+  uint32_t* min_id; /* min_id[k]: smallest ID named by other[k..] */
+  size_t* freed_in; /* per slot: the try (P) that saw it freed, 0 for none */
   const unsigned char* live_at_end;
   uint64_t work, budget;
 } period_search_t;

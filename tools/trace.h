@@ -80,6 +80,9 @@ typedef struct trace {
  *   inflates up to 1032 times its size, so the cap is on the output). */
 #define TRACE_MAX_STREAMS 64
 #define TRACE_MAX_SIZE ((uint64_t)1 << 48)
+/* The sum of all sizes requested (2^62): what sums sizes, rounded up to
+ * pages and segments, stays below 2^63 and fits the signed statistics. */
+#define TRACE_MAX_TOTAL ((uint64_t)1 << 62)
 #define TRACE_MAX_BYTES_DEFAULT ((size_t)256 << 20)
 /* TRACE_MAX_BYTES_DEFAULT unless changed (tests lower it). */
 extern size_t trace_max_bytes;
