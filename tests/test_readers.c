@@ -608,6 +608,40 @@ static void test_period_search(void) {
   trace_free(t);
 }
 
+/* ---- hash flooding ---------------------------------------------------------- */
+
+/* The inverse of splitmix64's finalizer, the trace reader's hash before it
+ * was keyed: IDs unmix(k << 32) all hash to one cell of any table of up to
+ * 2^32 cells. */
+static uint64_t unmix(uint64_t x) {
+  x ^= (x >> 31) ^ (x >> 62);
+  x *= 0x319642b2d24d8ec3ULL;
+  x ^= (x >> 27) ^ (x >> 54);
+  x *= 0x96de1b173f119089ULL;
+  x ^= (x >> 30) ^ (x >> 60);
+  return x;
+}
+
+static int parse_ok(const void* arg) {
+  const buf_t* b = arg;
+  trace_t* t = NULL;
+  gpumem_status_t st = trace_parse("flood.trace", (const char*)b->p, b->len, &t);
+  int ok = st == GPUMEM_OK && t->num_allocs == 50000;
+  trace_free(t);
+  return ok;
+}
+
+static void test_hash_flood(void) {
+  printf("hash flooding\n");
+  buf_t b = {0};
+  for (uint64_t k = 1; k <= 50000; k++)
+    put_text(&b, "a %llu 512 0\n", (unsigned long long)unmix(k << 32));
+  /* 1.4 MB: 8.6 s with the unkeyed hash */
+  outcome_t o = in_child(parse_ok, &b);
+  CHECK_BOUNDED("50k IDs of one unkeyed hash cell", o, 64 * 1024, 2.0);
+  free(b.p);
+}
+
 int main(void) {
   test_streams();
   test_sizes();
@@ -618,5 +652,6 @@ int main(void) {
   test_duplicates();
   test_segment_overflow();
   test_period_search();
+  test_hash_flood();
   return test_finish("test_readers");
 }

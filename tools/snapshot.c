@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "pickle.h"
 #include "snapshot.h"
@@ -72,7 +73,13 @@ typedef struct live_map {
   size_t mask, count;
 } live_map_t;
 
+/* Mixed into every hash, as in trace.c: addresses come from the file, and
+ * the finalizer is invertible, so without a key unknown to the file's
+ * author it could pick addresses that all land in one probe run. */
+static uint64_t hash_key;
+
 static size_t hash(uint64_t k) {
+  k += hash_key;
   k ^= k >> 33;
   k *= 0xff51afd7ed558ccdULL;
   k ^= k >> 33;
@@ -80,6 +87,11 @@ static size_t hash(uint64_t k) {
 }
 
 static int live_init(live_map_t* m, size_t n) {
+  if (!hash_key) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    hash_key = ((uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)m) | 1;
+  }
   size_t c = 64;
   while (c < n * 2) c *= 2;
   m->addr = calloc(c, sizeof *m->addr);

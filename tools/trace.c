@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "pickle.h"
@@ -29,9 +31,27 @@ typedef struct u64map {
   size_t count;
 } u64map_t;
 
+/* A per-process key mixed into every hash. The finalizer below is a
+ * bijection anyone can invert: a file could pick IDs whose hashes share
+ * their low bits, and every insert would then probe the whole cluster
+ * (quadratic: 100k such IDs took seconds). Unknown to the file's author,
+ * the key makes such IDs as likely to collide as any. Lookups never depend
+ * on the order of the table, so results stay deterministic. */
+static uint64_t hash_key;
+
+static void hash_key_init(void) {
+  if (hash_key) return;
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t k = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ ((uint64_t)getpid() << 40) ^
+               (uint64_t)(uintptr_t)&ts;
+  hash_key = k | 1;
+}
+
 static size_t map_hash(uint64_t key) {
   /* splitmix64's finalizer: IDs are sequential and stream handles aligned,
    * so low bits alone would cluster. */
+  key += hash_key;
   key ^= key >> 30;
   key *= 0xbf58476d1ce4e5b9ULL;
   key ^= key >> 27;
@@ -41,6 +61,7 @@ static size_t map_hash(uint64_t key) {
 }
 
 static int map_init(u64map_t* m, size_t cap) {
+  hash_key_init();
   size_t n = 16;
   while (n < cap * 2) n *= 2;
   m->keys = malloc(n * sizeof *m->keys);
