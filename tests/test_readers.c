@@ -21,6 +21,7 @@
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
+#include "peer_models.h"
 #include "pickle.h"
 #include "replay.h"
 #include "snapshot.h"
@@ -312,6 +313,16 @@ static void test_sizes(void) {
     replay_result_t r;
     CHECK_STATUS(replay_trace(t, &c, &r), GPUMEM_OK);
     CHECK(r.oom);
+    /* fit's models: it needs 2^48 bytes, and in 80 GiB it does not fit */
+    static const peer_model_t models[] = {PEER_EXPANDABLE, PEER_ASYNC};
+    for (size_t m = 0; m < 2; m++) {
+      peer_result_t pr;
+      CHECK_STATUS(peer_run(t, models[m], 0, 0, &pr), GPUMEM_OK);
+      /* (expandable segments span 2^42 bytes: no room for it at all) */
+      CHECK(pr.oom || pr.peak_reserved_bytes >= TRACE_MAX_SIZE);
+      CHECK_STATUS(peer_run(t, models[m], (uint64_t)80 << 30, 0, &pr), GPUMEM_OK);
+      CHECK(pr.oom);
+    }
   }
   trace_free(t);
   /* totals past 2^62 (past 64 bits at 2^16): 2^16 allocations of 2^48 */
