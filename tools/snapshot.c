@@ -71,15 +71,15 @@ typedef struct live_map {
   uint64_t* addr;
   uint64_t* id; /* 0: empty cell (IDs start at 1) */
   size_t mask, count;
+  uint64_t salt; /* mixed into every hash (below) */
 } live_map_t;
 
-/* Mixed into every hash, as in trace.c: addresses come from the file, and
- * the finalizer is invertible, so without a key unknown to the file's
- * author it could pick addresses that all land in one probe run. */
-static uint64_t hash_key;
-
-static size_t hash(uint64_t k) {
-  k += hash_key;
+/* Each table mixes a salt of its own into its hashes, as in trace.c:
+ * addresses come from the file, and the finalizer is invertible, so
+ * without a salt unknown to the file's author it could pick addresses that
+ * all land in one probe run. */
+static size_t hash(const live_map_t* m, uint64_t k) {
+  k += m->salt;
   k ^= k >> 33;
   k *= 0xff51afd7ed558ccdULL;
   k ^= k >> 33;
@@ -87,11 +87,9 @@ static size_t hash(uint64_t k) {
 }
 
 static int live_init(live_map_t* m, size_t n) {
-  if (!hash_key) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    hash_key = ((uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)m) | 1;
-  }
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  m->salt = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)m;
   size_t c = 64;
   while (c < n * 2) c *= 2;
   m->addr = calloc(c, sizeof *m->addr);
@@ -102,7 +100,7 @@ static int live_init(live_map_t* m, size_t n) {
 }
 
 static size_t live_cell(const live_map_t* m, uint64_t a) {
-  size_t i = hash(a) & m->mask;
+  size_t i = hash(m, a) & m->mask;
   while (m->id[i] && m->addr[i] != a) i = (i + 1) & m->mask;
   return i;
 }

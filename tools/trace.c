@@ -29,29 +29,28 @@ typedef struct u64map {
   uint32_t* vals; /* MAP_EMPTY marks an unused cell */
   size_t mask;
   size_t count;
+  uint64_t salt; /* mixed into every hash (below) */
 } u64map_t;
 
-/* A per-process key mixed into every hash. The finalizer below is a
- * bijection anyone can invert: a file could pick IDs whose hashes share
- * their low bits, and every insert would then probe the whole cluster
- * (quadratic: 100k such IDs took seconds). Unknown to the file's author,
- * the key makes such IDs as likely to collide as any. Lookups never depend
- * on the order of the table, so results stay deterministic. */
-static uint64_t hash_key;
-
-static void hash_key_init(void) {
-  if (hash_key) return;
+/* A salt of each table's own, mixed into its hashes. The finalizer below
+ * is a bijection anyone can invert: a file could pick IDs whose hashes
+ * share their low bits, and every insert would then probe the whole
+ * cluster (quadratic: 50k such IDs took 8.6 s). Unknown to the file's
+ * author, the salt makes such IDs as likely to collide as any. Lookups
+ * never depend on the order of the table, so results stay deterministic;
+ * and a table's own salt, unlike a shared one set on first use, needs no
+ * care when threads read traces at once. */
+static uint64_t new_salt(const void* where) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
-  uint64_t k = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ ((uint64_t)getpid() << 40) ^
-               (uint64_t)(uintptr_t)&ts;
-  hash_key = k | 1;
+  return (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ ((uint64_t)getpid() << 40) ^
+         (uint64_t)(uintptr_t)where;
 }
 
-static size_t map_hash(uint64_t key) {
+static size_t map_hash(const u64map_t* m, uint64_t key) {
   /* splitmix64's finalizer: IDs are sequential and stream handles aligned,
    * so low bits alone would cluster. */
-  key += hash_key;
+  key += m->salt;
   key ^= key >> 30;
   key *= 0xbf58476d1ce4e5b9ULL;
   key ^= key >> 27;
@@ -61,7 +60,7 @@ static size_t map_hash(uint64_t key) {
 }
 
 static int map_init(u64map_t* m, size_t cap) {
-  hash_key_init();
+  m->salt = new_salt(m);
   size_t n = 16;
   while (n < cap * 2) n *= 2;
   m->keys = malloc(n * sizeof *m->keys);
@@ -82,7 +81,7 @@ static void map_destroy(u64map_t* m) {
 
 /* Cell of key, or the empty cell where it would go. */
 static size_t map_cell(const u64map_t* m, uint64_t key) {
-  size_t i = map_hash(key) & m->mask;
+  size_t i = map_hash(m, key) & m->mask;
   while (m->vals[i] != MAP_EMPTY && m->keys[i] != key) i = (i + 1) & m->mask;
   return i;
 }
