@@ -76,8 +76,9 @@ typedef struct trace {
  * - TRACE_MAX_SIZE: bytes one allocation may request (2^48, 256 TiB, far
  *   above any device): sizes near 2^64 wrap to 0 when a model rounds them
  *   up, and would then "fit" in nothing.
- * - trace_max_bytes: the text a trace may hold once inflated (a gzip file
- *   inflates up to 1032 times its size, so the cap is on the output). */
+ * - trace_max_bytes: the bytes a file (trace text or snapshot pickle) may
+ *   hold once inflated (a gzip file inflates up to 1032 times its size, so
+ *   the cap is on the output). */
 #define TRACE_MAX_STREAMS 64
 #define TRACE_MAX_SIZE ((uint64_t)1 << 48)
 /* The sum of all sizes requested (2^62): what sums sizes, rounded up to
