@@ -535,8 +535,8 @@ gpumem_status_t trace_load(const char* path, trace_t** out) {
      * so a gzip bomb costs at most the cap in memory and its time. */
     if (len > trace_max_bytes) {
       gpumem_set_last_error(
-          "%s: more than %zu bytes of trace text (after inflating): larger than the readers' "
-          "limit",
+          "%s: more than %zu bytes once inflated: larger than the readers' limit for a trace or "
+          "snapshot",
           path, trace_max_bytes);
       st = GPUMEM_ERR_IO;
       goto done;
