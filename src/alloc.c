@@ -146,6 +146,15 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
     *err = st;
     return NULL;
   }
+  /* A fraction so small that the limit rounds to 0 bytes would read as "no
+   * limit" below (0 means none) and silently drop the cap it asked for. */
+  if (o.limit_fraction > 0 && (size_t)((double)total * o.limit_fraction) == 0) {
+    *err = gm_fail(GPUMEM_ERR_INVALID_ARGUMENT,
+                   "gpumem_create: limit fraction %g of the device's %zu bytes is 0 bytes: it "
+                   "would remove the limit instead of setting one",
+                   o.limit_fraction, total);
+    return NULL;
+  }
   gpumem_t* gm = calloc(1, sizeof *gm);
   if (!gm) {
     *err = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_create: out of host memory");
@@ -1141,7 +1150,13 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
   gm_format_bytes(st.largest_free_block, largest, sizeof largest);
   const char* advice;
   char advice_buf[400];
-  if (cause != GPUMEM_ERR_OUT_OF_MEMORY) {
+  if (cause == GPUMEM_ERR_HOST_MEMORY) {
+    /* Not the device: the host refused memory for the allocator's own
+     * tables, which no change to the device's figures above would fix. */
+    advice =
+        "the host, not the device, is out of memory (the allocator's own tables could not be "
+        "allocated); nothing was allocated and the allocator is consistent";
+  } else if (cause != GPUMEM_ERR_OUT_OF_MEMORY) {
     advice =
         "the device reported an error other than out of memory (the cause above); nothing was "
         "allocated and "
@@ -1192,9 +1207,11 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
       "Limit: %s. gpumem holds %s reserved: %s allocated, %s freed but waiting for other streams, "
       "%s cached "
       "free; largest free block %s, fragmentation %.1f%%. Policy: %s. Cause: %s. Advice: %s.%s%s",
-      cause == GPUMEM_ERR_OUT_OF_MEMORY ? "out of memory" : "allocation failed", req, size,
-      (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend, cached,
-      largest, st.fragmentation * 100.0,
+      cause == GPUMEM_ERR_OUT_OF_MEMORY ? "out of memory"
+      : cause == GPUMEM_ERR_HOST_MEMORY ? "out of host memory"
+                                        : "allocation failed",
+      req, size, (unsigned long)stream, tot, fre, gm->limit ? lim : "none", res, alloc_b, pend,
+      cached, largest, st.fragmentation * 100.0,
       gm->opts.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
       cause_text[0] ? cause_text : gpumem_strerror(cause), advice, live, snapshot);
 }

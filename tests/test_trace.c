@@ -124,13 +124,14 @@ static void test_parse(void) {
     trace_free(t);
   }
 
-  /* Large IDs and sizes up to 64 bits. */
-  const char big[] = "a 18446744073709551615 18446744073709551615 0\n";
+  /* IDs up to 64 bits; sizes up to the readers' limit (2^48, beyond it:
+   * test_readers). */
+  const char big[] = "a 18446744073709551615 281474976710656 0\n";
   t = NULL;
   CHECK_STATUS(trace_parse("big", big, strlen(big), &t), GPUMEM_OK);
   if (t) {
     CHECK(t->slot_trace_id[0] == UINT64_MAX);
-    CHECK(t->events[0].size == UINT64_MAX);
+    CHECK(t->events[0].size == TRACE_MAX_SIZE);
     trace_free(t);
   }
 }
@@ -156,6 +157,7 @@ static const bad_case_t bad_cases[] = {
     {"a 0 -5 0\n", 1, "SIZE '-5' is not"},
     {"a 0 1.5 0\n", 1, "SIZE '1.5' is not"},
     {"a 0 99999999999999999999999 0\n", 1, "SIZE '99999999999999999999999' is too large"},
+    {"a 0 18446744073709551615 0\n", 1, "larger than the readers' limit of 2^48"},
     {"a 0 5 s\n", 1, "STREAM 's' is not"},
     {"a 0 5 0\nr 0 0xg\n", 2, "STREAM '0xg' is not"},
     {"f -1\n", 1, "ID '-1' is not"},

@@ -1746,7 +1746,7 @@ static int cmd_explain(int argc, char** argv) {
     }
     size_t found = explain_run(gm, t, stop, slots);
     if (found == SIZE_MAX) {
-      rc = error("%s: out of memory before the peak: %s", t->name, detail(gpumem_last_error()));
+      rc = error("%s: the replay failed before the peak: %s", t->name, detail(gpumem_last_error()));
       goto done;
     }
     if (run == 0) {
@@ -1838,12 +1838,12 @@ static int cmd_leaks(int argc, char** argv) {
   size_t first = 0;
   while (first < t->num_events && (int64_t)t->events[first].line < cli.since_line) first++;
   if (explain_run(gm, t, first, slots) == SIZE_MAX) {
-    rc = error("%s: out of memory: %s", t->name, detail(gpumem_last_error()));
+    rc = error("%s: %s", t->name, detail(gpumem_last_error()));
     goto done;
   }
   uint64_t mark = gpumem_leak_mark(gm);
   if (explain_run_from(gm, t, first, t->num_events, slots) == SIZE_MAX) {
-    rc = error("%s: out of memory: %s", t->name, detail(gpumem_last_error()));
+    rc = error("%s: %s", t->name, detail(gpumem_last_error()));
     goto done;
   }
   if (!cli.json) {

@@ -21,6 +21,12 @@ typedef struct reader {
   size_t depth, stack_cap;
   uint32_t* memo;
   size_t memo_len, memo_cap;
+  /* Container items while reading: a chain per container through one
+   * array (kid, next), so a container costs no allocation of its own (a
+   * one-item list was a 256-byte array: 9 GB for 30 MB of nested tuples).
+   * pickle_read lays them out contiguously at the end. */
+  uint32_t* edges; /* pairs: kid, next (0 ends a chain; edge 0 is unused) */
+  size_t num_edges, edges_cap;
 } reader_t;
 
 static gpumem_status_t fail(reader_t* r, const char* fmt, ...)
@@ -80,9 +86,38 @@ static gpumem_status_t push_new(reader_t* r, pickle_type_t t, uint32_t* out) {
 }
 
 static gpumem_status_t add_kid(reader_t* r, uint32_t parent, uint32_t kid) {
+  if (r->num_edges == 0) r->num_edges = 1; /* edge 0 means "none" */
+  if (r->num_edges >= UINT32_MAX) return fail(r, "more than 2^32 container items");
+  if (grow((void**)&r->edges, &r->edges_cap, 2 * (r->num_edges + 1), sizeof *r->edges) != 0)
+    return no_memory(r);
+  uint32_t e = (uint32_t)r->num_edges++;
+  r->edges[2 * e] = kid;
+  r->edges[2 * e + 1] = 0;
   pickle_value_t* v = &r->doc->values[parent];
-  if (grow((void**)&v->kids, &v->cap, v->len + 1, sizeof *v->kids) != 0) return no_memory(r);
-  v->kids[v->len++] = kid;
+  if (v->len == 0) {
+    v->chain.head = e;
+  } else {
+    r->edges[2 * v->chain.tail + 1] = e;
+  }
+  v->chain.tail = e;
+  v->len++;
+  return GPUMEM_OK;
+}
+
+/* Every container's chain becomes its run in one array of kids. */
+static gpumem_status_t lay_out_kids(reader_t* r) {
+  pickle_doc_t* d = r->doc;
+  size_t total = r->num_edges ? r->num_edges - 1 : 0;
+  d->kids = malloc((total ? total : 1) * sizeof *d->kids);
+  if (!d->kids) return no_memory(r);
+  size_t at = 0;
+  for (size_t i = 0; i < d->num_values; i++) {
+    pickle_value_t* v = &d->values[i];
+    if (v->type != PICKLE_LIST && v->type != PICKLE_TUPLE && v->type != PICKLE_DICT) continue;
+    uint32_t e = v->len ? v->chain.head : 0;
+    v->kids = d->kids + at;
+    for (size_t k = 0; k < v->len; k++, e = r->edges[2 * e + 1]) d->kids[at++] = r->edges[2 * e];
+  }
   return GPUMEM_OK;
 }
 
@@ -165,7 +200,12 @@ static gpumem_status_t make_long(reader_t* r, size_t n) {
 
 static gpumem_status_t memo_put(reader_t* r, size_t key) {
   if (r->depth == 0 || r->stack[r->depth - 1] == MARK_VALUE) return fail(r, "memo of nothing");
-  if (key > (1u << 30)) return fail(r, "memo key %zu out of range", key);
+  /* Checked before the memo grows to the key: a 9-byte file asking for key
+   * 2^30 made a 4 GB memo. pickle.dump numbers keys from 0, one per PUT
+   * opcode, so a key never reaches the file's length. */
+  if (key >= r->len || key >= MARK_VALUE)
+    return fail(r, "memo key %zu is beyond what a file of %zu bytes can hold (the readers' limit)",
+                key, r->len);
   if (grow((void**)&r->memo, &r->memo_cap, key + 1, sizeof *r->memo) != 0) return no_memory(r);
   while (r->memo_len <= key) r->memo[r->memo_len++] = MARK_VALUE;
   r->memo[key] = r->stack[r->depth - 1];
@@ -444,12 +484,16 @@ gpumem_status_t pickle_read(const char* path, const unsigned char* data, size_t 
   }
   free(r.stack);
   free(r.memo);
+  r.stack = NULL;
+  r.memo = NULL;
+  if (st == GPUMEM_OK) st = lay_out_kids(&r);
+  free(r.edges);
   if (st != GPUMEM_OK) pickle_free(doc);
   return st;
 }
 
 void pickle_free(pickle_doc_t* doc) {
-  for (size_t i = 0; i < doc->num_values; i++) free(doc->values[i].kids);
+  free(doc->kids);
   free(doc->values);
   memset(doc, 0, sizeof *doc);
 }

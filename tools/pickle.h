@@ -25,21 +25,38 @@ typedef enum pickle_type {
 } pickle_type_t;
 
 typedef struct pickle_value {
-  uint8_t type;   /* pickle_type_t */
-  int64_t i;      /* INT, BOOL */
-  double f;       /* FLOAT */
-  const char* s;  /* STR, BYTES: points into the file's bytes */
+  uint8_t type; /* pickle_type_t */
+  /* One of these, by type (a union: a value costs 32 bytes, and a file
+   * may hold one value for every byte). */
+  union {
+    int64_t i;     /* INT, BOOL */
+    double f;      /* FLOAT */
+    const char* s; /* STR, BYTES: points into the file's bytes */
+    struct {
+      uint32_t head, tail; /* while reading: the container's chain of kids */
+    } chain;
+  };
   size_t len;     /* STR, BYTES: bytes; LIST, TUPLE: items; DICT: 2 x entries */
-  uint32_t* kids; /* LIST, TUPLE, DICT: value indices */
-  size_t cap;
+  uint32_t* kids; /* LIST, TUPLE, DICT: value indices (into the doc's one array) */
 } pickle_value_t;
 
 typedef struct pickle_doc {
   pickle_value_t* values; /* values[root] is the pickled object */
   size_t num_values;
   size_t cap_values;
+  uint32_t* kids; /* every container's kids, one after another */
   uint32_t root;
 } pickle_doc_t;
+
+/* Limits of the reader (docs/security.md, "Limits of the readers"). Memory
+ * stays linear in the file: every value, container item, stack slot and
+ * memo entry needs at least one byte of it, and costs at most 32 bytes
+ * (a value), 8 (an item while reading, 4 after), 4 (a stack slot) and 4
+ * (a memo entry); in all at most PICKLE_BYTES_PER_INPUT_BYTE times the
+ * file, plus growth slack. A memo key past the file's length is refused
+ * (pickle.dump numbers memo entries 0, 1, 2..., one per PUT opcode) before
+ * the memo grows. */
+#define PICKLE_BYTES_PER_INPUT_BYTE 64
 
 /* Whether the bytes begin as a pickle of protocol 2 or later does. */
 int pickle_looks_like(const unsigned char* data, size_t len);

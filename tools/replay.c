@@ -410,7 +410,13 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
       ops++;
       st = gpumem_malloc(gm, (size_t)e->size, e->stream, &p);
       if (st != GPUMEM_OK) {
-        failed_alloc = 1;
+        /* The host refusing the allocator memory is no finding about the
+         * device (an out-of-memory row would be one): an error. */
+        if (st == GPUMEM_ERR_HOST_MEMORY) {
+          failed_other = 1;
+        } else {
+          failed_alloc = 1;
+        }
         break;
       }
       slots[e->id] = p;
@@ -480,7 +486,8 @@ static gpumem_status_t run_pass(gpumem_t* gm, const trace_t* t, replay_result_t*
   gpumem_status_t result = GPUMEM_OK;
   if (failed_other) {
     /* The trace was validated when loaded, so the allocator refused a
-     * pointer it handed out: report it, it is a bug worth seeing. */
+     * pointer it handed out (a bug worth seeing), or the host ran out of
+     * memory: report it. */
     char why[1024];
     snprintf(why, sizeof why, "%s", gpumem_last_error());
     gpumem_set_last_error("%s: line %u: %s of id %llu failed: %s: %s", t->path,

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "pickle.h"
 #include "snapshot.h"
@@ -70,9 +71,15 @@ typedef struct live_map {
   uint64_t* addr;
   uint64_t* id; /* 0: empty cell (IDs start at 1) */
   size_t mask, count;
+  uint64_t salt; /* mixed into every hash (below) */
 } live_map_t;
 
-static size_t hash(uint64_t k) {
+/* Each table mixes a salt of its own into its hashes, as in trace.c:
+ * addresses come from the file, and the finalizer is invertible, so
+ * without a salt unknown to the file's author it could pick addresses that
+ * all land in one probe run. */
+static size_t hash(const live_map_t* m, uint64_t k) {
+  k += m->salt;
   k ^= k >> 33;
   k *= 0xff51afd7ed558ccdULL;
   k ^= k >> 33;
@@ -80,6 +87,9 @@ static size_t hash(uint64_t k) {
 }
 
 static int live_init(live_map_t* m, size_t n) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  m->salt = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ (uint64_t)(uintptr_t)m;
   size_t c = 64;
   while (c < n * 2) c *= 2;
   m->addr = calloc(c, sizeof *m->addr);
@@ -90,7 +100,7 @@ static int live_init(live_map_t* m, size_t n) {
 }
 
 static size_t live_cell(const live_map_t* m, uint64_t a) {
-  size_t i = hash(a) & m->mask;
+  size_t i = hash(m, a) & m->mask;
   while (m->id[i] && m->addr[i] != a) i = (i + 1) & m->mask;
   return i;
 }
@@ -108,6 +118,19 @@ static void live_remove(live_map_t* m, size_t i) {
   }
 }
 
+/* Marks the dict v as read; 0 when it was read before. The events, segments
+ * and blocks of a snapshot are distinct objects, and a memo reference can
+ * name one dict any number of times for two bytes each: 16M references to
+ * one event made 16M trace events (3.8 GB), and N references to a dict of K
+ * keys cost N x K key comparisons. Reading each dict once keeps the work
+ * linear in the file. */
+static int first_read(unsigned char* seen, const pickle_doc_t* d, const pickle_value_t* v) {
+  size_t i = (size_t)(v - d->values);
+  if (seen[i / 8] & (1u << (i % 8))) return 0;
+  seen[i / 8] |= (unsigned char)(1u << (i % 8));
+  return 1;
+}
+
 gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, size_t len,
                                   trace_t** out) {
   *out = NULL;
@@ -121,6 +144,8 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
   text_t body = {0}; /* the trace's events */
   text_t pre = {0};  /* allocations made before the first recorded event */
   live_map_t live = {0};
+  unsigned char* seen = calloc(doc.num_values / 8 + 1, 1);
+  if (!seen) goto no_memory;
   if (root->type != PICKLE_DICT || !traces || traces->type != PICKLE_LIST) {
     gpumem_set_last_error(
         "%s: a pickle, but not a PyTorch memory snapshot (no \"device_traces\" list: expected the "
@@ -188,6 +213,14 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
   size_t segment_events = 0;
   for (size_t k = 0; k < events->len; k++) {
     const pickle_value_t* e = pickle_item(&doc, events, k);
+    if (!first_read(seen, &doc, e)) {
+      gpumem_set_last_error(
+          "%s: device %ld event %zu is an event already read (the pickle names one object "
+          "twice): a snapshot records each event once",
+          path, device, k);
+      st = GPUMEM_ERR_IO;
+      goto done;
+    }
     const pickle_value_t* action = pickle_get(&doc, e, "action");
     if (!action || action->type != PICKLE_STR) {
       gpumem_set_last_error("%s: device %ld event %zu has no \"action\"", path, device, k);
@@ -205,6 +238,18 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
     if ((is_alloc || is_free || seg_up || seg_down) && (!ok || size < 0)) {
       gpumem_set_last_error("%s: device %ld event %zu (%.*s) lacks an integer addr or size", path,
                             device, k, (int)action->len, action->s);
+      st = GPUMEM_ERR_IO;
+      goto done;
+    }
+    /* The trace reader's cap, checked here too because segment sizes never
+     * reach it: two segments of 2^63 - 1 bytes overflowed the reserved sum
+     * (undefined behaviour). Under the cap the sum cannot overflow before
+     * more events than a pickle can hold. */
+    if (size > (int64_t)TRACE_MAX_SIZE) {
+      gpumem_set_last_error(
+          "%s: device %ld event %zu (%.*s) has size %lld, larger than the readers' limit of "
+          "2^48 bytes (256 TiB)",
+          path, device, k, (int)action->len, action->s, (long long)size);
       st = GPUMEM_ERR_IO;
       goto done;
     }
@@ -255,6 +300,14 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
       }
     } else if (seg_up || seg_down) {
       segment_events++;
+      if (seg_up ? reserved > INT64_MAX - size : reserved < INT64_MIN + size) {
+        gpumem_set_last_error(
+            "%s: device %ld event %zu (%.*s): the reserved bytes its segment events add up to "
+            "overflow 64 bits",
+            path, device, k, (int)action->len, action->s);
+        st = GPUMEM_ERR_IO;
+        goto done;
+      }
       reserved += seg_up ? size : -size;
       if (reserved > peak_reserved) peak_reserved = reserved;
       if (reserved < min_reserved) min_reserved = reserved;
@@ -268,14 +321,17 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
   if (segments && segments->type == PICKLE_LIST) {
     for (size_t s = 0; s < segments->len; s++) {
       const pickle_value_t* seg = pickle_item(&doc, segments, s);
+      if (!first_read(seen, &doc, seg)) goto read_twice;
       int dok = 1;
       int64_t seg_dev = int_field(&doc, seg, "device", &dok);
       if (dok && seg_dev != device) continue;
       uint64_t stream = (uint64_t)int_field(&doc, seg, "stream", NULL);
       const pickle_value_t* blocks = pickle_get(&doc, seg, "blocks");
       if (!blocks || blocks->type != PICKLE_LIST) continue;
+      if (!first_read(seen, &doc, blocks)) goto read_twice;
       for (size_t b = 0; b < blocks->len; b++) {
         const pickle_value_t* blk = pickle_item(&doc, blocks, b);
+        if (!first_read(seen, &doc, blk)) goto read_twice;
         const pickle_value_t* state = pickle_get(&doc, blk, "state");
         if (!state || !(pickle_is_str(state, "active_allocated") ||
                         pickle_is_str(state, "active_pending_free")))
@@ -351,6 +407,14 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
   }
   goto done;
 
+read_twice:
+  gpumem_set_last_error(
+      "%s: a segment or block of \"segments\" is one already read (the pickle names one object "
+      "twice): a snapshot lists each once",
+      path);
+  st = GPUMEM_ERR_IO;
+  goto done;
+
 no_memory:
   gpumem_set_last_error("%s: out of host memory converting the snapshot", path);
   st = GPUMEM_ERR_HOST_MEMORY;
@@ -360,6 +424,7 @@ done:
   free(live.addr);
   free(live.id);
   free(text.buf);
+  free(seen);
   pickle_free(&doc);
   return st;
 }

@@ -10,6 +10,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "pickle.h"
@@ -27,11 +29,28 @@ typedef struct u64map {
   uint32_t* vals; /* MAP_EMPTY marks an unused cell */
   size_t mask;
   size_t count;
+  uint64_t salt; /* mixed into every hash (below) */
 } u64map_t;
 
-static size_t map_hash(uint64_t key) {
+/* A salt of each table's own, mixed into its hashes. The finalizer below
+ * is a bijection anyone can invert: a file could pick IDs whose hashes
+ * share their low bits, and every insert would then probe the whole
+ * cluster (quadratic: 50k such IDs took 8.6 s). Unknown to the file's
+ * author, the salt makes such IDs as likely to collide as any. Lookups
+ * never depend on the order of the table, so results stay deterministic;
+ * and a table's own salt, unlike a shared one set on first use, needs no
+ * care when threads read traces at once. */
+static uint64_t new_salt(const void* where) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^ ((uint64_t)getpid() << 40) ^
+         (uint64_t)(uintptr_t)where;
+}
+
+static size_t map_hash(const u64map_t* m, uint64_t key) {
   /* splitmix64's finalizer: IDs are sequential and stream handles aligned,
    * so low bits alone would cluster. */
+  key += m->salt;
   key ^= key >> 30;
   key *= 0xbf58476d1ce4e5b9ULL;
   key ^= key >> 27;
@@ -41,6 +60,7 @@ static size_t map_hash(uint64_t key) {
 }
 
 static int map_init(u64map_t* m, size_t cap) {
+  m->salt = new_salt(m);
   size_t n = 16;
   while (n < cap * 2) n *= 2;
   m->keys = malloc(n * sizeof *m->keys);
@@ -61,7 +81,7 @@ static void map_destroy(u64map_t* m) {
 
 /* Cell of key, or the empty cell where it would go. */
 static size_t map_cell(const u64map_t* m, uint64_t key) {
-  size_t i = map_hash(key) & m->mask;
+  size_t i = map_hash(m, key) & m->mask;
   while (m->vals[i] != MAP_EMPTY && m->keys[i] != key) i = (i + 1) & m->mask;
   return i;
 }
@@ -268,6 +288,12 @@ static gpumem_status_t field_count(parser_t* p, size_t got, size_t want, const t
 }
 
 static gpumem_status_t add_stream(parser_t* p, uintptr_t stream) {
+  /* Checked before the insert, so the map never holds more than the cap. */
+  if (p->streams.count >= TRACE_MAX_STREAMS && map_get(&p->streams, (uint64_t)stream) == MAP_EMPTY)
+    return fail_line(p,
+                     "stream 0x%llx is the trace's %dth distinct stream: more than the "
+                     "readers' limit of %d streams",
+                     (unsigned long long)stream, TRACE_MAX_STREAMS + 1, TRACE_MAX_STREAMS);
   if (map_put(&p->streams, (uint64_t)stream, 0) < 0) return no_memory(p);
   return GPUMEM_OK;
 }
@@ -295,9 +321,10 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[2], "SIZE", 0, &size)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[3], "STREAM", 1, &stream)) != GPUMEM_OK) return st;
-#if SIZE_MAX < UINT64_MAX
-    if (size > SIZE_MAX) return fail_line(p, "SIZE '%.40s' is too large", tok[2].s);
-#endif
+    if (size > TRACE_MAX_SIZE) {
+      return fail_line(p, "SIZE %llu is larger than the readers' limit of 2^48 bytes (256 TiB)",
+                       (unsigned long long)size);
+    }
 #if UINTPTR_MAX < UINT64_MAX
     if (stream > UINTPTR_MAX) return fail_line(p, "STREAM does not fit in a pointer");
 #endif
@@ -308,6 +335,8 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
     }
     if (t->num_allocs >= MAP_EMPTY) return fail_line(p, "too many allocations");
     if (p->live_bytes + size < p->live_bytes) return fail_line(p, "live bytes overflow 64 bits");
+    if (size > TRACE_MAX_TOTAL - t->total_alloc_bytes)
+      return fail_line(p, "the total of allocated bytes passes the readers' limit of 2^62");
     size_t slot = t->num_allocs;
     if (slot >= p->slots_cap && grow_slots(p) != 0) return no_memory(p);
     if (map_put(&p->ids, id, (uint32_t)slot) < 0) return no_memory(p);
@@ -452,6 +481,8 @@ static int has_suffix(const char* s, const char* suffix) {
   return n >= k && strcmp(s + n - k, suffix) == 0;
 }
 
+size_t trace_max_bytes = TRACE_MAX_BYTES_DEFAULT;
+
 gpumem_status_t trace_load(const char* path, trace_t** out) {
   *out = NULL;
   errno = 0;
@@ -484,7 +515,10 @@ gpumem_status_t trace_load(const char* path, trace_t** out) {
       buf = bigger;
       cap *= 2;
     }
-    unsigned want = (unsigned)(cap - len > (1u << 30) ? (1u << 30) : cap - len);
+    /* never more than one byte past the cap: that byte says it was passed */
+    size_t room = trace_max_bytes + 1 - len;
+    if (room > cap - len) room = cap - len;
+    unsigned want = (unsigned)(room > (1u << 30) ? (1u << 30) : room);
     errno = 0;
     int got = gzread(f, buf + len, want);
     if (got < 0) {
@@ -497,6 +531,16 @@ gpumem_status_t trace_load(const char* path, trace_t** out) {
     }
     if (got == 0) break;
     len += (size_t)got;
+    /* Past the cap by even a byte: refused before the buffer grows again,
+     * so a gzip bomb costs at most the cap in memory and its time. */
+    if (len > trace_max_bytes) {
+      gpumem_set_last_error(
+          "%s: more than %zu bytes once inflated: larger than the readers' limit for a trace or "
+          "snapshot",
+          path, trace_max_bytes);
+      st = GPUMEM_ERR_IO;
+      goto done;
+    }
   }
   /* gzread stops quietly at a truncated gzip stream; gzerror tells. */
   {
@@ -583,36 +627,81 @@ static int emit_event(char** buf, size_t* len, size_t* cap, const trace_event_t*
   return emit(buf, len, cap, "r %llu 0x%llx\n", i, stream);
 }
 
-/* Whether the tail from allocation n - period on can follow itself: every
- * free or record_stream in it names an allocation of the tail itself or of
- * the period before it that is still live at the end of the trace, and the
- * last two periods request the same sizes on the same streams. */
-static int tail_repeats(const trace_t* t, size_t period, const unsigned char* live_at_end) {
-  size_t n = t->num_allocs;
-  if (period == 0 || 2 * period > n) return 0;
-  for (size_t k = n - period; k < n; k++) {
-    const trace_event_t* a = &t->events[t->slot_event[k]];
-    const trace_event_t* b = &t->events[t->slot_event[k - period]];
-    if (a->size != b->size || a->stream != b->stream) return 0;
-  }
-  unsigned char* freed = calloc(period, 1); /* previous-period allocations freed */
-  if (!freed) return 0;
-  int ok = 1;
-  for (size_t i = t->slot_event[n - period]; i < t->num_events && ok; i++) {
-    const trace_event_t* e = &t->events[i];
-    if (e->op == TRACE_ALLOC || e->id >= n - period) continue;
-    if (e->id < n - 2 * period) {
-      ok = 0; /* reaches further back than one period */
-    } else {
-      /* in the next repetition this names allocation id + period of the
-       * tail, which must still be live at the end of the trace */
-      size_t j = e->id - (n - 2 * period);
-      if (!live_at_end[e->id + period] || (e->op == TRACE_FREE && freed[j])) ok = 0;
-      if (e->op == TRACE_FREE) freed[j] = 1;
+/* Whether allocations a and b request the same size on the same stream. */
+static int same_request(const trace_t* t, size_t a, size_t b) {
+  const trace_event_t* x = &t->events[t->slot_event[a]];
+  const trace_event_t* y = &t->events[t->slot_event[b]];
+  return x->size == y->size && x->stream == y->stream;
+}
+
+/* The period search, linear in the trace. A period P qualifies when the
+ * last P allocations request what the P before them did, and every free or
+ * record_stream from allocation n - P on that names an allocation before it
+ * names one of the P before, still live at the end of the trace, that the
+ * next repetition can name again. Trying each P with a scan of its tail
+ * costs O(n) a try, O(n^2) in all: n same-size allocations and one free of
+ * the first took 10 s at 200k. So:
+ * - the sizes: with r the allocations from the last backwards, P matches
+ *   when r[0, P) equals r[P, 2P), i.e. z[P] >= P for r's Z-function (one
+ *   O(n) pass for every P);
+ * - the frees: the smallest ID named from allocation n - P on must be at
+ *   least n - 2P (a suffix minimum over the non-alloc events);
+ * - what remains is checked event by event, the non-alloc ones only, within
+ *   a budget proportional to the trace; past it the search gives up by
+ *   name rather than run for minutes. */
+typedef struct period_search {
+  const trace_t* t;
+  size_t n;
+  size_t* z;     /* Z-function of the allocations, last first */
+  size_t* other; /* indices of the non-alloc events, in order */
+  size_t num_other;
+  uint32_t* min_id; /* min_id[k]: smallest ID named by other[k..] */
+  size_t* freed_in; /* per slot: the try (P) that saw it freed, 0 for none */
+  const unsigned char* live_at_end;
+  uint64_t work, budget;
+} period_search_t;
+
+static void z_function(const trace_t* t, size_t n, size_t* z) {
+  /* r[i] is allocation n - 1 - i */
+  z[0] = n;
+  size_t l = 0, r = 0; /* [l, r): the rightmost match found */
+  for (size_t i = 1; i < n; i++) {
+    size_t k = 0;
+    if (i < r) k = z[i - l] < r - i ? z[i - l] : r - i;
+    while (i + k < n && same_request(t, n - 1 - k, n - 1 - (i + k))) k++;
+    z[i] = k;
+    if (i + k > r) {
+      l = i;
+      r = i + k;
     }
   }
-  free(freed);
-  return ok;
+}
+
+/* 1: period P qualifies; 0: not; -1: the work budget ran out. */
+static int tail_repeats(period_search_t* s, size_t period, size_t* first_other) {
+  const trace_t* t = s->t;
+  size_t n = s->n;
+  if (s->z[period] < period) return 0;
+  /* non-alloc events from allocation n - period on: other[*first_other..] */
+  size_t from = t->slot_event[n - period];
+  while (*first_other > 0 && s->other[*first_other - 1] > from) (*first_other)--;
+  size_t k0 = *first_other;
+  if (k0 >= s->num_other) return 1;
+  if (s->min_id[k0] < n - 2 * period) return 0; /* reaches further back than one period */
+  for (size_t k = k0; k < s->num_other; k++) {
+    if (++s->work > s->budget) return -1;
+    const trace_event_t* e = &t->events[s->other[k]];
+    if (e->id >= n - period) continue;
+    /* in the next repetition this names allocation id + period of the
+     * tail, which must still be live at the end of the trace, and a free
+     * names each allocation once */
+    if (!s->live_at_end[e->id + period]) return 0;
+    if (e->op == TRACE_FREE) {
+      if (s->freed_in[e->id] == period) return 0;
+      s->freed_in[e->id] = period;
+    }
+  }
+  return 1;
 }
 
 gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, size_t* period_out) {
@@ -622,17 +711,57 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
     gpumem_set_last_error("%s: nothing to repeat (%zu allocations)", t->path, n);
     return GPUMEM_ERR_INVALID_ARGUMENT;
   }
+  period_search_t s = {0};
+  s.t = t;
+  s.n = n;
+  s.num_other = t->num_events - n;
+  s.budget = 8 * (uint64_t)t->num_events + 65536;
   /* Which allocations of the trace are never freed (by slot). */
   unsigned char* live = malloc(n);
-  if (!live) return repeat_no_memory(t);
+  s.z = malloc(n * sizeof *s.z);
+  s.freed_in = calloc(n, sizeof *s.freed_in);
+  s.other = malloc((s.num_other ? s.num_other : 1) * sizeof *s.other);
+  s.min_id = malloc((s.num_other ? s.num_other : 1) * sizeof *s.min_id);
+  if (!live || !s.z || !s.freed_in || !s.other || !s.min_id) {
+    free(live);
+    free(s.z);
+    free(s.freed_in);
+    free(s.other);
+    free(s.min_id);
+    return repeat_no_memory(t);
+  }
+  s.live_at_end = live;
   memset(live, 1, n);
-  for (size_t i = 0; i < t->num_events; i++)
+  size_t k = 0;
+  for (size_t i = 0; i < t->num_events; i++) {
     if (t->events[i].op == TRACE_FREE) live[t->events[i].id] = 0;
-  size_t period = 0;
-  for (size_t p = 1; 2 * p <= n && !period; p++) {
-    if (tail_repeats(t, p, live)) period = p;
+    if (t->events[i].op != TRACE_ALLOC) s.other[k++] = i;
+  }
+  s.num_other = k;
+  for (size_t i = k; i-- > 0;) {
+    uint32_t id = t->events[s.other[i]].id;
+    s.min_id[i] = i + 1 < k && s.min_id[i + 1] < id ? s.min_id[i + 1] : id;
+  }
+  z_function(t, n, s.z);
+  size_t period = 0, first_other = s.num_other;
+  int gave_up = 0;
+  for (size_t p = 1; 2 * p <= n && !period && !gave_up; p++) {
+    int r = tail_repeats(&s, p, &first_other);
+    if (r > 0) period = p;
+    if (r < 0) gave_up = 1;
   }
   free(live);
+  free(s.z);
+  free(s.freed_in);
+  free(s.other);
+  free(s.min_id);
+  if (gave_up) {
+    gpumem_set_last_error(
+        "%s: the search for the trace's repeating period passed its budget of %llu steps (8 a "
+        "trace event): too many candidate periods whose frees have to be checked one by one",
+        t->path, (unsigned long long)s.budget);
+    return GPUMEM_ERR_INVALID_ARGUMENT;
+  }
   if (!period) {
     gpumem_set_last_error(
         "%s: the trace does not end in a repeating period (a training step whose last two "

@@ -65,6 +65,29 @@ typedef struct trace {
   uint64_t recorded_peak_reserved;
 } trace_t;
 
+/* Limits of the reader (docs/security.md, "Limits of the readers"): what a
+ * file may ask for before the reader refuses it by name, so that memory and
+ * time stay proportional to the file and never multiply by a number the
+ * file chose.
+ * - TRACE_MAX_STREAMS: distinct streams a trace names. Each stream an
+ *   allocation names costs the allocator a set of arena tables and every
+ *   replay of the trace pays for them again (about 1.3 MB a stream for
+ *   explain), so a few bytes a line must not buy that many times over.
+ * - TRACE_MAX_SIZE: bytes one allocation may request (2^48, 256 TiB, far
+ *   above any device): sizes near 2^64 wrap to 0 when a model rounds them
+ *   up, and would then "fit" in nothing.
+ * - trace_max_bytes: the bytes a file (trace text or snapshot pickle) may
+ *   hold once inflated (a gzip file inflates up to 1032 times its size, so
+ *   the cap is on the output). */
+#define TRACE_MAX_STREAMS 64
+#define TRACE_MAX_SIZE ((uint64_t)1 << 48)
+/* The sum of all sizes requested (2^62): what sums sizes, rounded up to
+ * pages and segments, stays below 2^63 and fits the signed statistics. */
+#define TRACE_MAX_TOTAL ((uint64_t)1 << 62)
+#define TRACE_MAX_BYTES_DEFAULT ((size_t)256 << 20)
+/* TRACE_MAX_BYTES_DEFAULT unless changed (tests lower it). */
+extern size_t trace_max_bytes;
+
 /* Reads path (gzip or plain) and validates every line. On failure returns
  * GPUMEM_ERR_IO (unreadable file, malformed line, inconsistent IDs) or
  * GPUMEM_ERR_HOST_MEMORY, with a message naming the file and the line in
