@@ -115,7 +115,7 @@ def train_steps(torch, model, opt, batch, steps, device, seed=0):
 
 def prepared(args):
     torch = setup(args)
-    model = make_model(torch, args.device)
+    model = make_model(torch, args.device, layers=args.layers)
     if args.fake_rows:
         fake_cap(torch, model, args.fake_rows)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -181,7 +181,7 @@ def finder_trainer(args):
     from transformers import Trainer, TrainingArguments
 
     torch = setup(args)
-    model = make_model(torch, args.device)
+    model = make_model(torch, args.device, layers=args.layers)
     if args.fake_rows:
         fake_cap(torch, model, args.fake_rows)
     with tempfile.TemporaryDirectory() as d:
@@ -213,7 +213,7 @@ def finder_lightning(args, mode):
         def __init__(self):
             super().__init__()
             self.batch_size = 2
-            self.model = make_model(torch, "cpu")
+            self.model = make_model(torch, "cpu", layers=args.layers)
             if args.fake_rows:
                 fake_cap(torch, self.model, args.fake_rows)
 
@@ -415,7 +415,7 @@ def child(argv, allocator):
 
 
 def run_all(args):
-    common = ["--cap-gib", str(args.cap_gib), "--device", args.device]
+    common = ["--cap-gib", str(args.cap_gib), "--device", args.device, "--layers", str(args.layers)]
     if args.fake_rows:
         common += ["--fake-rows", str(args.fake_rows)]
     out = open(os.path.join(args.out, "oom_finders.jsonl"), "a") if args.out else None
