@@ -36,7 +36,10 @@ for stage in $stages; do
       done
       ;;
     finders)
-      python3 bench/torch/oom_finders.py all --cap-gib "${CAP_GIB:-12}" --jobs "${JOBS:-10}" --out "$out" \
+      # as many capped processes at once as the GPU's memory holds
+      total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+      jobs=${JOBS:-$(python3 -c "print(max(1, min(10, int($total_mib * 0.85 / 1024 / (${CAP_GIB:-12} + 1.5)))))")}
+      python3 bench/torch/oom_finders.py all --cap-gib "${CAP_GIB:-12}" --jobs "$jobs" --out "$out" \
         2>"$out/finders.err" | tee "$out/finders.txt" || rc=1
       ;;
     *) echo "oom_gpu.sh: unknown stage '$stage' (tests, microbatch, finders)" >&2; exit 2 ;;
