@@ -149,7 +149,8 @@ static int find_package(char* pkg, char* exe_dir, size_t cap, char* why, size_t 
   for (int i = 0; i < count; i++) {
     if (!has_hook(candidates[i]) || !realpath(candidates[i], pkg)) continue;
     if (!package_untrusted(pkg, refused, sizeof refused)) return 0;
-    if (!why[0]) snprintf(why, why_cap, "refused the package at %s: %s", pkg, refused);
+    /* (the reason is cut to fit: it names the path first) */
+    if (!why[0]) snprintf(why, why_cap, "refused the package at %s: %.1024s", pkg, refused);
   }
   return -1;
 }
@@ -199,7 +200,7 @@ int gm_cli_run(int argc, char** argv) {
     }
     conf = joined;
   }
-  char pkg[PATH_MAX], exe_dir[PATH_MAX], why[PATH_MAX + 300];
+  char pkg[PATH_MAX], exe_dir[PATH_MAX], why[2 * PATH_MAX + 1100];
   if (find_package(pkg, exe_dir, sizeof exe_dir, why, sizeof why) != 0) {
     fprintf(stderr,
             "gpumem run: cannot find the gpumem Python package that belongs with this program "

@@ -360,7 +360,7 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
       t->peak_live_allocs = p->live_allocs;
     }
   } else if (c == 'f') {
-    uint32_t slot;
+    uint32_t slot = 0;
     if ((st = field_count(p, n, 1, tok, "f ID")) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
     if ((st = live_slot(p, id, "free", &slot)) != GPUMEM_OK) return st;
@@ -374,7 +374,7 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
     p->live_bytes -= a->size;
     p->live_allocs--;
   } else if (c == 'r') {
-    uint32_t slot;
+    uint32_t slot = 0;
     if ((st = field_count(p, n, 2, tok, "r ID STREAM")) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[2], "STREAM", 1, &stream)) != GPUMEM_OK) return st;
