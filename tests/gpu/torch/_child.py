@@ -279,6 +279,7 @@ def oom_form(args):
         del held
     after_trials = torch.cuda.memory_allocated()
     ooms_after = torch.cuda.memory_stats().get("num_ooms", 0)
+    calls_after_trials = len(calls)
     reserved_before_empty = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
     reserved_after_empty = torch.cuda.memory_reserved()
@@ -323,7 +324,9 @@ def oom_form(args):
         trial_fills=sorted(set(trial_fills)),
         observer_calls=calls_before,
         observer_first=calls[0] if calls else None,
-        observer_after_trials=len(calls) - calls_before,
+        observer_after_trials=calls_after_trials - calls_before,
+        observer_graph_pool=len(calls) - calls_after_trials,
+        ooms_graph_pool=torch.cuda.memory_stats().get("num_ooms", 0) - ooms_after,
         ooms_before=ooms_before,
         ooms_trials=ooms_after - ooms_before,
         base_allocated=base_allocated,

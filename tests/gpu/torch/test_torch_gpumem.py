@@ -195,7 +195,10 @@ class OutOfMemoryFormTest(unittest.TestCase):
         self.assertGreaterEqual(mine["filled"], native["filled"])
         self.assertEqual(mine["after_trials"], mine["base_allocated"])
         self.assertLess(mine["reserved_after_empty"], 64 << 20, mine)
-        # a failure inside a captured graph and inside a MemPool: as native
+        # a failure inside a captured graph and inside a MemPool: as native,
+        # observed and counted as native does
+        self.assertEqual(mine["observer_graph_pool"], native["observer_graph_pool"], (native, mine))
+        self.assertEqual(mine["ooms_graph_pool"], native["ooms_graph_pool"], (native, mine))
         self.assertEqual(mine["graph"]["raised"], native["graph"]["raised"], (native["graph"], mine["graph"]))
         self.assertTrue(mine["graph"]["alloc_after"])
         if native["graph"]["raised"] == "OutOfMemoryError":
