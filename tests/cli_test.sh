@@ -779,6 +779,12 @@ expect_rc 2 "replay --passes 0 --policy async"
 expect_true "a usage mistake takes two lines, not the usage: $err" [ "$(printf '%s\n' "$err" | wc -l)" -eq 2 ]
 expect_in "try 'gpumem replay --help'" "$err" "a usage mistake points to --help"
 expect_not_in "usage:" "$err" "a usage mistake does not print the usage"
+for args in "top --bogus" "top --interval"; do
+  run "$BIN" $args
+  expect_rc 2 "$args"
+  expect_in "try 'gpumem top --help'" "$err" "$args points to --help"
+  expect_not_in "usage:" "$err" "$args does not print the usage"
+done
 run "$BIN" replay --compare --step-ms 10 --steps 3 "$TINY"
 expect_rc 2 "--step-ms with --compare"
 expect_in "--step-ms" "$err" "--step-ms with --compare"

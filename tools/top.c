@@ -250,7 +250,12 @@ int gm_cli_top(int argc, char** argv) {
       fputs(usage_top, stdout);
       return 0;
     } else {
-      fprintf(stderr, "gpumem top: unknown option or missing value '%s'\n\n%s", a, usage_top);
+      /* the reason and where the usage is, as every command says it */
+      if (strncmp(a, "--", 2) == 0 && i + 1 >= argc &&
+          (!strcmp(a, "--dir") || !strcmp(a, "--interval") || !strcmp(a, "--max-rows")))
+        fprintf(stderr, "gpumem top: option '%s' needs a value\ntry 'gpumem top --help'\n", a);
+      else
+        fprintf(stderr, "gpumem top: unknown option '%s'\ntry 'gpumem top --help'\n", a);
       return 2;
     }
   }
