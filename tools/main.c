@@ -1657,33 +1657,13 @@ static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
          live ? 100.0 * (double)bytes / (double)live : 0.0);
 }
 
-/* A growing buffer the library's JSON writers can fill. */
-typedef struct buffer {
-  char* s;
-  size_t len, cap;
-} buffer_t;
-
-static int buffer_write(const char* s, size_t len, void* arg) {
-  buffer_t* b = arg;
-  if (b->len + len > b->cap) {
-    size_t cap = (b->len + len) * 2;
-    char* grown = realloc(b->s, cap);
-    if (!grown) return 1;
-    b->s = grown;
-    b->cap = cap;
-  }
-  memcpy(b->s + b->len, s, len);
-  b->len += len;
-  return 0;
-}
-
 /* The snapshot of gm, its frames tagged with trace lines of t, into path
  * as a pickle: the form PyTorch's memory_viz opens and every gpumem
  * command reads back (the library writes it as JSON; the pickle is the
  * same value). */
 static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
-  buffer_t json = {NULL, 0, 0};
-  if (gpumem_snapshot_json(gm, 0, t->path, buffer_write, &json) != 0) {
+  gm_text_t json = {NULL, 0, 0};
+  if (gpumem_snapshot_json(gm, 0, t->path, gm_text_write, &json) != 0) {
     free(json.s);
     return error("out of host memory for the snapshot");
   }

@@ -81,14 +81,8 @@ static size_t bucket_of(const trace_t* t, size_t event) {
   return t->num_events ? event * BUCKETS / t->num_events : 0;
 }
 
-/* A growing text buffer for the library's reports. */
-typedef struct text {
-  char* s;
-  size_t len, cap;
-} text_t;
-
-static int text_write(const char* s, size_t len, void* arg) {
-  text_t* t = arg;
+int gm_text_write(const char* s, size_t len, void* arg) {
+  gm_text_t* t = arg;
   if (t->len + len + 1 > t->cap) {
     size_t cap = (t->len + len + 1) * 2;
     char* grown = realloc(t->s, cap);
@@ -106,18 +100,18 @@ static int text_write(const char* s, size_t len, void* arg) {
  * sentence, then the table of the leak report, its first TOP_GROUPS
  * groups and a line for the rest. */
 static char* live_groups(gpumem_t* gm) {
-  text_t table = {NULL, 0, 0}, t = {NULL, 0, 0};
+  gm_text_t table = {NULL, 0, 0}, t = {NULL, 0, 0};
   gpumem_leaks_t sum;
   char b[32], head[160];
-  if (gm_print_leak_table(gm, 0, TOP_GROUPS, &sum, text_write, &table) != 0) {
+  if (gm_print_leak_table(gm, 0, TOP_GROUPS, &sum, gm_text_write, &table) != 0) {
     free(table.s);
     return NULL;
   }
   int n = snprintf(head, sizeof head, "%llu allocations, %s, in %llu groups\n",
                    (unsigned long long)sum.count, gm_format_bytes(sum.bytes, b, sizeof b),
                    (unsigned long long)sum.groups);
-  if (text_write(head, (size_t)n, &t) != 0 ||
-      (sum.count && text_write(table.s, table.len, &t) != 0)) {
+  if (gm_text_write(head, (size_t)n, &t) != 0 ||
+      (sum.count && gm_text_write(table.s, table.len, &t) != 0)) {
     free(t.s);
     t.s = NULL;
   }

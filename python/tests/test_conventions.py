@@ -25,31 +25,18 @@ MIB = 1 << 20
 GIB = 1 << 30
 TRACE = os.path.join(ROOT, "traces", "gpt2_train.trace.gz")
 POOL_ROWS = ("from large pool", "from small pool")
-ARRAYS = [
-    "allocation",
-    "segment",
-    "active",
-    "inactive_split",
-    "allocated_bytes",
-    "reserved_bytes",
-    "active_bytes",
-    "inactive_split_bytes",
-    "requested_bytes",
-]
+# torch.cuda.memory_stats()'s keys (PyTorch 2.x), every one of them: the
+# arrays and counters test_sim checks, and the oversize ones.
+sys.path.insert(0, HERE)
+from test_sim import TORCH_ARRAYS as ARRAYS, TORCH_COUNTERS  # noqa: E402
+
 METRICS = ("current", "peak", "allocated", "freed")
-# torch.cuda.memory_stats()'s keys (PyTorch 2.x), every one of them.
 TORCH_KEYS = (
     ["%s.%s.%s" % (a, p, m) for a in ARRAYS for p in ("all", "large_pool", "small_pool") for m in METRICS]
     + ["oversize_allocations.%s" % m for m in METRICS]
     + ["oversize_segments.%s" % m for m in METRICS]
-    + [
-        "num_alloc_retries",
-        "num_ooms",
-        "num_sync_all_streams",
-        "num_device_alloc",
-        "num_device_free",
-        "max_split_size",
-    ]
+    + TORCH_COUNTERS
+    + ["max_split_size"]
 )
 
 
