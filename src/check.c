@@ -303,9 +303,10 @@ static void compare(check_ctx* c, const char* name, const gpumem_stat_t* stat, c
   const gpumem_stat_t *all = &stat[GPUMEM_POOL_ALL], *sm = &stat[GPUMEM_POOL_SMALL],
                       *lg = &stat[GPUMEM_POOL_LARGE];
   if (sm->allocated + lg->allocated != all->allocated || sm->freed + lg->freed != all->freed) {
-    violation(c, "%s: the pools' allocated %lld + %lld and freed %lld + %lld are not all's %lld and %lld",
-              name, (long long)sm->allocated, (long long)lg->allocated, (long long)sm->freed,
-              (long long)lg->freed, (long long)all->allocated, (long long)all->freed);
+    violation(
+        c, "%s: the pools' allocated %lld + %lld and freed %lld + %lld are not all's %lld and %lld",
+        name, (long long)sm->allocated, (long long)lg->allocated, (long long)sm->freed,
+        (long long)lg->freed, (long long)all->allocated, (long long)all->freed);
   }
 }
 

@@ -428,9 +428,10 @@ static void test_summary_abbreviated(void) {
   CHECK(dropped == 2 * arrays); /* two pool rows a metric */
   CHECK_MSG(brief.text && strcmp(brief.text, want) == 0, "abbreviated:\n%s",
             brief.text ? brief.text : "(none)");
-  CHECK(brief.text && strstr(brief.text,
-                             "| Allocated memory      |  12345 KiB |   2048 MiB |   5120 GiB |    100 B   |\n"
-                             "|-----"));
+  CHECK(brief.text &&
+        strstr(brief.text,
+               "| Allocated memory      |  12345 KiB |   2048 MiB |   5120 GiB |    100 B   |\n"
+               "|-----"));
   /* An unknown flag is refused, and nothing is written. */
   CHECK(gpumem_format_summary_flags(&s, 2, sink_write, &refused) == GPUMEM_ERR_INVALID_ARGUMENT);
   CHECK(refused.text == NULL || refused.text[0] == '\0');
