@@ -79,6 +79,12 @@ esac
 [ "$out" = "$site/libgpumem.so" ] || fail "the package loaded $out, not the library installed with it ($site)"
 echo "test_pip_install: v/bin/python -c 'import gpumem; ...': ok (library $out)"
 
+# The C++ that gpumem.torch compiles at first use travels with the package.
+for f in csrc/shim.cpp csrc/allocator.cpp; do
+  cmp -s "$site/$f" "$root/python/gpumem/$f" || fail "the installed package lacks $f (or differs)"
+done
+echo "test_pip_install: the package carries csrc/shim.cpp and csrc/allocator.cpp"
+
 # The command line shipped in the package knows `run`, and finds the package.
 "${bare[@]}" "$work/v/bin/gpumem" run -- "$work/v/bin/python" -c \
   "import os, sys; assert os.environ['GPUMEM_ENABLE_TORCH'] == '1'; import gpumem; print(gpumem.__file__)" \
