@@ -22,6 +22,16 @@ die() {
   exit 1
 }
 
+# The README's `make build` builds the library and the command line alone
+# (the tests and benchmarks come with `make test`), and make's directory
+# lines stay out of the output.
+build_cmds=$(make -s -C "$SRC" -n build BUILD="$T/b" 2>/dev/null) || die "make -n build failed"
+case "$build_cmds" in
+  *"--target gpumem gpumem_static gpumem_cli"*) ;;
+  *) die "make build no longer builds the library and the command line alone: $build_cmds" ;;
+esac
+grep -q -- '--no-print-directory' "$SRC/Makefile" || die "the Makefile prints make's directory lines"
+
 "$BIN" replay --compare --min-limit --passes 0 --json "$SRC"/traces/*.trace.gz >"$T/compare.jsonl" ||
   die "gpumem replay --compare of the bundled traces failed"
 "$BIN" replay --passes 0 --json --conf reclaim:pressure "$SRC"/traces/*.trace.gz >"$T/pressure.jsonl" ||
