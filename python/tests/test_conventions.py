@@ -96,8 +96,8 @@ class SummaryTest(unittest.TestCase):
 
     @unittest.skipIf(importlib.util.find_spec("torch") is None, "needs torch (any build)")
     def test_torch_memory_summary_passes_abbreviated(self):
-        # torch.cuda.memory_summary as gpumem.torch patches it; no GPU needed
-        # to call it on a device served by a simulated allocator.
+        # torch.cuda.memory_summary as gpumem.torch patches it, on a device
+        # served by a simulated allocator: no GPU needed.
         code = (
             "import sys, torch, gpumem, gpumem.torch as gt\n"
             "a = gpumem.Allocator('sim', capacity=1 << 30)\n"
