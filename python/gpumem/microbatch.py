@@ -300,8 +300,8 @@ class MicroBatchStep:
         k = min(self.k, most)
         rng = self._rng_state(torch)
         versions = self._buffer_versions()
+        self.optimizer.zero_grad(set_to_none=True)
         while True:
-            self.optimizer.zero_grad(set_to_none=True)
             sizes = _sizes(n, k)
             pieces = _split(torch, batch, sizes)
             safe = ddp is not None and k != self._proven_k
@@ -309,7 +309,8 @@ class MicroBatchStep:
             del pieces
             if why is None:
                 break
-            # Thrown away: gradients cleared (next loop), generators rewound.
+            # Thrown away: gradients cleared (their memory too, before a
+            # retry or the error), generators rewound.
             self.ooms += 1
             self.optimizer.zero_grad(set_to_none=True)
             self._set_rng_state(torch, rng)
