@@ -167,6 +167,16 @@ typedef struct gpumem_options {
    * (pages then move between streams after host synchronizations). Needs
    * the backend's stream_wait slot. */
   int stream_waits;
+  /* Default policy, lazy reclaim: 1 (the default) lets an arena that must
+   * grow past the allocated high-water mark plus headroom take back first
+   * the whole free pages the device is known to be done with: each stream
+   * gets an event (a fence) recorded behind the pages that lay wholly free
+   * at a growth, and a later growth queries it (the host never waits); the
+   * pages still unused since then are unmapped and their memory given back
+   * or mapped where it is needed (src/fence.c). 0: growth past the mark
+   * creates new memory unless the move budget allows a move. Needs the
+   * backend's event slots. */
+  int fences;
   /* Whether other processes can read this allocator's figures (gpumem
    * top; src/publish.c): GPUMEM_PUBLISH_AUTO (the default: on over CUDA,
    * off on the simulated device), _ON or _OFF. */
@@ -204,7 +214,7 @@ enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 
 /* Fills defaults (policy default with auto placement and lazy reclaim
  * with no move budget (moves only when needed), headroom 0.02, no limit,
- * map_max 1 GiB, move_guard on, stream_waits on, publish auto,
+ * map_max 1 GiB, move_guard on, stream_waits on, fences on, publish auto,
  * leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
@@ -212,7 +222,7 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
  * placement (auto|planned|bestfit), map_max (a size, as limit), move_guard
- * (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
+ * (on|off), fences (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
  * stream_waits (on|off), publish (auto|on|off), leak_check (on|off),
  * oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
  * name), shared_group (a group's name), record (a path without ',').
@@ -335,6 +345,7 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_plans_declined, "Plans declined (streams peak apart)")         \
   X(num_plans_shared, "Plans whose streams share one arena")           \
   X(num_moves_deferred, "Moves over the move budget (grew instead)")   \
+  X(num_pages_fenced, "Free pages taken back behind a fence")          \
   X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
   X(mapping_time_ns, "Time in mapping calls (ns, measured)")
 

@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name, shared_group, record"
+  "shared_name, shared_group, record, fences"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -58,6 +58,7 @@ void gpumem_options_init(gpumem_options_t* opts) {
   /* Memory held at the high-water mark unless that costs a page move every
    * few allocations with no plan serving (pages.c, note_move). */
   opts->move_guard = 1;
+  opts->fences = 1;
   /* Streams of a plan may share memory, ordered on the device (plan.c). */
   opts->stream_waits = 1;
   /* Published for gpumem top over CUDA; not for the simulated device's
@@ -303,6 +304,7 @@ enum {
   KEY_MOVE_BUDGET,
   KEY_SHARED_GROUP,
   KEY_RECORD,
+  KEY_FENCES,
   KEY_COUNT
 };
 
@@ -314,6 +316,7 @@ static const char* const key_names[KEY_COUNT] = {
     "stream_waits", "publish",      "leak_check",
     "oom_snapshot", "shared_limit", "shared_name",
     "move_budget",  "shared_group", "record",
+    "fences",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -413,11 +416,13 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
     }
     case KEY_MOVE_GUARD:
     case KEY_STREAM_WAITS:
+    case KEY_FENCES:
     case KEY_LEAK_CHECK: {
       int c = parse_choice(value, on_off_names);
       if (c < 0) return bad_value(value, name, "one of: on, off");
       *(k == KEY_MOVE_GUARD     ? &o->move_guard
         : k == KEY_STREAM_WAITS ? &o->stream_waits
+        : k == KEY_FENCES       ? &o->fences
                                 : &o->leak_check) = c == 0;
       return GPUMEM_OK;
     }

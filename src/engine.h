@@ -154,6 +154,13 @@ struct gm_segment {
    * free, and its physical page may be taken at once (gm_page_busy). */
   uint16_t* busy;
   uint64_t* busy_inner;
+  /* Fences (fence.c), NULL until the arena's first: fence_pend has the bit
+   * of each mapped page that lay wholly free when its stream's fence was
+   * recorded and has not been used since; fence_safe of each such page
+   * whose fence has completed (the device is done with it). A block placed
+   * over a page clears both (gm_arena_busy). */
+  uint64_t* fence_pend;
+  uint64_t* fence_safe;
 };
 
 /* A physical page of one page size and every address it is mapped at: at
@@ -263,6 +270,12 @@ struct gm_stream {
   uint64_t self_frees;
   gm_stream* waited_on;
   uint64_t waited_frees;
+  /* Its fence (fence.c): an event recorded on it behind the pages marked
+   * in its arenas' fence_pend, queried (never waited for) at later
+   * growths. */
+  gpumem_event_t fence_event;
+  bool fence_made;     /* fence_event exists */
+  bool fence_recorded; /* recorded and not yet seen complete */
   gm_stream* next;
   /* The graph-private pool this stream's pools belong to (graphpool.c),
    * NULL for a regular stream (those in gpumem_t.streams). */
@@ -415,6 +428,7 @@ struct gpumem {
   size_t map_max_pages;     /* pages per physical allocation at most (>= 1) */
   uint64_t mapping_call_t0; /* GM_MAP_CALL's start */
   double move_spent_us;     /* move budget spent (pages.c, move_budget_left) */
+  double fence_spent_us;    /* fenced reuse's budget spent (pages.c, gm_fence_budget_left) */
   bool fine_mappings;       /* the device or limit refused once: one page per mapping */
   /* The move guard (pages.c, note_move): pages mapped at a new address
    * outside plan arenas, counted in windows of allocations. */
@@ -501,6 +515,11 @@ static inline void gm_arena_busy(const gpumem_t* gm, const gm_block* b, int delt
   busy[first] = (uint16_t)(busy[first] + delta);
   busy[last] = (uint16_t)(busy[last] + delta);
   if (last - first > 1) gm_bits_range(seg->busy_inner, first + 1, last - 1, delta > 0);
+  /* A page used again is no longer known done with (fence.c). */
+  if (GM_UNLIKELY(seg->fence_pend != NULL) && delta > 0) {
+    gm_bits_range(seg->fence_pend, first, last, false);
+    gm_bits_range(seg->fence_safe, first, last, false);
+  }
 }
 
 /* Does an allocated or pending block overlap page p of arena seg? */
@@ -645,8 +664,32 @@ bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t ad
 
 /* Reclaim from every arena, from all but those a plan serves from now, or
  * only from plan arenas no plan serves from (dormant or retired). */
-enum { GM_RECLAIM_ALL = 0, GM_RECLAIM_SPARE_SERVING = 1, GM_RECLAIM_IDLE_PLANS = 2 };
+enum {
+  GM_RECLAIM_ALL = 0,
+  GM_RECLAIM_SPARE_SERVING = 1,
+  GM_RECLAIM_IDLE_PLANS = 2,
+  /* only mappings whose pages the device is known done with (fence.c):
+   * nothing waits, no plan arena a plan serves */
+  GM_RECLAIM_FENCED = 3,
+};
 gpumem_status_t gm_reclaim_from(gpumem_t* gm, int which, size_t want, size_t* reclaimed);
+/* Whole pages inside free block b, [*first, *end), below the arena's
+ * highest mapped page; false when none. */
+bool gm_interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end);
+
+/* ---- fence.c: free pages taken back without waiting ---- */
+/* Before an arena grows past the mark: advances the streams' fences and
+ * takes back up to `want` pages (a mapping counts whole) that a completed
+ * fence shows the device done with. */
+gpumem_status_t gm_fence_reuse(gpumem_t* gm, size_t want);
+/* Whether fenced reuse may spend more mapping work now (pages.c). */
+bool gm_fence_budget_left(gpumem_t* gm);
+/* Reclaims up to `want` pages from which (GM_RECLAIM_*) and charges the
+ * mapping work it costs to *spent, at an H100's prices (pages.c). */
+gpumem_status_t gm_reclaim_priced(gpumem_t* gm, int which, size_t want, double* spent, size_t* got);
+/* Are pages [first, first + n) of seg known done with (fence_safe)? */
+bool gm_fence_done(const gm_segment* seg, size_t first, size_t n);
+void gm_fence_stream_destroy(gpumem_t* gm, gm_stream* s);
 
 /* ---- plan.c: planned placement ---- */
 gpumem_status_t gm_plan_init(gpumem_t* gm);

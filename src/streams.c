@@ -48,6 +48,7 @@ void gm_streams_destroy(gpumem_t* gm) {
   gm_stream* s = gm->streams;
   while (s) {
     gm_stream* next = s->next;
+    gm_fence_stream_destroy(gm, s);
     free(s);
     s = next;
   }

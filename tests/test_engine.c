@@ -1456,6 +1456,91 @@ static void test_move_guard(void) {
   fx_done(&f);
 }
 
+/* Fences (src/fence.c): with no limit, an arena growing past the mark
+ * takes back first the whole free pages a completed fence shows the
+ * device done with, and never waits for a stream to do so. A 1 GiB hole
+ * left by freed activations is given back when the job later grows by
+ * requests that do not fit it; pages used again after the fence that
+ * marked them are not taken; a fence still pending takes nothing (the
+ * arena grows as without fences). */
+static void grow_past_hole(fx_t* f, const char* what, size_t first_request, int check_used) {
+  char* weights[8];
+  for (int k = 0; k < 8; k++) weights[k] = alloc(f, 64 * MIB, SA);
+  char* acts[4];
+  for (int k = 0; k < 4; k++) acts[k] = alloc(f, 256 * MIB, SA);
+  char* pin = alloc(f, 64 * MIB, SA); /* (keeps the hole from the arena's free tail) */
+  for (int k = 0; k < 4; k++) release(f, acts[k]);
+  CHECK_MSG(gpumem_check(f->gm) == 0, "%s: %s", what, gpumem_last_error());
+  /* larger than the hole: the arena grows past the mark and a fence is
+   * recorded behind the hole's pages */
+  char* big = alloc(f, first_request, SA);
+  CHECK_MSG(gpumem_check(f->gm) == 0, "%s: %s", what, gpumem_last_error());
+  release(f, big);
+  if (check_used) {
+    /* the hole used again: its pages are no longer known done with */
+    char* again = alloc(f, 900 * MIB, SA);
+    release(f, again);
+  }
+  big = alloc(f, first_request + 1000 * MIB, SA);
+  CHECK_MSG(gpumem_check(f->gm) == 0, "%s: %s", what, gpumem_last_error());
+  release(f, big);
+  for (int k = 0; k < 8; k++) release(f, weights[k]);
+  release(f, pin);
+  CHECK_MSG(gpumem_check(f->gm) == 0, "%s: %s", what, gpumem_last_error());
+}
+
+static void test_fences(void) {
+  int64_t peak[2];
+  static const char* const confs[] = {"policy:default", "policy:default,fences:off"};
+  for (int c = 0; c < 2; c++) {
+    fx_t f = fx_new(confs[c], 64 * GIB, 0);
+    if (!f.gm) return fx_done(&f);
+    grow_past_hole(&f, confs[c], 1200 * MIB, 0);
+    gpumem_stats_t s = stats(&f);
+    peak[c] = s.reserved_bytes[GPUMEM_POOL_ALL].peak;
+    if (c == 0) {
+      /* (the hole's mappings wholly inside it: at least 512 MiB of its 1 GiB;
+       * one of them began under the weights, as the run mapped ahead) */
+      CHECK_MSG(s.num_pages_fenced >= 256, "fences took back %lld pages of the 1 GiB hole",
+                (long long)s.num_pages_fenced);
+      CHECK_MSG(s.backend_calls[GPUMEM_CALL_stream_sync] == 0 &&
+                    s.backend_calls[GPUMEM_CALL_device_sync] == 0 &&
+                    s.backend_calls[GPUMEM_CALL_event_sync] == 0,
+                "fenced reuse waited on the host");
+      CHECK_MSG(s.backend_calls[GPUMEM_CALL_event_query] > 0, "no fence was queried");
+    } else {
+      CHECK_MSG(s.num_pages_fenced == 0 && s.backend_calls[GPUMEM_CALL_event_record] == 0,
+                "fences:off recorded fences");
+    }
+    fx_done(&f);
+  }
+  printf("fences: peak reserved %.3f GiB with, %.3f GiB without\n", (double)peak[0] / GIB,
+         (double)peak[1] / GIB);
+  CHECK_MSG(peak[0] + (int64_t)(512 * MIB) <= peak[1],
+            "fences saved too little: peak reserved %lld with, %lld without", (long long)peak[0],
+            (long long)peak[1]);
+  {
+    /* pages used since their fence stay */
+    fx_t f = fx_new("policy:default", 64 * GIB, 0);
+    if (!f.gm) return fx_done(&f);
+    grow_past_hole(&f, "used again", 1200 * MIB, 1);
+    CHECK_MSG(stats(&f).num_pages_fenced == 0, "took back %lld pages used since their fence",
+              (long long)stats(&f).num_pages_fenced);
+    fx_done(&f);
+  }
+  {
+    /* a fence the device has not reached takes nothing and nothing waits */
+    fx_t f = fx_new("policy:default", 64 * GIB, 1000000);
+    if (!f.gm) return fx_done(&f);
+    grow_past_hole(&f, "pending", 1200 * MIB, 0);
+    gpumem_stats_t s = stats(&f);
+    CHECK_MSG(s.num_pages_fenced == 0 && s.backend_calls[GPUMEM_CALL_stream_sync] == 0,
+              "a pending fence: %lld pages taken, %lld stream syncs", (long long)s.num_pages_fenced,
+              (long long)s.backend_calls[GPUMEM_CALL_stream_sync]);
+    fx_done(&f);
+  }
+}
+
 /* Pages that nobody needs move only within the move budget (0 by default:
  * none; here 0.05 us per allocation): on random sizes (where holding memory at the mark moves a
  * page every few allocations) the mapping work it spends on moves stays within 0.05 us per
@@ -1464,8 +1549,9 @@ static void test_move_guard(void) {
 static void test_move_budget(void) {
   const int n = 40000;
   int64_t work[2] = {0, 0}, deferred[2] = {0, 0}, moves[2] = {0, 0};
-  static const char* const confs[] = {"policy:default,move_budget:0.05",
-                                      "policy:default,move_budget:unlimited"};
+  /* (fences off: what they take back is charged as moves too) */
+  static const char* const confs[] = {"policy:default,move_budget:0.05,fences:off",
+                                      "policy:default,move_budget:unlimited,fences:off"};
   for (int c = 0; c < 2; c++) {
     fx_t f = fx_new(confs[c], 64 * GIB, 0);
     if (!f.gm) return fx_done(&f);
@@ -1489,11 +1575,12 @@ static void test_move_budget(void) {
             (int)(0.05 * n + 2000));
   CHECK_MSG(deferred[0] > 0, "nothing was deferred: the budget never bound");
   {
-    fx_t d = fx_new("policy:default", 64 * GIB, 0);
+    /* (fences off: what they take back is charged as moves too) */
+    fx_t d = fx_new("policy:default,fences:off", 64 * GIB, 0);
     if (!d.gm) return fx_done(&d);
     char* held[96] = {NULL};
     uint64_t x = 0x9E3779B97F4A7C15ull;
-    random_sizes(&d, held, 96, n, &x, "policy:default");
+    random_sizes(&d, held, 96, n, &x, "policy:default,fences:off");
     gpumem_stats_t s = stats(&d);
     CHECK_MSG(s.move_work_us == 0 && s.num_moves_deferred > 0,
               "the default moved pages nobody needed: %lld us, %lld deferred",
@@ -1647,6 +1734,7 @@ int main(int argc, char** argv) {
   test_planned_streams(HOLD, 0);
   test_shared_take_waits();
   test_move_budget();
+  test_fences();
   test_auto_placement();
   /* the loop begins before turns; in an on turn; in the first off turn
    * (~15,000 requests, ~420 steps, before the next on turn); deep in the
