@@ -26,8 +26,8 @@ Environment (all optional):
   LIMIT_WORKLOADS  the workloads of WORKLOADS but llama_generate_serve
   LIMITS           "1.02 1.01" (ratios of the job's peak allocated bytes)
   PHASES           "free limits"
-  STEPS, WARMUP    timed and warm-up steps per run (default per workload:
-                   30 for llama_finetune_varlen, 40 otherwise; warm-up 4)
+  STEPS, WARMUP    timed and warm-up steps per run (default per workload,
+                   DEFAULT_STEPS and DEFAULT_WARMUP: 40 and 4 unless listed)
   CONF             GPUMEM_CONF of the gpumem sides (default: none, the
                    library's default policy)
   PIN=1            each side on CPUs of its own (lockstep_ab.py --pin)
@@ -53,7 +53,9 @@ import lockstep_ab  # (beside this file: run as a script, its folder is on the p
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2**30
-DEFAULT_STEPS = {"llama_finetune_varlen": 30}
+# (a generate() of 256 tokens on GPT-2 large takes seconds: fewer steps)
+DEFAULT_STEPS = {"llama_finetune_varlen": 30, "gpt2_generate": 6, "gpt2_beam_serve": 12, "lora_peft_ckpt": 20}
+DEFAULT_WARMUP = {"gpt2_generate": 1}
 MIN_RUN_S = 60  # a run needs at least this long (process start, model build, steps)
 
 FREE_RATIO_MAX, FREE_CI_HIGH_MAX = 1.01, 1.02
@@ -74,13 +76,17 @@ def settings(environ=os.environ):
         "limits": [float(x) for x in env_list("LIMITS", ["1.02", "1.01"])],
         "phases": env_list("PHASES", ["free", "limits"]),
         "steps": int(environ["STEPS"]) if environ.get("STEPS") else None,
-        "warmup": int(environ.get("WARMUP") or 4),
+        "warmup": int(environ["WARMUP"]) if environ.get("WARMUP") else None,
         "conf": environ.get("CONF") or None,
         "pin": environ.get("PIN") == "1",
         "runs": max(1, int(environ.get("RUNS") or 1)),
         "run_timeout": int(environ.get("RUN_TIMEOUT") or 300),
         "deadline": int(environ.get("DEADLINE") or 540),
     }
+
+
+def warmup_of(workload, cfg):
+    return cfg["warmup"] if cfg["warmup"] is not None else DEFAULT_WARMUP.get(workload, 4)
 
 
 class Clock:
@@ -133,7 +139,7 @@ def lockstep(workload, sides, pairs, cfg, clock, peak=None):
     if timeout < MIN_RUN_S:
         return {"workload": workload, "error": "skipped: %.0f s left before DEADLINE" % clock.left()}
     cmd = [sys.executable, os.path.join(HERE, "lockstep_ab.py"), workload, "--steps", str(steps),
-           "--warmup", str(cfg["warmup"]), "--sides"] + sides + ["--pairs"] + pairs
+           "--warmup", str(warmup_of(workload, cfg)), "--sides"] + sides + ["--pairs"] + pairs
     if peak:
         cmd += ["--peak", str(peak)]
     if cfg["conf"]:
@@ -227,7 +233,7 @@ def native_peak(workload, cfg, clock):
         return None
     worker = os.environ.get("LOCKSTEP_WORKER") or os.path.join(HERE, "workloads.py")
     status, out, tail = run_command([sys.executable, worker, workload, "--allocator",
-                                     "native", "--steps", str(steps), "--warmup", str(cfg["warmup"])], timeout)
+                                     "native", "--steps", str(steps), "--warmup", str(warmup_of(workload, cfg))], timeout)
     result = last_json(out)
     if not result or result.get("oom"):
         print("userjobs: %s: no native peak (%s)" % (workload, status), file=sys.stderr)

@@ -362,6 +362,207 @@ def convnext_timm(torch, args):
     return model, make_state, step
 
 
+# ---- serving and variable-shape jobs recorded for the memory comparison
+# (bench/torch/record_jobs.py): third-party code as users call it.
+
+
+def gpt2_generate(torch, args):
+    """GPT-2 large (774M) loaded as fp32 on the GPU and converted there to
+    bf16 (the job's live peak comes early, while both copies exist), then
+    generate() requests: per request batch 4-8 and prompt length 32-256,
+    greedy, 256 new tokens; the cache grows by concatenation token by token
+    (DynamicCache)."""
+    import random
+
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=1280, n_layer=36, n_head=20, pad_token_id=0)
+    with torch.device("cuda"):
+        model = GPT2LMHeadModel(cfg)
+    model = model.to(torch.bfloat16)
+    model.eval()
+    transformers.logging.set_verbosity_error()
+    new_tokens = 256
+
+    def make_state():
+        return {}
+
+    def step(state, i):
+        rnd = random.Random(3_000_017 * i)
+        b, s = rnd.randint(4, 8), rnd.randint(32, 256)
+        gen = torch.Generator().manual_seed(3_000_017 * i)
+        ids = torch.randint(1, cfg.vocab_size, (b, s), generator=gen).to("cuda")
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
+        return out[:, -1].sum()
+
+    return model, make_state, step
+
+
+def gpt2_beam_serve(torch, args):
+    """Beam search serving: GPT-2 medium (355M) in bf16, built on the host
+    and moved; per request batch 1-8 and prompt length 16-256, 4 beams, 64
+    new tokens (the cache is reordered by beam at every token)."""
+    import random
+
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=1024, n_layer=24, n_head=16, pad_token_id=0)
+    model = GPT2LMHeadModel(cfg).to("cuda", torch.bfloat16)
+    model.eval()
+    transformers.logging.set_verbosity_error()
+
+    def make_state():
+        return {}
+
+    def step(state, i):
+        rnd = random.Random(4_000_037 * i)
+        b, s = rnd.randint(1, 8), rnd.randint(16, 256)
+        gen = torch.Generator().manual_seed(4_000_037 * i)
+        ids = torch.randint(1, cfg.vocab_size, (b, s), generator=gen).to("cuda")
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
+                                 min_new_tokens=64, num_beams=4, do_sample=False, pad_token_id=0,
+                                 use_cache=True, early_stopping=False)
+        return out[:, -1].sum()
+
+    return model, make_state, step
+
+
+def bert_varlen_train(torch, args):
+    """BERT-base sequence classification with dynamic padding: per step
+    batch 32 and padded length 64-512 (uniform), AdamW, bf16 autocast."""
+    import random
+
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(num_labels=4)
+    with torch.device("cuda"):
+        model = BertForSequenceClassification(cfg)
+    model.train()
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=2e-5)}
+
+    def step(state, i):
+        rnd = random.Random(5_000_011 * i)
+        s = rnd.randint(64, 512)
+        gen = torch.Generator().manual_seed(5_000_011 * i)
+        ids = torch.randint(1, cfg.vocab_size, (32, s), generator=gen).to("cuda")
+        labels = torch.randint(0, 4, (32,), generator=gen).to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+def lora_peft_ckpt(torch, args):
+    """PEFT LoRA (r 16 on every projection) over a frozen bf16 1.1B
+    Llama-style base (TinyLlama's shape), gradient checkpointing, per step
+    batch 4 and length 256-1024, AdamW on the adapters."""
+    import random
+
+    import peft
+    from transformers import LlamaForCausalLM
+
+    cfg = llama_config(2048, 5632, 22, 32, 4, pad_token_id=0, use_cache=False)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    base.gradient_checkpointing_enable()
+    base.enable_input_require_grads()
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                 "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(base, lora)
+    model.train()
+
+    def make_state():
+        return {"opt": torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)}
+
+    def step(state, i):
+        rnd = random.Random(6_000_001 * i)
+        s = rnd.randint(256, 1024)
+        gen = torch.Generator().manual_seed(6_000_001 * i)
+        ids = torch.randint(1, cfg.vocab_size, (4, s), generator=gen).to("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+def graphsage_varlen(torch, args):
+    """torch_geometric GraphSAGE (3 layers, hidden 256) on a random graph
+    per step: 50,000-200,000 nodes of 128 features, 10 edges per node,
+    node classification, AdamW."""
+    import random
+
+    from torch_geometric.nn import GraphSAGE
+
+    with torch.device("cuda"):
+        model = GraphSAGE(128, 256, num_layers=3, out_channels=16)
+    model.train()
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def make_state():
+        return {"opt": torch.optim.AdamW(model.parameters(), lr=1e-3)}
+
+    def step(state, i):
+        rnd = random.Random(7_000_003 * i)
+        n = rnd.randint(50_000, 200_000)
+        gen = torch.Generator().manual_seed(7_000_003 * i)
+        x = torch.randn(n, 128, generator=gen).to("cuda")
+        edges = torch.randint(0, n, (2, 10 * n), generator=gen).to("cuda")
+        y = torch.randint(0, 16, (n,), generator=gen).to("cuda")
+        loss = lossf(model(x, edges), y)
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
+def resnet_multiscale(torch, args):
+    """Multi-scale training as detection recipes do: torchvision ResNet-50,
+    batch 32, square images of a side drawn per step from 224-512 (steps of
+    32), SGD momentum, bf16 autocast, channels-last."""
+    import random
+
+    import torchvision
+
+    with torch.device("cuda"):
+        model = torchvision.models.resnet50(weights=None)
+    model = model.to(memory_format=torch.channels_last)
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def make_state():
+        return {"opt": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+    def step(state, i):
+        side = random.Random(8_000_009 * i).randrange(224, 513, 32)
+        gen = torch.Generator(device="cuda").manual_seed(8_000_009 * i)
+        x = torch.randn(32, 3, side, side, device="cuda", generator=gen).to(memory_format=torch.channels_last)
+        y = torch.randint(0, 1000, (32,), device="cuda", generator=gen)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lossf(model(x), y)
+        loss.backward()
+        state["opt"].step()
+        state["opt"].zero_grad(set_to_none=True)
+        return loss
+
+    return model, make_state, step
+
+
 WORKLOADS = {
     "gpt2_train": gpt2_train,
     "resnet50_train": resnet50_train,
@@ -370,6 +571,12 @@ WORKLOADS = {
     "llama_finetune_varlen": llama_finetune_varlen,
     "llama_generate_serve": llama_generate_serve,
     "convnext_timm": convnext_timm,
+    "gpt2_generate": gpt2_generate,
+    "gpt2_beam_serve": gpt2_beam_serve,
+    "bert_varlen_train": bert_varlen_train,
+    "lora_peft_ckpt": lora_peft_ckpt,
+    "graphsage_varlen": graphsage_varlen,
+    "resnet_multiscale": resnet_multiscale,
 }
 
 
