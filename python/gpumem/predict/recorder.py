@@ -647,27 +647,43 @@ def record_step(build_model, make_batch, step_fn=None, batch_size=1, steps=3, de
             return model(**batch) if isinstance(batch, dict) else model(batch)
 
     name = workload or getattr(build_model, "__name__", "job")
-    with recording(batch_size, device_profile, workload=name) as rec:
-        from torch._subclasses.fake_tensor import DataDependentOutputException
+    owned = []
+    try:
+        with recording(batch_size, device_profile, workload=name) as rec:
+            from torch._subclasses.fake_tensor import DataDependentOutputException
 
-        try:
-            model = _build_strict(build_model)
-        except DataDependentOutputException:
-            with torch._subclasses.fake_tensor.unset_fake_temporarily(), _no_modes():
-                model = build_model()
-            rec.note("the model was built for real on the CPU: its constructor reads tensor values")
-        model = model.to("cuda")
-        opt = make_opt([p for p in model.parameters() if p.requires_grad])
-        for _ in range(steps):
-            batch = _to_cuda(torch, make_batch(batch_size))
-            loss = _loss_of(step_fn(model, batch))
-            loss.backward()
-            del loss, batch
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            try:
+                model = _build_strict(build_model)
+            except DataDependentOutputException:
+                with torch._subclasses.fake_tensor.unset_fake_temporarily(), _no_modes():
+                    model = build_model()
+                rec.note("the model was built for real on the CPU: its constructor reads tensor values")
+            owned = _tensors_of(model)
+            model = model.to("cuda")
+            opt = make_opt([p for p in model.parameters() if p.requires_grad])
+            for _ in range(steps):
+                batch = _to_cuda(torch, make_batch(batch_size))
+                loss = _loss_of(step_fn(model, batch))
+                loss.backward()
+                del loss, batch
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        _put_back(owned)  # a model the caller built keeps its own tensors
     if path is not None:
         rec.write(path)
     return rec
+
+
+def _tensors_of(model):
+    """Each module's parameters and buffers, as they are now."""
+    return [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _put_back(owned):
+    for m, params, buffers in owned:
+        m._parameters.update(params)
+        m._buffers.update(buffers)
 
 
 def _build_strict(build_model):
