@@ -594,7 +594,11 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
     if added:
         native.append(FakeTensor)
     try:
-        with _patched(_cuda_patches(torch, rec, profile)), _Placement(rec):
+        # The backward runs on this thread: autograd's engine sizes its
+        # per-device threads once, and may have done so before a CUDA
+        # guard was registered.
+        with _patched(_cuda_patches(torch, rec, profile)), _Placement(rec), \
+                torch.autograd.set_multithreading_enabled(False):
             with fake_mode, _tracker(rec, fake_mode, profile):
                 yield rec
     finally:
