@@ -248,6 +248,17 @@ class RecorderTest(unittest.TestCase):
         rec, _, _ = self.record(mlp, mlp_batch, step, batch_size=2, steps=1)
         self.assertTrue(any("placeholder" in n and "test_predict_recorder.py" in n for n in rec.notes), rec.notes)
 
+    def test_boolean_mask_is_an_upper_bound_with_a_note(self):
+        def step(model, batch):
+            x, y = batch
+            out = model(x)
+            positive = out[out > 0]  # as many elements as the mask has true ones
+            return torch.nn.functional.cross_entropy(out, y) + positive.sum() * 0
+
+        rec, allocs, _ = self.record(mlp, mlp_batch, step, batch_size=2, steps=1)
+        self.assertTrue(any("boolean mask" in n and "upper bound" in n for n in rec.notes), rec.notes)
+        self.assertIn(2 * 4 * 4, allocs.values())  # every one of the 2x4 outputs, fp32
+
     def test_written_trace_file(self):
         rec = self.record_step(mlp, mlp_batch, mlp_step, batch_size=2, steps=2)
         with tempfile.TemporaryDirectory() as d:

@@ -258,7 +258,7 @@ def _user_frame():
 
 def _tracker(recording, fake_mode, profile):
     torch = _torch()
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from torch.utils._pytree import tree_flatten
 
@@ -365,10 +365,31 @@ def _tracker(recording, fake_mode, profile):
                 x = args[0]
                 out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
                 return out
+            if func is aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool and isinstance(i, FakeTensor) for i in args[1]
+            ):
+                recording.note(
+                    "indexing with a boolean mask at %s assumed every element true: its size is an upper "
+                    "bound" % _user_frame()
+                )
+                indices = []
+                for i in args[1]:
+                    if i is None or i.dtype != torch.bool:
+                        indices.append(i)
+                        continue
+                    where = torch.empty((i.numel(), i.dim()), dtype=torch.long, device=i.device)
+                    indices.extend(where.unbind(1))
+                args = (args[0], indices)
             if all_real(args, kwargs) and not lazy_factory(func, args, kwargs):
                 with _disable_current_modes():
                     return func(*args, **kwargs)
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except DynamicOutputShapeException:
+                raise RecorderError(
+                    "%s at %s: its output's size depends on the values of tensors, which fake tensors do "
+                    "not have" % (func, _user_frame())
+                ) from None
             track(out)
             if func.overloadpacket in matmuls and is_cuda(args, kwargs):
                 # cuBLAS takes its workspace from the caching allocator at the
