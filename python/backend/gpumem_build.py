@@ -9,6 +9,7 @@ directory) and writes the wheel, a zip file, itself:
 
     gpumem/*.py, gpumem/_bootstrap/   the package (python/gpumem)
     gpumem/csrc/*.cpp                 C++ compiled against the installed torch at first use
+    gpumem/predict/profiles/*.json    device profiles of the CPU recorder (gpumem.predict)
     gpumem/libgpumem.so               the library the package loads first
     gpumem/bin/gpumem                 the command line; the `gpumem` console
                                       script (gpumem._cli:main) runs it
@@ -171,13 +172,14 @@ def _record_line(arcname, data):
 
 
 def _package_files():
-    """(arcname, path) of the package's Python sources and the C++ it
-    compiles against the installed torch (csrc/), sorted."""
+    """(arcname, path) of the package's Python sources, the C++ it
+    compiles against the installed torch (csrc/) and the JSON data files
+    (the recorder's device profiles), sorted."""
     out = []
     for dirpath, dirnames, filenames in os.walk(PACKAGE_DIR):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and d != "bin")
         for f in sorted(filenames):
-            if f.endswith(".py") or f.endswith(".cpp"):
+            if f.endswith((".py", ".cpp", ".json")):
                 path = os.path.join(dirpath, f)
                 out.append((NAME + "/" + os.path.relpath(path, PACKAGE_DIR).replace(os.sep, "/"), path))
     return out

@@ -1,0 +1,242 @@
+"""python -m gpumem.predict: how large a batch fits, from runs at small ones.
+
+    python -m gpumem.predict --memory 80G --batch-sizes 1,2 [--batch 64]
+        [--steps 3] [--cpu] [--profile h200] [--traces DIR]
+        train.py --batch-size {B} [script args]
+
+Runs the training script briefly at each small batch size ({B} in its
+arguments becomes the batch size), each in a process of its own, until
+--steps optimizer steps are done: on the GPU with PyTorch's allocation
+history on when there is one (and --cpu is not given), else on fake CUDA
+tensors under the CPU recorder (gpumem.predict.recorder). Then `gpumem
+predict` scales the recordings to larger batches and replays them under
+each allocator; the table gives, for PyTorch's allocator, expandable
+segments, cudaMallocAsync and gpumem, the largest batch that fits in
+--memory and the peak reserved memory at --batch, and below it what the
+recordings could not see.
+
+Exit status: 0 done, 1 a run or `gpumem predict` failed, 2 bad usage."""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from .. import _cli
+
+GIB = 1 << 30
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+class PredictError(Exception):
+    """What went wrong, in words; the command prints it and exits 1."""
+
+
+def parse_size(text):
+    """'80G', '1.5GiB', '512M', '4096B' -> bytes (K, M, G, T: powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)\s*", text or "", re.I)
+    if not m or (not m.group(2) and not m.group(3)):
+        raise ValueError("bad size %r (a number with a unit: 80G, 1.5GiB, 512M; bytes as 4096B)" % text)
+    value = int(float(m.group(1)) * (1 << (10 * _UNITS[m.group(2).upper()])))
+    if value <= 0:
+        raise ValueError("bad size %r: must be above 0" % text)
+    return value
+
+
+def parse_sizes(text):
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError("bad --batch-sizes %r (two or more batch sizes: 1,2)" % text) from None
+    if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError("bad --batch-sizes %r (two or more different batch sizes, each at least 1)" % text)
+    return sizes
+
+
+def _parser():
+    p = argparse.ArgumentParser(
+        prog="python -m gpumem.predict",
+        description="How large a batch fits in --memory under each allocator, from short runs of a "
+        "training script at small batch sizes ({B} in its arguments).",
+    )
+    p.add_argument("--memory", required=True, help="the device memory to fit in (80G, 141GiB)")
+    p.add_argument("--batch-sizes", default="1,2", help="the small batch sizes to run at (default 1,2)")
+    p.add_argument("--batch", type=int, help="the batch size to report the peak at")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
+    p.add_argument("--cpu", action="store_true", help="record on fake CUDA tensors even with a GPU")
+    p.add_argument("--profile", default="h200", help="device profile for --cpu runs (default h200)")
+    p.add_argument("--traces", help="keep the recordings in this directory")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default 1800)")
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments; {B} becomes the batch size")
+    return p
+
+
+def _env():
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _gpu_available():
+    try:
+        import torch
+    except ImportError:
+        raise PredictError("gpumem.predict needs PyTorch (pip install torch)") from None
+    return torch.cuda.is_available()
+
+
+def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800):
+    """Runs script at batch_size in a child process; returns its meta.json
+    (with 'path': the recording) or raises PredictError."""
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    argv = [a.replace("{B}", str(batch_size)) for a in args]
+    cmd = [sys.executable, "-m", "gpumem.predict._child", mode, out_dir, str(steps), profile, script] + argv
+    try:
+        done = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise PredictError("%s at batch %d ran past %g s" % (script, batch_size, timeout)) from None
+    meta_path = os.path.join(out_dir, "meta.json")
+    if done.returncode != 0 or not os.path.exists(meta_path):
+        tail = done.stdout.decode("utf-8", "replace").strip().splitlines()[-15:]
+        raise PredictError(
+            "%s at batch %d failed (exit status %d):\n  %s"
+            % (script, batch_size, done.returncode, "\n  ".join(tail) or "(no output)")
+        )
+    with open(meta_path) as f:
+        meta = json.load(f)
+    meta["path"] = os.path.join(out_dir, meta["file"])
+    meta["output"] = done.stdout.decode("utf-8", "replace")
+    if meta["steps"] == 0:
+        raise PredictError(
+            "%s at batch %d ended before its first optimizer step: nothing to scale" % (script, batch_size)
+        )
+    return meta
+
+
+def run_predict(sizes, paths, memory, batch=None, binary=None):
+    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed."""
+    binary = binary or _cli.find()
+    if binary is None:
+        raise PredictError(
+            "the gpumem command line program is missing (tried %s): run `make build` in the checkout "
+            "or reinstall the package" % ", ".join(_cli.candidates())
+        )
+    cmd = [binary, "predict", "--sizes", ",".join(str(s) for s in sizes)] + list(paths)
+    cmd += ["--memory", "%dB" % memory, "--json"]
+    if batch is not None:
+        cmd += ["--batch", str(batch)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = done.stderr.decode("utf-8", "replace").strip()
+    if done.returncode != 0:
+        if "unknown command" in err:
+            raise PredictError("%s has no `predict` command (an older build: run `make build`)" % binary)
+        raise PredictError("`gpumem predict` failed (exit status %d): %s" % (done.returncode, err))
+    return parse_rows(done.stdout.decode("utf-8", "replace"))
+
+
+def parse_rows(text):
+    """`gpumem predict --json` output (one object a line, or one array) ->
+    [{'allocator', 'max_batch', 'peak_reserved_bytes', ...}]."""
+    text = text.strip()
+    if not text:
+        return []
+    if text.startswith("["):
+        rows = json.loads(text)
+    else:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    out = []
+    for r in rows:
+        row = dict(r)
+        row.setdefault("max_batch", r.get("largest_batch", r.get("max_batch_fits")))
+        row.setdefault("peak_reserved_bytes", r.get("peak_bytes", r.get("peak_reserved")))
+        out.append(row)
+    return out
+
+
+def _gib(n):
+    return "-" if n is None else "%.3f GiB" % (n / GIB)
+
+
+def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None):
+    """The command's report, as text."""
+    where = "on the GPU" if mode == "gpu" else "on fake CUDA tensors (no GPU used)"
+    lines = [
+        "%s: recorded at batch %s %s" % (script, ", ".join(str(s) for s in sizes), where),
+        "device memory %s; the CUDA context takes %s (%s), leaving %s to the allocator"
+        % (_gib(memory), _gib(context), context_source, _gib(memory - context)),
+        "",
+        "%-22s %-14s %s" % ("allocator", "largest batch", "peak reserved at batch %s" % batch if batch else "peak reserved"),
+        "-" * 64,
+    ]
+    for r in rows:
+        mb = r.get("max_batch")
+        lines.append("%-22s %-14s %s" % (r.get("allocator", "?"), "-" if mb is None else mb,
+                                         _gib(r.get("peak_reserved_bytes"))))  # fmt: skip
+    if notes:
+        lines += ["", "What the recordings could not see, or assumed:"]
+        lines += ["  - %s" % n for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = _parser()
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        memory = parse_size(a.memory)
+        sizes = parse_sizes(a.batch_sizes)
+    except ValueError as e:
+        p.error(str(e))
+    if not any("{B}" in x for x in a.args):
+        p.error("the script's arguments need {B} where the batch size goes (e.g. --batch-size {B})")
+    if a.steps < 1:
+        p.error("--steps must be at least 1")
+    if not os.path.isfile(a.script):
+        p.error("no script %s" % a.script)
+    try:
+        mode = "gpu" if not a.cpu and _gpu_available() else "cpu"
+        if mode == "cpu":
+            from . import profiles
+
+            profiles.load(a.profile)  # names an unknown profile before anything runs
+        keep = a.traces is not None
+        root = a.traces if keep else tempfile.mkdtemp(prefix="gpumem-predict-")
+        metas = []
+        for b in sizes:
+            sys.stderr.write("gpumem.predict: running %s at batch %d (%s)\n" % (a.script, b, mode))
+            metas.append(record(a.script, a.args, b, os.path.join(root, "b%d" % b), mode, a.steps,
+                                a.profile, a.timeout))  # fmt: skip
+        notes = []
+        for m in metas:
+            for n in m["notes"]:
+                if n not in notes:
+                    notes.append(n)
+        context = max(m["context_bytes"] for m in metas)
+        if context >= memory:
+            raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
+        try:
+            rows = run_predict(sizes, [m["path"] for m in metas], memory - context, a.batch)
+        except PredictError as e:
+            keep = True
+            raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
+        sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows, notes,
+                               a.batch))  # fmt: skip
+        if keep:
+            sys.stdout.write("recordings: %s\n" % root)
+        return 0
+    except PredictError as e:
+        sys.stderr.write("gpumem.predict: %s\n" % e)
+        return 1
+    finally:
+        if "root" in locals() and not keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Device profiles: what a run on the CPU cannot see of a GPU, one small
+JSON file per GPU and PyTorch version in profiles/ (NAME.json).
+
+    {"name": "h200-torch2.11", "gpu": "NVIDIA H200", "torch": "2.11",
+     "compute_capability": [9, 0], "total_memory_bytes": ...,
+     "values": {KEY: {"value": V, "source": "measured|derived|estimate",
+                      "why": "..."}, ...}}
+
+"measured": taken on the GPU by bench/torch/device_profile.py; "derived":
+worked out from PyTorch's source; "estimate": neither, until measured.
+The keys the recorder uses:
+
+- cublas_workspace_bytes: cuBLAS's workspace, taken from the caching
+  allocator at the first matmul of each thread and stream and kept (the
+  forward pass and autograd's backward thread take one each).
+- cublaslt_workspace_bytes: cuBLASLt's own workspace; 0 when it shares
+  cuBLAS's (PyTorch's default).
+- sdpa_backend: the backend scaled_dot_product_attention prefers for
+  half-precision inputs it can take (flash, efficient, cudnn or math).
+- sdpa_backward_scratch_bytes_per_q_element: scratch the attention
+  backward takes and gives back within the call, per element of q.
+- cuda_context_bytes: device memory the CUDA context and PyTorch's
+  kernels take outside the allocator: it is not in a trace, but the
+  allocator has that much less to use."""
+
+import json
+import os
+
+__all__ = ["Profile", "load", "available", "DIR"]
+
+DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
+SOURCES = ("measured", "derived", "estimate")
+
+
+class Profile:
+    def __init__(self, data, path=None):
+        self.path = path
+        self.data = data
+        self.name = data.get("name") or os.path.splitext(os.path.basename(path or "profile"))[0]
+        self.gpu = data.get("gpu", "unknown GPU")
+        self.torch = data.get("torch", "?")
+        self.capability = tuple(data.get("compute_capability", (9, 0)))
+        self.total_memory = int(data.get("total_memory_bytes", 80 << 30))
+        self.values = data.get("values", {})
+        for key, entry in self.values.items():
+            if not isinstance(entry, dict) or "value" not in entry:
+                raise ValueError("device profile %s: %s is not {\"value\": ..., \"source\": ...}" % (self.name, key))
+            if entry.get("source") not in SOURCES:
+                raise ValueError(
+                    "device profile %s: %s has source %r (one of %s)"
+                    % (self.name, key, entry.get("source"), ", ".join(SOURCES))
+                )
+
+    def value(self, key, default=None):
+        entry = self.values.get(key)
+        return default if entry is None or entry["value"] is None else entry["value"]
+
+    def source(self, key):
+        entry = self.values.get(key)
+        return entry.get("source") if entry else None
+
+    def notes(self):
+        """What the recording takes from this profile that was not measured."""
+        unmeasured = sorted(k for k, e in self.values.items() if e.get("source") != "measured")
+        if not unmeasured:
+            return ["device profile %s (%s, torch %s): all values measured" % (self.name, self.gpu, self.torch)]
+        return [
+            "device profile %s (%s, torch %s): not measured yet: %s"
+            % (self.name, self.gpu, self.torch, ", ".join(unmeasured))
+        ]
+
+
+def available():
+    """The names of the profiles shipped with the package."""
+    try:
+        return sorted(f[:-5] for f in os.listdir(DIR) if f.endswith(".json"))
+    except OSError:
+        return []
+
+
+def load(name_or_path):
+    """A Profile by name ("h200" finds the newest h200-*.json), or from a
+    path to a JSON file; None for None or "none"."""
+    if name_or_path is None or name_or_path == "none":
+        return None
+    if os.path.sep in name_or_path or name_or_path.endswith(".json"):
+        path = name_or_path
+    else:
+        names = available()
+        match = [n for n in names if n == name_or_path] or [n for n in names if n.startswith(name_or_path + "-")]
+        if not match:
+            raise ValueError(
+                "no device profile %r (shipped: %s; or give a path to a JSON file)"
+                % (name_or_path, ", ".join(names) or "none")
+            )
+        path = os.path.join(DIR, match[-1] + ".json")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError("device profile %s: not JSON: %s" % (path, e)) from None
+    return Profile(data, path)
+
+
+# PyTorch's SDPBackend numbering (torch.nn.attention.SDPBackend).
+_BACKENDS = {"math": 0, "flash": 1, "efficient": 2, "cudnn": 3}
+
+
+def sdpa_choice(torch, profile, recording, args, kwargs):
+    """aten._fused_sdp_choice for fake CUDA tensors: the profile's backend
+    where its main constraints hold (half precision for flash and cudnn,
+    no mask for flash, head dimensions a multiple of 8 up to 256), else
+    memory-efficient attention, else math; the backends the job turned
+    off (torch.backends.cuda.enable_*_sdp) are skipped."""
+    q, k, v = args[:3]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    enabled = {
+        "flash": torch.backends.cuda.flash_sdp_enabled(),
+        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+        "math": True,
+    }
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    dims_ok = q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    fits = {
+        "flash": half and mask is None and dims_ok and q.dim() == 4,
+        "cudnn": half and dims_ok and q.dim() == 4,
+        "efficient": dims_ok and q.dim() == 4,
+        "math": True,
+    }
+    preferred = profile.value("sdpa_backend", "flash") if profile is not None else "flash"
+    order = [preferred] + [b for b in ("flash", "efficient", "math") if b != preferred]
+    for b in order:
+        if b in fits and fits[b] and enabled.get(b):
+            if b == "math" and q.dim() == 4:
+                recording.note("scaled_dot_product_attention ran its math backend (no fused kernel takes these inputs)")
+            return _BACKENDS[b]
+    return _BACKENDS["math"]

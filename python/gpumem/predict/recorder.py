@@ -1,0 +1,744 @@
+"""A PyTorch job's CUDA allocations, recorded on a machine with no GPU.
+
+The job runs on fake CUDA tensors (torch's FakeTensorMode): every tensor
+that would live on the GPU has its shape, dtype, strides and storage, but
+no memory and no values. A dispatch mode watches every operation below
+autograd and records each new CUDA storage (its nbytes: the size the CUDA
+caching allocator is asked for) when an operation first returns it, and
+its free when the storage dies: a finalizer on the storage runs when its
+last reference goes, as the caching allocator's free does. Views share
+their base's storage, autograd's saved tensors, optimizer state and
+gradients keep theirs alive, so lifetimes come out as on the GPU.
+
+Tensors on the CPU stay real: operations whose inputs are all real CPU
+tensors run for real (data loading, AdamW's step counters, values read
+with .item() in a constructor). CPU tensors of more than LAZY_NUMEL
+elements made by factory functions (a model's weights built on the CPU
+before .to("cuda")) are fake too, so that a large model costs no host
+memory.
+
+What a CPU run cannot see (values of CUDA tensors, workspaces that
+cuBLAS, cuDNN and attention kernels take inside an operation) comes from
+a device profile (profiles.py) or is named in the recording's notes.
+
+    rec = record_step(build_model, make_batch, step_fn, batch_size=2)
+    rec.write("b2.trace")
+
+Needs PyTorch (the CPU build will do)."""
+
+import contextlib
+import ctypes
+import os
+import sys
+import threading
+import types
+import weakref
+
+from . import profiles
+
+__all__ = ["Recording", "RecorderError", "record_step", "recording", "LAZY_NUMEL"]
+
+# CPU tensors made by factory functions with more elements than this are fake.
+LAZY_NUMEL = 1 << 16
+
+
+class RecorderError(RuntimeError):
+    """The job cannot be recorded on fake CUDA tensors; the text says why."""
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise RecorderError("gpumem.predict needs PyTorch (pip install torch: the CPU build will do)") from None
+    return torch
+
+
+class Recording:
+    """The allocation sequence of one recorded run.
+
+    events: ("a", id, size, stream), ("f", id) and ("s", step) tuples in
+    order; notes: what the recorder could not see or had to assume, one
+    line each (carried into the trace as '# note:' comments)."""
+
+    def __init__(self, batch_size=None, profile=None, workload="job"):
+        self.events = []
+        self.notes = []
+        self.batch_size = batch_size
+        self.profile = profile
+        self.workload = workload
+        self.steps = 0
+        self._next_id = 0
+        self._live = {}  # id -> size
+        self._live_bytes = 0
+        self.peak_live_bytes = 0
+        self.closed = False  # what dies after the session is not a free of the job's
+        self._lock = threading.Lock()
+
+    # -- building -------------------------------------------------------
+    def alloc(self, size, stream=0):
+        with self._lock:
+            i = self._next_id
+            self._next_id += 1
+            self.events.append(("a", i, int(size), stream))
+            self._live[i] = int(size)
+            self._live_bytes += int(size)
+            self.peak_live_bytes = max(self.peak_live_bytes, self._live_bytes)
+            return i
+
+    def free(self, i):
+        with self._lock:
+            size = self._live.pop(i, None)
+            if size is None:
+                return
+            self._live_bytes -= size
+            self.events.append(("f", i))
+
+    def step(self):
+        with self._lock:
+            self.steps += 1
+            self.events.append(("s", self.steps))
+
+    def note(self, text):
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # -- reading --------------------------------------------------------
+    @property
+    def live_bytes(self):
+        """Bytes of the allocations alive now (at the end, once recorded)."""
+        return self._live_bytes
+
+    def allocations(self):
+        """[(id, size, freed)] in allocation order."""
+        freed = {e[1] for e in self.events if e[0] == "f"}
+        return [(e[1], e[2], e[1] in freed) for e in self.events if e[0] == "a"]
+
+    def lines(self):
+        head = [
+            "# gpumem-trace v1",
+            "# workload %s" % self.workload,
+            "# source gpumem.predict CPU recorder (fake CUDA tensors), torch %s, device profile %s"
+            % (_torch().__version__, self.profile.name if self.profile else "none"),
+        ]
+        if self.batch_size is not None:
+            head.append("# batch_size %d" % self.batch_size)
+        head += ["# note: %s" % n.replace("\n", " ") for n in self.notes]
+        body = []
+        for e in self.events:
+            if e[0] == "a":
+                body.append("a %d %d %d" % (e[1], e[2], e[3]))
+            elif e[0] == "f":
+                body.append("f %d" % e[1])
+            else:
+                body.append("# step %d" % e[1])
+        return head + body
+
+    def write(self, path):
+        """Writes the trace (traces/README.md) to path; returns path."""
+        with open(path, "w") as f:
+            f.write("\n".join(self.lines()) + "\n")
+        return path
+
+
+# ---- CUDA tensors on a build of PyTorch without CUDA ----------------------
+
+_GUARD_REGISTRY = "_ZN3c104impl26device_guard_impl_registryE"
+
+
+_guard = []  # the guard registered for CUDA, kept alive
+
+
+def _allow_fake_cuda(torch):
+    """Tensors that say device cuda need a device guard for CUDA, which a
+    CPU build of PyTorch does not register (indexing, copies and .to()
+    ask for one, and autograd's engine gives CUDA work a thread of its own
+    only for a device type with a guard). Registers a no-op guard for
+    CUDA, made through the hook PyTorch offers Python backends
+    (torch._C._acc) and moved to CUDA's slot of the guard registry: the
+    fake tensors never touch a device. A CUDA build has its own guard,
+    which FakeTensorMode replaces with a no-op one where no GPU is
+    present."""
+    if torch.cuda._is_compiled():
+        torch._C._ensureCUDADeviceGuardSet()
+        return
+    libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    names = [n for n in ("libc10.so", "libc10.dylib") if os.path.exists(os.path.join(libdir, n))]
+    pu1 = 20  # c10::DeviceType::PrivateUse1
+    try:
+        lib = ctypes.CDLL(os.path.join(libdir, names[0]))
+        registry = (ctypes.c_void_p * (pu1 + 1)).in_dll(lib, _GUARD_REGISTRY)
+        if registry[1]:
+            return
+        if registry[pu1]:
+            raise RecorderError("a PrivateUse1 backend is registered; its guard cannot be borrowed")
+
+        class CudaGuard(torch._C._acc.DeviceGuard):
+            def type_(self):
+                return torch._C._autograd.DeviceType.CUDA
+
+        guard = CudaGuard()
+        torch._C._acc.register_python_privateuseone_device_guard(guard)
+        registry[1], registry[pu1] = registry[pu1], None
+        _guard.append(guard)
+    except (IndexError, OSError, ValueError, AttributeError) as e:
+        raise RecorderError(
+            "gpumem.predict: cannot make fake CUDA tensors with this build of PyTorch (%s): %s"
+            % (torch.__version__, e)
+        ) from None
+
+
+def _cuda0(device):
+    """A device argument as given, with any CUDA device made cuda:0 (the
+    fake tensors live on one device; "cuda" without an index is not moved
+    to by .to() on a build without CUDA)."""
+    torch = _torch()
+    if isinstance(device, (str, torch.device)):
+        d = torch.device(device)
+        if d.type == "cuda":
+            return torch.device("cuda", 0)
+    return device
+
+
+class _Placement:
+    """A TorchFunctionMode: .to("cuda"), .cuda() and friends land on the
+    fake cuda:0; pinning and record_stream do nothing."""
+
+    def __new__(cls, recording):
+        torch = _torch()
+        from torch.overrides import TorchFunctionMode
+
+        Tensor = torch.Tensor
+
+        class Placement(TorchFunctionMode):
+            def __torch_function__(self, func, types_, args=(), kwargs=None):
+                kwargs = dict(kwargs or {})
+                if func is Tensor.to:
+                    args = tuple(_cuda0(a) for a in args)
+                    if "device" in kwargs:
+                        kwargs["device"] = _cuda0(kwargs["device"])
+                elif func is Tensor.cuda:
+                    self_ = args[0]
+                    kwargs.pop("device", None)
+                    return self_.to(torch.device("cuda", 0), **kwargs)
+                elif func in (Tensor.pin_memory,):
+                    return args[0]
+                elif func is Tensor.is_pinned:
+                    return False
+                elif func is Tensor.record_stream:
+                    recording.note("record_stream() calls were ignored: every allocation is on the default stream")
+                    return None
+                elif "device" in kwargs:
+                    kwargs["device"] = _cuda0(kwargs["device"])
+                return func(*args, **kwargs)
+
+        return Placement()
+
+
+# ---- the recorder's dispatch mode -----------------------------------------
+
+_MATMULS = (
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot",
+    "_addmm_activation", "_scaled_mm", "_int_mm",
+)  # fmt: skip
+
+
+def _user_frame():
+    """'file:line' of the innermost frame outside torch and this package."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    torch_dir = os.path.dirname(_torch().__file__)
+    f = sys._getframe(1)
+    while f is not None:
+        path = os.path.abspath(f.f_code.co_filename)
+        if not path.startswith(torch_dir) and not path.startswith(here) and "<frozen" not in path:
+            return "%s:%d" % (os.path.basename(path), f.f_lineno)
+        f = f.f_back
+    return "?"
+
+
+def _tracker(recording, fake_mode, profile):
+    torch = _torch()
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._pytree import tree_flatten
+
+    aten = torch.ops.aten
+    prim_device = torch.ops.prim.device.default
+    matmuls = {getattr(aten, n) for n in _MATMULS if hasattr(aten, n)}
+    sdpa_backward = {
+        getattr(aten, n)
+        for n in ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward")
+        if hasattr(aten, n)
+    }
+    factories = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
+                 aten.full.default, aten.rand.default, aten.randn.default, aten.empty_like.default,
+                 aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                 aten.randn_like.default, aten.rand_like.default, aten.arange.default,
+                 aten.arange.start, aten.arange.start_step}  # fmt: skip
+    conv = {aten.convolution.default, aten.convolution_backward.default}
+    live = {}  # storage key -> allocation id
+    workspaces = set()
+
+    def on_free(key, i):
+        live.pop(key, None)
+        if not recording.closed:
+            recording.free(i)
+
+    def track(out):
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+                continue
+            try:
+                s = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue  # sparse, nested: no plain storage
+            key = s._cdata
+            if key in live:
+                continue
+            n = s.nbytes()
+            if n == 0:
+                continue  # the caching allocator is not asked for empty storages
+            i = recording.alloc(n)
+            live[key] = i
+            weakref.finalize(s, on_free, key, i)
+
+    def is_cuda(args, kwargs):
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor) and a.device.type == "cuda":
+                return True
+            if isinstance(a, torch.device) and a.type == "cuda":
+                return True
+        return False
+
+    def all_real(args, kwargs):
+        flat = tree_flatten((args, kwargs))[0]
+        for a in flat:
+            if isinstance(a, FakeTensor):
+                return False
+            if isinstance(a, torch.device) and a.type != "cpu":
+                return False
+        return True
+
+    def lazy_factory(func, args, kwargs):
+        """A CPU factory call big enough to be fake rather than real."""
+        if func not in factories:
+            return False
+        if func.__name__.endswith("_like"):
+            return False  # follows its input
+        size = args[0] if args and isinstance(args[0], (list, tuple)) else None
+        if size is None:
+            return False
+        n = 1
+        for d in size:
+            n *= int(d)
+        return n > LAZY_NUMEL
+
+    class Tracker(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if _in_engine():
+                # Autograd's engine syncs streams of accelerator tensors,
+                # which a build without CUDA cannot: it is shown them as CPU
+                # tensors, and what the backward makes on the CPU goes to
+                # cuda (a backward makes nothing on the CPU of its own).
+                if func is prim_device:
+                    d = func(*args)
+                    return torch.device("cpu") if d.type == "cuda" else d
+                d = kwargs.get("device")
+                if isinstance(d, torch.device) and d.type in ("cpu", "meta"):
+                    kwargs = dict(kwargs, device=torch.device("cuda", 0))
+            if func is aten._fused_sdp_choice.default:
+                return profiles.sdpa_choice(torch, profile, recording, args, kwargs)
+            if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+                if args[0].constant is not None:
+                    return args[0].constant.item()
+                recording.note(
+                    "a value read from a fake tensor (.item(), bool(), int()) at %s is a placeholder "
+                    "(0): what depends on it was not seen" % _user_frame()
+                )
+                return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
+            if func is aten.nonzero.default and isinstance(args[0], FakeTensor):
+                recording.note(
+                    "nonzero() (boolean masks) at %s assumed every element true: its size is an upper "
+                    "bound" % _user_frame()
+                )
+                x = args[0]
+                out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+                return out
+            if func is aten.index.Tensor and any(
+                i is not None and i.dtype == torch.bool and isinstance(i, FakeTensor) for i in args[1]
+            ):
+                recording.note(
+                    "indexing with a boolean mask at %s assumed every element true: its size is an upper "
+                    "bound" % _user_frame()
+                )
+                indices = []
+                for i in args[1]:
+                    if i is None or i.dtype != torch.bool:
+                        indices.append(i)
+                        continue
+                    where = torch.empty((i.numel(), i.dim()), dtype=torch.long, device=i.device)
+                    indices.extend(where.unbind(1))
+                args = (args[0], indices)
+            if all_real(args, kwargs) and not lazy_factory(func, args, kwargs):
+                with _disable_current_modes():
+                    return func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except DynamicOutputShapeException:
+                raise RecorderError(
+                    "%s at %s: its output's size depends on the values of tensors, which fake tensors do "
+                    "not have" % (func, _user_frame())
+                ) from None
+            track(out)
+            if func.overloadpacket in matmuls and is_cuda(args, kwargs):
+                # cuBLAS takes its workspace from the caching allocator at the
+                # first matmul of each thread and stream; autograd's backward
+                # runs on a thread of its own.
+                where = "backward" if _engine.depth else "forward"
+                if where not in workspaces and profile is not None and profile.value("cublas_workspace_bytes"):
+                    workspaces.add(where)
+                    recording.alloc(profile.value("cublas_workspace_bytes"))
+            elif func in sdpa_backward and profile is not None:
+                per = profile.value("sdpa_backward_scratch_bytes_per_q_element")
+                if per:
+                    scratch = recording.alloc(int(per * args[1].numel()))
+                    recording.free(scratch)
+            elif func in conv and is_cuda(args, kwargs):
+                recording.note(
+                    "cuDNN convolution workspaces (taken and given back within each call, sized by "
+                    "cuDNN's choice of algorithm) are not in the trace"
+                )
+            return out
+
+    return Tracker()
+
+
+_engine = types.SimpleNamespace(depth=0)  # the backward's worker threads see it too
+
+
+def _in_engine():
+    """In autograd's backward, outside a recomputation under autocast
+    (activation checkpointing), whose casts need CUDA tensors to look so."""
+    return _engine.depth > 0 and not _torch().is_autocast_enabled("cuda")
+
+
+def _engine_wrapper(run):
+    def run_backward(*args, **kwargs):
+        _engine.depth += 1
+        try:
+            return run(*args, **kwargs)
+        finally:
+            _engine.depth -= 1
+
+    return run_backward
+
+
+# ---- torch.cuda as a job running on fake tensors sees it -----------------
+
+
+class _FakeStream:
+    """torch.cuda.Stream and Event stand-ins: work is ordered already."""
+
+    cuda_stream = 0
+    device = None
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __getattr__(self, name):  # wait_stream, synchronize, record, query, ...
+        return lambda *a, **k: True if name == "query" else None
+
+
+def _cuda_patches(torch, recording, profile):
+    """{(object, name): replacement} making torch.cuda answer as one GPU
+    of the profile's kind with the recording's memory."""
+    cap = tuple(profile.capability) if profile else (9, 0)
+    total = profile.total_memory if profile else 80 << 30
+    name = profile.gpu if profile else "fake CUDA device"
+    props = types.SimpleNamespace(
+        name=name, major=cap[0], minor=cap[1], total_memory=total, multi_processor_count=132,
+        is_integrated=False, is_multi_gpu_board=False, L2_cache_size=50 << 20, gcnArchName="",
+    )  # fmt: skip
+    peak = [0]
+
+    def allocated(device=None):
+        return recording.live_bytes
+
+    def max_allocated(device=None):
+        return max(peak[0], recording.peak_live_bytes)
+
+    def reset_peak(device=None):
+        peak[0] = recording.live_bytes
+
+    noop = lambda *a, **k: None  # noqa: E731
+    stream = _FakeStream()
+    c = torch.cuda
+    patches = {
+        (c, "is_available"): lambda: True,
+        (c, "device_count"): lambda: 1,
+        (c, "current_device"): lambda: 0,
+        (c, "set_device"): noop,
+        (c, "synchronize"): noop,
+        (c, "is_initialized"): lambda: True,
+        (c, "init"): noop,
+        (c, "_lazy_init"): noop,
+        (c, "empty_cache"): noop,
+        (c, "manual_seed"): noop,
+        (c, "manual_seed_all"): noop,
+        (c, "seed"): noop,
+        (c, "seed_all"): noop,
+        (c, "get_device_name"): lambda device=None: name,
+        (c, "get_device_capability"): lambda device=None: cap,
+        (c, "get_device_properties"): lambda device=None: props,
+        (c, "is_bf16_supported"): lambda *a, **k: True,
+        (c, "mem_get_info"): lambda device=None: (total - recording.live_bytes, total),
+        (c, "memory_allocated"): allocated,
+        (c, "max_memory_allocated"): max_allocated,
+        (c, "memory_reserved"): allocated,
+        (c, "max_memory_reserved"): max_allocated,
+        (c, "reset_peak_memory_stats"): reset_peak,
+        (c, "reset_max_memory_allocated"): reset_peak,
+        (c, "Stream"): _FakeStream,
+        (c, "Event"): _FakeStream,
+        (c, "current_stream"): lambda device=None: stream,
+        (c, "default_stream"): lambda device=None: stream,
+        (c, "stream"): lambda s=None: contextlib.nullcontext(),
+        (torch.nn.Module, "_apply"): _module_apply,
+        (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
+    }
+    return {k: v for k, v in patches.items() if hasattr(k[0], k[1]) or k[1] in ("is_initialized",)}
+
+
+@contextlib.contextmanager
+def _patched(patches):
+    saved = []
+    try:
+        for (obj, attr), value in patches.items():
+            saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+            setattr(obj, attr, value)
+        yield
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+
+
+_MISSING = object()
+
+
+def _module_apply(module, fn, recurse=True):
+    """nn.Module._apply for fake tensors: a parameter moved to another
+    device becomes a new Parameter (shared ones stay shared); one that
+    stays on its device keeps its identity, as PyTorch does."""
+    torch = _torch()
+    memo = {}
+
+    def convert(t):
+        with torch.no_grad():
+            return fn(t)
+
+    mods = module.modules() if recurse else [module]
+    for m in mods:
+        for key, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) in memo:
+                m._parameters[key] = memo[id(p)]
+                continue
+            new = convert(p)
+            if new is p:
+                memo[id(p)] = p
+                continue
+            if new.device == p.device and torch._has_compatible_shallow_copy_type(p, new):
+                p.data = new
+                out = p
+            else:
+                out = torch.nn.Parameter(new, p.requires_grad)
+            if p.grad is not None:
+                out.grad = convert(p.grad)
+            memo[id(p)] = out
+            m._parameters[key] = out
+        for key, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[key] = convert(b)
+    return module
+
+
+# ---- sessions ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def recording(batch_size=None, device_profile="h200", workload="job", step_hook=None):
+    """Runs the with-block on fake CUDA tensors, recording into the
+    Recording it yields. Each optimizer step ends a training step ('# step
+    N'); step_hook(recording) is called after each."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    profile = profiles.load(device_profile) if isinstance(device_profile, str) else device_profile
+    rec = Recording(batch_size=batch_size, profile=profile, workload=workload)
+    if profile is not None:
+        for text in profile.notes():
+            rec.note(text)
+    _allow_fake_cuda(torch)
+
+    def on_step(optimizer, args, kwargs):
+        rec.step()
+        if step_hook is not None:
+            step_hook(rec)
+
+    class FakeMode(FakeTensorMode):
+        # torch.cuda.is_available() says True from here on; the fake mode
+        # must still never compute on a real device (it would, moving a
+        # real CPU tensor to cuda by running the copy).
+        avoid_device_init = True
+
+    fake_mode = FakeMode(allow_non_fake_inputs=True)
+    from torch.optim import optimizer as optim_module
+
+    handle = optim_module.register_optimizer_step_post_hook(on_step)
+    # Optimizers take their foreach implementation for CUDA parameters of
+    # the types they know; the fake ones are counted among them.
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    native = optim_module._foreach_supported_types
+    added = FakeTensor not in native
+    if added:
+        native.append(FakeTensor)
+    try:
+        # The backward runs on this thread: autograd's engine sizes its
+        # per-device threads once, and may have done so before a CUDA
+        # guard was registered.
+        with _patched(_cuda_patches(torch, rec, profile)), _Placement(rec), \
+                torch.autograd.set_multithreading_enabled(False):
+            with fake_mode, _tracker(rec, fake_mode, profile):
+                yield rec
+    finally:
+        rec.closed = True
+        handle.remove()
+        if added:
+            native.remove(FakeTensor)
+
+
+def _to_cuda(torch, batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.to("cuda")
+    if isinstance(batch, dict):
+        return type(batch)({k: _to_cuda(torch, v) for k, v in batch.items()})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_cuda(torch, v) for v in batch)
+    return batch
+
+
+def _loss_of(out):
+    loss = getattr(out, "loss", out)
+    if isinstance(out, dict) and "loss" in out:
+        loss = out["loss"]
+    return loss
+
+
+def record_step(build_model, make_batch, step_fn=None, batch_size=1, steps=3, device_profile="h200",
+                optimizer=None, path=None, workload=None):
+    """Records `steps` training steps of a model on fake CUDA tensors.
+
+    build_model(): the model (built on any device; it is moved to cuda).
+    make_batch(batch_size): a batch (tensors, or dicts/lists of them),
+      moved to cuda.
+    step_fn(model, batch): the loss (a scalar tensor, or an object with
+      .loss); default: model(**batch) for a dict, model(batch) otherwise.
+    optimizer(params): the optimizer (default: torch.optim.AdamW).
+
+    Each step runs step_fn, backward, optimizer.step() and
+    optimizer.zero_grad(set_to_none=True). A model whose constructor
+    reads tensor values (.item()) is built for real on the CPU, then
+    moved (a note says so). Writes the trace to path when given; returns
+    the Recording."""
+    torch = _torch()
+    if batch_size < 1 or steps < 1:
+        raise ValueError("record_step: batch_size and steps must be at least 1 (got %r, %r)" % (batch_size, steps))
+    make_opt = optimizer or (lambda params: torch.optim.AdamW(params))
+    if step_fn is None:
+
+        def step_fn(model, batch):
+            return model(**batch) if isinstance(batch, dict) else model(batch)
+
+    name = workload or getattr(build_model, "__name__", "job")
+    owned = []
+    try:
+        with recording(batch_size, device_profile, workload=name) as rec:
+            from torch._subclasses.fake_tensor import DataDependentOutputException
+
+            try:
+                model = _build_strict(build_model)
+            except DataDependentOutputException:
+                with torch._subclasses.fake_tensor.unset_fake_temporarily(), _no_modes():
+                    model = build_model()
+                rec.note("the model was built for real on the CPU: its constructor reads tensor values")
+            owned = _tensors_of(model)
+            model = model.to("cuda")
+            opt = make_opt([p for p in model.parameters() if p.requires_grad])
+            for _ in range(steps):
+                batch = _to_cuda(torch, make_batch(batch_size))
+                loss = _loss_of(step_fn(model, batch))
+                loss.backward()
+                del loss, batch
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    finally:
+        _put_back(owned)  # a model the caller built keeps its own tensors
+    if path is not None:
+        rec.write(path)
+    return rec
+
+
+def _tensors_of(model):
+    """Each module's parameters and buffers, as they are now."""
+    return [(m, dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+
+
+def _put_back(owned):
+    for m, params, buffers in owned:
+        m._parameters.update(params)
+        m._buffers.update(buffers)
+
+
+def _build_strict(build_model):
+    """build_model() where reading a fake tensor's value raises rather
+    than giving a placeholder, so that the caller can build for real."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    def strict_item(self):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(self, FakeTensor) and self.constant is None:
+            raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+        return old_item(self)
+
+    old_item = torch.Tensor.item
+    torch.Tensor.item = strict_item
+    try:
+        return build_model()
+    finally:
+        torch.Tensor.item = old_item
+
+
+@contextlib.contextmanager
+def _no_modes():
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    torch = _torch()
+    with _disable_current_modes(), torch.overrides._disable_user_modes() if hasattr(
+        torch.overrides, "_disable_user_modes"
+    ) else contextlib.nullcontext():
+        yield
+

@@ -1,0 +1,466 @@
+"""gpumem.predict on the CPU: the recorder's traces of small models run on
+fake CUDA tensors are well formed (every free names a live allocation,
+one '# step N' a step), hold the sizes known tensors must have
+(parameters, AdamW's two moments, gradients, activations that double
+with the batch) and the order a hand-worked step has; models built before
+the recording, called twice, or reading values in their constructor are
+recorded; the command runs a script end to end. Needs PyTorch (the CPU
+build will do); the transformers models need transformers."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+try:
+    import transformers
+except ImportError:  # pragma: no cover
+    transformers = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYTHON_DIR = os.path.dirname(HERE)
+sys.path.insert(0, PYTHON_DIR)
+
+from gpumem import _cli  # noqa: E402
+from gpumem.predict import __main__ as command  # noqa: E402
+from gpumem.predict import profiles  # noqa: E402
+
+NO_TORCH = "needs PyTorch (pip install torch: the CPU build will do)"
+WORKSPACE = 32 << 20
+
+
+def parse(lines):
+    """(allocs {id: size}, frees [id], steps, notes) of a trace's lines,
+    checking it is well formed: frees name live allocations, ids are not
+    reused while live, steps count up from 1."""
+    live, allocs, frees, steps, notes = {}, {}, [], 0, []
+    for line in lines:
+        if line.startswith("# step "):
+            steps += 1
+            assert int(line.split()[2]) == steps, line
+        elif line.startswith("# note: "):
+            notes.append(line[8:])
+        elif line.startswith("#"):
+            continue
+        elif line.startswith("a "):
+            _, i, size, stream = line.split()
+            assert i not in live, "id %s allocated while live" % i
+            assert int(size) > 0 and stream == "0", line
+            live[i] = int(size)
+            allocs[int(i)] = int(size)
+        elif line.startswith("f "):
+            i = line.split()[1]
+            assert i in live, "free of %s, not live" % i
+            del live[i]
+            frees.append(int(i))
+        else:
+            raise AssertionError("bad line %r" % line)
+    return allocs, frees, steps, notes
+
+
+def mlp(d_in=16, hidden=32, d_out=4):
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, d_out))
+
+
+def mlp_batch(n, d_in=16, d_out=4):
+    return (torch.randn(n, d_in), torch.randint(0, d_out, (n,)))
+
+
+def mlp_step(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class RecorderTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        from gpumem.predict import record_step
+
+        cls.record_step = staticmethod(record_step)
+
+    def record(self, *args, **kwargs):
+        rec = self.record_step(*args, **kwargs)
+        allocs, frees, steps, notes = parse(rec.lines())
+        self.assertEqual(steps, kwargs.get("steps", 3))
+        self.assertEqual(notes, rec.notes)
+        return rec, allocs, frees
+
+    def test_mlp_step_by_hand(self):
+        """The first step of a 16-32-4 MLP with AdamW, allocation by
+        allocation, as the caching allocator sees it (fp32, batch 2)."""
+        rec, allocs, frees = self.record(mlp, mlp_batch, mlp_step, batch_size=2, steps=2)
+        seq = [e for e in rec.events]
+        sizes = [e[2] for e in seq if e[0] == "a"]
+        # parameters (W1, b1, W2, b2), then the batch (x fp32, y int64)
+        self.assertEqual(sizes[:6], [16 * 32 * 4, 32 * 4, 32 * 4 * 4, 4 * 4, 2 * 16 * 4, 2 * 8])
+        # forward: addmm (2x32), cuBLAS's workspace at the first matmul, relu (2x32)
+        self.assertEqual(sizes[6:9], [2 * 32 * 4, WORKSPACE, 2 * 32 * 4])
+        # the addmm's output dies at once: relu saves its own output
+        first_free = next(e for e in seq if e[0] == "f")
+        self.assertEqual(first_free[1], 6)
+        # AdamW's state: exp_avg and exp_avg_sq per parameter, never freed
+        p_sizes = sizes[:4]
+        state = [a for a in rec.allocations() if not a[2] and a[1] in p_sizes and a[0] > 8]
+        self.assertEqual(sorted(s for _, s, _ in state), sorted(p_sizes * 2))
+        # a second workspace for the backward's matmuls, then no more
+        self.assertEqual(sizes.count(WORKSPACE), 2)
+        # live at the end: parameters, moments, workspaces (gradients freed by zero_grad)
+        self.assertEqual(rec.live_bytes, 3 * sum(p_sizes) + 2 * WORKSPACE)
+
+    def test_matches_the_real_cpu_run(self):
+        """Ground truth: the same two steps run for real on the CPU under
+        torch.profiler's memory profiling (AdamW foreach, as on CUDA).
+        Apart from events of 8 bytes or less (AdamW's step counters and
+        the scalars computed from them, CPU tensors on a GPU too, and the
+        4-byte loss), the allocations and frees come in the same order
+        at the same sizes."""
+        from torch.profiler import ProfilerActivity, profile
+
+        def build():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                       torch.nn.GELU(), torch.nn.Linear(256, 10))  # fmt: skip
+
+        def batch(n):
+            return mlp_batch(n, d_in=64, d_out=10)
+
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), foreach=True)
+        data = [batch(8) for _ in range(2)]
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            for b in data:
+                loss = mlp_step(model, b)
+                loss.backward()
+                del loss
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        results = getattr(prof.profiler, "kineto_results", None)
+        if results is None or not hasattr(results, "events"):
+            self.skipTest("this torch.profiler gives no memory events")
+        mem = sorted((e for e in results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+        real = [("a", e.nbytes()) if e.nbytes() > 0 else ("f", -e.nbytes()) for e in mem]
+
+        rec = self.record_step(build, batch, mlp_step, batch_size=8, steps=2, device_profile="none")
+        sizes, ours = {}, []
+        for e in rec.events:
+            if e[0] == "a":
+                sizes[e[1]] = e[2]
+            if e[0] in "af":
+                ours.append((e[0], sizes[e[1]]))
+        x_bytes, y_bytes = 8 * 64 * 4, 8 * 8  # the batch, made before the real run's profiling
+        ours = ours[ours.index(("a", x_bytes)):]
+
+        def comparable(seq):
+            return [e for e in seq if e[1] > 8 and e[1] not in (x_bytes, y_bytes)]
+
+        self.assertEqual(comparable(real), comparable(ours))
+        self.assertGreater(len(comparable(ours)), 100)
+
+    def test_gradients_live_from_backward_to_zero_grad(self):
+        rec, allocs, frees = self.record(mlp, mlp_batch, mlp_step, batch_size=2, steps=2)
+        ev = rec.events
+        step1 = ev.index(("s", 1))
+        # zero_grad(set_to_none=True) right after the step frees the four gradients
+        after = ev[step1 + 1 : step1 + 5]
+        self.assertTrue(all(e[0] == "f" for e in after), after)
+        self.assertEqual(sorted(allocs[e[1]] for e in after), sorted([16 * 32 * 4, 32 * 4, 32 * 4 * 4, 4 * 4]))
+
+    def test_activations_double_with_the_batch(self):
+        def build():
+            return mlp(d_in=64, hidden=1000, d_out=4)
+
+        def batch(n):
+            return mlp_batch(n, d_in=64)
+
+        peaks = []
+        for n in (1, 2):
+            rec, allocs, _ = self.record(build, batch, mlp_step, batch_size=n, steps=1)
+            peaks.append(rec)
+        s1 = [e[2] for e in peaks[0].events if e[0] == "a"]
+        s2 = [e[2] for e in peaks[1].events if e[0] == "a"]
+        self.assertEqual(len(s1), len(s2))
+        hidden = 1000 * 4
+        self.assertIn(hidden, s1)
+        self.assertIn(2 * hidden, s2)
+        changed = [(a, b) for a, b in zip(s1, s2) if a != b]
+        self.assertTrue(changed)
+        for a, b in changed:  # every size that depends on the batch doubles
+            self.assertEqual(b, 2 * a, (a, b))
+
+    def test_model_built_before_the_recording(self):
+        torch.manual_seed(0)
+        built = mlp()
+        rec, allocs, _ = self.record(lambda: built, mlp_batch, mlp_step, batch_size=2, steps=1)
+        self.assertEqual([allocs[i] for i in range(4)], [2048, 128, 512, 16])
+        self.assertEqual(built[0].weight.device.type, "cpu")  # the caller's model is not moved
+        self.assertFalse(isinstance(built[0].weight, torch._subclasses.fake_tensor.FakeTensor))
+
+    def test_constructor_reading_values(self):
+        class Gated(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                big = torch.ones(300, 300)  # fake: past LAZY_NUMEL
+                self.scale = float(big.sum().item())  # a value the constructor needs
+                self.lin = torch.nn.Linear(16, 4)
+
+            def forward(self, x):
+                return self.lin(x) / self.scale
+
+        rec, allocs, _ = self.record(Gated, mlp_batch, mlp_step, batch_size=2, steps=1)
+        self.assertTrue(any("built for real on the CPU" in n for n in rec.notes), rec.notes)
+        self.assertEqual([allocs[0], allocs[1]], [16 * 4 * 4, 4 * 4])
+
+    def test_module_called_twice(self):
+        class Twice(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(16, 16)
+                self.out = torch.nn.Linear(16, 4)
+
+            def forward(self, x):
+                return self.out(torch.relu(self.lin(torch.relu(self.lin(x)))))
+
+        once, _, _ = self.record(mlp, mlp_batch, mlp_step, batch_size=4, steps=1)
+        rec, allocs, _ = self.record(Twice, mlp_batch, mlp_step, batch_size=4, steps=1)
+        # the shared weight has one gradient, accumulated: one 16x16 fp32
+        # allocation for it in the backward besides the parameter
+        params = {0, 1}
+        w_sized = [i for i, s in allocs.items() if s == 16 * 16 * 4 and i not in params]
+        self.assertGreaterEqual(len(w_sized), 3)  # gradient, two moments (and the accumulation)
+        live_w = [i for i, s, freed in rec.allocations() if s == 16 * 16 * 4 and not freed]
+        self.assertEqual(len(live_w), 3)  # weight, exp_avg, exp_avg_sq
+
+    def test_item_in_forward_is_a_placeholder_with_a_note(self):
+        def step(model, batch):
+            x, y = batch
+            out = model(x)
+            if out.abs().max().item() > 1e9:  # data-dependent: not seen
+                out = out * 0
+            return torch.nn.functional.cross_entropy(out, y)
+
+        rec, _, _ = self.record(mlp, mlp_batch, step, batch_size=2, steps=1)
+        self.assertTrue(any("placeholder" in n and "test_predict_recorder.py" in n for n in rec.notes), rec.notes)
+
+    def test_boolean_mask_is_an_upper_bound_with_a_note(self):
+        def step(model, batch):
+            x, y = batch
+            out = model(x)
+            positive = out[out > 0]  # as many elements as the mask has true ones
+            return torch.nn.functional.cross_entropy(out, y) + positive.sum() * 0
+
+        rec, allocs, _ = self.record(mlp, mlp_batch, step, batch_size=2, steps=1)
+        self.assertTrue(any("boolean mask" in n and "upper bound" in n for n in rec.notes), rec.notes)
+        self.assertIn(2 * 4 * 4, allocs.values())  # every one of the 2x4 outputs, fp32
+
+    def test_written_trace_file(self):
+        rec = self.record_step(mlp, mlp_batch, mlp_step, batch_size=2, steps=2)
+        with tempfile.TemporaryDirectory() as d:
+            path = rec.write(os.path.join(d, "t.trace"))
+            with open(path) as f:
+                text = f.read()
+        self.assertTrue(text.startswith("# gpumem-trace v1\n"))
+        self.assertIn("# batch_size 2\n", text)
+        self.assertIn("# note: device profile h200-torch2.11", text)
+        parse(text.splitlines())
+
+    def test_cuda_state_is_put_back(self):
+        self.record_step(mlp, mlp_batch, mlp_step, batch_size=1, steps=1)
+        self.assertFalse(torch.cuda.is_available())
+        from torch.optim import optimizer
+
+        self.assertNotIn(torch._subclasses.fake_tensor.FakeTensor, optimizer._foreach_supported_types)
+        m = mlp()
+        m.to(torch.float64)  # nn.Module._apply is PyTorch's again
+        self.assertEqual(m[0].weight.dtype, torch.float64)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+@unittest.skipIf(transformers is None, "needs transformers (pip install transformers)")
+class TransformersTest(unittest.TestCase):
+    def setUp(self):
+        transformers.logging.set_verbosity_error()
+
+    def _run(self, build, vocab, n, autocast=True):
+        from gpumem.predict import record_step
+
+        def batch(b):
+            ids = torch.randint(0, vocab, (b, 32))
+            return {"input_ids": ids, "labels": ids}
+
+        def step(model, b):
+            if autocast:
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    return model(**b).loss
+            return model(**b).loss
+
+        rec = record_step(build, batch, step, batch_size=n, steps=2)
+        parse(rec.lines())
+        return rec
+
+    def test_gpt2(self):
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
+
+        def build():
+            return transformers.GPT2LMHeadModel(cfg)
+
+        recs = [self._run(build, 1000, n) for n in (1, 2)]
+        n_params = sum(p.numel() for p in build().parameters())
+        for rec in recs:
+            params = sum(s for _, s, freed in rec.allocations() if not freed and s != WORKSPACE)
+            self.assertEqual(params, 3 * 4 * n_params)  # weights, exp_avg, exp_avg_sq (fp32)
+        # bf16 logits (batch x 32 x vocab) under autocast, twice as many at batch 2
+        s1 = {s for _, s, _ in recs[0].allocations()}
+        s2 = {s for _, s, _ in recs[1].allocations()}
+        self.assertIn(32 * 1000 * 2, s1)
+        self.assertIn(2 * 32 * 1000 * 2, s2)
+        # autocast's cached bf16 copy of the tied 1000x64 embedding
+        self.assertIn(1000 * 64 * 2, s1)
+        self.assertGreater(recs[1].peak_live_bytes, recs[0].peak_live_bytes)
+
+    def test_llama(self):
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=500, max_position_embeddings=64,
+        )  # fmt: skip
+
+        def build():
+            return transformers.LlamaForCausalLM(cfg)
+
+        rec = self._run(build, 500, 2)
+        model = build()
+        n_params = sum(p.numel() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # rotary inv_freq
+        live = sum(s for _, s, freed in rec.allocations() if not freed and s != WORKSPACE)
+        self.assertEqual(live, 3 * 4 * n_params + buffers)
+
+
+class ProfileTest(unittest.TestCase):
+    def test_shipped_profile(self):
+        self.assertIn("h200-torch2.11", profiles.available())
+        p = profiles.load("h200")
+        self.assertEqual(p.value("cublas_workspace_bytes"), 32 << 20)
+        self.assertEqual(p.capability, (9, 0))
+        for key, entry in p.values.items():
+            self.assertIn(entry["source"], profiles.SOURCES, key)
+            self.assertTrue(entry.get("why"), key)
+        self.assertIn("not measured yet", p.notes()[0])
+
+    def test_bad_profiles_named(self):
+        with self.assertRaisesRegex(ValueError, "no device profile 'a100'"):
+            profiles.load("a100")
+        with self.assertRaisesRegex(ValueError, "source 'guess'"):
+            profiles.Profile({"values": {"x": {"value": 1, "source": "guess"}}})
+
+    def test_device_profile_script_pure_parts(self):
+        sys.path.insert(0, os.path.join(os.path.dirname(PYTHON_DIR), "bench", "torch"))
+        import device_profile
+
+        base = profiles.load("h200").data
+        measured = {"cublas_workspace_bytes": 33554432, "cuda_context_bytes": 600 << 20}
+        out = device_profile.merge(base, measured, gpu="NVIDIA H200", capability=(9, 0), total=141 << 30,
+                                   torch_version="2.11.0+cu130")  # fmt: skip
+        self.assertEqual(out["values"]["cuda_context_bytes"], dict(base["values"]["cuda_context_bytes"],
+                                                                   value=600 << 20, source="measured"))  # fmt: skip
+        self.assertEqual(out["values"]["sdpa_backend"]["source"], "derived")  # not measured: kept
+        self.assertEqual(out["name"], "h200-torch2.11")
+        profiles.Profile(out)  # loads
+        self.assertEqual(device_profile.extra_allocations([(1, 100), (2, 200), (3, 300), (4, 50)], {2, 4}), [100, 300])
+        self.assertEqual(device_profile.profile_name("NVIDIA H200", "2.11.0+cu130"), "h200-torch2.11")
+        self.assertEqual(device_profile.profile_name("NVIDIA A100-SXM4-80GB", "2.9.1"), "a100-sxm4-80gb-torch2.9")
+        self.assertEqual(device_profile.sdpa_backend_of(["aten::_scaled_dot_product_flash_attention"]), "flash")
+        self.assertEqual(device_profile.sdpa_backend_of(["aten::bmm"]), "math")
+
+
+class CommandTest(unittest.TestCase):
+    def test_sizes(self):
+        self.assertEqual(command.parse_size("80G"), 80 << 30)
+        self.assertEqual(command.parse_size("1.5GiB"), 3 << 29)
+        self.assertEqual(command.parse_size("4096B"), 4096)
+        with self.assertRaisesRegex(ValueError, "with a unit"):
+            command.parse_size("80")
+        self.assertEqual(command.parse_sizes("1,2"), [1, 2])
+        for bad in ("1", "2,2", "0,1", "a,b"):
+            with self.assertRaises(ValueError):
+                command.parse_sizes(bad)
+
+    def test_rows_and_table(self):
+        text = "\n".join(json.dumps(r) for r in [
+            {"allocator": "pytorch", "max_batch": 40, "peak_reserved_bytes": 90 << 30},
+            {"allocator": "gpumem default", "largest_batch": 48, "peak_bytes": 70 << 30},
+        ])  # fmt: skip
+        rows = command.parse_rows(text)
+        self.assertEqual([r["max_batch"] for r in rows], [40, 48])
+        self.assertEqual(command.parse_rows(json.dumps(rows)), rows)
+        out = command.table("train.py", [1, 2], "cpu", 80 << 30, 1 << 29, "estimate", rows, ["a note"], 64)
+        self.assertIn("peak reserved at batch 64", out)
+        self.assertIn("gpumem default         48             70.000 GiB", out)
+        self.assertIn("the CUDA context takes 0.500 GiB (estimate), leaving 79.500 GiB", out)
+        self.assertIn("  - a note", out)
+
+    def test_usage_errors(self):
+        env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
+        run = [sys.executable, "-m", "gpumem.predict", "--memory", "80G"]
+        done = subprocess.run(run + [__file__, "--batch-size", "8"], env=env, stderr=subprocess.PIPE)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn(b"{B}", done.stderr)
+        done = subprocess.run(run[:-1] + ["80", __file__, "{B}"], env=env, stderr=subprocess.PIPE)
+        self.assertEqual(done.returncode, 2)
+        self.assertIn(b"with a unit", done.stderr)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_script_end_to_end_on_the_cpu(self):
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10))\n"
+            "model.to(dev)\n"
+            "opt = torch.optim.AdamW(model.parameters())\n"
+            "for step in range(1000):\n"
+            "    x = torch.randn(a.batch_size, 64).to(dev)\n"
+            "    y = torch.randint(0, 10, (a.batch_size,)).cuda()\n"
+            "    loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+            "    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)\n"
+            "    print('loss', loss.item())\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "train.py")
+            with open(path, "w") as f:
+                f.write(script)
+            out = os.path.join(d, "rec")
+            env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
+            done = subprocess.run(
+                [sys.executable, "-m", "gpumem.predict", "--memory", "80G", "--batch-sizes", "1,2", "--steps", "2",
+                 "--cpu", "--traces", out, "--batch", "64", path, "--batch-size", "{B}"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
+            )  # fmt: skip
+            err = done.stderr.decode()
+            traces = []
+            for b in (1, 2):
+                with open(os.path.join(out, "b%d" % b, "trace")) as f:
+                    traces.append(parse(f.read().splitlines()))
+                with open(os.path.join(out, "b%d" % b, "meta.json")) as f:
+                    self.assertEqual(json.load(f)["steps"], 2)
+            self.assertIn(64 * 4 * b, traces[1][0].values())  # x at batch 2
+            self.assertEqual(traces[0][2], 2)
+            self.assertTrue(any("placeholder" in n and "train.py:12" in n for n in traces[0][3]), traces[0][3])
+            binary = _cli.find()
+            if binary is None or "has no `predict` command" in err:
+                self.assertEqual(done.returncode, 1, err)
+                self.assertIn("the recordings are in", err)
+                self.skipTest("the gpumem binary has no `predict` command: the table is not checked (%s)"
+                              % (binary or "no binary"))  # fmt: skip
+            self.assertEqual(done.returncode, 0, err)
+            for name in ("pytorch", "cudaMallocAsync"):
+                self.assertIn(name, done.stdout.decode())
+
+
+if __name__ == "__main__":
+    unittest.main()
