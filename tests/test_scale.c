@@ -275,9 +275,12 @@ static void test_misaligned(void) {
   }
   free_all(rec, 2);
 
-  /* batches that do not increase, too few recordings */
+  /* batches that do not increase, too few recordings, the same run twice */
   rec[0] = job_at(&j, 2, "b2.trace");
   rec[1] = job_at(&j, 2, "b2.trace");
+  clear_error();
+  CHECK_STATUS(scale_fit((const trace_t* const*)rec, batch, 2, &m), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK_MSG(strstr(gpumem_last_error(), "no allocation's size differs"), "%s", gpumem_last_error());
   long same[] = {2, 2};
   clear_error();
   CHECK_STATUS(scale_fit((const trace_t* const*)rec, same, 2, &m), GPUMEM_ERR_INVALID_ARGUMENT);

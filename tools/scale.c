@@ -412,6 +412,18 @@ static gpumem_status_t fit_slots(scale_model_t* m) {
     }
     m->kind_count[m->slots[slot].kind]++;
   }
+  /* Runs at different batches differ in their activations at least: the
+   * same recording twice would predict that nothing grows, and every
+   * batch would fit. */
+  if (m->kind_count[SCALE_CONSTANT] == m->num_allocs) {
+    gpumem_set_last_error(
+        "no allocation's size differs between %s (batch %ld) and %s (batch %ld): the same "
+        "run twice, or a job whose memory does not follow the batch; recordings at different "
+        "batch sizes are needed",
+        m->traces[0]->path, m->batch[0], m->traces[k - 1]->path, m->batch[k - 1]);
+    st = GPUMEM_ERR_INVALID_ARGUMENT;
+    goto done;
+  }
   if (k >= 3) check_last(m, sizes, scratch);
 done:
   free(sizes);
