@@ -1565,14 +1565,15 @@ static const char* limited_by_name(scale_limit_t why) {
 static void largest_cell(const cli_t* cli, const scale_model_t* m, const scale_largest_t* l,
                          char* buf, size_t cap) {
   if (!l->batch && l->model_edge) {
-    snprintf(buf, cap, "none (%ld does not fit; below, sizes reach 0)", l->first_not_fitting);
+    snprintf(buf, cap, "none (%ld does not fit; %ld has a size <= 0)", l->first_not_fitting,
+             l->model_edge);
   } else if (!l->batch) {
     snprintf(buf, cap, "none (%ld does not fit)", l->first_not_fitting);
   } else if (l->limited_by == SCALE_BY_MAX_BATCH) {
     snprintf(buf, cap, "%ld (%s)", l->batch,
              cli->max_batch ? "--max-batch" : "every batch tried fits");
   } else if (l->limited_by == SCALE_BY_MODEL) {
-    snprintf(buf, cap, "%ld (at %ld a size reaches 0)", l->batch, l->model_edge);
+    snprintf(buf, cap, "%ld (%ld has a size <= 0)", l->batch, l->model_edge);
   } else if (l->below_recorded) {
     snprintf(buf, cap, "%ld (below %ld: extrapolated)", l->batch, m->batch[0]);
   } else {
