@@ -73,7 +73,7 @@ expect_rc 0 "predict 2,4,8"
 expect_in "the job recorded at batch 2, 4 and 8" "$out" "recordings named"
 expect_in "aligned: 34 events, 17 allocations (3 steps)" "$out" "alignment"
 expect_in "sizes in the batch: 5 constant, 9 affine, 3 quadratic" "$out" "model summary"
-expect_in "check: batch 8 predicted from the smaller recordings: 14 of 17 allocations to the byte" \
+expect_in "check: batch 8 predicted from batch 2 and 4: 14 of 17 allocations to the byte" \
   "$out" "check of the held-out recording"
 expect_in "gpumem default       yes" "$out" "table row"
 human=$out

@@ -1677,22 +1677,24 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const trace_
                      ? 100.0 * ((double)c->predicted_peak_live - (double)c->recorded_peak_live) /
                            (double)c->recorded_peak_live
                      : 0;
-    printf(
-        "check: batch %ld predicted from the smaller recordings: %zu of %zu allocations to the "
-        "byte",
-        c->batch, c->exact, c->allocations);
+    printf("check: batch %ld predicted from batch", c->batch);
+    for (size_t i = 0; i + 1 < m->num_recordings; i++)
+      printf("%s %ld", i == 0 ? "" : i + 2 == m->num_recordings ? " and" : ",", m->batch[i]);
+    printf(": %zu of %zu allocations to the byte", c->exact, c->allocations);
     size_t missed = c->allocations - c->exact - c->unpredicted;
     if (missed)
-      printf("; %zu off by at most %s", missed, gm_format_bytes(c->max_error_bytes, a, sizeof a));
-    if (c->unpredicted) printf("; %zu without a model of the others", c->unpredicted);
-    printf(";\n       peak live %.3f GiB predicted, %.3f GiB recorded (%+.2f%%)\n",
-           (double)c->predicted_peak_live / GIB, (double)c->recorded_peak_live / GIB, off);
+      printf(", %zu off by at most %s", missed, gm_format_bytes(c->max_error_bytes, a, sizeof a));
+    if (c->unpredicted) printf(", %zu without a model", c->unpredicted);
+    printf("\n       peak live %s predicted, %s recorded (%+.2f%%)\n",
+           gm_format_bytes(c->predicted_peak_live, a, sizeof a),
+           gm_format_bytes(c->recorded_peak_live, b, sizeof b), off);
   } else {
     printf("check: none (a third recording would check the model and find quadratic sizes)\n");
   }
   printf("\n");
   if (at) {
-    printf("at batch %ld: peak live %.3f GiB", cli->batch, (double)at->peak_live_bytes / GIB);
+    printf("at batch %ld: peak live %s", cli->batch,
+           gm_format_bytes(at->peak_live_bytes, a, sizeof a));
     if (info->rounded)
       printf(" (%zu sizes rounded to the nearest byte: fractional coefficients)", info->rounded);
     printf("\n");
