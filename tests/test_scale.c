@@ -275,6 +275,17 @@ static void test_misaligned(void) {
   }
   free_all(rec, 2);
 
+  /* as many steps, one recording stopped in the middle of a fourth */
+  rec[0] = job_at(&j, 2, "b2.trace");
+  rec[1] = job_at(&longer, 4, "b4.trace");
+  rec[1]->num_steps = 3;
+  rec[1]->num_events = rec[1]->step_end[2] + 4;
+  m = NULL;
+  CHECK_STATUS(scale_fit((const trace_t* const*)rec, batch, 2, &m), GPUMEM_OK);
+  if (m) CHECK(m->steps_used == 3 && m->truncated && m->num_events == rec[0]->num_events);
+  scale_free(m);
+  free_all(rec, 2);
+
   /* batches that do not increase, too few recordings, the same run twice */
   rec[0] = job_at(&j, 2, "b2.trace");
   rec[1] = job_at(&j, 2, "b2.trace");

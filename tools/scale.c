@@ -244,18 +244,23 @@ static const char alignment_hint[] =
     "the recordings must be the same job making the same requests in the same order, only "
     "their sizes changing with the batch";
 
-/* Event counts to align: whole traces, or the steps they have in common. */
+/* Event counts to align: whole traces when they are as long as each other
+ * (or some have no step markers), else the whole steps they have in common:
+ * recordings stopped after different numbers of steps, or in the middle of
+ * one, still describe the same steps. */
 static void choose_events(scale_model_t* m, size_t* use) {
   size_t n = m->num_recordings, fewest = SIZE_MAX, most = 0;
+  int same_length = 1;
   for (size_t i = 0; i < n; i++) {
     size_t steps = m->traces[i]->num_steps;
     if (steps < fewest) fewest = steps;
     if (steps > most) most = steps;
     use[i] = m->traces[i]->num_events;
+    if (use[i] != use[0]) same_length = 0;
   }
   if (fewest == 0) return; /* a recording without step markers: as wholes */
   m->steps_used = fewest;
-  if (fewest == most) return;
+  if (fewest == most && same_length) return;
   for (size_t i = 0; i < n; i++) {
     const trace_t* t = m->traces[i];
     use[i] = t->step_end[fewest - 1];
