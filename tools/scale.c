@@ -72,24 +72,24 @@ static int eval_exact(const scale_slot_t* s, long b, i128* out) {
   return 1;
 }
 
-static long double eval_approx(const scale_slot_t* s, long b) {
-  long double x = (long double)b;
-  return (((long double)s->p[2] * x + (long double)s->p[1]) * x + (long double)s->p[0]) /
-         (long double)s->den;
+static double eval_approx(const scale_slot_t* s, long b) {
+  double x = (double)b;
+  return (((double)s->p[2] * x + (double)s->p[1]) * x + (double)s->p[0]) / (double)s->den;
 }
 
 /* The size the model gives at b: SCALE_AT_OK with *bytes rounded to the
  * nearest byte (*rounded set when that changed it), or why there is none.
  * *approx is the size as a real number, for messages. */
 static scale_at_status_t size_at(const scale_slot_t* s, long b, uint64_t* bytes, int* rounded,
-                                 long double* approx) {
+                                 double* approx) {
   *rounded = 0;
-  *approx = eval_approx(s, b);
   i128 p;
   if (!eval_exact(s, b, &p)) {
     /* past 2^127 / den: far outside any device, one way or the other */
+    *approx = eval_approx(s, b);
     return *approx < 1 ? SCALE_AT_BELOW_ONE : SCALE_AT_TOO_LARGE;
   }
+  *approx = (double)p / (double)s->den;
   if (p < 0) return SCALE_AT_BELOW_ONE;
   i128 q = p / s->den, rem = p % s->den;
   if (rem >= s->den - rem) q++; /* to the nearest byte, halves up */
@@ -368,7 +368,7 @@ static void check_last(scale_model_t* m, uint64_t* sizes, uint64_t* predicted) {
     scale_slot_t s;
     uint64_t got = 0;
     int rounded;
-    long double approx;
+    double approx;
     predicted[slot] = sizes[n];
     if (!fit_points(m->batch, sizes, n, &s) ||
         size_at(&s, m->batch[n], &got, &rounded, &approx) != SCALE_AT_OK) {
@@ -525,7 +525,7 @@ gpumem_status_t scale_trace_at(const scale_model_t* m, long batch, trace_t** out
     slot_sizes_text(m, slot, text, sizeof text);
     describe(&m->slots[slot], formula, sizeof formula);
     gpumem_set_last_error(
-        "at batch %ld the allocation at %s would request %.0Lf bytes (%s from %s, %s in the "
+        "at batch %ld the allocation at %s would request %.0f bytes (%s from %s, %s in the "
         "batch b): %s",
         batch, lines, info->bytes, formula, text, scale_kind_name(m->slots[slot].kind),
         why == SCALE_AT_BELOW_ONE

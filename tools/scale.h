@@ -85,9 +85,9 @@ typedef enum scale_at_status {
 
 typedef struct scale_at {
   scale_at_status_t status;
-  size_t rounded;    /* allocations whose size was rounded to a whole byte */
-  size_t slot;       /* for a status other than OK: the allocation */
-  long double bytes; /* and the size it would request */
+  size_t rounded; /* allocations whose size was rounded to a whole byte */
+  size_t slot;    /* for a status other than OK: the allocation */
+  double bytes;   /* and the size it would request */
 } scale_at_t;
 
 /* The trace at batch (1 to SCALE_MAX_BATCH): the events of the smallest
