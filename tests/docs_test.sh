@@ -3,7 +3,8 @@
 # program prints now: runs the commands the docs show (make demo's replay
 # --compare of the bundled traces, with the min limit; reclaim:pressure;
 # the fit example of docs/whatif.md; make synth's workloads) and hands
-# their output to tests/docs_check.py, which finds each quoted figure.
+# their output to tests/docs_check.py, which finds each quoted figure; the
+# example of docs/predict.md is checked here, line for line.
 # GPU figures are measured elsewhere and named with their script and date;
 # they are not checked here.
 # usage: bash tests/docs_test.sh SOURCE_DIR GPUMEM_BIN [BENCH_SYNTH]
@@ -37,6 +38,24 @@ grep -q -- '--no-print-directory' "$SRC/Makefile" || die "the Makefile prints ma
 "$BIN" replay --passes 0 --json --conf reclaim:pressure "$SRC"/traces/*.trace.gz >"$T/pressure.jsonl" ||
   die "gpumem replay --conf reclaim:pressure failed"
 "$BIN" fit --memory 13.5G "$SRC/traces/gpt2_train.trace.gz" >"$T/fit.txt" || die "gpumem fit failed"
+# docs/predict.md's example, line for line: the job of tests/predict_job.sh
+# recorded at 2, 4 and 8, predicted at 64 and in 1G.
+for b in 2 4 8; do
+  bash "$SRC/tests/predict_job.sh" $b >"$T/job_b$b.trace" || die "tests/predict_job.sh failed"
+done
+"$BIN" predict --sizes 2,4,8 "$T/job_b2.trace" "$T/job_b4.trace" "$T/job_b8.trace" --batch 64 \
+  --memory 1G >"$T/predict.txt" || die "gpumem predict failed"
+# the indented lines after "checks these lines against it):", up to the next paragraph
+awk '/checks these lines against it\):/ { on = 1; next }
+     on && /^    / { print substr($0, 5); next }
+     on && NF { exit }' "$SRC/docs/predict.md" >"$T/predict_example.txt"
+[ -s "$T/predict_example.txt" ] || die "docs/predict.md has no example marked 'checks these lines against it):'"
+sed 's/[[:space:]]*$//' "$T/predict.txt" >"$T/predict_out.txt"
+while IFS= read -r line; do
+  [ -z "$line" ] && continue
+  grep -Fxq -- "$line" "$T/predict_out.txt" ||
+    die "docs/predict.md: example line not in the program's output: $line"
+done <"$T/predict_example.txt"
 set -- "$SRC" "$T/compare.jsonl" "$T/pressure.jsonl" "$T/fit.txt"
 if [ -n "$SYNTH" ]; then
   mkdir "$T/synth" && "$SYNTH" "$T/synth" >/dev/null || die "bench_synth failed"

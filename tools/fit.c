@@ -41,16 +41,42 @@ gpumem_status_t fit_parse_memory(const char* text, size_t* out) {
   return GPUMEM_OK;
 }
 
-static gpumem_status_t fit_model(const trace_t* t, const fit_row_t* row, size_t memory,
-                                 double tolerance, fit_result_t* out) {
-  peer_result_t r;
-  gpumem_status_t st = peer_run(t, row->peer, 0, 0, &r);
-  if (st != GPUMEM_OK) return st;
-  out->peak_reserved = r.peak_reserved_bytes;
-  st = peer_min_limit(t, row->peer, tolerance, 0, &out->needed);
-  if (st != GPUMEM_OK || !memory) return st;
-  st = peer_run(t, row->peer, memory, 0, &r);
-  out->fits = st == GPUMEM_OK && !r.oom;
+/* The row's replay settings over base: its policy and conf, no limit, one
+ * cold pass. */
+static replay_config_t row_config(const fit_row_t* row, const replay_config_t* base) {
+  replay_config_t c = *base;
+  c.policy = row->policy;
+  c.policy_set = 1;
+  c.conf = row->conf;
+  c.warm_passes = 0;
+  c.limit_bytes = 0;
+  c.limit_ratio = 0;
+  return c;
+}
+
+/* replay_result_t holds every pass's timings: too large for the stack */
+static replay_result_t* new_result(void) {
+  replay_result_t* r = malloc(sizeof *r);
+  if (!r) gpumem_set_last_error("out of host memory");
+  return r;
+}
+
+gpumem_status_t fit_fits(const trace_t* t, const fit_row_t* row, size_t memory,
+                         const replay_config_t* base, int* fits) {
+  *fits = 0;
+  if (row->peer != PEER_NONE) {
+    peer_result_t pr;
+    gpumem_status_t st = peer_run(t, row->peer, memory, 0, &pr);
+    *fits = st == GPUMEM_OK && !pr.oom;
+    return st;
+  }
+  replay_result_t* r = new_result();
+  if (!r) return GPUMEM_ERR_HOST_MEMORY;
+  replay_config_t c = row_config(row, base);
+  c.limit_bytes = memory;
+  gpumem_status_t st = replay_trace(t, &c, r);
+  *fits = st == GPUMEM_OK && !r->oom;
+  free(r);
   return st;
 }
 
@@ -59,33 +85,27 @@ gpumem_status_t fit_one(const trace_t* t, const fit_row_t* row, size_t memory,
   out->fits = 0;
   out->peak_reserved = 0;
   out->needed = 0;
-  if (row->peer != PEER_NONE) return fit_model(t, row, memory, base->min_limit_tolerance, out);
-  /* replay_result_t holds every pass's timings: too large for the stack */
-  replay_result_t* r = malloc(sizeof *r);
-  if (!r) {
-    gpumem_set_last_error("out of host memory");
-    return GPUMEM_ERR_HOST_MEMORY;
-  }
-  replay_config_t c = *base;
-  c.policy = row->policy;
-  c.policy_set = 1;
-  c.conf = row->conf;
-  c.warm_passes = 0;
-  c.limit_bytes = 0;
-  c.limit_ratio = 0;
-  gpumem_status_t st = replay_trace(t, &c, r);
-  if (st == GPUMEM_OK) st = replay_min_limit(t, &c, r);
-  if (st == GPUMEM_OK) {
-    out->peak_reserved = r->peak_reserved_bytes;
-    out->needed = r->min_limit_found ? r->min_limit_bytes : 0;
-  }
-  if (st == GPUMEM_OK && memory) {
-    c.limit_bytes = memory;
+  gpumem_status_t st;
+  if (row->peer != PEER_NONE) {
+    peer_result_t pr;
+    st = peer_run(t, row->peer, 0, 0, &pr);
+    if (st != GPUMEM_OK) return st;
+    out->peak_reserved = pr.peak_reserved_bytes;
+    st = peer_min_limit(t, row->peer, base->min_limit_tolerance, 0, &out->needed);
+  } else {
+    replay_result_t* r = new_result();
+    if (!r) return GPUMEM_ERR_HOST_MEMORY;
+    replay_config_t c = row_config(row, base);
     st = replay_trace(t, &c, r);
-    out->fits = st == GPUMEM_OK && !r->oom;
+    if (st == GPUMEM_OK) st = replay_min_limit(t, &c, r);
+    if (st == GPUMEM_OK) {
+      out->peak_reserved = r->peak_reserved_bytes;
+      out->needed = r->min_limit_found ? r->min_limit_bytes : 0;
+    }
+    free(r);
   }
-  free(r);
-  return st;
+  if (st != GPUMEM_OK || !memory) return st;
+  return fit_fits(t, row, memory, base, &out->fits);
 }
 
 void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, size_t cap) {

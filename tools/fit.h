@@ -45,6 +45,13 @@ gpumem_status_t fit_parse_memory(const char* text, size_t* out);
 gpumem_status_t fit_one(const trace_t* t, const fit_row_t* row, size_t memory,
                         const replay_config_t* base, fit_result_t* out);
 
+/* Whether trace t replays under a hard limit of memory (above 0) with the
+ * row's allocator: one cold pass, without the peak and the bisection of
+ * fit_one, for searches that ask this many times (gpumem predict's largest
+ * batch). On failure the status, with gpumem_last_error() set. */
+gpumem_status_t fit_fits(const trace_t* t, const fit_row_t* row, size_t memory,
+                         const replay_config_t* base, int* fits);
+
 /* The table's two figures as text, "5.660 GiB (1.003x)" (x: over peak
  * live), or "-" for a smallest limit not found. */
 void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, size_t cap);

@@ -207,6 +207,7 @@ typedef struct parser {
   trace_t* t;
   size_t events_cap;
   size_t slots_cap;
+  size_t steps_cap;
   uint8_t* slot_live;
   u64map_t ids;     /* trace ID -> latest slot */
   u64map_t streams; /* distinct streams (value unused) */
@@ -402,6 +403,32 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
   return GPUMEM_OK;
 }
 
+/* Whether a line is the recorder's step marker, "# step N" (src/record.c),
+ * with any blanks around its words. Other comments are just comments. */
+static int is_step_marker(const char* s, size_t len) {
+  size_t i = 0;
+  while (i < len && (s[i] == ' ' || s[i] == '\t')) i++;
+  if (i >= len || s[i++] != '#') return 0;
+  while (i < len && (s[i] == ' ' || s[i] == '\t')) i++;
+  if (len - i < 4 || memcmp(s + i, "step", 4) != 0) return 0;
+  i += 4;
+  size_t blanks = i;
+  while (i < len && (s[i] == ' ' || s[i] == '\t')) i++;
+  size_t digits = i;
+  while (i < len && s[i] >= '0' && s[i] <= '9') i++;
+  if (blanks == digits || digits == i) return 0;
+  while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\r')) i++;
+  return i == len;
+}
+
+static gpumem_status_t add_step(parser_t* p) {
+  trace_t* t = p->t;
+  if (grow((void**)&t->step_end, &p->steps_cap, t->num_steps + 1, sizeof *t->step_end) != 0)
+    return no_memory(p);
+  t->step_end[t->num_steps++] = t->num_events;
+  return GPUMEM_OK;
+}
+
 /* "dir/gpt2_train.trace.gz" -> "gpt2_train". */
 static char* trace_name(const char* path) {
   const char* base = strrchr(path, '/');
@@ -451,6 +478,8 @@ gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trac
 
     token_t tok[5];
     size_t n = split_line(line, line_len, tok, 4);
+    if (n == 0 && is_step_marker(line, line_len)) st = add_step(&p);
+    if (st != GPUMEM_OK) goto done;
     if (n == 0) continue; /* blank or comment */
     st = parse_event(&p, tok, n);
     if (st != GPUMEM_OK) goto done;
@@ -582,6 +611,7 @@ void trace_free(trace_t* t) {
   free(t->events);
   free(t->slot_trace_id);
   free(t->slot_event);
+  free(t->step_end);
   free(t);
 }
 
@@ -601,7 +631,7 @@ const char* trace_op_name(int op) {
 /* ---- a longer run of the same loop ------------------------------------- */
 
 static gpumem_status_t repeat_no_memory(const trace_t* t) {
-  gpumem_set_last_error("%s: out of host memory extending the trace", t->path);
+  gpumem_set_last_error("%s: out of host memory writing a copy of the trace", t->path);
   return GPUMEM_ERR_HOST_MEMORY;
 }
 
@@ -798,4 +828,29 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
   *out = ext;
   if (period_out) *period_out = period;
   return GPUMEM_OK;
+}
+
+gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_t* slot_size,
+                              const char* path, trace_t** out) {
+  *out = NULL;
+  if (num_events > t->num_events) num_events = t->num_events;
+  size_t cap = 0, len = 0, step = 0;
+  char* buf = NULL;
+  int ok = emit(&buf, &len, &cap, "# %s with its allocations resized\n", t->path);
+  for (size_t i = 0; i < num_events && ok; i++) {
+    for (; step < t->num_steps && t->step_end[step] == i && ok; step++)
+      ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
+    trace_event_t e = t->events[i];
+    e.size = slot_size[e.id];
+    if (ok) ok = emit_event(&buf, &len, &cap, &e, e.id);
+  }
+  for (; step < t->num_steps && t->step_end[step] == num_events && ok; step++)
+    ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
+  if (!ok) {
+    free(buf);
+    return repeat_no_memory(t);
+  }
+  gpumem_status_t st = trace_parse(path, buf, len, out);
+  free(buf);
+  return st;
 }

@@ -55,6 +55,12 @@ typedef struct trace {
   size_t steady_from_event;
   size_t steady_period;
   int steady_reps;
+  /* The `# step N` comment lines (traces/README.md: the recorder writes one
+   * after each optimizer step), in file order: step_end[k] is the number
+   * of events before the (k+1)th marker, so step k is the events from
+   * step_end[k-1] (0 for the first) to step_end[k]. 0 steps: no markers. */
+  size_t* step_end;
+  size_t num_steps;
   /* Read from a PyTorch memory snapshot pickle (snapshot.h): which device,
    * how many allocations were made up for as lost (GPUMEM_SNAPSHOT_PARTIAL),
    * and the peak reserved memory its segment events show the recording
@@ -105,6 +111,15 @@ void trace_free(trace_t* trace);
  * one). IDs become slot numbers. GPUMEM_ERR_INVALID_ARGUMENT when the trace
  * ends in no such period (t5_varlen_prefetch: every step differs). */
 gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, size_t* period);
+
+/* The first num_events events of t (all of them at t->num_events) with
+ * every allocation's size replaced by slot_size[its slot], as a trace of
+ * their own, read back by the one parser so that every fact and check is
+ * the usual one: IDs become slot numbers, the step markers up to there are
+ * kept, and path names it in messages. slot_size holds an entry for every
+ * slot. A size above TRACE_MAX_SIZE is refused by the parser as in a file. */
+gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_t* slot_size,
+                              const char* path, trace_t** out);
 
 /* "alloc", "free", "record_stream". */
 const char* trace_op_name(int op);

@@ -1,0 +1,253 @@
+#!/bin/bash
+# End-to-end tests of `gpumem predict` on traces written here: a small job
+# (tests/predict_job.sh) recorded at a few batch sizes is predicted at
+# another, and every figure must be the one `gpumem fit` gives for the job's
+# own trace at that batch; the largest batch found to fit must fit, and the
+# next must not. Then bad input (one trace, sizes that do not increase, a
+# count that does not match, a missing file, recordings that differ, sizes
+# that reach 0), and the bundled GPT-2 trace beside copies of itself whose
+# large allocations were scaled by a script.
+# usage: GPUMEM_BIN=build/gpumem bash tests/predict_test.sh SOURCE_DIR
+set -u
+
+SRC=${1:-.}
+BIN=${GPUMEM_BIN:-$SRC/build/gpumem}
+JOB="bash $SRC/tests/predict_job.sh"
+PASS=0
+FAIL=0
+T=$(mktemp -d "${TMPDIR:-/tmp}/gpumem_predict.XXXXXX")
+trap 'rm -rf "$T"' EXIT
+
+ok() { PASS=$((PASS + 1)); }
+bad() {
+  FAIL=$((FAIL + 1))
+  echo "FAIL: $*" >&2
+}
+# run CMD...: runs it with stdin closed; sets rc, out, err.
+run() {
+  "$@" </dev/null >"$T/out" 2>"$T/err"
+  rc=$?
+  out=$(cat "$T/out")
+  err=$(cat "$T/err")
+}
+expect_rc() { # WANT WHAT
+  if [ "$rc" -eq "$1" ]; then ok; else bad "$2: exit $rc, want $1; stderr: $err"; fi
+}
+expect_in() { # NEEDLE HAYSTACK WHAT
+  case "$2" in
+    *"$1"*) ok ;;
+    *) bad "$3: '$1' not in: $2" ;;
+  esac
+}
+expect_eq() { # WANT GOT WHAT
+  if [ "$1" = "$2" ]; then ok; else bad "$3: got '$2', want '$1'"; fi
+}
+# numbers KEY: every number KEY has in $out, one a line.
+numbers() { printf '%s\n' "$out" | grep -o "\"$1\":[0-9]*" | sed 's/.*://'; }
+# row_field ALLOCATOR KEY: KEY's value in the JSON object of ALLOCATOR in $out.
+row_field() {
+  printf '%s\n' "$out" | sed 's/},{/}\n{/g' | grep "\"allocator\":\"$1\"" |
+    sed -n "s/.*\"$2\":\([a-z0-9_\"]*\).*/\1/p" | head -1
+}
+
+if [ ! -x "$BIN" ]; then
+  echo "predict_test: no gpumem binary at $BIN (set GPUMEM_BIN)" >&2
+  echo "0 passed, 1 failed"
+  exit 1
+fi
+
+for b in 2 4 8 64; do $JOB $b >"$T/j$b.trace"; done
+
+# ---- help ----
+
+run "$BIN" predict --help
+expect_rc 0 "predict --help"
+expect_in "usage: gpumem predict --sizes" "$out" "predict --help"
+run "$BIN" --help
+expect_in "predict   a job's memory at another batch size" "$out" "gpumem --help lists predict"
+
+# ---- three recordings, predicted at 64 against the job's own trace there ----
+
+run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" "$T/j8.trace" --batch 64 --memory 1G
+expect_rc 0 "predict 2,4,8"
+expect_in "the job recorded at batch 2, 4 and 8" "$out" "recordings named"
+expect_in "aligned: 34 events, 17 allocations (3 steps)" "$out" "alignment"
+expect_in "sizes in the batch: 5 constant, 9 affine, 3 quadratic" "$out" "model summary"
+expect_in "check: batch 8 predicted from batch 2 and 4: 14 of 17 allocations to the byte" \
+  "$out" "check of the held-out recording"
+expect_in "gpumem default       yes" "$out" "table row"
+human=$out
+
+run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" "$T/j8.trace" --batch 64 --memory 1G --json
+expect_rc 0 "predict --json"
+expect_eq 1 "$(printf '%s\n' "$out" | wc -l | tr -d ' ')" "--json: one line"
+expect_in '"model":{"constant":5,"affine":9,"quadratic":3}' "$out" "--json model"
+expect_in '"check":{"batch":8,"allocations":17,"exact":14,"unpredicted":0' "$out" "--json check"
+expect_in '"batch":64,' "$out" "--json batch"
+expect_in '"memory_bytes":1073741824' "$out" "--json memory"
+predicted=$out
+run "$BIN" fit --memory 1G --json "$T/j64.trace"
+expect_rc 0 "fit of the job at 64"
+truth=$out
+out=$predicted
+expect_in "\"peak_live_bytes\":$(printf '%s\n' "$truth" | head -1 | sed 's/.*"peak_live_bytes":\([0-9]*\).*/\1/')," \
+  "$predicted" "peak live at 64 as the job's own"
+got_peaks=$(numbers peak_reserved_bytes | tr '\n' ' ')
+got_needed=$(numbers needed_bytes | tr '\n' ' ')
+out=$truth
+expect_eq "$(numbers peak_reserved_bytes | tr '\n' ' ')" "$got_peaks" "peak reserved at 64, every allocator"
+expect_eq "$(numbers needed_bytes | tr '\n' ' ')" "$got_needed" "memory needed at 64, every allocator"
+
+# the largest batch in 1G: it fits, the next does not (the job's own traces)
+out=$predicted
+for row in "pytorch" "cudaMallocAsync" "gpumem default"; do
+  out=$predicted
+  largest=$(row_field "$row" largest_batch)
+  expect_eq memory "$(row_field "$row" largest_batch_limited_by | tr -d '"')" "$row: limited by memory"
+  if [ -z "$largest" ] || [ "$largest" -lt 64 ]; then
+    bad "$row: largest batch '$largest'"
+    continue
+  fi
+  $JOB "$largest" >"$T/at.trace"
+  $JOB $((largest + 1)) >"$T/next.trace"
+  run "$BIN" fit --memory 1G --json "$T/at.trace"
+  expect_eq true "$(row_field "$row" fits)" "$row: batch $largest fits its own trace"
+  run "$BIN" fit --memory 1G --json "$T/next.trace"
+  expect_eq false "$(row_field "$row" fits)" "$row: batch $((largest + 1)) does not"
+done
+
+# the table says the same as the JSON
+out=$predicted
+expect_in "$(row_field "gpumem default" largest_batch)" "$(printf '%s\n' "$human" | grep '^gpumem default')" \
+  "table's largest batch"
+
+# two recordings, a cap, a memory the smallest recording does not fit
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --memory 1G --max-batch 20
+expect_rc 0 "predict --max-batch"
+expect_in "check: none (a third recording would check the model" "$out" "no check from two"
+expect_in "pytorch              20 (--max-batch)" "$out" "capped"
+run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" "$T/j8.trace" --memory 32M
+expect_rc 0 "predict in less than the weights"
+expect_in "gpumem default       none (1 does not fit)" "$out" "nothing fits"
+# from two recordings the scores are a line, below 1 byte at batch 1: no answer below 2
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --memory 32M
+expect_rc 0 "predict in less than the weights, two recordings"
+expect_in "gpumem default       none (2 does not fit; 1 has a size <= 0)" "$out" \
+  "nothing fits where the model holds"
+
+# recordings with different numbers of steps: the steps in common
+$JOB 4 5 >"$T/j4x5.trace"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4x5.trace" --batch 8
+expect_rc 0 "predict over different step counts"
+expect_in "(the first 3 steps of each recording: the steps they have in common)" "$out" "steps said"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4x5.trace" --batch 8 --json
+expect_in '"steps_used":3,"truncated":true' "$out" "--json steps"
+
+# fractional coefficients: rounded, and said so
+$JOB 3 >"$T/j3.trace"
+run "$BIN" predict --sizes 2,3,4 "$T/j2.trace" "$T/j3.trace" "$T/j4.trace" --batch 7 --json
+expect_rc 0 "predict 2,3,4"
+expect_in '"rounded_sizes":0' "$out" "integer coefficients: nothing rounded"
+
+# ---- bad input ----
+
+run "$BIN" predict --sizes 2 "$T/j2.trace" --batch 4
+expect_rc 2 "one trace"
+expect_in "1 trace given: the model needs the job recorded at two batch sizes" "$err" "one trace"
+run "$BIN" predict --sizes 4,2 "$T/j2.trace" "$T/j4.trace" --batch 4
+expect_rc 1 "sizes not increasing"
+expect_in "bad --sizes '4,2': 4 then 2: the sizes must increase" "$err" "sizes not increasing"
+run "$BIN" predict --sizes 2,2 "$T/j2.trace" "$T/j2.trace" --batch 4
+expect_rc 1 "equal sizes"
+run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" --batch 4
+expect_rc 2 "wrong count"
+expect_in "--sizes gives 3 batch sizes for 2 traces" "$err" "wrong count"
+run "$BIN" predict --sizes 2,x "$T/j2.trace" "$T/j4.trace" --batch 4
+expect_rc 1 "bad size"
+expect_in "'x' is not a batch size" "$err" "bad size"
+run "$BIN" predict "$T/j2.trace" "$T/j4.trace" --batch 4
+expect_rc 2 "no --sizes"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/nope.trace" --batch 4
+expect_rc 1 "missing file"
+expect_in "nope.trace: cannot open" "$err" "missing file named"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace"
+expect_rc 2 "neither --batch nor --memory"
+expect_in "give --batch N" "$err" "neither --batch nor --memory"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --batch 4 --max-batch 8
+expect_rc 2 "--max-batch without --memory"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --batch 0
+expect_rc 2 "--batch 0"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --memory 80
+expect_rc 1 "--memory without a unit"
+expect_in "did you mean 80G?" "$err" "--memory without a unit"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --batch 4 --policy pytorch
+expect_rc 2 "an option predict does not take"
+expect_in "unknown option '--policy'" "$err" "an option predict does not take"
+run env GPUMEM_CONF=bogus:1 "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --batch 4
+expect_rc 1 "bad GPUMEM_CONF"
+run env GPUMEM_CONF=policy:pytorch "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/j4.trace" --batch 4
+expect_rc 0 "GPUMEM_CONF set"
+expect_in "GPUMEM_CONF is not applied" "$err" "GPUMEM_CONF noted"
+
+# recordings that differ: the first differing event, its line in each file
+sed 's/^f 11$/f 10/; t; s/^f 10$/f 11/' "$T/j4.trace" >"$T/swapped.trace"
+run "$BIN" predict --sizes 2,4 "$T/j2.trace" "$T/swapped.trace" --batch 8
+expect_rc 1 "misaligned"
+expect_in "the recordings differ at event 11: $T/j2.trace (batch 2) has line 12: free of the allocation of line 5; $T/swapped.trace (batch 4) has line 12: free of the allocation of line 4" \
+  "$err" "misaligned: first differing event named"
+# without step markers, a recording cut short is named where it ends (with them,
+# the steps in common are used, as above)
+grep -v '^# step' "$T/j2.trace" >"$T/nosteps.trace"
+grep -v '^# step' "$T/j4.trace" | head -n 20 >"$T/short.trace"
+run "$BIN" predict --sizes 2,4 "$T/nosteps.trace" "$T/short.trace" --batch 8
+expect_rc 1 "a recording cut short"
+expect_in "short.trace ends there" "$err" "a recording cut short"
+
+# sizes that reach 0: refused at the batch asked, a limit of the search
+for b in 2 4 8; do $JOB $b 3 shrink >"$T/s$b.trace"; done
+run "$BIN" predict --sizes 2,4,8 "$T/s2.trace" "$T/s4.trace" "$T/s8.trace" --batch 1
+expect_rc 1 "a size below 1 byte"
+expect_in "at batch 1 the allocation at $T/s2.trace line 10, $T/s4.trace line 10, $T/s8.trace line 10 would request -50 bytes (100*b - 150 from 50 at batch 2" \
+  "$err" "a size below 1 byte named"
+run "$BIN" predict --sizes 2,4,8 "$T/s2.trace" "$T/s4.trace" "$T/s8.trace" --memory 32M --json
+expect_rc 0 "search below where the model holds"
+expect_in '"largest_batch":0,' "$out" "nothing fits"
+expect_in '"model_edge":1' "$out" "the model's edge"
+
+# ---- the bundled GPT-2 trace (batch 8) and copies scaled by a script ----
+
+zcat "$SRC/traces/gpt2_train.trace.gz" >"$T/g8.trace"
+run "$BIN" predict --sizes 8,8 "$T/g8.trace" "$T/g8.trace" --batch 16
+expect_rc 1 "a real trace with itself at one size"
+expect_in "the sizes must increase" "$err" "a real trace with itself at one size"
+run "$BIN" predict --sizes 8,16 "$T/g8.trace" "$T/g8.trace" --batch 16
+expect_rc 1 "a real trace with itself as another size"
+expect_in "no allocation's size differs between" "$err" "a real trace with itself as another size"
+# the allocations of 1 MiB or more stand for the activations: k times the batch, k times the bytes
+for k in 2 3; do
+  awk -v k=$k '$1 == "a" && $3 >= 1048576 { $3 = sprintf("%.0f", $3 * k) } { print }' "$T/g8.trace" \
+    >"$T/g$((8 * k)).trace"
+done
+run "$BIN" predict --sizes 8,16 "$T/g8.trace" "$T/g16.trace" --batch 24 --json
+expect_rc 0 "gpt2 predicted at 24"
+expect_in '"events":23375,"allocations":11911' "$out" "gpt2 aligned whole"
+predicted=$out
+run "$BIN" fit --memory 80G --json "$T/g24.trace"
+expect_rc 0 "fit of gpt2 scaled 3x"
+truth=$out
+expect_in "\"peak_live_bytes\":$(printf '%s\n' "$truth" | head -1 | sed 's/.*"peak_live_bytes":\([0-9]*\).*/\1/')," \
+  "$predicted" "gpt2: peak live at 24 as the scaled copy's"
+out=$predicted
+got_peaks=$(numbers peak_reserved_bytes | tr '\n' ' ')
+out=$truth
+expect_eq "$(numbers peak_reserved_bytes | tr '\n' ' ')" "$got_peaks" "gpt2: peak reserved at 24, every allocator"
+# a copy with one free moved: named by line
+awk 'NR == 1000 && $1 == "f" { held = $0; next } { print } NR == 1001 && held != "" { print held }' \
+  "$T/g16.trace" >"$T/g16moved.trace"
+run "$BIN" predict --sizes 8,16 "$T/g8.trace" "$T/g16moved.trace" --batch 24
+expect_rc 1 "gpt2 with a free moved"
+expect_in "the recordings differ at event" "$err" "gpt2 with a free moved"
+expect_in "g8.trace (batch 8) has line 1000" "$err" "gpt2: the line named"
+
+echo "$PASS passed, $FAIL failed"
+[ "$FAIL" -eq 0 ]
