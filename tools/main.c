@@ -1770,6 +1770,7 @@ static int cmd_predict(int argc, char** argv) {
     free(cli.traces);
     return rc;
   }
+  for (int i = 0; i < cli.num_traces; i++) scale_canonical_frees(traces[i]);
   if (cli_env_conf())
     fprintf(stderr,
             "gpumem: note: GPUMEM_CONF is not applied: predict runs each allocator at its own "

@@ -268,6 +268,21 @@ static void choose_events(scale_model_t* m, size_t* use) {
   }
 }
 
+static int by_freed_slot(const void* a, const void* b) {
+  uint32_t x = ((const trace_event_t*)a)->id, y = ((const trace_event_t*)b)->id;
+  return x < y ? -1 : x > y;
+}
+
+void scale_canonical_frees(trace_t* trace) {
+  size_t i = 0;
+  while (i < trace->num_events) {
+    size_t j = i;
+    while (j < trace->num_events && trace->events[j].op == TRACE_FREE) j++;
+    if (j - i > 1) qsort(trace->events + i, j - i, sizeof *trace->events, by_freed_slot);
+    i = j > i ? j : i + 1;
+  }
+}
+
 /* Compares recording k with the first, event by event. */
 static gpumem_status_t align_one(const scale_model_t* m, size_t k, const size_t* use) {
   const trace_t* a = m->traces[0];

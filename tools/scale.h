@@ -66,6 +66,14 @@ typedef struct scale_model {
   scale_slot_t* slots; /* num_allocs of them */
 } scale_model_t;
 
+/* Puts each run of frees made together (consecutive, no allocation or
+ * record_stream between them) in the order of the allocations they free.
+ * Their order changes nothing an allocator decides (blocks merge the same
+ * way whatever the order; the next choice comes at the next allocation),
+ * but a recorder may see them in another order at another batch (a
+ * framework releasing a graph's saved tensors, Python's collector). */
+void scale_canonical_frees(trace_t* trace);
+
 /* Aligns traces[0..n) recorded at batch[0..n) (at least 2, increasing, each
  * 1 to SCALE_MAX_RECORDED_BATCH) and fits every allocation's size. On
  * failure GPUMEM_ERR_INVALID_ARGUMENT with gpumem_last_error() saying why:

@@ -362,7 +362,8 @@ class ProfileTest(unittest.TestCase):
         sys.path.insert(0, os.path.join(os.path.dirname(PYTHON_DIR), "bench", "torch"))
         import device_profile
 
-        base = profiles.load("h200").data
+        base = json.loads(json.dumps(profiles.load("h200").data))
+        base["values"]["sdpa_backend"]["source"] = "derived"  # (as a profile not yet measured has it)
         measured = {"cublas_workspace_bytes": 33554432, "cuda_context_bytes": 600 << 20}
         out = device_profile.merge(base, measured, gpu="NVIDIA H200", capability=(9, 0), total=141 << 30,
                                    torch_version="2.11.0+cu130")  # fmt: skip
@@ -391,13 +392,15 @@ class CommandTest(unittest.TestCase):
                 command.parse_sizes(bad)
 
     def test_rows_and_table(self):
-        text = "\n".join(json.dumps(r) for r in [
-            {"allocator": "pytorch", "max_batch": 40, "peak_reserved_bytes": 90 << 30},
-            {"allocator": "gpumem default", "largest_batch": 48, "peak_bytes": 70 << 30},
-        ])  # fmt: skip
+        # (the shape of `gpumem predict --json`, docs/predict.md)
+        text = json.dumps({"batch": 64, "allocators": [
+            {"allocator": "pytorch", "largest_batch": 40, "peak_reserved_bytes": 90 << 30},
+            {"allocator": "gpumem default", "largest_batch": 48, "peak_reserved_bytes": 70 << 30},
+        ]})  # fmt: skip
         rows = command.parse_rows(text)
         self.assertEqual([r["max_batch"] for r in rows], [40, 48])
-        self.assertEqual(command.parse_rows(json.dumps(rows)), rows)
+        with self.assertRaisesRegex(ValueError, "no 'allocators' list"):
+            command.parse_rows(json.dumps([{"allocator": "pytorch"}]))
         out = command.table("train.py", [1, 2], "cpu", 80 << 30, 1 << 29, "estimate", rows, ["a note"], 64)
         self.assertIn("peak reserved at batch 64", out)
         self.assertIn("gpumem default         48             70.000 GiB", out)

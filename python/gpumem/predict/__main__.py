@@ -142,20 +142,20 @@ def run_predict(sizes, paths, memory, batch=None, binary=None):
 
 
 def parse_rows(text):
-    """`gpumem predict --json` output (one object a line, or one array) ->
-    [{'allocator', 'max_batch', 'peak_reserved_bytes', ...}]."""
+    """`gpumem predict --json` output (one object, docs/predict.md) ->
+    its `allocators` rows, each with `allocator`, `largest_batch` (as
+    `max_batch` too) and `peak_reserved_bytes`."""
     text = text.strip()
     if not text:
         return []
-    if text.startswith("["):
-        rows = json.loads(text)
-    else:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    doc = json.loads(text)
+    rows = doc.get("allocators") if isinstance(doc, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError("gpumem predict --json gave no 'allocators' list")
     out = []
     for r in rows:
         row = dict(r)
-        row.setdefault("max_batch", r.get("largest_batch", r.get("max_batch_fits")))
-        row.setdefault("peak_reserved_bytes", r.get("peak_bytes", r.get("peak_reserved")))
+        row["max_batch"] = r.get("largest_batch")
         out.append(row)
     return out
 
