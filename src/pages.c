@@ -960,10 +960,12 @@ static gpumem_status_t provide_pages(gpumem_t* gm, gm_segment* seg, size_t need,
   bool reclaim_first = past_mark(gm, missing, size);
   bool needed = (gm->limit && room_after(gm, missing) > gm->limit) ||
                 (gm->budget && !gm_budget_has_room(gm, (uint64_t)missing * ps));
-  if (!needed && reclaim_first && gm->opts.fences) {
+  if (!needed && reclaim_first && gm->opts.fences && gm->opts.move_budget_us >= 0) {
     /* Before growing past the mark, whole free pages the device is known
      * done with come back (fence.c): no wait, and the growth that follows
-     * creates only what they did not cover. */
+     * creates only what they did not cover. (Where moves are paid for
+     * whatever they cost, move_budget:unlimited, pages move as they did:
+     * through ghosts, which come back without a call.) */
     gpumem_status_t st = gm_fence_reuse(gm, missing);
     if (st != GPUMEM_OK) return st;
     if (gm->num_spare_pages >= need) return GPUMEM_OK;

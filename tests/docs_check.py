@@ -125,11 +125,17 @@ if m:
     expect(W, m.group(3), max(hold_reserved), "hold's reserved (highest)")
     expect(W, m.group(4), min(hold_us), "hold's first-pass us/op (lowest)")
     expect(W, m.group(5), max(hold_us), "hold's first-pass us/op (highest)")
+m = find(W, readme, r"than PyTorch spends in cudaMalloc growth, on every bundled trace but (\w+)")
 for name in bundled:
     checked += 1
     d, p = compare[(name, "default")], compare[(name, "pytorch")]
-    if not d["est_h100_map_us_per_op_cold"] < p["est_h100_map_us_per_op_cold"]:
-        fail(W, f"says the default's first pass costs less than PyTorch's growth on every bundled trace; not on {name}")
+    cheaper = d["est_h100_map_us_per_op_cold"] < p["est_h100_map_us_per_op_cold"]
+    if m and name == m.group(1):
+        if cheaper:
+            fail(W, f"says the default's first pass costs more than PyTorch's growth on {name}; it costs less")
+    elif not cheaper:
+        fail(W, f"says the default's first pass costs less than PyTorch's growth on every bundled trace but "
+                f"{m.group(1) if m else '?'}; not on {name}")
 for where, text, pattern in ((W, readme, r"to within ([\d.]+)% \(`make demo`\)"),
                              ("docs/whatif.md", read("docs/whatif.md"), r"its rules exactly; ([\d.]+)% of the H200's peaks"),
                              ("BENCHMARKS.md", read("BENCHMARKS.md"), r"on an H200 \(next section\) to within ([\d.]+)% on every trace")):
@@ -265,7 +271,8 @@ if SYNTH:
     synth = rows(SYNTH)
     names = sorted({name for name, _ in synth})
     for n in names:
-        found = table_rows(bench, n)
+        # (the synthetic workloads' own table: seven columns; other tables name them too)
+        found = [cells for cells in table_rows(bench, n) if len(cells) == 7]
         if not found:
             fail("BENCHMARKS.md", f"has no row for {n}")
             continue

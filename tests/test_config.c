@@ -160,6 +160,13 @@ static void test_publish(void) {
   parse_fails("publsh:on", "unknown key \"publsh\"", "did you mean \"publish\"", NULL);
 }
 
+static void test_fences(void) {
+  CHECK(parse_ok("").fences == 1);
+  CHECK(parse_ok("fences:off").fences == 0);
+  CHECK(parse_ok("fences:on").fences == 1);
+  parse_fails("fences:maybe", "bad value \"maybe\" for key \"fences\"", "on, off", NULL);
+}
+
 static void test_move_guard(void) {
   CHECK(parse_ok("move_guard:off").move_guard == 0);
   CHECK(parse_ok("move_guard:on").move_guard == 1);
@@ -397,6 +404,7 @@ int main(void) {
   test_reclaim();
   test_placement();
   test_move_guard();
+  test_fences();
   test_stream_waits();
   test_publish();
   test_limit();

@@ -1,0 +1,64 @@
+"""Peak reserved memory of gpumem's default beside PyTorch's allocators, on
+traces replayed on the simulated device: the pytorch policy (PyTorch's
+caching allocator rule for rule), the models of expandable segments and
+cudaMallocAsync (docs/whatif.md), and the default's priced mapping work.
+
+    python3 bench/memory_vs_peers.py [--gpumem build/gpumem] TRACE...
+
+One row per trace: peak reserved / peak live under each, the default's
+distance to the better peer model (negative: below it), the smallest limit
+the default replays under, the first pass's priced mapping work per
+operation and that of its second half (a long job's steady state), and the
+synchronizations the replay made. The last line counts the traces where
+the default reserves more than the pytorch policy or a peer model.
+"""
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+
+
+def run_json(cmd):
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit("%s: %s" % (" ".join(cmd), done.stderr.strip()))
+    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def one(gpumem, trace):
+    rows = {r["allocator"]: r for r in run_json([gpumem, "fit", "--memory", "1000G", "--json", trace])}
+    replay = run_json([gpumem, "replay", "--json", "--passes", "0", trace])[0]
+    return trace, rows, replay
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gpumem", default=os.path.join("build", "gpumem"))
+    ap.add_argument("traces", nargs="+")
+    args = ap.parse_args()
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        results = list(ex.map(lambda t: one(args.gpumem, t), args.traces))
+    print("| trace | pytorch | expandable | cudaMallocAsync | default | vs better peer | min limit "
+          "| us/op 1st pass | 2nd half | syncs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    more = 0
+    for trace, rows, rep in results:
+        live = rep["peak_live_bytes"]
+        ratio = {k: rows[k]["peak_reserved_bytes"] / live for k in rows}
+        p, e, a = ratio["pytorch"], ratio["pytorch expandable"], ratio["cudaMallocAsync"]
+        d = rep["peak_reserved_bytes"] / live
+        over = d > p or d > min(e, a)
+        more += over
+        print("| %s | %.4f | %.4f | %.4f | %.4f%s | %+.4f | %.4f | %.3f | %.3f | %d |" % (
+            rep["name"], p, e, a, d, " (more)" if over else "", d - min(e, a),
+            rows["gpumem default"]["needed_bytes"] / live, rep["est_h100_map_us_per_op_cold"],
+            rep["est_h100_map_us_per_op_cold_second_half"], rep["num_syncs"]))
+    print("\nthe default reserves more than the pytorch policy or a peer model on %d of %d traces"
+          % (more, len(results)))
+
+
+if __name__ == "__main__":
+    main()
