@@ -401,6 +401,12 @@ class CommandTest(unittest.TestCase):
         self.assertEqual([r["max_batch"] for r in rows], [40, 48])
         with self.assertRaisesRegex(ValueError, "no 'allocators' list"):
             command.parse_rows(json.dumps([{"allocator": "pytorch"}]))
+        self.assertIsNone(command.check_line(text))  # two recordings: no check
+        checked = json.dumps({"allocators": [], "check": {"batch": 8, "allocations": 10, "exact": 9,
+                                                          "recorded_peak_live_bytes": 2 << 30,
+                                                          "predicted_peak_live_bytes": 2 << 30}})  # fmt: skip
+        self.assertEqual(command.check_line(checked), "check: batch 8 predicted from the smaller ones: 9 of 10 "
+                         "allocations to the byte; peak live 2.000 GiB predicted, 2.000 GiB recorded")
         out = command.table("train.py", [1, 2], "cpu", 80 << 30, 1 << 29, "estimate", rows, ["a note"], 64)
         self.assertIn("peak reserved at batch 64", out)
         self.assertIn("gpumem default         48             70.000 GiB", out)

@@ -121,7 +121,8 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
 
 
 def run_predict(sizes, paths, memory, batch=None, binary=None):
-    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed."""
+    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed, and
+    what its check of the largest recording said (check_line)."""
     binary = binary or _cli.find()
     if binary is None:
         raise PredictError(
@@ -138,7 +139,8 @@ def run_predict(sizes, paths, memory, batch=None, binary=None):
         if "unknown command" in err:
             raise PredictError("%s has no `predict` command (an older build: run `make build`)" % binary)
         raise PredictError("`gpumem predict` failed (exit status %d): %s" % (done.returncode, err))
-    return parse_rows(done.stdout.decode("utf-8", "replace"))
+    text = done.stdout.decode("utf-8", "replace")
+    return parse_rows(text), check_line(text)
 
 
 def parse_rows(text):
@@ -160,11 +162,25 @@ def parse_rows(text):
     return out
 
 
+def check_line(text):
+    """With three recordings or more, the largest is predicted from the
+    others (docs/predict.md): one line saying how well, or None."""
+    c = json.loads(text).get("check") if text.strip() else None
+    if not c:
+        return None
+    line = "check: batch %s predicted from the smaller ones: %s of %s allocations to the byte" % (
+        c.get("batch"), c.get("exact"), c.get("allocations"))
+    rec, pred = c.get("recorded_peak_live_bytes"), c.get("predicted_peak_live_bytes")
+    if rec and pred is not None:
+        line += "; peak live %s predicted, %s recorded" % (_gib(pred), _gib(rec))
+    return line
+
+
 def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
 
 
-def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None):
+def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None, check=None):
     """The command's report, as text."""
     where = "on the GPU" if mode == "gpu" else "on fake CUDA tensors (no GPU used)"
     lines = [
@@ -175,6 +191,8 @@ def table(script, sizes, mode, memory, context, context_source, rows, notes, bat
         "%-22s %-14s %s" % ("allocator", "largest batch", "peak reserved at batch %s" % batch if batch else "peak reserved"),
         "-" * 64,
     ]
+    if check:
+        lines[2:2] = [check]
     for r in rows:
         mb = r.get("max_batch")
         lines.append("%-22s %-14s %s" % (r.get("allocator", "?"), "-" if mb is None else mb,
@@ -221,12 +239,12 @@ def main(argv=None):
         if context >= memory:
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
         try:
-            rows = run_predict(sizes, [m["path"] for m in metas], memory - context, a.batch)
+            rows, check = run_predict(sizes, [m["path"] for m in metas], memory - context, a.batch)
         except PredictError as e:
             keep = True
             raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
         sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows, notes,
-                               a.batch))  # fmt: skip
+                               a.batch, check))  # fmt: skip
         if keep:
             sys.stdout.write("recordings: %s\n" % root)
         return 0
