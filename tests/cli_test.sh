@@ -8,37 +8,12 @@ set -u
 
 SRC=${1:-.}
 BIN=${GPUMEM_BIN:-$SRC/build/gpumem}
-PASS=0
-FAIL=0
-T=$(mktemp -d "${TMPDIR:-/tmp}/gpumem_cli.XXXXXX")
-trap 'rm -rf "$T"' EXIT
-
-ok() { PASS=$((PASS + 1)); }
-bad() {
-  FAIL=$((FAIL + 1))
-  echo "FAIL: $*" >&2
-}
-
-# run CMD...: runs it with stdin closed; sets rc, out, err.
-run() {
-  "$@" </dev/null >"$T/out" 2>"$T/err"
-  rc=$?
-  out=$(cat "$T/out")
-  err=$(cat "$T/err")
-}
-expect_rc() { # WANT WHAT
-  if [ "$rc" -eq "$1" ]; then ok; else bad "$2: exit $rc, want $1; stderr: $err"; fi
-}
+T_PREFIX=gpumem_cli
+. "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 expect_true() { # WHAT TEST-COMMAND...
   local what=$1
   shift
   if "$@"; then ok; else bad "$what"; fi
-}
-expect_in() { # NEEDLE HAYSTACK WHAT
-  case "$2" in
-    *"$1"*) ok ;;
-    *) bad "$3: '$1' not in: $2" ;;
-  esac
 }
 expect_not_in() { # NEEDLE HAYSTACK WHAT
   case "$2" in

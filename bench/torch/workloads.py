@@ -88,6 +88,16 @@ def is_oom(torch, exc):
 # ---- the workloads: build() returns (state, step); step(state, i) trains once
 
 
+def optimizer_step(state, loss):
+    """The end of a training step: backward, the optimizer's step, the
+    gradients dropped (set_to_none, as PyTorch does by default)."""
+    loss.backward()
+    state["opt"].step()
+    state["opt"].zero_grad(set_to_none=True)
+    return loss
+
+
+
 def gpt2_train(torch, args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -103,10 +113,7 @@ def gpt2_train(torch, args):
         ids = torch.randint(0, cfg.vocab_size, (8, 1024), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -128,10 +135,7 @@ def resnet50_train(torch, args):
         y = torch.randint(0, 1000, (128,), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = lossf(model(x), y)
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -163,10 +167,7 @@ def llama_ckpt_train(torch, args):
         ids = torch.randint(0, cfg.vocab_size, (4, 2048), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -226,10 +227,7 @@ def t5_varlen_prefetch(torch, args):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(**batch).loss
         del batch
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -354,10 +352,7 @@ def convnext_timm(torch, args):
         y = torch.randint(0, 1000, (64,), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = lossf(model(x), y)
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -366,14 +361,23 @@ def convnext_timm(torch, args):
 # (bench/torch/record_jobs.py): third-party code as users call it.
 
 
+def random_prompts(torch, vocab_size, seed, batch_range, length_range):
+    """A request's prompts on the GPU: batch and length drawn from the
+    ranges (inclusive) by a generator seeded with seed, token IDs from 1."""
+    import random
+
+    rnd = random.Random(seed)
+    b, s = rnd.randint(*batch_range), rnd.randint(*length_range)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, vocab_size, (b, s), generator=gen).to("cuda")
+
+
 def gpt2_generate(torch, args):
     """GPT-2 large (774M) loaded as fp32 on the GPU and converted there to
     bf16 (the job's live peak comes early, while both copies exist), then
     generate() requests: per request batch 4-8 and prompt length 32-256,
     greedy, 256 new tokens; the cache grows by concatenation token by token
     (DynamicCache)."""
-    import random
-
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -389,10 +393,7 @@ def gpt2_generate(torch, args):
         return {}
 
     def step(state, i):
-        rnd = random.Random(3_000_017 * i)
-        b, s = rnd.randint(4, 8), rnd.randint(32, 256)
-        gen = torch.Generator().manual_seed(3_000_017 * i)
-        ids = torch.randint(1, cfg.vocab_size, (b, s), generator=gen).to("cuda")
+        ids = random_prompts(torch, cfg.vocab_size, 3_000_017 * i, (4, 8), (32, 256))
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
@@ -405,8 +406,6 @@ def gpt2_beam_serve(torch, args):
     """Beam search serving: GPT-2 medium (355M) in bf16, built on the host
     and moved; per request batch 1-8 and prompt length 16-256, 4 beams, 64
     new tokens (the cache is reordered by beam at every token)."""
-    import random
-
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -419,10 +418,7 @@ def gpt2_beam_serve(torch, args):
         return {}
 
     def step(state, i):
-        rnd = random.Random(4_000_037 * i)
-        b, s = rnd.randint(1, 8), rnd.randint(16, 256)
-        gen = torch.Generator().manual_seed(4_000_037 * i)
-        ids = torch.randint(1, cfg.vocab_size, (b, s), generator=gen).to("cuda")
+        ids = random_prompts(torch, cfg.vocab_size, 4_000_037 * i, (1, 8), (16, 256))
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=64,
                                  min_new_tokens=64, num_beams=4, do_sample=False, pad_token_id=0,
@@ -455,10 +451,7 @@ def bert_varlen_train(torch, args):
         labels = torch.randint(0, 4, (32,), generator=gen).to("cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -492,10 +485,7 @@ def lora_peft_ckpt(torch, args):
         ids = torch.randint(1, cfg.vocab_size, (4, s), generator=gen).to("cuda")
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -524,10 +514,7 @@ def graphsage_varlen(torch, args):
         edges = torch.randint(0, n, (2, 10 * n), generator=gen).to("cuda")
         y = torch.randint(0, 16, (n,), generator=gen).to("cuda")
         loss = lossf(model(x, edges), y)
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
@@ -555,10 +542,7 @@ def resnet_multiscale(torch, args):
         y = torch.randint(0, 1000, (32,), device="cuda", generator=gen)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = lossf(model(x), y)
-        loss.backward()
-        state["opt"].step()
-        state["opt"].zero_grad(set_to_none=True)
-        return loss
+        return optimizer_step(state, loss)
 
     return model, make_state, step
 
