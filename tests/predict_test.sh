@@ -230,5 +230,16 @@ expect_rc 1 "gpt2 with a free moved"
 expect_in "the recordings differ at event" "$err" "gpt2 with a free moved"
 expect_in "g8.trace (batch 8) has line 1000" "$err" "gpt2: the line named"
 
+# A job recorded by gpumem.predict's CPU recorder (bench/torch/predict_example.py, a 4-layer
+# GPT-2 with AdamW under bf16 autocast, at batch 2, 4 and 8): its frees made together come in
+# another order at each batch, and batch 8 is predicted from 2 and 4 to the byte.
+R="$SRC/tests/predict"
+run "$BIN" predict --sizes 2,4,8 "$R/gpt2_small_b2.trace.gz" "$R/gpt2_small_b4.trace.gz" \
+  "$R/gpt2_small_b8.trace.gz" --batch 64 --memory 80G --json
+expect_rc 0 "the CPU recorder's GPT-2"
+expect_in '"events":3794,"allocations":1898' "$out" "the CPU recorder's GPT-2: aligned whole"
+expect_in '"allocations":1898,"exact":1898,"unpredicted":0,"max_error_bytes":0' "$out" \
+  "the CPU recorder's GPT-2: batch 8 from 2 and 4, every allocation to the byte"
+
 echo "$PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]
