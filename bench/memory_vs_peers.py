@@ -5,12 +5,13 @@ cudaMallocAsync (docs/whatif.md), and the default's priced mapping work.
 
     python3 bench/memory_vs_peers.py [--gpumem build/gpumem] TRACE...
 
-One row per trace: peak reserved / peak live under each, the default's
-distance to the better peer model (negative: below it), the smallest limit
-the default replays under, the first pass's priced mapping work per
-operation and that of its second half (a long job's steady state), and the
-synchronizations the replay made. The last line counts the traces where
-the default reserves more than the pytorch policy or a peer model.
+One row per trace (a markdown table, as BENCHMARKS.md quotes it): peak
+reserved / peak live under each, the default's distance to the better peer
+model (negative: below it), the smallest limit the default replays under,
+and the first pass's priced mapping work per operation and that of its
+second half (a long job's steady state). The last line counts the traces
+where the default reserves more than the pytorch policy or a peer model,
+and the synchronizations the replays made.
 """
 
 import argparse
@@ -42,22 +43,21 @@ def main():
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
         results = list(ex.map(lambda t: one(args.gpumem, t), args.traces))
     print("| trace | pytorch | expandable | cudaMallocAsync | default | vs better peer | min limit "
-          "| us/op 1st pass | 2nd half | syncs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    more = 0
+          "| us/op 1st pass | 2nd half |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    more = syncs = 0
     for trace, rows, rep in results:
         live = rep["peak_live_bytes"]
         ratio = {k: rows[k]["peak_reserved_bytes"] / live for k in rows}
         p, e, a = ratio["pytorch"], ratio["pytorch expandable"], ratio["cudaMallocAsync"]
         d = rep["peak_reserved_bytes"] / live
-        over = d > p or d > min(e, a)
-        more += over
-        print("| %s | %.4f | %.4f | %.4f | %.4f%s | %+.4f | %.4f | %.3f | %.3f | %d |" % (
-            rep["name"], p, e, a, d, " (more)" if over else "", d - min(e, a),
-            rows["gpumem default"]["needed_bytes"] / live, rep["est_h100_map_us_per_op_cold"],
-            rep["est_h100_map_us_per_op_cold_second_half"], rep["num_syncs"]))
-    print("\nthe default reserves more than the pytorch policy or a peer model on %d of %d traces"
-          % (more, len(results)))
+        more += d > p or d > min(e, a)
+        syncs += rep["num_syncs"]
+        print("| %s | %.4f | %.4f | %.4f | %.4f | %+.4f | %.4f | %.3f | %.3f |" % (
+            rep["name"], p, e, a, d, d - min(e, a), rows["gpumem default"]["needed_bytes"] / live,
+            rep["est_h100_map_us_per_op_cold"], rep["est_h100_map_us_per_op_cold_second_half"]))
+    print("\nthe default reserves more than the pytorch policy or a peer model on %d of %d traces; "
+          "the replays synchronized streams %d times" % (more, len(results), syncs))
 
 
 if __name__ == "__main__":
