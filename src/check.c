@@ -74,6 +74,18 @@ static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
   }
   free(inner);
   free(want);
+  /* fence marks (fence.c): a page marked at a fence and one a completed
+   * fence made safe are two states, and a block placed over a page clears
+   * both, so no page in use carries one */
+  for (size_t p = 0; seg->fence_pend && p < seg->num_pages; p++) {
+    uint64_t bit = 1ull << (p % 64);
+    bool pend = seg->fence_pend[p / 64] & bit, safe = seg->fence_safe[p / 64] & bit;
+    if ((pend && safe) || ((pend || safe) && gm_page_busy(seg, p))) {
+      violation(c, "arena 0x%lx page %zu: fence marks pending %d, safe %d, on a page %s", at, p,
+                (int)pend, (int)safe, gm_page_busy(seg, p) ? "in use" : "free");
+      break;
+    }
+  }
   for (size_t p = 0; p < seg->num_pages; p++) {
     bool live = gm_arena_page_mapped(seg, p);
     bool single =

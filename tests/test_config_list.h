@@ -17,7 +17,10 @@ typedef struct config {
   /* 1: the library's own defaults for everything but the policy (large
    * mappings while uncapped, the move budget, auto placement); 0: every
    * page move the setting allows, whatever it costs (no move budget, the
-   * headroom of 0.2%), so that the tests reach every path that moves. */
+   * headroom of 0.2%), so that the tests reach every path that moves;
+   * 2: the library's defaults with map_pages per mapping and the headroom
+   * of 0.2%, so that arenas pass the mark often and fences (fence.c) take
+   * pages back. */
   int library_defaults;
 } config_t;
 
@@ -26,6 +29,13 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
+  if (cfg->library_defaults == 2) {
+    o.headroom = 0.002;
+    o.reclaim = cfg->reclaim;
+    o.placement = cfg->placement;
+    o.map_max_bytes = cfg->map_pages * page_size;
+    return o;
+  }
   if (cfg->library_defaults) return o;
   o.move_budget_us = -1.0;
   o.headroom = 0.002;

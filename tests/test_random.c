@@ -77,6 +77,10 @@ static const config_t configs[] = {
     /* Several pages per mapping (until a limit or refusal): reclaimed only whole. */
     {"default/pressure/map8", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_PRESSURE,
      GPUMEM_PLACEMENT_BESTFIT, 8, 0},
+    /* Fences: runs of 8 pages and the default's budgets, arenas growing
+     * past a mark 0.2% above the high water; no limit until the limit
+     * phase. */
+    {"default/fenced", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 8, 2},
     /* What a user gets: large mappings uncapped, the move budget, and a
      * planner from the limit phase's set_limit on (auto placement). */
     {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
