@@ -358,7 +358,7 @@ def convnext_timm(torch, args):
 
 
 # ---- serving and variable-shape jobs recorded for the memory comparison
-# (bench/torch/record_jobs.py): third-party code as users call it.
+# (bench/torch/record_jobs.py): third-party code as users write it.
 
 
 def random_prompts(torch, vocab_size, seed, batch_range, length_range):
