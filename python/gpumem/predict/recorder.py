@@ -40,6 +40,9 @@ __all__ = ["Recording", "RecorderError", "record_step", "recording", "LAZY_NUMEL
 
 # CPU tensors made by factory functions with more elements than this are fake.
 LAZY_NUMEL = 1 << 16
+# A call site reading placeholders more often than this is a loop that waits
+# for a value on the GPU (a stop condition): an error, not a hang.
+PLACEHOLDER_READS_MAX = 5000
 
 
 class RecorderError(RuntimeError):
@@ -61,8 +64,9 @@ class Recording:
     order; notes: what the recorder could not see or had to assume, one
     line each (carried into the trace as '# note:' comments)."""
 
-    def __init__(self, batch_size=None, profile=None, workload="job"):
+    def __init__(self, batch_size=None, profile=None, workload="job", source=None):
         self.events = []
+        self.source = source  # the '# source' line's text; None: the CPU recorder
         self.notes = []
         self.batch_size = batch_size
         self.profile = profile
@@ -74,6 +78,8 @@ class Recording:
         self.peak_live_bytes = 0
         self.closed = False  # what dies after the session is not a free of the job's
         self._lock = threading.Lock()
+        self._patches = []  # (object, attribute, value before) set while recording
+        self._generate_patched = False
 
     # -- building -------------------------------------------------------
     def alloc(self, size, stream=0):
@@ -103,6 +109,19 @@ class Recording:
         if text not in self.notes:
             self.notes.append(text)
 
+    def patch(self, obj, attr, value):
+        """Sets obj.attr for the rest of the recording (put back at its end)."""
+        self._patches.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+        setattr(obj, attr, value)
+
+    def unpatch(self):
+        while self._patches:
+            obj, attr, old = self._patches.pop()
+            if old is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+
     # -- reading --------------------------------------------------------
     @property
     def live_bytes(self):
@@ -118,8 +137,8 @@ class Recording:
         head = [
             "# gpumem-trace v1",
             "# workload %s" % self.workload,
-            "# source gpumem.predict CPU recorder (fake CUDA tensors), torch %s, device profile %s"
-            % (_torch().__version__, self.profile.name if self.profile else "none"),
+            "# source %s" % (self.source or "gpumem.predict CPU recorder (fake CUDA tensors), torch %s, device profile %s"
+                             % (_torch().__version__, self.profile.name if self.profile else "none")),
         ]
         if self.batch_size is not None:
             head.append("# batch_size %d" % self.batch_size)
@@ -256,6 +275,44 @@ def _user_frame():
     return "?"
 
 
+def _generate_loop_by_length(recording):
+    """transformers' generate() decodes until every sequence has stopped,
+    a condition it reads from the GPU (unfinished_sequences.max() == 0),
+    which on fake tensors is a placeholder that never says stop. Once
+    transformers' generation module is loaded, the loop is made to stop
+    where its length criterion (max_length, max_new_tokens) says so, as it
+    does when no sequence ends early: the longest generation, whose memory
+    is the most. Patched on the first placeholder read, which comes inside
+    the loop; the first length check before it is not needed (the length
+    is not reached after one token unless max_new_tokens is 1)."""
+    gen = sys.modules.get("transformers.generation.utils")
+    crit = sys.modules.get("transformers.generation.stopping_criteria")
+    if gen is None or crit is None or recording._generate_patched:
+        return
+    mixin, max_length = getattr(gen, "GenerationMixin", None), getattr(crit, "MaxLengthCriteria", None)
+    if mixin is None or max_length is None or not hasattr(mixin, "_has_unfinished_sequences"):
+        return
+    recording._generate_patched = True
+    state = {"done": False}
+    length_call = max_length.__call__
+
+    def length_criterion(self, input_ids, scores=None, **kwargs):
+        state["done"] = input_ids.shape[-1] >= self.max_length
+        return length_call(self, input_ids, scores, **kwargs)
+
+    def has_unfinished(self, this_peer_finished, synced_gpus=False, device=None, *a, **k):
+        done, state["done"] = state["done"], False  # the next generate() starts unfinished
+        return not done
+
+    recording.patch(max_length, "__call__", length_criterion)
+    recording.patch(mixin, "_has_unfinished_sequences", has_unfinished)
+    recording.note(
+        "generate() ran every sequence to its length limit (max_length, max_new_tokens): when a sequence "
+        "ends early (EOS, stop strings) cannot be read from fake tensors, and the longest generation takes "
+        "the most memory"
+    )
+
+
 def _tracker(recording, fake_mode, profile):
     torch = _torch()
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
@@ -333,6 +390,8 @@ def _tracker(recording, fake_mode, profile):
             n *= int(d)
         return n > LAZY_NUMEL
 
+    reads = {}  # call site -> values read there as placeholders
+
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -352,9 +411,17 @@ def _tracker(recording, fake_mode, profile):
             if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
                 if args[0].constant is not None:
                     return args[0].constant.item()
+                site = _user_frame()
+                reads[site] = reads.get(site, 0) + 1
+                if reads[site] > PLACEHOLDER_READS_MAX:
+                    raise RecorderError(
+                        "%s read a value of a fake tensor %d times: a loop that runs until a value on the GPU "
+                        "says stop never ends on placeholders" % (site, PLACEHOLDER_READS_MAX)
+                    )
+                _generate_loop_by_length(recording)
                 recording.note(
                     "a value read from a fake tensor (.item(), bool(), int()) at %s is a placeholder "
-                    "(0): what depends on it was not seen" % _user_frame()
+                    "(0): what depends on it was not seen" % site
                 )
                 return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
             if func is aten.nonzero.default and isinstance(args[0], FakeTensor):
@@ -414,13 +481,38 @@ def _tracker(recording, fake_mode, profile):
     return Tracker()
 
 
-_engine = types.SimpleNamespace(depth=0)  # the backward's worker threads see it too
+# depth: backward calls under way; autocast: per CUDA autocast context
+# entered and not left, whether it enables autocast (the backward's worker
+# threads see both)
+_engine = types.SimpleNamespace(depth=0, autocast=[])
 
 
 def _in_engine():
     """In autograd's backward, outside a recomputation under autocast
-    (activation checkpointing), whose casts need CUDA tensors to look so."""
-    return _engine.depth > 0 and not _torch().is_autocast_enabled("cuda")
+    (activation checkpointing), whose casts need CUDA tensors to look so.
+    The autocast context is counted by its own entry and exit:
+    torch.is_autocast_enabled("cuda") reads False inside autocast's own
+    kernel, which is where the cast asks a tensor for its device."""
+    return _engine.depth > 0 and not (_engine.autocast and _engine.autocast[-1])
+
+
+def _autocast_patches(torch):
+    """torch.autocast's __enter__ and __exit__, counting CUDA contexts."""
+    cls = torch.amp.autocast_mode.autocast
+    enter, leave = cls.__enter__, cls.__exit__
+
+    def counted_enter(self):
+        out = enter(self)
+        if getattr(self, "device", None) == "cuda":
+            _engine.autocast.append(bool(getattr(self, "_enabled", True)))
+        return out
+
+    def counted_exit(self, *exc):
+        if getattr(self, "device", None) == "cuda" and _engine.autocast:
+            _engine.autocast.pop()
+        return leave(self, *exc)
+
+    return {(cls, "__enter__"): counted_enter, (cls, "__exit__"): counted_exit}
 
 
 def _engine_wrapper(run):
@@ -512,7 +604,14 @@ def _cuda_patches(torch, recording, profile):
         (c, "stream"): lambda s=None: contextlib.nullcontext(),
         (torch.nn.Module, "_apply"): _module_apply,
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
+        **_autocast_patches(torch),
     }
+    # A CUDA build of PyTorch with no GPU visible: FakeTensorMode makes the
+    # device's context before the first fake CUDA tensor, which needs a GPU.
+    from torch._subclasses import fake_tensor
+
+    if hasattr(fake_tensor, "init_gpu_context"):
+        patches[(fake_tensor, "init_gpu_context")] = noop
     return {k: v for k, v in patches.items() if hasattr(k[0], k[1]) or k[1] in ("is_initialized",)}
 
 
@@ -624,6 +723,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
                 yield rec
     finally:
         rec.closed = True
+        rec.unpatch()
         handle.remove()
         if added:
             native.remove(FakeTensor)
