@@ -5,16 +5,20 @@ per batch size:
 
 MODE cpu: the script runs on fake CUDA tensors under the recorder
 (recorder.py) and OUT_DIR/trace gets the trace. MODE gpu: the script runs
-on the GPU with PyTorch's own allocation history on, and OUT_DIR/snapshot.pickle
-gets a memory snapshot. Either way the script is stopped (SystemExit from
+on the GPU with PyTorch's own allocation history on, and OUT_DIR/trace gets
+its events as a trace with the same step markers. Either way the script is stopped (SystemExit from
 the optimizer step hook) once STEPS optimizer steps are done, and
-OUT_DIR/meta.json says how many steps ran, what could not be seen
+OUT_DIR/meta.json says how many steps ran, whether the script ended by
+itself (an inference script takes no optimizer step), what could not be seen
 (notes) and the memory the CUDA context takes outside the allocator."""
 
 import json
 import os
 import runpy
 import sys
+
+
+MAX_ENTRIES = 20_000_000  # PyTorch's history ring: events of a few steps of a large job
 
 
 class _Enough(SystemExit):
@@ -43,28 +47,57 @@ def run_cpu(out_dir, steps, profile, script, args):
 
     name = os.path.splitext(os.path.basename(script))[0]
     with recording(None, profile, workload=name, step_hook=stop) as rec:
-        _run_script(script, args)
+        stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
     source = rec.profile.source("cuda_context_bytes") if rec.profile else None
-    return {"steps": rec.steps, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
+    return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
             "context_bytes": context, "context_source": source or "none", "file": "trace"}
+
+
+def history_to_recording(entries, step_ends, workload, source):
+    """PyTorch's allocation history (a snapshot's device_traces[0]) as a
+    Recording: each alloc an allocation, each free_requested its free (the
+    program's free; the allocator's own stream-ordered completion is what
+    a replay models), a step marker after the entry at each index of
+    step_ends. Frees of blocks allocated before the history began are
+    left out."""
+    from .recorder import Recording
+
+    rec = Recording(workload=workload, source=source)
+    ids = {}
+    marks = sorted(step_ends)
+    for k, e in enumerate(entries):
+        while marks and k >= marks[0]:
+            marks.pop(0)
+            rec.step()
+        if e.get("action") == "alloc":
+            ids[e["addr"]] = rec.alloc(e["size"], e.get("stream", 0))
+        elif e.get("action") == "free_requested" and e["addr"] in ids:
+            rec.free(ids.pop(e["addr"]))
+    for _ in marks:
+        rec.step()
+    return rec
 
 
 def run_gpu(out_dir, steps, script, args):
     import torch
 
-    torch.cuda.memory._record_memory_history(max_entries=10_000_000)
-    done = {"steps": 0, "context_bytes": 0}
-    path = os.path.join(out_dir, "snapshot.pickle")
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
+    done = {"steps": 0, "context_bytes": 0, "step_ends": []}
+
+    def entries():
+        return torch.cuda.memory._snapshot()["device_traces"][0]
 
     def dump():
         free, total = torch.cuda.mem_get_info()
         done["context_bytes"] = max(0, total - free - torch.cuda.memory_reserved())
-        torch.cuda.memory._dump_snapshot(path)
+        done["entries"] = entries()
+        torch.cuda.memory._record_memory_history(enabled=None)
 
     def on_step(optimizer, a, k):
         done["steps"] += 1
+        done["step_ends"].append(len(entries()))
         if done["steps"] >= steps:
             dump()
             raise _Enough(0)
@@ -72,10 +105,18 @@ def run_gpu(out_dir, steps, script, args):
     from torch.optim import optimizer as optim_module
 
     optim_module.register_optimizer_step_post_hook(on_step)
-    if not _run_script(script, args):
+    ended = not _run_script(script, args)
+    if ended:
         dump()
-    return {"steps": done["steps"], "notes": [], "context_bytes": done["context_bytes"],
-            "context_source": "measured", "file": "snapshot.pickle"}
+    if len(done["entries"]) >= MAX_ENTRIES:
+        raise SystemExit("the allocation history filled its %d entries: the recording would miss the start" % MAX_ENTRIES)
+    name = os.path.splitext(os.path.basename(script))[0]
+    source = "torch %s on %s, native caching allocator, allocation history" % (
+        torch.__version__, torch.cuda.get_device_name())
+    rec = history_to_recording(done["entries"], done["step_ends"], name, source)
+    rec.write(os.path.join(out_dir, "trace"))
+    return {"steps": done["steps"], "ended": ended, "notes": [], "context_bytes": done["context_bytes"],
+            "peak_live_bytes": rec.peak_live_bytes, "context_source": "measured", "file": "trace"}
 
 
 def main(argv):
