@@ -340,6 +340,44 @@ class TransformersTest(unittest.TestCase):
         live = sum(s for _, s, freed in rec.allocations() if not freed and s != WORKSPACE)
         self.assertEqual(live, 3 * 4 * n_params + buffers)
 
+    def test_checkpointing_under_autocast(self):
+        # the recomputation in the backward runs under autocast too: its
+        # tensors must come out bf16 as in the forward (else checkpoint
+        # refuses the step: "Recomputed values ... different metadata")
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=64)
+
+        def build():
+            m = transformers.GPT2LMHeadModel(cfg)
+            m.gradient_checkpointing_enable()
+            return m
+
+        plain = self._run(lambda: transformers.GPT2LMHeadModel(cfg), 1000, 2)
+        ckpt = self._run(build, 1000, 2)
+        self.assertLess(ckpt.peak_live_bytes, plain.peak_live_bytes)
+
+    def test_generate_runs_to_its_length(self):
+        from gpumem.predict import recording
+
+        cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                      pad_token_id=0)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(cfg)
+        import transformers.generation.utils as gen
+
+        loop_check = gen.GenerationMixin._has_unfinished_sequences
+        sizes = {}
+        for new in (2, 6):
+            with recording(None, "h200") as rec:
+                m = model.to("cuda")
+                ids = torch.randint(1, 100, (2, 8), device="cuda")
+                out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=0)  # fmt: skip
+                self.assertEqual(tuple(out.shape), (2, 8 + new))
+            sizes[new] = len(rec.allocations())
+            self.assertTrue(any("generate() ran every sequence" in n for n in rec.notes), rec.notes)
+        self.assertGreater(sizes[6], sizes[2])  # more tokens, more steps of the loop
+        # the loop is put back as it was
+        self.assertIs(gen.GenerationMixin._has_unfinished_sequences, loop_check)
+
 
 class ProfileTest(unittest.TestCase):
     def test_shipped_profile(self):
@@ -377,6 +415,29 @@ class ProfileTest(unittest.TestCase):
         self.assertEqual(device_profile.profile_name("NVIDIA A100-SXM4-80GB", "2.9.1"), "a100-sxm4-80gb-torch2.9")
         self.assertEqual(device_profile.sdpa_backend_of(["aten::_scaled_dot_product_flash_attention"]), "flash")
         self.assertEqual(device_profile.sdpa_backend_of(["aten::bmm"]), "math")
+
+
+class GpuHistoryTest(unittest.TestCase):
+    """The GPU mode's conversion of PyTorch's allocation history (no GPU or
+    torch needed: the entries are the snapshot's dicts)."""
+
+    def test_history_to_trace(self):
+        from gpumem.predict import _child
+
+        entries = [
+            {"action": "free_requested", "addr": 7, "size": 64, "stream": 0},  # allocated before the history
+            {"action": "alloc", "addr": 100, "size": 512, "stream": 0},
+            {"action": "segment_alloc", "addr": 100, "size": 2 << 20, "stream": 0},
+            {"action": "alloc", "addr": 200, "size": 1024, "stream": 93},
+            {"action": "free_requested", "addr": 100, "size": 512, "stream": 0},
+            {"action": "free_completed", "addr": 100, "size": 512, "stream": 0},
+            {"action": "alloc", "addr": 100, "size": 512, "stream": 0},  # the address again: a new allocation
+        ]
+        rec = _child.history_to_recording(entries, [5, 7], "job", "torch x on y")
+        self.assertEqual(rec.lines()[2], "# source torch x on y")
+        self.assertEqual(rec.lines()[3:], ["a 0 512 0", "a 1 1024 93", "f 0", "# step 1", "a 2 512 0", "# step 2"])
+        self.assertEqual(rec.steps, 2)
+        self.assertEqual(rec.peak_live_bytes, 512 + 1024)
 
 
 class CommandTest(unittest.TestCase):
