@@ -25,6 +25,7 @@
 #include "replay.h"
 #include "report.h"
 #include "run.h"
+#include "reconcile.h"
 #include "scale.h"
 #include "top.h"
 #include "trace.h"
@@ -1581,8 +1582,8 @@ static void largest_cell(const cli_t* cli, const scale_model_t* m, const scale_l
   }
 }
 
-static void predict_json(const cli_t* cli, const scale_model_t* m, const trace_t* at,
-                         const scale_at_t* info, const predict_row_t* rows) {
+static void predict_json(const cli_t* cli, const scale_model_t* m, const reconcile_report_t* rec,
+                         const trace_t* at, const scale_at_t* info, const predict_row_t* rows) {
   printf("{\"recordings\":[");
   for (size_t i = 0; i < m->num_recordings; i++) {
     const trace_t* t = m->traces[i];
@@ -1596,6 +1597,10 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const trace_t
   printf(",\"model\":{\"constant\":%zu,\"affine\":%zu,\"quadratic\":%zu}",
          m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE],
          m->kind_count[SCALE_QUADRATIC]);
+  printf(
+      ",\"reconciled\":{\"groups\":%zu,\"added\":%zu,\"dropped\":%zu,"
+      "\"added_bytes_at_largest\":%llu}",
+      rec->groups, rec->added, rec->dropped, (unsigned long long)rec->added_bytes_at_largest);
   const scale_check_t* c = &m->check;
   if (c->done) {
     printf(
@@ -1654,8 +1659,8 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const trace_t
   printf("]}\n");
 }
 
-static void predict_human(const cli_t* cli, const scale_model_t* m, const trace_t* at,
-                          const scale_at_t* info, const predict_row_t* rows) {
+static void predict_human(const cli_t* cli, const scale_model_t* m, const reconcile_report_t* rec,
+                          const trace_t* at, const scale_at_t* info, const predict_row_t* rows) {
   char a[32], b[32];
   printf("%s: the job recorded at batch", m->traces[0]->name);
   for (size_t i = 0; i < m->num_recordings; i++)
@@ -1668,6 +1673,13 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const trace_
   } else if (m->steps_used) {
     printf(" (%zu steps)", m->steps_used);
   }
+  if (rec->groups)
+    printf(
+        "\nreconciled: %zu short-lived allocation%s added to the smaller recordings (sized in "
+        "proportion to the batch), %zu dropped from them: %zu group%s that only some batch sizes "
+        "make (a workspace of an algorithm chosen by problem size)",
+        rec->added, rec->added == 1 ? "" : "s", rec->dropped, rec->groups,
+        rec->groups == 1 ? "" : "s");
   printf("\nsizes in the batch: %zu constant, %zu affine, %zu quadratic\n",
          m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE],
          m->kind_count[SCALE_QUADRATIC]);
@@ -1770,6 +1782,13 @@ static int cmd_predict(int argc, char** argv) {
     free(cli.traces);
     return rc;
   }
+  reconcile_report_t reconciled;
+  if (reconcile_transients(traces, batch, (size_t)cli.num_traces, &reconciled) != GPUMEM_OK) {
+    for (int i = 0; i < cli.num_traces; i++) trace_free(traces[i]);
+    free(traces);
+    free(cli.traces);
+    return error("%s", detail(gpumem_last_error()));
+  }
   for (int i = 0; i < cli.num_traces; i++) scale_canonical_frees(traces[i]);
   if (cli_env_conf())
     fprintf(stderr,
@@ -1801,8 +1820,8 @@ static int cmd_predict(int argc, char** argv) {
     progress_clear(&progress);
     if (st != GPUMEM_OK) rc = error("%s", detail(gpumem_last_error()));
   }
-  if (rc == 0 && cli.json) predict_json(&cli, m, at, &info, rows);
-  if (rc == 0 && !cli.json) predict_human(&cli, m, at, &info, rows);
+  if (rc == 0 && cli.json) predict_json(&cli, m, &reconciled, at, &info, rows);
+  if (rc == 0 && !cli.json) predict_human(&cli, m, &reconciled, at, &info, rows);
   trace_free(at);
   scale_free(m);
   free(rows);

@@ -854,3 +854,29 @@ gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_
   free(buf);
   return st;
 }
+
+gpumem_status_t trace_from_events(const char* path, const trace_event_t* events, size_t num_events,
+                                  const size_t* step_end, size_t num_steps, trace_t** out) {
+  *out = NULL;
+  size_t cap = 0, len = 0, step = 0;
+  char* buf = NULL;
+  int ok = emit(&buf, &len, &cap, "# %s\n", path);
+  for (size_t i = 0; i < num_events && ok; i++) {
+    for (; step < num_steps && step_end[step] == i && ok; step++)
+      ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
+    if (ok) ok = emit_event(&buf, &len, &cap, &events[i], events[i].id);
+  }
+  for (; step < num_steps && step_end[step] == num_events && ok; step++)
+    ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
+  if (!ok) {
+    free(buf);
+    gpumem_set_last_error("%s: out of host memory writing a copy of the trace", path);
+    return GPUMEM_ERR_HOST_MEMORY;
+  }
+  gpumem_status_t st = trace_parse(path, buf, len, out);
+  free(buf);
+  /* messages name the lines of the file the events came from */
+  for (size_t i = 0; st == GPUMEM_OK && i < num_events; i++)
+    (*out)->events[i].line = events[i].line;
+  return st;
+}

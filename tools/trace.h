@@ -121,6 +121,13 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
 gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_t* slot_size,
                               const char* path, trace_t** out);
 
+/* A trace of the events given, in order (each naming its allocation by
+ * id: an allocation's id is free for reuse once freed), with a step marker
+ * before event step_end[k] for each k, read back by the one parser; the
+ * events keep the line numbers they carry, for messages. */
+gpumem_status_t trace_from_events(const char* path, const trace_event_t* events, size_t num_events,
+                                  const size_t* step_end, size_t num_steps, trace_t** out);
+
 /* "alloc", "free", "record_stream". */
 const char* trace_op_name(int op);
 /* Operations the replay times: allocations plus frees. */
