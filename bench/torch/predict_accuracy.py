@@ -4,6 +4,7 @@ larger ones, then run there under each allocator.
 
     python3 bench/torch/predict_accuracy.py OUTDIR [--jobs J,...] [--sizes 2,4] [--targets 16,64,256]
             [--fraction 0.1] [--parallel 10] [--pool-gib 125] [--deadline S] [--phases P,...]
+            [--cpu-gpu-visible] [--device-total BYTES]
 
 Phases (default all, in this order; each run's result is a file under
 OUTDIR, and a run whose file is there already is not run again, so a
