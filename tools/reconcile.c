@@ -431,12 +431,13 @@ gpumem_status_t reconcile_transients(trace_t** traces, const long* batch, size_t
       ok = walk(&p);
     }
     gpumem_status_t st = GPUMEM_OK;
+    size_t dropped = ok == 1 ? dropped_groups(&p) : 0;
     if (ok < 0) {
       gpumem_set_last_error("out of host memory reconciling the recordings");
       st = GPUMEM_ERR_HOST_MEMORY;
-    } else if (ok == 1 && (p.num_adds || dropped_groups(&p))) {
+    } else if (ok == 1 && (p.num_adds || dropped)) {
       trace_t* edited = NULL;
-      report->groups += dropped_groups(&p);
+      report->groups += dropped;
       st = rebuild(&p, batch[k], batch[n - 1], &edited, report);
       if (st == GPUMEM_OK) {
         trace_free(traces[k]);
