@@ -8,7 +8,7 @@ larger ones, then run there under each allocator.
 
 Phases (default all, in this order; each run's result is a file under
 OUTDIR, and a run whose file is there already is not run again, so a
-second call with the same OUTDIR carries on where the first stopped):
+second run with the same OUTDIR carries on where the first stopped):
 
   record      each job at each of --sizes on the GPU, with PyTorch's
               allocation history on (python -m gpumem.predict._child gpu);
@@ -288,7 +288,7 @@ def main():
             traces[j][mode] = paths
 
     modes = (["gpu"] if "record" in phases else []) + (["cpu"] if "cpu" in phases else [])
-    for j in jobs:  # already recorded (an earlier call), whatever the phases
+    for j in jobs:  # already recorded (an earlier run), whatever the phases
         for mode in ("gpu", "cpu"):
             ds = [os.path.join(args.outdir, "recordings", j, "%s_b%d" % (mode, b)) for b in sizes]
             if all(os.path.exists(os.path.join(d, "meta.json")) for d in ds):

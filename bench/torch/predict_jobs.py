@@ -7,7 +7,7 @@ configurations with random weights, a few steps at one batch size.
     python3 bench/torch/predict_jobs.py JOB --batch-size B --memtracker [--json FILE]
 
 Training jobs take AdamW steps under bf16 autocast; inference jobs run
-generate() on a bf16 model (one call a step, greedy, a fixed number of new
+generate() on a bf16 model (one generate() a step, greedy, a fixed number of new
 tokens). The script is an ordinary training script: `python -m
 gpumem.predict ... bench/torch/predict_jobs.py JOB --batch-size {B}` runs
 it at small batch sizes, on the GPU or on fake CUDA tensors.
