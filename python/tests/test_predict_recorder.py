@@ -379,6 +379,106 @@ class TransformersTest(unittest.TestCase):
         self.assertIs(gen.GenerationMixin._has_unfinished_sequences, loop_check)
 
 
+@unittest.skipIf(torch is None, NO_TORCH)
+class AttentionTest(unittest.TestCase):
+    """scaled_dot_product_attention on fake CUDA tensors runs the kernel the
+    profile's GPU would: a fused one keeps no batch x heads x L x L scores,
+    the math backend does; a checkpoint's recomputation (autograd's engine
+    runs it with no function modes) takes the same kernel."""
+
+    B, H, L, D = 2, 4, 128, 64
+
+    def attention_step(self, dtype, mask=None, checkpoint=False, heads_kv=None):
+        from gpumem.predict import recording
+
+        B, H, L, D = self.B, self.H, self.L, self.D
+        with recording(None, "h200") as rec:
+            q = torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+            kv = torch.randn(B, heads_kv or H, L, D, device="cuda", dtype=dtype, requires_grad=True)
+
+            def attend(q, kv):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, kv, kv, attn_mask=mask, is_causal=mask is None, enable_gqa=heads_kv is not None
+                )
+
+            if checkpoint:
+                import torch.utils.checkpoint as cp
+
+                out = cp.checkpoint(attend, q, kv, use_reentrant=False)
+            else:
+                out = attend(q, kv)
+            out.sum().backward()
+        return rec
+
+    def scores(self, rec, itemsize):
+        """Allocations the size of the attention scores (B x H x L x L)."""
+        n = self.B * self.H * self.L * self.L * itemsize
+        return sum(1 for _, s, _ in rec.allocations() if s == n)
+
+    def test_fused_kernel_keeps_no_scores(self):
+        for ckpt in (False, True):
+            rec = self.attention_step(torch.bfloat16, checkpoint=ckpt)
+            self.assertEqual(self.scores(rec, 2) + self.scores(rec, 4), 0, ckpt)
+            self.assertFalse(any("math backend" in n for n in rec.notes), rec.notes)
+
+    def test_grouped_query_attention_is_fused(self):
+        rec = self.attention_step(torch.bfloat16, heads_kv=2)
+        self.assertEqual(self.scores(rec, 2) + self.scores(rec, 4), 0)
+
+    def test_learned_bias_runs_math(self):
+        # a mask that requires grad (T5's position bias) takes no fused kernel
+        bias = torch.zeros(1, self.H, self.L, self.L, device="cpu", requires_grad=True)
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            b = bias.to("cuda").to(torch.bfloat16)
+            q = torch.randn(self.B, self.H, self.L, self.D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=b).sum().backward()
+        self.assertGreater(self.scores(rec, 2), 0)
+        self.assertTrue(any("math backend" in n for n in rec.notes), rec.notes)
+
+    def test_function_is_put_back(self):
+        before = torch.nn.functional.scaled_dot_product_attention
+        self.attention_step(torch.bfloat16)
+        self.assertIs(torch.nn.functional.scaled_dot_product_attention, before)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class KnownValuesTest(unittest.TestCase):
+    """Values read from fake tensors made of constants are the real ones;
+    a tensor written into is unknown again and reads as a placeholder."""
+
+    def test_mask_grown_by_generate(self):
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            mask = torch.ones(2, 16, dtype=torch.long, device="cuda")
+            for _ in range(3):
+                mask = torch.cat([mask, mask.new_ones((2, 1))], dim=-1)
+            padding = mask.bool()[:, torch.arange(8, device="cuda") + 4]
+            self.assertTrue(bool(padding.all()))
+            self.assertTrue(bool(padding.sum() == padding.numel()))
+            self.assertEqual(int(mask.sum()), 2 * 19)
+            self.assertFalse(bool(torch.zeros(3, device="cuda").any()))
+            self.assertEqual(float(torch.full((2, 2), 2.5, device="cuda").amax()), 2.5)
+            self.assertFalse(any("placeholder" in n for n in rec.notes), rec.notes)
+            mask[:, -1] = 0  # written into: no longer known
+            self.assertFalse(bool(mask.all()))  # the placeholder, not the value
+        self.assertTrue(any("placeholder" in n for n in rec.notes), rec.notes)
+
+    @unittest.skipIf(transformers is None, "needs transformers")
+    def test_transformers_sees_real_tensors_while_recording(self):
+        from transformers.utils import import_utils
+
+        from gpumem.predict import recording
+
+        with recording(None, "h200"):
+            t = torch.ones(2, device="cuda")
+            self.assertFalse(import_utils.is_tracing(t))
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            self.assertTrue(import_utils.is_tracing(mode.from_tensor(torch.ones(2))))
+
+
 class ProfileTest(unittest.TestCase):
     def test_shipped_profile(self):
         self.assertIn("h200-torch2.11", profiles.available())

@@ -106,14 +106,15 @@ def load(name_or_path):
 _BACKENDS = {"math": 0, "flash": 1, "efficient": 2, "cudnn": 3}
 
 
-def sdpa_choice(torch, profile, recording, args, kwargs):
-    """aten._fused_sdp_choice for fake CUDA tensors: the profile's backend
-    where its main constraints hold (half precision for flash and cudnn,
-    no mask for flash, head dimensions a multiple of 8 up to 256), else
-    memory-efficient attention, else math; the backends the job turned
-    off (torch.backends.cuda.enable_*_sdp) are skipped."""
-    q, k, v = args[:3]
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+def sdpa_backend(torch, profile, recording, q, k, v, mask=None, enable_gqa=False):
+    """The backend scaled_dot_product_attention runs for these inputs on
+    the profile's GPU: its preferred backend where that backend's main
+    constraints hold (half precision for flash and cudnn, no mask for
+    flash, equal head dimensions a multiple of 8 up to 256, key and value
+    heads fewer than the query's only with enable_gqa and only for flash
+    and cudnn, no mask that requires grad), else the others in PyTorch's order (flash, efficient,
+    math); backends the job turned off (torch.backends.cuda.enable_*_sdp)
+    are skipped."""
     enabled = {
         "flash": torch.backends.cuda.flash_sdp_enabled(),
         "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
@@ -121,18 +122,31 @@ def sdpa_choice(torch, profile, recording, args, kwargs):
         "math": True,
     }
     half = q.dtype in (torch.float16, torch.bfloat16)
+    dense = q.dim() == k.dim() == v.dim() == 4
     dims_ok = q.shape[-1] == k.shape[-1] == v.shape[-1] and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    same_heads = dense and q.shape[1] == k.shape[1] == v.shape[1]
+    gqa = dense and enable_gqa and k.shape[1] == v.shape[1] and q.shape[1] % k.shape[1] == 0
+    mask_ok = mask is None or not mask.requires_grad  # a learned bias (T5's) runs the math backend
     fits = {
-        "flash": half and mask is None and dims_ok and q.dim() == 4,
-        "cudnn": half and dims_ok and q.dim() == 4,
-        "efficient": dims_ok and q.dim() == 4,
+        "flash": half and mask is None and dims_ok and (same_heads or gqa),
+        "cudnn": half and dims_ok and (same_heads or gqa) and mask_ok,
+        "efficient": dims_ok and same_heads and mask_ok,
         "math": True,
     }
     preferred = profile.value("sdpa_backend", "flash") if profile is not None else "flash"
     order = [preferred] + [b for b in ("flash", "efficient", "math") if b != preferred]
     for b in order:
-        if b in fits and fits[b] and enabled.get(b):
-            if b == "math" and q.dim() == 4:
+        if fits.get(b) and enabled.get(b):
+            if b == "math" and dense:
                 recording.note("scaled_dot_product_attention ran its math backend (no fused kernel takes these inputs)")
-            return _BACKENDS[b]
-    return _BACKENDS["math"]
+            return b
+    return "math"
+
+
+def sdpa_choice(torch, profile, recording, args, kwargs):
+    """aten._fused_sdp_choice for fake CUDA tensors (what compiled code
+    asks): sdpa_backend's answer in PyTorch's SDPBackend numbering."""
+    q, k, v = args[:3]
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    gqa = kwargs.get("enable_gqa", args[7] if len(args) > 7 else False)
+    return _BACKENDS[sdpa_backend(torch, profile, recording, q, k, v, mask, gqa)]

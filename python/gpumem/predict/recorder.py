@@ -35,6 +35,7 @@ import types
 import weakref
 
 from . import profiles
+from .values import UNKNOWN, KnownValues
 
 __all__ = ["Recording", "RecorderError", "record_step", "recording", "LAZY_NUMEL"]
 
@@ -168,6 +169,10 @@ _GUARD_REGISTRY = "_ZN3c104impl26device_guard_impl_registryE"
 _guard = []  # the guard registered for CUDA, kept alive
 
 
+# The PrivateUse1 name a CUDA build with no GPU records under (see _allow_fake_cuda).
+_NO_ACCELERATOR = "gpumem_no_accelerator"
+
+
 def _allow_fake_cuda(torch):
     """Tensors that say device cuda need a device guard for CUDA, which a
     CPU build of PyTorch does not register (indexing, copies and .to()
@@ -177,9 +182,32 @@ def _allow_fake_cuda(torch):
     (torch._C._acc) and moved to CUDA's slot of the guard registry: the
     fake tensors never touch a device. A CUDA build has its own guard,
     which FakeTensorMode replaces with a no-op one where no GPU is
-    present."""
+    present; but its autograd engine then stashes each CUDA device's
+    stream before a backward, and asking for the first one fails with no
+    GPU ("hasPrimaryContext expects a valid device index"). The engine
+    looks for streams on the device type it takes for the accelerator,
+    and a named PrivateUse1 backend is taken first: so with no GPU one is
+    named (for the rest of the process: PyTorch cannot take it back), no
+    tensor lives there, and the backward runs stream-free as on a CPU
+    build."""
     if torch.cuda._is_compiled():
         torch._C._ensureCUDADeviceGuardSet()
+        if torch._C._cuda_getDeviceCount() == 0:
+            name = torch._C._get_privateuse1_backend_name()
+            if name == "privateuseone":
+                torch.utils.rename_privateuse1_backend(_NO_ACCELERATOR)
+                # What asks torch.accelerator hears that none is there.
+                module = types.ModuleType("torch." + _NO_ACCELERATOR)
+                module.is_available = lambda: False
+                module.device_count = lambda: 0
+                module.is_initialized = lambda: False
+                module.current_device = lambda: 0
+                torch._register_device_module(_NO_ACCELERATOR, module)
+            elif name != _NO_ACCELERATOR:
+                raise RecorderError(
+                    "a PrivateUse1 backend (%s) is registered in this CUDA build with no GPU: fake CUDA "
+                    "tensors cannot run a backward beside it" % name
+                )
         return
     libdir = os.path.join(os.path.dirname(torch.__file__), "lib")
     names = [n for n in ("libc10.so", "libc10.dylib") if os.path.exists(os.path.join(libdir, n))]
@@ -275,6 +303,26 @@ def _user_frame():
     return "?"
 
 
+def _transformers_sees_real_tensors(recording):
+    """transformers takes a fake tensor for a sign of tracing (torch.export),
+    and while tracing it keeps the attention masks it drops on a GPU
+    (masking_utils: a mask of no padding is skipped, and with it a Llama's
+    keys and values reach the grouped-query kernel instead of being copied
+    per head). The job on the GPU has real tensors: so transformers is
+    told, for the recording, that none is fake. What it then reads of their
+    values is known (values.py) or a placeholder with a note."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return
+    try:
+        from transformers.utils import import_utils
+    except Exception:  # noqa: BLE001 (a transformers that fails to import is the job's to report)
+        return
+    if hasattr(import_utils, "is_fake_tensor"):
+        recording.patch(import_utils, "is_fake_tensor", lambda *a, **k: False)
+
+
 def _generate_loop_by_length(recording):
     """transformers' generate() decodes until every sequence has stopped,
     a condition it reads from the GPU (unfinished_sequences.max() == 0),
@@ -324,7 +372,11 @@ def _tracker(recording, fake_mode, profile):
     matmuls = {getattr(aten, n) for n in _MATMULS if hasattr(aten, n)}
     sdpa_backward = {
         getattr(aten, n)
-        for n in ("_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention_backward")
+        for n in (
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention_backward",
+        )
         if hasattr(aten, n)
     }
     factories = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
@@ -335,13 +387,18 @@ def _tracker(recording, fake_mode, profile):
     conv = {aten.convolution.default, aten.convolution_backward.default}
     live = {}  # storage key -> allocation id
     workspaces = set()
+    values = KnownValues(torch)
+    writes = {}  # operator -> the indices of the arguments it writes into
 
     def on_free(key, i):
         live.pop(key, None)
+        values.forget(key)
         if not recording.closed:
             recording.free(i)
 
     def track(out):
+        """Records the new CUDA storages among out; returns their keys."""
+        new = set()
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
                 continue
@@ -357,7 +414,16 @@ def _tracker(recording, fake_mode, profile):
                 continue  # the caching allocator is not asked for empty storages
             i = recording.alloc(n)
             live[key] = i
+            new.add(key)
             weakref.finalize(s, on_free, key, i)
+        return new
+
+    def forget_written(func, args, kwargs):
+        if func not in writes:
+            writes[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                            if a.alias_info is not None and a.alias_info.is_write]  # fmt: skip
+        for i, name in writes[func]:
+            values.written(tree_flatten(args[i] if i < len(args) else kwargs.get(name))[0])
 
     def is_cuda(args, kwargs):
         for a in tree_flatten((args, kwargs))[0]:
@@ -411,6 +477,9 @@ def _tracker(recording, fake_mode, profile):
             if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
                 if args[0].constant is not None:
                     return args[0].constant.item()
+                known = values.of(args[0])
+                if known is not UNKNOWN:
+                    return known
                 site = _user_frame()
                 reads[site] = reads.get(site, 0) + 1
                 if reads[site] > PLACEHOLDER_READS_MAX:
@@ -450,6 +519,7 @@ def _tracker(recording, fake_mode, profile):
             if all_real(args, kwargs) and not lazy_factory(func, args, kwargs):
                 with _disable_current_modes():
                     return func(*args, **kwargs)
+            forget_written(func, args, kwargs)
             try:
                 out = func(*args, **kwargs)
             except DynamicOutputShapeException:
@@ -457,7 +527,7 @@ def _tracker(recording, fake_mode, profile):
                     "%s at %s: its output's size depends on the values of tensors, which fake tensors do "
                     "not have" % (func, _user_frame())
                 ) from None
-            track(out)
+            values.after(func, args, kwargs, out, track(out))
             if func.overloadpacket in matmuls and is_cuda(args, kwargs):
                 # cuBLAS takes its workspace from the caching allocator at the
                 # first matmul of each thread and stream; autograd's backward
@@ -479,6 +549,104 @@ def _tracker(recording, fake_mode, profile):
             return out
 
     return Tracker()
+
+
+def autocast_sdpa_inputs(torch, q, k, v, mask):
+    """q, k, v and mask as scaled_dot_product_attention gets them under
+    CUDA autocast, which lists it among the functions run in the lower
+    precision: each floating-point CUDA tensor cast to autocast's dtype (a
+    Llama's q and k come out of its rotary embedding in fp32 and reach
+    the kernel in bf16). Unchanged outside autocast."""
+    if not torch.is_autocast_enabled("cuda"):
+        return q, k, v, mask
+    dtype = torch.get_autocast_dtype("cuda")
+
+    def cast(t):
+        eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == "cuda"
+        return t.to(dtype) if eligible and t.dtype != dtype else t
+
+    return cast(q), cast(k), cast(v), cast(mask)
+
+
+def _sdpa_mode(recording, profile):
+    """A function mode running scaled_dot_product_attention on fake CUDA
+    tensors with the kernel the profile's GPU would choose.
+
+    The choice is not an operator a dispatch mode sees: the composite
+    asks a per-device stub, which a CPU build of PyTorch lacks for CUDA
+    (it then runs the math backend, materializing the attention scores a
+    fused kernel never makes) and a CUDA build answers from the GPU of the
+    machine the recording runs on, or fails without one. So the composite
+    is taken over here, as attention.cpp runs it: a boolean mask made
+    additive, the backend chosen (profiles.sdpa_choice), then that
+    backend's operator, whose autograd formula gives the backward."""
+    torch = _torch()
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.overrides import TorchFunctionMode
+
+    sdpa = torch._C._nn.scaled_dot_product_attention
+    aten = torch.ops.aten
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = (None, None, None, None, 0.0, False, None, False)
+
+    def fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        q, k, v, attn_mask = autocast_sdpa_inputs(torch, q, k, v, attn_mask)
+        # The operators below run as autocast runs a function it has cast
+        # for: with autocast off beneath it (the math backend's softmax
+        # stays in q's dtype).
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCUDA)):
+            return run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            # What to mask out, as an additive mask in q's dtype.
+            zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device)
+            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero)
+        backend = profiles.sdpa_backend(torch, profile, recording, q, k, v, attn_mask, enable_gqa)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if backend == "flash":
+            d = q.shape[-1]
+            if d % 8:
+                pad = [0, 8 - d % 8]
+                q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+            out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+            return out[..., :d] if d % 8 else out
+        if backend == "cudnn":
+            return aten._scaled_dot_product_cudnn_attention(
+                q, k, v, attn_mask, grad, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if backend == "efficient":
+            if attn_mask is not None:
+                # The kernel reads the bias with rows aligned to 16 elements.
+                n = attn_mask.shape[-1]
+                if n % 16:
+                    attn_mask = torch.nn.functional.pad(attn_mask, [0, 16 - n % 16])[..., :n]
+                attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return aten._scaled_dot_product_efficient_attention(
+                q, k, v, attn_mask, grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )[0]
+
+    def attention(*args, **kwargs):
+        bound = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args):], defaults[len(args):])]
+        q = bound[0]
+        if isinstance(q, FakeTensor) and q.device.type == "cuda" and not q.is_nested and q.dim() == 4:
+            return fused(*bound)
+        return sdpa(*args, **kwargs)
+
+    class SdpaMode(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            if func is sdpa:
+                return attention(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    # Autograd's engine runs a backward with no function modes, so an
+    # activation checkpoint's recomputation meets the mode only through
+    # the name it calls (torch.nn.functional's), patched for the session.
+    recording.patch(torch.nn.functional, "scaled_dot_product_attention", attention)
+    return SdpaMode()
 
 
 # depth: backward calls under way; autocast: per CUDA autocast context
@@ -602,6 +770,10 @@ def _cuda_patches(torch, recording, profile):
         (c, "current_stream"): lambda device=None: stream,
         (c, "default_stream"): lambda device=None: stream,
         (c, "stream"): lambda s=None: contextlib.nullcontext(),
+        # Optimizers ask whether a CUDA graph is being captured (PyTorch
+        # 2.11 asks the device); nothing is, on fake tensors.
+        (c, "is_current_stream_capturing"): lambda: False,
+        (c.graphs, "is_current_stream_capturing"): lambda: False,
         (torch.nn.Module, "_apply"): _module_apply,
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
         **_autocast_patches(torch),
@@ -689,6 +861,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
         for text in profile.notes():
             rec.note(text)
     _allow_fake_cuda(torch)
+    _transformers_sees_real_tensors(rec)
 
     def on_step(optimizer, args, kwargs):
         rec.step()
@@ -719,7 +892,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
         # guard was registered.
         with _patched(_cuda_patches(torch, rec, profile)), _Placement(rec), \
                 torch.autograd.set_multithreading_enabled(False):
-            with fake_mode, _tracker(rec, fake_mode, profile):
+            with fake_mode, _tracker(rec, fake_mode, profile), _sdpa_mode(rec, profile):
                 yield rec
     finally:
         rec.closed = True

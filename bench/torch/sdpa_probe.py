@@ -1,0 +1,114 @@
+"""Which attention kernel scaled_dot_product_attention runs on this GPU, against
+the one the CPU recorder picks from its device profile
+(gpumem.predict.profiles.sdpa_backend), call by call, on the jobs of
+bench/torch/predict_jobs.py.
+
+    python3 bench/torch/sdpa_probe.py [--profile h200] [--batch 2] [JOB ...]
+
+Each job runs one step on the GPU at --batch. Every call of
+torch.nn.functional.scaled_dot_product_attention on CUDA tensors asks
+PyTorch's own choice (aten._fused_sdp_choice, as the call is about to make
+it) and the profile's; one line per distinct kind of call (dtype, shapes,
+mask, grad, GQA) says both and how often it came, and the last line counts
+the calls where they differ. Exit status 1 when any does.
+"""
+
+import argparse
+import collections
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+
+BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+class _Notes:
+    def note(self, text):
+        pass
+
+
+def probe(torch, profile, job, batch):
+    import predict_jobs
+    from torch.overrides import TorchFunctionMode
+
+    from gpumem.predict import profiles
+    from gpumem.predict.recorder import autocast_sdpa_inputs
+
+    sdpa = torch._C._nn.scaled_dot_product_attention
+    seen = collections.Counter()
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types_, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is sdpa:
+                b = list(args) + [kwargs.get(n, d) for n, d in zip(NAMES[len(args):], DEFAULTS[len(args):])]
+                q, k, v, mask, dropout, causal, scale, gqa = b
+                if q.is_cuda and q.dim() == 4:
+                    # the kernel is chosen for the inputs autocast hands it
+                    q, k, v, mask = autocast_sdpa_inputs(torch, q, k, v, mask)
+                    if mask is not None and mask.dtype == torch.bool:
+                        zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device)
+                        choice_mask = torch.where(mask.logical_not(), float("-inf"), zero)
+                    else:
+                        choice_mask = mask
+                    real = torch.ops.aten._fused_sdp_choice(
+                        q, k, v, choice_mask, dropout, causal, scale=scale, enable_gqa=bool(gqa)
+                    )
+                    mine = profiles.sdpa_backend(torch, profile, _Notes(), q, k, v, choice_mask, bool(gqa))
+                    kind = (
+                        job, str(q.dtype).replace("torch.", ""), tuple(q.shape), tuple(k.shape),
+                        None if mask is None else (str(mask.dtype).replace("torch.", ""), tuple(mask.shape),
+                                                   mask.requires_grad),
+                        torch.is_grad_enabled() and q.requires_grad, bool(causal), bool(gqa), float(dropout),
+                        BACKENDS.get(int(real), str(real)), mine,
+                    )  # fmt: skip
+                    seen[kind] += 1
+            return func(*args, **kwargs)
+
+    model, step, opt = predict_jobs.build(torch, job, batch)
+    with Spy():
+        step(opt)
+    torch.cuda.synchronize()
+    del model, step, opt
+    torch.cuda.empty_cache()
+    return seen
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="h200")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("jobs", nargs="*")
+    args = ap.parse_args()
+    import torch
+
+    import predict_jobs
+    from gpumem.predict import profiles
+
+    if not torch.cuda.is_available():
+        sys.exit("sdpa_probe: needs a GPU")
+    profile = profiles.load(args.profile)
+    differ = total = 0
+    print("job | dtype | q | k | mask (dtype, shape, grad) | grad | causal | gqa | dropout | pytorch | profile | calls")
+    for job in args.jobs or list(predict_jobs.JOBS):
+        try:
+            seen = probe(torch, profile, job, args.batch)
+        except Exception as e:  # noqa: BLE001 (a job that fails is reported, the others still run)
+            print("%s | failed: %s: %s" % (job, type(e).__name__, str(e).splitlines()[0][:200]))
+            continue
+        for kind, n in sorted(seen.items(), key=str):
+            print(" | ".join(map(str, kind + (n,))) + ("" if kind[-2] == kind[-1] else "   <- differs"))
+            total += n
+            differ += n if kind[-2] != kind[-1] else 0
+    print("%d of %d calls: the profile's backend differs from PyTorch's on %s"
+          % (differ, total, torch.cuda.get_device_name()))
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
