@@ -4,7 +4,7 @@ larger ones, then run there under each allocator.
 
     python3 bench/torch/predict_accuracy.py OUTDIR [--jobs J,...] [--sizes 2,4] [--targets 16,64,256]
             [--fraction 0.1] [--parallel 10] [--pool-gib 125] [--deadline S] [--phases P,...]
-            [--cpu-gpu-visible] [--device-total BYTES]
+            [--cpu-gpu-visible] [--device-total BYTES] [--measured RESULTS.json]
 
 Phases (default all, in this order; each run's result is a file under
 OUTDIR, and a run whose file is there already is not run again, so a
@@ -14,7 +14,9 @@ second run with the same OUTDIR carries on where the first stopped):
               allocation history on (python -m gpumem.predict._child gpu);
   cpu         the same on fake CUDA tensors under the CPU recorder and its
               device profile, with no GPU visible (CUDA_VISIBLE_DEVICES="";
-              --cpu-gpu-visible: visible, unused);
+              --cpu-gpu-visible: visible, unused; on a machine with no GPU,
+              --phases cpu,predict with --device-total and --measured, a
+              GPU run's results.json to set the predictions against);
   predict     `gpumem predict` from each pair of recordings: the peak reserved
               at each of --targets under each allocator, and the largest batch
               under a cap of --fraction of the device's memory;
@@ -239,8 +241,10 @@ def main():
     ap.add_argument("--phases", default="record,cpu,predict,measure,memtracker,cap")
     ap.add_argument("--gpumem", default=os.path.join(REPO, "build", "gpumem"), help="the gpumem command")
     ap.add_argument("--cpu-gpu-visible", action="store_true",
-                    help="cpu phase: leave the GPU visible (the recorder still uses none; a CUDA build of "
-                         "PyTorch with its GPU hidden fails in the backward)")
+                    help="cpu phase: leave the GPU visible (the recorder still uses none)")
+    ap.add_argument("--measured", default=None,
+                    help="a GPU run's results.json: its measured peaks, MemTracker figures and largest batches "
+                         "are set beside this run's predictions (recordings made on a machine with no GPU)")
     ap.add_argument("--device-total", type=int, default=None,
                     help="the device's memory in bytes (default: asked of the GPU; give it to predict on a "
                          "machine with none, --phases cpu,predict)")
@@ -271,6 +275,14 @@ def main():
     jr = results.setdefault("jobs", {})
     for j in jobs:
         jr.setdefault(j, {})
+    if args.measured:
+        with open(args.measured) as f:
+            gpu_run = json.load(f)
+        for j in jobs:
+            for key in ("measured", "memtracker", "cap"):
+                if key in gpu_run.get("jobs", {}).get(j, {}):
+                    jr[j][key] = gpu_run["jobs"][j][key]
+        results["measured_from"] = args.measured
 
     def parallel(fn, items):
         threads = [threading.Thread(target=fn, args=it) for it in items]
