@@ -192,8 +192,9 @@ def _allow_fake_cuda(torch):
     build."""
     if torch.cuda._is_compiled():
         torch._C._ensureCUDADeviceGuardSet()
-        if torch._C._cuda_getDeviceCount() == 0:
-            name = torch._C._get_privateuse1_backend_name()
+        named = getattr(torch._C, "_get_privateuse1_backend_name", None)
+        if named is not None and torch._C._cuda_getDeviceCount() == 0:
+            name = named()
             if name == "privateuseone":
                 torch.utils.rename_privateuse1_backend(_NO_ACCELERATOR)
                 # What asks torch.accelerator hears that none is there.
