@@ -1,16 +1,17 @@
 """Which attention kernel scaled_dot_product_attention runs on this GPU, against
 the one the CPU recorder picks from its device profile
-(gpumem.predict.profiles.sdpa_backend), call by call, on the jobs of
-bench/torch/predict_jobs.py.
+(gpumem.predict.profiles.sdpa_backend), invocation by invocation, on the jobs
+of bench/torch/predict_jobs.py.
 
     python3 bench/torch/sdpa_probe.py [--profile h200] [--batch 2] [JOB ...]
 
-Each job runs one step on the GPU at --batch. Every call of
-torch.nn.functional.scaled_dot_product_attention on CUDA tensors asks
-PyTorch's own choice (aten._fused_sdp_choice, as the call is about to make
-it) and the profile's; one line per distinct kind of call (dtype, shapes,
-mask, grad, GQA) says both and how often it came, and the last line counts
-the calls where they differ. Exit status 1 when any does.
+Each job runs one step on the GPU at --batch. Each time
+torch.nn.functional.scaled_dot_product_attention runs on CUDA tensors, the
+probe asks PyTorch's own choice (aten._fused_sdp_choice, for the inputs as
+autocast casts them) and the profile's; one line per distinct kind of
+invocation (dtype, shapes, mask, grad, GQA) gives both and how often it
+came, and the last line counts those where they differ. Exit status 1 when
+any does.
 """
 
 import argparse
@@ -23,8 +24,6 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
 
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
-NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-DEFAULTS = (None, None, None, None, 0.0, False, None, False)
 
 
 class _Notes:
@@ -37,7 +36,7 @@ def probe(torch, profile, job, batch):
     from torch.overrides import TorchFunctionMode
 
     from gpumem.predict import profiles
-    from gpumem.predict.recorder import autocast_sdpa_inputs
+    from gpumem.predict.recorder import additive_mask, autocast_sdpa_inputs, sdpa_arguments
 
     sdpa = torch._C._nn.scaled_dot_product_attention
     seen = collections.Counter()
@@ -46,16 +45,11 @@ def probe(torch, profile, job, batch):
         def __torch_function__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is sdpa:
-                b = list(args) + [kwargs.get(n, d) for n, d in zip(NAMES[len(args):], DEFAULTS[len(args):])]
-                q, k, v, mask, dropout, causal, scale, gqa = b
+                q, k, v, mask, dropout, causal, scale, gqa = sdpa_arguments(args, kwargs)
                 if q.is_cuda and q.dim() == 4:
                     # the kernel is chosen for the inputs autocast hands it
                     q, k, v, mask = autocast_sdpa_inputs(torch, q, k, v, mask)
-                    if mask is not None and mask.dtype == torch.bool:
-                        zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device)
-                        choice_mask = torch.where(mask.logical_not(), float("-inf"), zero)
-                    else:
-                        choice_mask = mask
+                    choice_mask = additive_mask(torch, mask, q.dtype)
                     real = torch.ops.aten._fused_sdp_choice(
                         q, k, v, choice_mask, dropout, causal, scale=scale, enable_gqa=bool(gqa)
                     )
@@ -94,7 +88,7 @@ def main():
         sys.exit("sdpa_probe: needs a GPU")
     profile = profiles.load(args.profile)
     differ = total = 0
-    print("job | dtype | q | k | mask (dtype, shape, grad) | grad | causal | gqa | dropout | pytorch | profile | calls")
+    print("job | dtype | q | k | mask (dtype, shape, grad) | grad | causal | gqa | dropout | pytorch | profile | times")
     for job in args.jobs or list(predict_jobs.JOBS):
         try:
             seen = probe(torch, profile, job, args.batch)
@@ -105,7 +99,7 @@ def main():
             print(" | ".join(map(str, kind + (n,))) + ("" if kind[-2] == kind[-1] else "   <- differs"))
             total += n
             differ += n if kind[-2] != kind[-1] else 0
-    print("%d of %d calls: the profile's backend differs from PyTorch's on %s"
+    print("%d of %d invocations: the profile's backend differs from PyTorch's on %s"
           % (differ, total, torch.cuda.get_device_name()))
     sys.exit(1 if differ else 0)
 

@@ -112,9 +112,9 @@ def sdpa_backend(torch, profile, recording, q, k, v, mask=None, enable_gqa=False
     constraints hold (half precision for flash and cudnn, no mask for
     flash, equal head dimensions a multiple of 8 up to 256, key and value
     heads fewer than the query's only with enable_gqa and only for flash
-    and cudnn, no mask that requires grad), else the others in PyTorch's order (flash, efficient,
-    math); backends the job turned off (torch.backends.cuda.enable_*_sdp)
-    are skipped."""
+    and cudnn, no mask that requires grad), else the others in PyTorch's
+    order (flash, efficient, math); backends the job turned off
+    (torch.backends.cuda.enable_*_sdp) are skipped."""
     enabled = {
         "flash": torch.backends.cuda.flash_sdp_enabled(),
         "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
@@ -148,5 +148,5 @@ def sdpa_choice(torch, profile, recording, args, kwargs):
     asks): sdpa_backend's answer in PyTorch's SDPBackend numbering."""
     q, k, v = args[:3]
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    gqa = kwargs.get("enable_gqa", args[7] if len(args) > 7 else False)
+    gqa = kwargs.get("enable_gqa", False)  # keyword-only in its schema
     return _BACKENDS[sdpa_backend(torch, profile, recording, q, k, v, mask, gqa)]

@@ -552,6 +552,26 @@ def _tracker(recording, fake_mode, profile):
     return Tracker()
 
 
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def sdpa_arguments(args, kwargs):
+    """scaled_dot_product_attention's arguments, in SDPA_PARAMETERS' order,
+    defaults filled in."""
+    n = len(args)
+    return list(args) + [kwargs.get(p, d) for p, d in zip(SDPA_PARAMETERS[n:], _SDPA_DEFAULTS[n:])]
+
+
+def additive_mask(torch, mask, dtype):
+    """A boolean mask (True: attend) as the additive one attention.cpp
+    makes of it before choosing a kernel; other masks unchanged."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    zero = torch.scalar_tensor(0.0, dtype=dtype, device=mask.device)
+    return torch.where(mask.logical_not(), float("-inf"), zero)
+
+
 def autocast_sdpa_inputs(torch, q, k, v, mask):
     """q, k, v and mask as scaled_dot_product_attention gets them under
     CUDA autocast, which lists it among the functions run in the lower
@@ -579,7 +599,7 @@ def _sdpa_mode(recording, profile):
     fused kernel never makes) and a CUDA build answers from the GPU of the
     machine the recording runs on, or fails without one. So the composite
     is taken over here, as attention.cpp runs it: a boolean mask made
-    additive, the backend chosen (profiles.sdpa_choice), then that
+    additive, the backend chosen (profiles.sdpa_backend), then that
     backend's operator, whose autograd formula gives the backward."""
     torch = _torch()
     from torch._subclasses.fake_tensor import FakeTensor
@@ -587,8 +607,6 @@ def _sdpa_mode(recording, profile):
 
     sdpa = torch._C._nn.scaled_dot_product_attention
     aten = torch.ops.aten
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = (None, None, None, None, 0.0, False, None, False)
 
     def fused(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         q, k, v, attn_mask = autocast_sdpa_inputs(torch, q, k, v, attn_mask)
@@ -599,10 +617,7 @@ def _sdpa_mode(recording, profile):
             return run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def run(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            # What to mask out, as an additive mask in q's dtype.
-            zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=q.device)
-            attn_mask = torch.where(attn_mask.logical_not(), float("-inf"), zero)
+        attn_mask = additive_mask(torch, attn_mask, q.dtype)
         backend = profiles.sdpa_backend(torch, profile, recording, q, k, v, attn_mask, enable_gqa)
         grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if backend == "flash":
@@ -631,7 +646,7 @@ def _sdpa_mode(recording, profile):
         )[0]
 
     def attention(*args, **kwargs):
-        bound = list(args) + [kwargs.get(n, d) for n, d in zip(names[len(args):], defaults[len(args):])]
+        bound = sdpa_arguments(args, kwargs)
         q = bound[0]
         if isinstance(q, FakeTensor) and q.device.type == "cuda" and not q.is_nested and q.dim() == 4:
             return fused(*bound)

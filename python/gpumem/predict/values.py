@@ -19,12 +19,10 @@ __all__ = ["KnownValues", "UNKNOWN"]
 
 UNKNOWN = object()
 
-# operator name -> where its fill value comes from
-_FILLS = {
-    "ones": 1, "ones_like": 1, "new_ones": 1,
-    "zeros": 0, "zeros_like": 0, "new_zeros": 0,
-    "full": ("arg", 1), "full_like": ("arg", 1), "new_full": ("arg", 2), "scalar_tensor": ("arg", 0),
-}  # fmt: skip
+# factories of a constant -> its value
+_CONSTANT = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros_like": 0, "new_zeros": 0}
+# factories of a given value -> the index of the argument that gives it
+_FILLED = {"full": 1, "full_like": 1, "new_full": 2, "scalar_tensor": 0}
 # new storages holding their first argument's value (copies, casts, repeats)
 _SAME = {"clone", "_to_copy", "contiguous", "repeat", "expand_copy", "lift_fresh_copy", "index_select",
          "_unsafe_view", "view_copy", "repeat_interleave", "index", "gather", "take"}  # fmt: skip
@@ -93,12 +91,11 @@ class KnownValues:
             self.known[key] = _as(torch, v, out.dtype)
 
     def _value(self, name, args, kwargs, out):
-        fill = _FILLS.get(name)
-        if fill is not None:
-            if isinstance(fill, tuple):
-                i = fill[1]
-                return self.of(args[i]) if len(args) > i else kwargs.get("fill_value", UNKNOWN)
-            return fill
+        if name in _CONSTANT:
+            return _CONSTANT[name]
+        if name in _FILLED:
+            i = _FILLED[name]
+            return self.of(args[i]) if len(args) > i else kwargs.get("fill_value", UNKNOWN)
         if not args:
             return UNKNOWN
         if name in _SAME:
