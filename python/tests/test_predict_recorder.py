@@ -121,15 +121,42 @@ class RecorderTest(unittest.TestCase):
         the scalars computed from them, CPU tensors on a GPU too, and the
         4-byte loss), the allocations and frees come in the same order
         at the same sizes."""
-        from torch.profiler import ProfilerActivity, profile
 
         def build():
             torch.manual_seed(0)
             return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                        torch.nn.GELU(), torch.nn.Linear(256, 10))  # fmt: skip
 
+        self.assert_matches_real_run(build, d_in=64, d_out=10)
+
+    def test_gradients_summed_in_place_as_on_the_gpu(self):
+        """A tensor used twice gets two gradients, which autograd's engine
+        sums in place into the first (on the GPU as on the CPU, for plain
+        tensors; fake ones it would sum into a new tensor): the recording
+        has the real run's allocations, no more."""
+
+        class Residual(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inp, self.mid, self.out = (torch.nn.Linear(64, 256), torch.nn.Linear(256, 256),
+                                                torch.nn.Linear(256, 10))  # fmt: skip
+
+            def forward(self, x):
+                h = self.inp(x)
+                h = h + self.mid(torch.relu(h))
+                return self.out(torch.tanh(h) + h)
+
+        def build():
+            torch.manual_seed(0)
+            return Residual()
+
+        self.assert_matches_real_run(build, d_in=64, d_out=10)
+
+    def assert_matches_real_run(self, build, d_in, d_out):
+        from torch.profiler import ProfilerActivity, profile
+
         def batch(n):
-            return mlp_batch(n, d_in=64, d_out=10)
+            return mlp_batch(n, d_in=d_in, d_out=d_out)
 
         model = build()
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
@@ -154,7 +181,7 @@ class RecorderTest(unittest.TestCase):
                 sizes[e[1]] = e[2]
             if e[0] in "af":
                 ours.append((e[0], sizes[e[1]]))
-        x_bytes, y_bytes = 8 * 64 * 4, 8 * 8  # the batch, made before the real run's profiling
+        x_bytes, y_bytes = 8 * d_in * 4, 8 * 8  # the batch, made before the real run's profiling
         ours = ours[ours.index(("a", x_bytes)):]
 
         def comparable(seq):
@@ -441,6 +468,43 @@ class AttentionTest(unittest.TestCase):
         before = torch.nn.functional.scaled_dot_product_attention
         self.attention_step(torch.bfloat16)
         self.assertIs(torch.nn.functional.scaled_dot_product_attention, before)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class ConvolutionTest(unittest.TestCase):
+    """Convolutions lay out their outputs as cuDNN does on the GPU: a
+    channels-last input or weight gives channels-last outputs and a
+    weight gradient with the weight's strides, which AccumulateGrad then
+    keeps rather than copying."""
+
+    def step(self, layout):
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            conv = torch.nn.Conv2d(64, 128, 3, padding=1, bias=False).cuda().to(memory_format=layout)
+            x = torch.randn(2, 64, 14, 14, device="cuda").to(memory_format=layout)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = conv(x)
+            out_layout = y.is_contiguous(memory_format=torch.channels_last)
+            before = len(rec.events)
+            y.float().sum().backward()
+            same_strides = conv.weight.grad.stride() == conv.weight.stride()
+        weight_fp32 = 128 * 64 * 9 * 4
+        backward = [e for e in rec.events[before:] if e[0] == "a" and e[2] == weight_fp32]
+        return rec, out_layout, same_strides, len(backward)
+
+    def test_channels_last_stays_channels_last(self):
+        rec, channels_last, same_strides, weight_sized = self.step(torch.channels_last)
+        self.assertTrue(channels_last)
+        self.assertTrue(same_strides)
+        # the backward makes the weight's fp32 gradient once: no copy of it
+        self.assertEqual(weight_sized, 1)
+
+    def test_contiguous_stays_contiguous(self):
+        rec, channels_last, same_strides, weight_sized = self.step(torch.contiguous_format)
+        self.assertFalse(channels_last)
+        self.assertTrue(same_strides)
+        self.assertEqual(weight_sized, 1)
 
 
 @unittest.skipIf(torch is None, NO_TORCH)

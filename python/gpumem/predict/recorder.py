@@ -473,6 +473,11 @@ def _tracker(recording, fake_mode, profile):
                 d = kwargs.get("device")
                 if isinstance(d, torch.device) and d.type in ("cpu", "meta"):
                     kwargs = dict(kwargs, device=torch.device("cuda", 0))
+            if func is aten.add.Tensor and _accumulation(torch, args, kwargs):
+                # On the GPU the engine adds a second gradient into the first
+                # in place (autograd's InputBuffer); it does so only for plain
+                # tensors, so on fake ones it makes a new one.
+                return args[0]
             if func is aten._fused_sdp_choice.default:
                 return profiles.sdpa_choice(torch, profile, recording, args, kwargs)
             if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
@@ -550,6 +555,47 @@ def _tracker(recording, fake_mode, profile):
             return out
 
     return Tracker()
+
+
+def _dense(t):
+    """Its elements fill its storage's span once each, in some order of
+    its dimensions."""
+    span = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != span:
+            return False
+        span *= size
+    return True
+
+
+def _accumulation(torch, args, kwargs):
+    """An add the autograd engine makes to sum two gradients of one input,
+    where on the GPU it adds in place: grad mode off, the first gradient
+    dense and held by nothing else (its storage by no other tensor), the
+    second of its shape and dtype."""
+    if not _engine.depth or _engine.applied is None or torch.is_grad_enabled() or kwargs:
+        return False
+    if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
+        return False
+    old, new = args
+    if _current_node() is not _engine.applied:
+        return False
+    if old.shape != new.shape or old.dtype != new.dtype or old.device.type != "cuda":
+        return False
+    if not _dense(old):
+        return False
+    return _storage_holders(torch, old) == 1
+
+
+def _storage_holders(torch, t):
+    """How many tensors share t's storage. Asking for the storage from
+    Python may itself hold a reference to it: the count for a tensor known
+    to be its storage's only holder says how many."""
+    if _engine.own_references is None:
+        with _no_modes():
+            single = torch.empty(1, device="meta")
+            _engine.own_references = torch._C._storage_Use_Count(single.untyped_storage()._cdata) - 1
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - _engine.own_references
 
 
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -668,7 +714,7 @@ def _sdpa_mode(recording, profile):
 # depth: backward calls under way; autocast: per CUDA autocast context
 # entered and not left, whether it enables autocast (the backward's worker
 # threads see both)
-_engine = types.SimpleNamespace(depth=0, autocast=[])
+_engine = types.SimpleNamespace(depth=0, autocast=[], applied=None, own_references=None)
 
 
 def _in_engine():
@@ -699,15 +745,47 @@ def _autocast_patches(torch):
     return {(cls, "__enter__"): counted_enter, (cls, "__exit__"): counted_exit}
 
 
+def _graph_nodes(roots):
+    """The autograd nodes reachable from roots, AccumulateGrad's left out
+    (they send no gradient on)."""
+    seen, todo, nodes = set(), [r for r in roots if r is not None], []
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ != "AccumulateGrad":
+            nodes.append(node)
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return nodes
+
+
 def _engine_wrapper(run):
-    def run_backward(*args, **kwargs):
+    """Counts the backward passes running, and marks each node once its
+    own computation is done: what the engine runs after that, under the
+    same node, is its accumulation of the node's outputs into the inputs
+    of the nodes they feed (see _accumulation)."""
+
+    def applied(grad_inputs, grad_outputs):
+        _engine.applied = _current_node()
+
+    def run_backward(t_outputs, *args, **kwargs):
+        roots = [getattr(t, "grad_fn", None) for t in (t_outputs if isinstance(t_outputs, (list, tuple)) else [t_outputs])]
+        handles = [node.register_hook(applied) for node in _graph_nodes(roots)]
         _engine.depth += 1
         try:
-            return run(*args, **kwargs)
+            return run(t_outputs, *args, **kwargs)
         finally:
             _engine.depth -= 1
+            _engine.applied = None
+            for h in handles:
+                h.remove()
 
     return run_backward
+
+
+def _current_node():
+    return _torch()._C._current_autograd_node()
 
 
 # ---- torch.cuda as a job running on fake tensors sees it -----------------
@@ -794,6 +872,10 @@ def _cuda_patches(torch, recording, profile):
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
         **_autocast_patches(torch),
     }
+    if hasattr(torch._C, "_conv_determine_backend_memory_format"):
+        patches[(torch._C, "_conv_determine_backend_memory_format")] = _conv_layout(
+            torch, torch._C._conv_determine_backend_memory_format
+        )
     # A CUDA build of PyTorch with no GPU visible: FakeTensorMode makes the
     # device's context before the first fake CUDA tensor, which needs a GPU.
     from torch._subclasses import fake_tensor
@@ -801,6 +883,41 @@ def _cuda_patches(torch, recording, profile):
     if hasattr(fake_tensor, "init_gpu_context"):
         patches[(fake_tensor, "init_gpu_context")] = noop
     return {k: v for k, v in patches.items() if hasattr(k[0], k[1]) or k[1] in ("is_initialized",)}
+
+
+def _suggested_layout(torch, t):
+    """Tensor.suggest_memory_format(), which Python does not expose."""
+    from torch import _prims_common as prims
+
+    if hasattr(prims, "suggest_memory_format"):
+        return prims.suggest_memory_format(t)
+    cl = torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+    if t.dim() in (4, 5) and t.is_contiguous(memory_format=cl) and not t.is_contiguous():
+        return cl
+    return torch.contiguous_format
+
+
+def _conv_layout(torch, native):
+    """The layout a convolution's outputs (and its input and weight
+    gradients) get on the GPU. FakeTensorMode asks PyTorch which backend
+    would run the convolution, and with no GPU (or a CPU build) the answer
+    is a CPU kernel, whose outputs are contiguous; on the GPU cuDNN runs
+    every convolution of a channels-last input or weight (depthwise ones
+    included) and gives channels-last outputs. A contiguous gradient of a
+    channels-last weight costs a copy the GPU does not make: AccumulateGrad
+    clones a gradient whose strides differ from its parameter's."""
+
+    def layout(input, weight, backend):
+        if input.device.type != "cuda" or torch.float64 in (input.dtype, weight.dtype):
+            return native(input, weight, backend)
+        if weight.dim() not in (4, 5):
+            return torch.contiguous_format
+        cl = torch.channels_last if weight.dim() == 4 else torch.channels_last_3d
+        if cl in (_suggested_layout(torch, input), _suggested_layout(torch, weight)):
+            return cl
+        return torch.contiguous_format
+
+    return layout
 
 
 @contextlib.contextmanager
