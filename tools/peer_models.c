@@ -7,10 +7,16 @@
  *   virtual range that physical memory is mapped into in pages of 2 MiB
  *   (small pool) or 20 MiB (large pool);
  * - an allocation takes the best-fitting free mapped block of its pool and
- *   stream (smallest, then lowest address) and splits off any remainder of
- *   512 bytes or more; with none, it maps pages at the lowest unmapped
- *   address of the segment, joined with the free mapped block just before
- *   it when there is one, and allocates from there;
+ *   stream and splits off any remainder of 512 bytes or more. Best fit
+ *   starts at the smallest block that holds the request (lowest address on
+ *   ties) and moves on to the next larger one while that one's expandable
+ *   size is smaller, where a block's expandable size is its own plus that
+ *   of the unmapped range right after it: the free block at the top of the
+ *   mapped part of a segment counts as nearly the whole segment, so it is
+ *   taken only when no block beyond it in size order stops the walk. With
+ *   no block, it maps pages at the lowest unmapped address of the segment,
+ *   joined with the free mapped block just before it when there is one,
+ *   and allocates from there;
  * - a free merges with free neighbours; nothing is unmapped while the job
  *   runs. Under a memory fraction the growth is refused when reserved
  *   bytes plus the request's segment size (2 MiB, 20 MiB below 10 MiB, else
@@ -345,10 +351,43 @@ static uint32_t best_fit(const sim_t* s, uint32_t pool, uint64_t size) {
   return best;
 }
 
+/* Whether block a comes before block b in size order (size, then address). */
+static int size_order_before(const block_t* a, const block_t* b) {
+  return a->size < b->size || (a->size == b->size && a->addr < b->addr);
+}
+
+/* A free block's size plus the unmapped range just after it: what it can
+ * grow to without moving. */
+static uint64_t expandable_size(const sim_t* s, uint32_t id) {
+  uint32_t next = s->blocks[id].next;
+  return s->blocks[id].size + (next != NIL && !s->blocks[next].mapped ? s->blocks[next].size : 0);
+}
+
+/* Best fit as PyTorch's allocator does it with expandable segments (see
+ * the top of this file): from the smallest free block of pool that holds
+ * size, on to the next in size order while its expandable size is smaller.
+ * NIL when no block holds size. */
+static uint32_t expandable_best_fit(const sim_t* s, uint32_t pool, uint64_t size) {
+  const pool_t* p = &s->pools[pool];
+  uint32_t at = best_fit(s, pool, size);
+  while (at != NIL) {
+    uint32_t next = NIL; /* at's successor in size order */
+    for (size_t k = 0; k < p->free_blocks.len; k++) {
+      uint32_t id = p->free_blocks.ids[k];
+      if (size_order_before(&s->blocks[at], &s->blocks[id]) &&
+          (next == NIL || size_order_before(&s->blocks[id], &s->blocks[next])))
+        next = id;
+    }
+    if (next == NIL || expandable_size(s, next) >= expandable_size(s, at)) break;
+    at = next;
+  }
+  return at;
+}
+
 /* The block for one allocation of rounded size on pool, or NIL (out of
  * memory under the limit). */
 static uint32_t expandable_alloc(sim_t* s, uint32_t pool, uint64_t size, uint64_t alloc_size) {
-  uint32_t best = best_fit(s, pool, size);
+  uint32_t best = expandable_best_fit(s, pool, size);
   if (best == NIL) {
     for (int attempt = 0; attempt < 2 && best == NIL; attempt++) {
       if (attempt == 1) release_cached(s);
