@@ -573,12 +573,13 @@ def _accumulation(torch, args, kwargs):
     where on the GPU it adds in place: grad mode off, the first gradient
     dense and held by nothing else (its storage by no other tensor), the
     second of its shape and dtype."""
-    if not _engine.depth or _engine.applied is None or torch.is_grad_enabled() or kwargs:
+    if not _engine.depth or not _engine.applied or torch.is_grad_enabled() or kwargs:
         return False
     if len(args) != 2 or not all(isinstance(a, torch.Tensor) for a in args):
         return False
     old, new = args
-    if _current_node() is not _engine.applied:
+    node = _current_node()
+    if node is None or type(node).__name__ == "AccumulateGrad":
         return False
     if old.shape != new.shape or old.dtype != new.dtype or old.device.type != "cuda":
         return False
@@ -714,7 +715,7 @@ def _sdpa_mode(recording, profile):
 # depth: backward calls under way; autocast: per CUDA autocast context
 # entered and not left, whether it enables autocast (the backward's worker
 # threads see both)
-_engine = types.SimpleNamespace(depth=0, autocast=[], applied=None, own_references=None)
+_engine = types.SimpleNamespace(depth=0, autocast=[], applied=False, own_references=None)
 
 
 def _in_engine():
@@ -761,23 +762,35 @@ def _graph_nodes(roots):
 
 
 def _engine_wrapper(run):
-    """Counts the backward passes running, and marks each node once its
-    own computation is done: what the engine runs after that, under the
-    same node, is its accumulation of the node's outputs into the inputs
-    of the nodes they feed (see _accumulation)."""
+    """Counts the backward passes running, and marks when a node's own
+    computation is over: what the engine runs between a node's end and
+    the next node's start (AccumulateGrad's aside) is its summing of the
+    node's outputs into the inputs of the nodes they feed (see
+    _accumulation). The marks come from hooks on each node of the graph
+    for the pass; AccumulateGrad gets none, as a hook there would change
+    whether it can keep the gradient it is given."""
 
-    def applied(grad_inputs, grad_outputs):
-        _engine.applied = _current_node()
+    def started(grad_outputs):
+        _engine.applied = False
+
+    def ended(grad_inputs, grad_outputs):
+        _engine.applied = True
 
     def run_backward(t_outputs, *args, **kwargs):
-        roots = [getattr(t, "grad_fn", None) for t in (t_outputs if isinstance(t_outputs, (list, tuple)) else [t_outputs])]
-        handles = [node.register_hook(applied) for node in _graph_nodes(roots)]
+        outputs = t_outputs if isinstance(t_outputs, (list, tuple)) else [t_outputs]
+        roots = [getattr(t, "grad_fn", None) for t in outputs]
+        handles = []
+        for node in _graph_nodes(roots):
+            handles.append(node.register_prehook(started))
+            handles.append(node.register_hook(ended))
+        outer = _engine.applied
+        _engine.applied = False
         _engine.depth += 1
         try:
             return run(t_outputs, *args, **kwargs)
         finally:
             _engine.depth -= 1
-            _engine.applied = None
+            _engine.applied = outer  # a backward inside a node's (reentrant checkpointing)
             for h in handles:
                 h.remove()
 
