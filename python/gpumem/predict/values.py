@@ -13,11 +13,29 @@ same value, reductions, comparisons, elementwise arithmetic with
 constants), per storage: a view of a constant storage is constant, and any
 operator that writes into a storage forgets it (unless it fills it whole
 with a known value). What it cannot follow stays unknown and is read as a
-placeholder with a note, as before."""
+placeholder with a note, as before.
 
-__all__ = ["KnownValues", "UNKNOWN"]
+Small tensors are followed further, element by element: a fake tensor of
+at most SHADOW_NUMEL elements made by a deterministic operator from real
+CPU tensors, constants and other such tensors gets a shadow, the same
+operator's result on real CPU copies. Token ids copied to the device,
+position ids made with arange and what a model computes from them (a
+check that a batch holds no packed sequences, which decides whether a
+Llama's keys and values are copied per head) are then read as the job
+reads them on the GPU. A shadow holds while its tensor's version counter
+(shared by its views) has not moved: a write it was not computed for
+makes it unknown."""
+
+import weakref
+
+__all__ = ["KnownValues", "UNKNOWN", "SHADOW_NUMEL"]
 
 UNKNOWN = object()
+
+# Fake tensors of at most this many elements get shadow values.
+SHADOW_NUMEL = 1 << 16
+# Operators whose results are not values of their inputs.
+_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 
 # factories of a constant -> its value
 _CONSTANT = {"ones": 1, "ones_like": 1, "new_ones": 1, "zeros": 0, "zeros_like": 0, "new_zeros": 0}
@@ -39,6 +57,9 @@ class KnownValues:
     def __init__(self, torch):
         self.torch = torch
         self.known = {}  # storage key -> value
+        # id(fake tensor) -> (a weak reference to it, its values on the CPU, its version); tensors compare
+        # element by element, so they cannot be keys themselves
+        self.shadows = {}
 
     @staticmethod
     def _key(t):
@@ -61,7 +82,74 @@ class KnownValues:
                 return x.item()
         if x.numel() == 0:
             return UNKNOWN
+        shadow = self.shadow(x)
+        if shadow is not None:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                first = shadow.reshape(-1)[0]
+                if shadow.numel() == 1 or bool((shadow == first).all()):
+                    return first.item()
         return self.known.get(self._key(x), UNKNOWN)
+
+    def shadow(self, x):
+        """x's values as a CPU tensor, or None where they are not known."""
+        entry = self.shadows.get(id(x)) if _is_fake(x) else None
+        if entry is None or entry[0]() is not x or entry[2] != x._version:
+            return None
+        return entry[1]
+
+    def _keep(self, fake, value):
+        key = id(fake)
+        shadows = self.shadows
+
+        def gone(ref):
+            if key in shadows and shadows[key][0] is ref:
+                del shadows[key]
+
+        shadows[key] = (weakref.ref(fake, gone), value, fake._version)
+
+    def _follow(self, func, args, kwargs, out):
+        """Gives out a shadow where func made it from known values alone."""
+        torch = self.torch
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs or any(not _is_fake(t) or t.numel() > SHADOW_NUMEL for t in outs):
+            return
+        if func.overloadpacket.__name__ in _UNINITIALIZED or torch.Tag.nondeterministic_seeded in func.tags:
+            return
+        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
+            return  # the version counter moves after the write: nothing to keep
+        missing = []
+
+        def real(a):
+            if isinstance(a, torch.Tensor):
+                if not _is_fake(a):
+                    return a if a.device.type == "cpu" else missing.append(a)
+                shadow = self.shadow(a)
+                return shadow if shadow is not None else missing.append(a)
+            if isinstance(a, torch.device):
+                return torch.device("cpu")
+            return a
+
+        cpu_args, cpu_kwargs = tree_map(real, (args, kwargs))
+        if missing:
+            return
+        if "device" in cpu_kwargs:
+            cpu_kwargs["device"] = torch.device("cpu")
+        try:
+            with _disable_current_modes():
+                result = func(*cpu_args, **cpu_kwargs)
+        except Exception:  # noqa: BLE001 (what the CPU cannot compute stays unknown)
+            return
+        results = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        if len(results) != len(outs):
+            return
+        for fake, value in zip(outs, results):
+            if tuple(fake.shape) == tuple(value.shape) and fake.dtype == value.dtype:
+                self._keep(fake, value)
 
     def forget(self, key):
         self.known.pop(key, None)
@@ -75,6 +163,7 @@ class KnownValues:
     def after(self, func, args, kwargs, out, new_keys):
         """Records what the operator's new storages hold, where known."""
         torch = self.torch
+        self._follow(func, args, kwargs, out)
         name = func.overloadpacket.__name__
         if name == "fill_" and isinstance(out, torch.Tensor):
             v = self.of(args[1]) if len(args) > 1 else UNKNOWN
