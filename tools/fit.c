@@ -24,7 +24,7 @@ const size_t fit_num_rows = sizeof fit_rows / sizeof fit_rows[0];
 const char fit_note[] =
     "peak reserved: with no limit; memory needed: the smallest hard limit under which the job "
     "replays\n(x: over peak live). pytorch and the gpumem rows replay gpumem's engine; the "
-    "expandable\nand cudaMallocAsync rows are models (docs/whatif.md: within 0.5% and 3.2% of "
+    "expandable\nand cudaMallocAsync rows are models (docs/whatif.md: within 0.7% and 3.2% of "
     "the H200's figures).\n";
 
 gpumem_status_t fit_parse_memory(const char* text, size_t* out) {
