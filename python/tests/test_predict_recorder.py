@@ -279,13 +279,26 @@ class RecorderTest(unittest.TestCase):
     def test_boolean_mask_is_an_upper_bound_with_a_note(self):
         def step(model, batch):
             x, y = batch
-            out = model(x)
+            out = model(x) + torch.randn(2, 4, device="cuda")  # drawn on the device: not known
             positive = out[out > 0]  # as many elements as the mask has true ones
             return torch.nn.functional.cross_entropy(out, y) + positive.sum() * 0
 
         rec, allocs, _ = self.record(mlp, mlp_batch, step, batch_size=2, steps=1)
         self.assertTrue(any("boolean mask" in n and "upper bound" in n for n in rec.notes), rec.notes)
         self.assertIn(2 * 4 * 4, allocs.values())  # every one of the 2x4 outputs, fp32
+
+    def test_boolean_mask_of_known_values_is_exact(self):
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            ids = torch.tensor([[3, 0, 5, 0, 7, 0, 0, 9]] * 64).to("cuda")  # from the host: known
+            kept = ids[ids > 0]
+            where = torch.nonzero(ids)
+        self.assertEqual(tuple(kept.shape), (4 * 64,))
+        self.assertEqual(tuple(where.shape), (4 * 64, 2))
+        self.assertFalse(any("upper bound" in n for n in rec.notes), rec.notes)
+        sizes = [e[2] for e in rec.events if e[0] == "a"]
+        self.assertIn(4 * 64 * 2 * 8, sizes)  # nonzero's output, recorded
 
     def test_written_trace_file(self):
         rec = self.record_step(mlp, mlp_batch, mlp_step, batch_size=2, steps=2)

@@ -459,6 +459,16 @@ def _tracker(recording, fake_mode, profile):
 
     reads = {}  # call site -> values read there as placeholders
 
+    def true_count(mask):
+        """How many elements of a fake tensor are nonzero, where its values
+        are known; None where they are not."""
+        known = values.shadow(mask)
+        if known is None:
+            v = values.of(mask)
+            return None if v is UNKNOWN else (mask.numel() if v else 0)
+        with _disable_current_modes():
+            return int(torch.count_nonzero(known))
+
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -500,26 +510,33 @@ def _tracker(recording, fake_mode, profile):
                 )
                 return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
             if func is aten.nonzero.default and isinstance(args[0], FakeTensor):
-                recording.note(
-                    "nonzero() (boolean masks) at %s assumed every element true: its size is an upper "
-                    "bound" % _user_frame()
-                )
                 x = args[0]
-                out = torch.empty((x.numel(), x.dim()), dtype=torch.long, device=x.device)
+                count = true_count(x)
+                if count is None:
+                    recording.note(
+                        "nonzero() (boolean masks) at %s assumed every element true: its size is an upper "
+                        "bound" % _user_frame()
+                    )
+                    count = x.numel()
+                out = torch.empty((count, x.dim()), dtype=torch.long, device=x.device)
+                track(out)
                 return out
             if func is aten.index.Tensor and any(
                 i is not None and i.dtype == torch.bool and isinstance(i, FakeTensor) for i in args[1]
             ):
-                recording.note(
-                    "indexing with a boolean mask at %s assumed every element true: its size is an upper "
-                    "bound" % _user_frame()
-                )
                 indices = []
                 for i in args[1]:
                     if i is None or i.dtype != torch.bool:
                         indices.append(i)
                         continue
-                    where = torch.empty((i.numel(), i.dim()), dtype=torch.long, device=i.device)
+                    count = true_count(i)
+                    if count is None:
+                        recording.note(
+                            "indexing with a boolean mask at %s assumed every element true: its size is an "
+                            "upper bound" % _user_frame()
+                        )
+                        count = i.numel()
+                    where = torch.empty((count, i.dim()), dtype=torch.long, device=i.device)
                     indices.extend(where.unbind(1))
                 args = (args[0], indices)
             if all_real(args, kwargs) and not lazy_factory(func, args, kwargs):
