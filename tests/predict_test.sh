@@ -241,5 +241,41 @@ expect_in '"events":3794,"allocations":1898' "$out" "the CPU recorder's GPT-2: a
 expect_in '"allocations":1898,"exact":1898,"unpredicted":0,"max_error_bytes":0' "$out" \
   "the CPU recorder's GPT-2: batch 8 from 2 and 4, every allocation to the byte"
 
+# ---- two dimensions: batch and sequence length ----
+# The job recorded at batch 2 and 4 for each of three lengths: each length
+# predicted at batch 64 and written out (--write-trace), then those three
+# traces predicted at length 512, against the job's own trace at 64 x 512.
+for l in 32 64 128; do
+  for b in 2 4; do LENGTH=$l $JOB $b >"$T/l${l}_b$b.trace"; done
+  run "$BIN" predict --sizes 2,4 "$T/l${l}_b2.trace" "$T/l${l}_b4.trace" --batch 64 \
+    --write-trace "$T/l${l}_b64.trace"
+  expect_rc 0 "length $l predicted at batch 64 and written"
+done
+expect_in "# gpumem predict: the job at 64, from recordings at 2, 4" "$(head -2 "$T/l32_b64.trace")" \
+  "the written trace says what it is"
+LENGTH=32 $JOB 64 >"$T/l32_real64.trace"
+sizes_of() { grep -v '^#' "$1" | awk '$1 == "a" { print $1, $3; next } { print $1 }'; }
+expect_eq "$(sizes_of "$T/l32_real64.trace")" "$(sizes_of "$T/l32_b64.trace")" \
+  "the written trace: the job's at 64, event by event"
+run "$BIN" predict --sizes 32,64,128 "$T/l32_b64.trace" "$T/l64_b64.trace" "$T/l128_b64.trace" \
+  --batch 512 --json
+expect_rc 0 "the batch-64 traces predicted at length 512"
+predicted=$out
+LENGTH=512 $JOB 64 >"$T/l512_b64.trace"
+run "$BIN" fit --memory 80G --json "$T/l512_b64.trace"
+expect_rc 0 "fit of the job at 64 x 512"
+out=$predicted
+got_peaks=$(numbers peak_reserved_bytes | tr '\n' ' ')
+run "$BIN" fit --memory 80G --json "$T/l512_b64.trace"
+expect_eq "$(numbers peak_reserved_bytes | tr '\n' ' ')" "$got_peaks" \
+  "64 x 512 from 2 x 3 recordings: peak reserved, every allocator"
+run "$BIN" predict --sizes 2,4 "$T/l32_b2.trace" "$T/l32_b4.trace" --memory 1G --write-trace "$T/x.trace"
+expect_rc 2 "--write-trace without --batch"
+expect_in "give --batch too" "$err" "--write-trace without --batch: why"
+ln -s "$T/elsewhere" "$T/link.trace"
+run "$BIN" predict --sizes 2,4 "$T/l32_b2.trace" "$T/l32_b4.trace" --batch 8 --write-trace "$T/link.trace"
+expect_rc 1 "--write-trace onto a symbolic link"
+expect_eq "" "$(ls "$T/elsewhere" 2>/dev/null)" "nothing written through the link"
+
 echo "$PASS passed, $FAIL failed"
 [ "$FAIL" -eq 0 ]

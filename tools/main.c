@@ -231,6 +231,7 @@ enum {
   OPT_SIZES,
   OPT_BATCH,
   OPT_MAX_BATCH,
+  OPT_WRITE_TRACE,
   OPT_HELP,
   OPT_PEER_MODELS, /* not an option: the command replays the peer models too */
 };
@@ -262,6 +263,7 @@ static const option_spec_t all_options[] = {
     {"sizes", OPT_SIZES, 1},
     {"batch", OPT_BATCH, 1},
     {"max-batch", OPT_MAX_BATCH, 1},
+    {"write-trace", OPT_WRITE_TRACE, 1},
     {"help", OPT_HELP, 0},
 };
 
@@ -272,17 +274,18 @@ typedef struct cli {
   int min_limit;
   int steady; /* repetitions to append (0: none) */
   int help;
-  const char* snapshot; /* explain: write the snapshot at the peak here */
-  int since_line;       /* leaks: count allocations from this trace line on */
-  peer_model_t peer;    /* replay through a model of another allocator */
-  size_t memory;        /* fit: the device memory asked about */
-  const char* sizes;    /* predict: the recordings' batch sizes, as given */
-  long batch;           /* predict: the batch to predict at (0: none asked) */
-  long max_batch;       /* predict: the largest batch the search tries (0: no cap) */
-  char conf_rest[1024]; /* --conf without PyTorch's expandable_segments key */
-  char conf_all[4096];  /* GPUMEM_CONF, then conf_rest: what the replays read */
-  int expandable;       /* --conf's expandable_segments: 1, 0, or -1 when absent */
-  uint64_t model_cap;   /* a peer model's cap from the fraction key (0: none) */
+  const char* snapshot;    /* explain: write the snapshot at the peak here */
+  const char* write_trace; /* predict: write the trace at --batch here */
+  int since_line;          /* leaks: count allocations from this trace line on */
+  peer_model_t peer;       /* replay through a model of another allocator */
+  size_t memory;           /* fit: the device memory asked about */
+  const char* sizes;       /* predict: the recordings' batch sizes, as given */
+  long batch;              /* predict: the batch to predict at (0: none asked) */
+  long max_batch;          /* predict: the largest batch the search tries (0: no cap) */
+  char conf_rest[1024];    /* --conf without PyTorch's expandable_segments key */
+  char conf_all[4096];     /* GPUMEM_CONF, then conf_rest: what the replays read */
+  int expandable;          /* --conf's expandable_segments: 1, 0, or -1 when absent */
+  uint64_t model_cap;      /* a peer model's cap from the fraction key (0: none) */
   const char** traces;
   int num_traces;
 } cli_t;
@@ -577,6 +580,9 @@ static int parse_args(int argc, char** argv, unsigned allowed, const char* usage
         break;
       case OPT_SNAPSHOT:
         cli->snapshot = value;
+        break;
+      case OPT_WRITE_TRACE:
+        cli->write_trace = value;
         break;
       case OPT_SINCE_LINE:
         if (!parse_count(value, 1, INT_MAX, &cli->since_line))
@@ -1504,6 +1510,9 @@ static const char usage_predict[] =
     "  --batch N                 predict the job at batch N\n"
     "  --memory SIZE             find the largest batch that fits in SIZE (e.g. 80G)\n"
     "  --max-batch N             search no batch above N (with --memory)\n"
+    "  --write-trace FILE        also write the job's trace at --batch to FILE: a\n"
+    "                            trace like any other, for the other commands, or for\n"
+    "                            a second predict over another dimension\n"
     "  --min-limit-tolerance F   bisect the needed memory to F x peak live (default:\n"
     "                            one page or 0.25%, the finer)\n"
     "  --json                    one JSON object with every figure\n"
@@ -1511,7 +1520,9 @@ static const char usage_predict[] =
     "\n"
     "Give --batch, --memory or both. Each allocator runs at its own settings:\n"
     "GPUMEM_CONF is checked, not applied. The batch may be any dimension the\n"
-    "sizes follow, such as a sequence length recorded at a fixed batch.\n";
+    "sizes follow, such as a sequence length recorded at a fixed batch. Two\n"
+    "dimensions: predict each recorded length at the batch wanted with\n"
+    "--write-trace, then predict those traces over the lengths (docs/predict.md).\n";
 
 /* --sizes "2,4,8" into batch[] (SCALE_MAX_RECORDINGS of room), one a trace.
  * 0, or the exit code after printing why. */
@@ -1748,12 +1759,48 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const reconc
         "fits at\none batch is taken to fit at every smaller one.\n");
 }
 
+/* The predicted trace into cli->write_trace, never through a link or into
+ * another user's file (src/outfile.c); its comment says what it is. */
+static int write_predicted_trace(const trace_t* at, const cli_t* cli, const long* batch) {
+  char comment[1024];
+  int n = snprintf(comment, sizeof comment, "gpumem predict: the job at %ld, from recordings at",
+                   cli->batch);
+  for (int i = 0; i < cli->num_traces && n > 0 && (size_t)n < sizeof comment; i++)
+    n += snprintf(comment + n, sizeof comment - (size_t)n, "%s %ld", i ? "," : "", batch[i]);
+  char* text = NULL;
+  size_t len = 0;
+  if (trace_text(at, comment, &text, &len) != GPUMEM_OK)
+    return error("%s", detail(gpumem_last_error()));
+  gm_outfile out;
+  char why[1400];
+  int fd = gm_outfile_open(&out, cli->write_trace, 0600, why, sizeof why);
+  if (fd < 0) {
+    free(text);
+    return error("%s", why);
+  }
+  size_t done = 0;
+  while (done < len) {
+    ssize_t w = write(fd, text + done, len - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) break;
+    done += (size_t)w;
+  }
+  int saved = errno;
+  free(text);
+  if (done < len || close(fd) != 0) {
+    gm_outfile_abandon(&out);
+    return error("cannot write %s: %s", cli->write_trace, strerror(done < len ? saved : errno));
+  }
+  if (!gm_outfile_commit(&out, why, sizeof why)) return error("%s", why);
+  return 0;
+}
+
 static int cmd_predict(int argc, char** argv) {
   cli_t cli;
   memset(&cli, 0, sizeof cli);
   unsigned allowed = (1u << OPT_SIZES) | (1u << OPT_BATCH) | (1u << OPT_MEMORY) |
                      (1u << OPT_MAX_BATCH) | (1u << OPT_JSON) | (1u << OPT_MIN_LIMIT_TOLERANCE) |
-                     (1u << OPT_HELP);
+                     (1u << OPT_WRITE_TRACE) | (1u << OPT_HELP);
   long batch[SCALE_MAX_RECORDINGS];
   int rc = parse_args(argc, argv, allowed, usage_predict, &cli);
   if (rc == 0 && cli.help) {
@@ -1774,6 +1821,9 @@ static int cmd_predict(int argc, char** argv) {
     rc = usage_error(usage_predict,
                      "--max-batch caps the search for the largest batch that fits --memory: "
                      "give --memory too");
+  } else if (rc == 0 && cli.write_trace && !cli.batch) {
+    rc = usage_error(usage_predict,
+                     "--write-trace writes the job's trace at --batch: give --batch too");
   } else if (rc == 0) {
     rc = parse_sizes(cli.sizes, cli.num_traces, batch);
   }
@@ -1805,6 +1855,8 @@ static int cmd_predict(int argc, char** argv) {
     rc = error("%s", detail(gpumem_last_error()));
   } else if (cli.batch && scale_trace_at(m, cli.batch, &at, &info) != GPUMEM_OK) {
     rc = error("%s", detail(gpumem_last_error()));
+  } else if (cli.write_trace) {
+    rc = write_predicted_trace(at, &cli, batch);
   }
   progress_t progress = {0};
   progress.enabled = isatty(STDERR_FILENO);

@@ -830,22 +830,61 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
   return GPUMEM_OK;
 }
 
+/* Events [0, num_events) as lines, each naming its allocation by id, with
+ * a step marker before event step_end[k] for each k (and those at the end);
+ * slot_size, when given, replaces each allocation's size. 0 when out of
+ * host memory. */
+static int emit_events(char** buf, size_t* len, size_t* cap, const trace_event_t* events,
+                       size_t num_events, const size_t* step_end, size_t num_steps,
+                       const uint64_t* slot_size) {
+  int ok = 1;
+  size_t step = 0;
+  for (size_t i = 0; i < num_events && ok; i++) {
+    for (; step < num_steps && step_end[step] == i && ok; step++)
+      ok = emit(buf, len, cap, "# step %zu\n", step + 1);
+    trace_event_t e = events[i];
+    if (slot_size) e.size = slot_size[e.id];
+    if (ok) ok = emit_event(buf, len, cap, &e, e.id);
+  }
+  for (; step < num_steps && step_end[step] == num_events && ok; step++)
+    ok = emit(buf, len, cap, "# step %zu\n", step + 1);
+  return ok;
+}
+
+gpumem_status_t trace_text(const trace_t* t, const char* comment, char** text, size_t* text_len) {
+  *text = NULL;
+  *text_len = 0;
+  size_t cap = 0, len = 0;
+  char* buf = NULL;
+  int ok = emit(&buf, &len, &cap, "# gpumem-trace v1\n");
+  /* one comment line, whatever the text holds */
+  for (const char* c = comment; ok && c && *c;) {
+    size_t n = strcspn(c, "\r\n");
+    ok = emit(&buf, &len, &cap, "# %.*s\n", (int)(n > 200 ? 200 : n), c);
+    c += n;
+    c += strspn(c, "\r\n");
+  }
+  if (ok)
+    ok = emit_events(&buf, &len, &cap, t->events, t->num_events, t->step_end, t->num_steps, NULL);
+  if (!ok) {
+    free(buf);
+    gpumem_set_last_error("%s: out of host memory writing the trace as text", t->path);
+    return GPUMEM_ERR_HOST_MEMORY;
+  }
+  *text = buf;
+  *text_len = len;
+  return GPUMEM_OK;
+}
+
 gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_t* slot_size,
                               const char* path, trace_t** out) {
   *out = NULL;
   if (num_events > t->num_events) num_events = t->num_events;
-  size_t cap = 0, len = 0, step = 0;
+  size_t cap = 0, len = 0;
   char* buf = NULL;
   int ok = emit(&buf, &len, &cap, "# %s with its allocations resized\n", t->path);
-  for (size_t i = 0; i < num_events && ok; i++) {
-    for (; step < t->num_steps && t->step_end[step] == i && ok; step++)
-      ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
-    trace_event_t e = t->events[i];
-    e.size = slot_size[e.id];
-    if (ok) ok = emit_event(&buf, &len, &cap, &e, e.id);
-  }
-  for (; step < t->num_steps && t->step_end[step] == num_events && ok; step++)
-    ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
+  if (ok)
+    ok = emit_events(&buf, &len, &cap, t->events, num_events, t->step_end, t->num_steps, slot_size);
   if (!ok) {
     free(buf);
     return repeat_no_memory(t);
@@ -858,16 +897,10 @@ gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_
 gpumem_status_t trace_from_events(const char* path, const trace_event_t* events, size_t num_events,
                                   const size_t* step_end, size_t num_steps, trace_t** out) {
   *out = NULL;
-  size_t cap = 0, len = 0, step = 0;
+  size_t cap = 0, len = 0;
   char* buf = NULL;
   int ok = emit(&buf, &len, &cap, "# %s\n", path);
-  for (size_t i = 0; i < num_events && ok; i++) {
-    for (; step < num_steps && step_end[step] == i && ok; step++)
-      ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
-    if (ok) ok = emit_event(&buf, &len, &cap, &events[i], events[i].id);
-  }
-  for (; step < num_steps && step_end[step] == num_events && ok; step++)
-    ok = emit(&buf, &len, &cap, "# step %zu\n", step + 1);
+  if (ok) ok = emit_events(&buf, &len, &cap, events, num_events, step_end, num_steps, NULL);
   if (!ok) {
     free(buf);
     gpumem_set_last_error("%s: out of host memory writing a copy of the trace", path);

@@ -128,6 +128,12 @@ gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_
 gpumem_status_t trace_from_events(const char* path, const trace_event_t* events, size_t num_events,
                                   const size_t* step_end, size_t num_steps, trace_t** out);
 
+/* t as the text of a trace file: the format line, comment as '#' lines
+ * (line breaks in it end the line; at most 200 characters of each piece),
+ * every event naming its allocation by slot, the step markers. *text is
+ * malloc'ed, not NUL-terminated; GPUMEM_ERR_HOST_MEMORY when out of it. */
+gpumem_status_t trace_text(const trace_t* t, const char* comment, char** text, size_t* text_len);
+
 /* "alloc", "free", "record_stream". */
 const char* trace_op_name(int op);
 /* Operations the replay times: allocations plus frees. */
