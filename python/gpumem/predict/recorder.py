@@ -459,15 +459,22 @@ def _tracker(recording, fake_mode, profile):
 
     reads = {}  # call site -> values read there as placeholders
 
-    def true_count(mask):
-        """How many elements of a fake tensor are nonzero, where its values
-        are known; None where they are not."""
+    def positions(mask, what):
+        """nonzero(mask) on fake tensors: as many rows as the mask has
+        nonzero elements where its values are known, else one for every
+        element (an upper bound, with a note)."""
         known = values.shadow(mask)
-        if known is None:
+        if known is not None:
+            with _disable_current_modes():
+                count = int(torch.count_nonzero(known))
+        else:
             v = values.of(mask)
-            return None if v is UNKNOWN else (mask.numel() if v else 0)
-        with _disable_current_modes():
-            return int(torch.count_nonzero(known))
+            count = mask.numel() if v is UNKNOWN or v else 0
+            if v is UNKNOWN:
+                recording.note(
+                    "%s at %s assumed every element true: its size is an upper bound" % (what, _user_frame())
+                )
+        return torch.empty((count, mask.dim()), dtype=torch.long, device=mask.device)
 
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
@@ -510,15 +517,7 @@ def _tracker(recording, fake_mode, profile):
                 )
                 return False if args[0].dtype == torch.bool else 0 if not args[0].is_floating_point() else 0.0
             if func is aten.nonzero.default and isinstance(args[0], FakeTensor):
-                x = args[0]
-                count = true_count(x)
-                if count is None:
-                    recording.note(
-                        "nonzero() (boolean masks) at %s assumed every element true: its size is an upper "
-                        "bound" % _user_frame()
-                    )
-                    count = x.numel()
-                out = torch.empty((count, x.dim()), dtype=torch.long, device=x.device)
+                out = positions(args[0], "nonzero() (boolean masks)")
                 track(out)
                 return out
             if func is aten.index.Tensor and any(
@@ -528,16 +527,8 @@ def _tracker(recording, fake_mode, profile):
                 for i in args[1]:
                     if i is None or i.dtype != torch.bool:
                         indices.append(i)
-                        continue
-                    count = true_count(i)
-                    if count is None:
-                        recording.note(
-                            "indexing with a boolean mask at %s assumed every element true: its size is an "
-                            "upper bound" % _user_frame()
-                        )
-                        count = i.numel()
-                    where = torch.empty((count, i.dim()), dtype=torch.long, device=i.device)
-                    indices.extend(where.unbind(1))
+                    else:
+                        indices.extend(positions(i, "indexing with a boolean mask").unbind(1))
                 args = (args[0], indices)
             if all_real(args, kwargs) and not lazy_factory(func, args, kwargs):
                 with _disable_current_modes():
