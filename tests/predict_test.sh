@@ -57,7 +57,7 @@ human=$out
 run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" "$T/j8.trace" --batch 64 --memory 1G --json
 expect_rc 0 "predict --json"
 expect_eq 1 "$(printf '%s\n' "$out" | wc -l | tr -d ' ')" "--json: one line"
-expect_in '"model":{"constant":5,"affine":9,"quadratic":3}' "$out" "--json model"
+expect_in '"model":{"constant":5,"affine":9,"quadratic":3,"held":0}' "$out" "--json model"
 expect_in '"check":{"batch":8,"allocations":17,"exact":14,"unpredicted":0' "$out" "--json check"
 expect_in '"batch":64,' "$out" "--json batch"
 expect_in '"memory_bytes":1073741824' "$out" "--json memory"
@@ -240,6 +240,32 @@ expect_rc 0 "the CPU recorder's GPT-2"
 expect_in '"events":3794,"allocations":1898' "$out" "the CPU recorder's GPT-2: aligned whole"
 expect_in '"allocations":1898,"exact":1898,"unpredicted":0,"max_error_bytes":0' "$out" \
   "the CPU recorder's GPT-2: batch 8 from 2 and 4, every allocation to the byte"
+
+# ---- small allocations that follow no trend ----
+# 6, 96 and 24 bytes at batch 2, 4 and 8: a curve through them goes below
+# one byte further on; every allocator gives them a block of 512 anyway.
+zigzag() { printf '# gpumem-trace v1\na 0 %d 0\na 1 %d 0\nf 1\nf 0\n' $((1048576 * $1)) "$2"; }
+zigzag 2 6 >"$T/z2.trace"
+zigzag 4 96 >"$T/z4.trace"
+zigzag 8 24 >"$T/z8.trace"
+run "$BIN" predict --sizes 2,4,8 "$T/z2.trace" "$T/z4.trace" "$T/z8.trace" --batch 1024
+expect_rc 0 "a zigzag of small sizes"
+expect_in "held: 1 allocation of at most 512 bytes that follow no trend in the batch" "$out" \
+  "a zigzag of small sizes: held, and said"
+zigzag 1024 96 >"$T/z1024.trace"
+run "$BIN" predict --sizes 2,4,8 "$T/z2.trace" "$T/z4.trace" "$T/z8.trace" --batch 1024 --json
+predicted=$out
+run "$BIN" fit --memory 80G --json "$T/z1024.trace"
+got_peaks=$(numbers peak_reserved_bytes | tr '\n' ' ')
+out=$predicted
+expect_eq "$got_peaks" "$(numbers peak_reserved_bytes | tr '\n' ' ')" \
+  "a zigzag of small sizes: every allocator as at its largest size"
+zigzag 2 600 >"$T/zb2.trace"
+zigzag 4 9600 >"$T/zb4.trace"
+zigzag 8 2400 >"$T/zb8.trace"
+run "$BIN" predict --sizes 2,4,8 "$T/zb2.trace" "$T/zb4.trace" "$T/zb8.trace" --batch 1024
+expect_rc 1 "a zigzag of larger sizes: refused"
+expect_in "the model holds only where every size is at least 1 byte" "$err" "a zigzag of larger sizes: why"
 
 # ---- two dimensions: batch and sequence length ----
 # The job recorded at batch 2 and 4 for each of three lengths: each length

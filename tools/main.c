@@ -1605,9 +1605,9 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const reconci
   }
   printf("],\"events\":%zu,\"allocations\":%zu,\"steps_used\":%zu,\"truncated\":%s", m->num_events,
          m->num_allocs, m->steps_used, m->truncated ? "true" : "false");
-  printf(",\"model\":{\"constant\":%zu,\"affine\":%zu,\"quadratic\":%zu}",
-         m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE],
-         m->kind_count[SCALE_QUADRATIC]);
+  printf(",\"model\":{\"constant\":%zu,\"affine\":%zu,\"quadratic\":%zu,\"held\":%zu}",
+         m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE], m->kind_count[SCALE_QUADRATIC],
+         m->num_held);
   printf(
       ",\"reconciled\":{\"groups\":%zu,\"added\":%zu,\"dropped\":%zu,"
       "\"added_bytes_at_largest\":%llu}",
@@ -1694,6 +1694,11 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const reconc
   printf("\nsizes in the batch: %zu constant, %zu affine, %zu quadratic\n",
          m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE],
          m->kind_count[SCALE_QUADRATIC]);
+  if (m->num_held)
+    printf(
+        "held: %zu allocation%s of at most %d bytes that follow no trend in the batch, at the "
+        "largest size recorded (every allocator gives them a block of %d)\n",
+        m->num_held, m->num_held == 1 ? "" : "s", SCALE_BLOCK, SCALE_BLOCK);
   const scale_check_t* c = &m->check;
   if (c->done) {
     double off = c->recorded_peak_live

@@ -22,6 +22,7 @@ struct scale_slot {
   i128 den;  /* > 0 */
   uint8_t kind;
   uint8_t zero; /* every recording asked for 0 bytes: 0 is what it asks */
+  uint8_t held; /* a small allocation held at its largest recorded size (fit_sizes) */
 };
 
 const char* scale_kind_name(scale_kind_t kind) {
@@ -368,6 +369,30 @@ static uint64_t peak_live(const scale_model_t* m, const uint64_t* size) {
   return peak;
 }
 
+/* fit_points, except for allocations of at most SCALE_BLOCK bytes in every
+ * recording whose sizes fall with the batch or need a curve: PyTorch's
+ * allocator, gpumem's and both peer models give any request up to 512
+ * bytes a block of 512, so such an allocation takes the same memory
+ * whatever it asks. Small tensors whose size follows no trend in the batch
+ * (an index list, a library's scratch: 6, 96 and 24 bytes at three sizes)
+ * would be extrapolated through their zigzag, below one byte or far above
+ * a block; they are held at the largest size recorded instead. */
+static int fit_sizes(const long* b, const uint64_t* s, size_t n, scale_slot_t* out) {
+  int fitted = fit_points(b, s, n, out);
+  uint64_t largest = 0;
+  for (size_t i = 0; i < n; i++)
+    if (s[i] > largest) largest = s[i];
+  if (largest > SCALE_BLOCK) return fitted;
+  if (fitted && (out->kind == SCALE_CONSTANT || (out->kind == SCALE_AFFINE && out->p[1] >= 0)))
+    return 1;
+  memset(out, 0, sizeof *out);
+  out->den = 1;
+  out->kind = SCALE_CONSTANT;
+  out->p[0] = (i128)largest;
+  out->held = 1;
+  return 1;
+}
+
 /* The held-out check: the largest recording predicted from the others. */
 static void check_last(scale_model_t* m, uint64_t* sizes, uint64_t* predicted) {
   size_t k = m->num_recordings, n = k - 1;
@@ -385,7 +410,7 @@ static void check_last(scale_model_t* m, uint64_t* sizes, uint64_t* predicted) {
     int rounded;
     double approx;
     predicted[slot] = sizes[n];
-    if (!fit_points(m->batch, sizes, n, &s) ||
+    if (!fit_sizes(m->batch, sizes, n, &s) ||
         size_at(&s, m->batch[n], &got, &rounded, &approx) != SCALE_AT_OK) {
       c->unpredicted++;
       continue;
@@ -419,7 +444,7 @@ static gpumem_status_t fit_slots(scale_model_t* m) {
       const trace_t* t = m->traces[i];
       sizes[i] = t->events[t->slot_event[slot]].size;
     }
-    if (!fit_points(m->batch, sizes, k, &m->slots[slot])) {
+    if (!fit_sizes(m->batch, sizes, k, &m->slots[slot])) {
       char lines[512], text[512];
       slot_lines(m, slot, lines, sizeof lines);
       slot_sizes_text(m, slot, text, sizeof text);
@@ -431,6 +456,7 @@ static gpumem_status_t fit_slots(scale_model_t* m) {
       goto done;
     }
     m->kind_count[m->slots[slot].kind]++;
+    m->num_held += m->slots[slot].held;
   }
   /* Runs at different batches differ in their activations at least: the
    * same recording twice would predict that nothing grows, and every

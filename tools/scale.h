@@ -25,6 +25,9 @@
  * bits (docs/predict.md, "Limits"). */
 #define SCALE_MAX_RECORDED_BATCH ((long)1 << 20)
 #define SCALE_MAX_BATCH ((long)1 << 30)
+/* The block every allocator modelled gives a request of up to this many
+ * bytes (PyTorch's kMinBlockSize, GM_MIN_BLOCK). */
+#define SCALE_BLOCK 512
 
 typedef enum scale_kind {
   SCALE_CONSTANT = 0,  /* the same size in every recording */
@@ -62,6 +65,10 @@ typedef struct scale_model {
   size_t steps_used;
   int truncated;
   size_t kind_count[SCALE_NUM_KINDS]; /* allocations of each kind */
+  /* Among the constant ones: allocations of at most SCALE_BLOCK bytes whose
+   * sizes follow no trend, held at their largest recorded size (scale.c,
+   * fit_sizes). */
+  size_t num_held;
   scale_check_t check;
   scale_slot_t* slots; /* num_allocs of them */
 } scale_model_t;

@@ -2,7 +2,7 @@
 gpumem's prediction (bench/torch/predict_accuracy.py): models built from
 configurations with random weights, a few steps at one batch size.
 
-    python3 bench/torch/predict_jobs.py JOB --batch-size B [--steps N]
+    python3 bench/torch/predict_jobs.py JOB --batch-size B [--steps N] [--seq-len L]
             [--allocator native|expandable|gpumem] [--fraction F] [--json FILE]
     python3 bench/torch/predict_jobs.py JOB --batch-size B --memtracker [--json FILE]
 
@@ -43,6 +43,12 @@ IMAGE = 224
 MEMTRACKER = False  # --memtracker: models built in place (see on_gpu)
 
 
+def set_seq_len(n):
+    """--seq-len: the tokens per sequence of the language-model training jobs."""
+    global SEQ
+    SEQ = n
+
+
 def on_gpu(build, dtype=None):
     """build() moved to the GPU (and cast to dtype), as scripts do. For
     MemTracker the model is built where it will live instead (under
@@ -69,9 +75,11 @@ def llama_config(hidden, intermediate, layers, heads, kv_heads, **extra):
                        max_position_embeddings=2048, pad_token_id=0, **extra)  # fmt: skip
 
 
-def lm_train(model, vocab, batch, length=SEQ):
+def lm_train(model, vocab, batch, length=None):
     """A causal LM's training step on random tokens (labels = inputs)."""
     import torch
+
+    length = length or SEQ
 
     def step(opt):
         ids = torch.randint(1, vocab, (batch, length), device="cuda")
@@ -308,13 +316,16 @@ def main():
     ap.add_argument("job", choices=sorted(JOBS))
     ap.add_argument("--batch-size", type=int, required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, default=SEQ,
+                    help="tokens per sequence of the language-model training jobs (default %d)" % SEQ)
     ap.add_argument("--allocator", choices=["native", "expandable", "gpumem"], default="native")
     ap.add_argument("--fraction", type=float, default=None)
     ap.add_argument("--memtracker", action="store_true")
     ap.add_argument("--json", default=None, help="write the result here")
     args = ap.parse_args()
-    if args.batch_size < 1 or args.steps < 1:
-        ap.error("--batch-size and --steps must be at least 1")
+    if args.batch_size < 1 or args.steps < 1 or args.seq_len < 1:
+        ap.error("--batch-size, --steps and --seq-len must be at least 1")
+    set_seq_len(args.seq_len)
     if args.allocator == "expandable":
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(x for x in (conf, "expandable_segments:True") if x)
