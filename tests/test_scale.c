@@ -24,7 +24,8 @@ typedef struct job {
   int steps;
   int attention;         /* an allocation quadratic in the batch (scores: b x b) */
   int shrinking;         /* one of 100*b - 150 bytes: below 1 byte at batch 1 */
-  int cubic;             /* one of b^3 bytes: no model gives it */
+  int cubic;             /* one of 1024 b^3 bytes: no model gives it */
+  int zigzag;            /* one of at most 512 bytes that follows no trend: 6, 96, 24 */
   int swap_at;           /* in this step, free two activations in the other order */
   int halves;            /* one of (b + 4) / 2 bytes, b even in the recordings */
   int record_on_default; /* the activation is used on the default stream instead */
@@ -66,7 +67,8 @@ static trace_t* job_at(const job_t* j, long b, const char* name) {
     put(&t, "r 11 0x%lx\n", j->record_on_default ? 0 : side);
     put(&t, "f 13\n");
     if (j->shrinking) put(&t, "a 14 %ld 0\nf 14\n", 100 * b - 150);
-    if (j->cubic) put(&t, "a 15 %ld 0\nf 15\n", b * b * b);
+    if (j->cubic) put(&t, "a 15 %ld 0\nf 15\n", 1024 * b * b * b);
+    if (j->zigzag) put(&t, "a 17 %ld 0\nf 17\n", b == 2 ? 6L : b == 4 ? 96L : 24L);
     if (j->halves) put(&t, "a 16 %ld 0\nf 16\n", (b + 4) / 2);
     if (s > 1) put(&t, "f 20\n"); /* the previous step's gradient */
     put(&t, "a 20 %ld 0\n", 2 * MIB + 256 * b);
@@ -177,10 +179,36 @@ static void test_quadratic_and_check(void) {
   CHECK_STATUS(scale_fit((const trace_t* const*)r4, four, 4, &m), GPUMEM_ERR_INVALID_ARGUMENT);
   const char* msg = gpumem_last_error();
   CHECK_MSG(strstr(msg, "b1.trace line 9") && strstr(msg, "b5.trace line 9") &&
-                strstr(msg, "125 at batch 5") && strstr(msg, "no constant, affine"),
+                strstr(msg, "128000 at batch 5") && strstr(msg, "no constant, affine"),
             "%s", msg);
   CHECK(m == NULL);
   free_all(r4, 4);
+  free_all(rec, 3);
+}
+
+/* An allocation of at most 512 bytes that follows no trend (6, 96, 24 at
+ * batch 2, 4, 8) is held at its largest size, where a curve through it
+ * would fall below one byte by batch 16; one of larger sizes in the same
+ * zigzag is still refused. */
+static void test_small_sizes_held(void) {
+  job_t j = {.steps = 1, .zigzag = 1};
+  long batch[] = {2, 4, 8};
+  trace_t* rec[3];
+  record(&j, batch, 3, rec);
+  scale_model_t* m = NULL;
+  CHECK_STATUS(scale_fit((const trace_t* const*)rec, batch, 3, &m), GPUMEM_OK);
+  if (m) {
+    CHECK(m->num_held == 1);
+    CHECK(m->kind_count[SCALE_QUADRATIC] == 0);
+    trace_t* got = NULL;
+    CHECK_STATUS(scale_trace_at(m, 1024, &got, NULL), GPUMEM_OK);
+    size_t held = 0;
+    for (size_t i = 0; got && i < got->num_events; i++)
+      if (got->events[i].op == TRACE_ALLOC && got->events[i].size == 96) held++;
+    CHECK(held == 1);
+    trace_free(got);
+    scale_free(m);
+  }
   free_all(rec, 3);
 }
 
@@ -437,6 +465,7 @@ int main(void) {
   test_affine_and_constant();
   test_quadratic_and_check();
   test_rounding_and_below_one();
+  test_small_sizes_held();
   test_misaligned();
   test_largest_batch();
   return test_finish("test_scale");
