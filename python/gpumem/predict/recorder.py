@@ -591,8 +591,8 @@ def _accumulation(torch, args, kwargs):
         return False
     if old.shape != new.shape or old.dtype != new.dtype or old.device.type != "cuda":
         return False
-    if not _dense(old):
-        return False
+    if not _dense(old) or not hasattr(torch._C, "_storage_Use_Count"):
+        return False  # (a PyTorch that cannot count holders: summed into a new tensor, as before)
     return _storage_holders(torch, old) == 1
 
 
@@ -806,7 +806,8 @@ def _engine_wrapper(run):
 
 
 def _current_node():
-    return _torch()._C._current_autograd_node()
+    current = getattr(_torch()._C, "_current_autograd_node", None)
+    return current() if current else None
 
 
 # ---- torch.cuda as a job running on fake tensors sees it -----------------
