@@ -27,6 +27,7 @@
 #include "run.h"
 #include "reconcile.h"
 #include "scale.h"
+#include "shmfile.h" /* gm_pwrite_all */
 #include "top.h"
 #include "trace.h"
 
@@ -1783,18 +1784,16 @@ static int write_predicted_trace(const trace_t* at, const cli_t* cli, const long
     free(text);
     return error("%s", why);
   }
-  size_t done = 0;
-  while (done < len) {
-    ssize_t w = write(fd, text + done, len - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) break;
-    done += (size_t)w;
-  }
-  int saved = errno;
+  bool written = gm_pwrite_all(fd, text, len, 0);
+  int why_not = errno;
   free(text);
-  if (done < len || close(fd) != 0) {
+  if (close(fd) != 0 && written) {
+    written = false;
+    why_not = errno;
+  }
+  if (!written) {
     gm_outfile_abandon(&out);
-    return error("cannot write %s: %s", cli->write_trace, strerror(done < len ? saved : errno));
+    return error("cannot write %s: %s", cli->write_trace, strerror(why_not));
   }
   if (!gm_outfile_commit(&out, why, sizeof why)) return error("%s", why);
   return 0;
