@@ -623,12 +623,17 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
    * 1.0062 -> 1.0036, synth_random 1.0045 -> 1.0042, t5 1.0051 -> 1.0050,
    * at a cost on gpt2 (1.0032 -> 1.0040) and resnet (1.0034 -> 1.0037): the
    * worst case over the bundled and synthetic workloads falls from 1.0062
-   * to 1.0050. Not under reclaim:pressure without a limit, where nothing is
-   * reclaimed and reserved memory is the address space walked: there the
-   * end walked more (synth_random 1.1450 -> 1.2015 x peak live). Without a
-   * block struct for the split the front is taken. */
-  if (arena && b->next && should_split(gm, pool, arena, b, rsize) &&
-      (gm->opts.reclaim != GPUMEM_RECLAIM_PRESSURE || gm->limit) &&
+   * to 1.0050. Only where pages move one at a time (a limit, a budget, the
+   * planner, eager reclaim: !gm_grows_in_runs), which is what the rule
+   * serves. Where memory grows in runs nothing is reclaimed but what
+   * fences take back, reserved memory is the address space walked, and
+   * the end walks more: with the rule there the default reserved (peak /
+   * peak live, no limit) gpt2_beam_serve 1.1540 against 1.0594 without it,
+   * synth_random 1.2025 against 1.1301, synth_kvcache 1.0573 against
+   * 1.0317 (llama_finetune_varlen 1.0307 against 1.0373 the one that
+   * loses more than 0.0005). Without a block struct for the split the
+   * front is taken. */
+  if (arena && b->next && should_split(gm, pool, arena, b, rsize) && !gm_grows_in_runs(gm) &&
       hole_edge_waste(gm, b->addr, b->addr + b->size - rsize) <
           hole_edge_waste(gm, b->addr + rsize, b->addr + b->size)) {
     gm_block* end = gm_split_free_front(gm, b, b->size - rsize);
