@@ -733,6 +733,66 @@ class CommandTest(unittest.TestCase):
             for name in ("pytorch", "cudaMallocAsync"):
                 self.assertIn(name, done.stdout.decode())
 
+    def test_sequence_length_usage_errors(self):
+        env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
+        run = [sys.executable, "-m", "gpumem.predict", "--memory", "80G"]
+        cases = (
+            (["--seq-lens", "8,16,32"], ["--batch-size", "{B}", "--len", "{L}"], b"go together"),
+            (["--seq-lens", "8", "--seq-len", "64"], ["--batch-size", "{B}", "--len", "{L}"], b"bad --seq-lens"),
+            (["--seq-lens", "8,16", "--seq-len", "64"], ["--batch-size", "{B}"], b"need {L}"),
+            ([], ["--batch-size", "{B}", "--len", "{L}"], b"no --seq-lens"),
+        )
+        for opts, args, why in cases:
+            done = subprocess.run(run + opts + [__file__] + args, env=env, stderr=subprocess.PIPE)
+            self.assertEqual(done.returncode, 2, (opts, args))
+            self.assertIn(why, done.stderr, (opts, args))
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_batch_and_sequence_length_on_the_cpu(self):
+        # a token model: embeddings and a vocabulary head over B x L tokens
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); p.add_argument('--len', type=int)\n"
+            "a = p.parse_args()\n"
+            "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+            "model = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 256), torch.nn.GELU(),\n"
+            "                            torch.nn.Linear(256, 512)).to(dev)\n"
+            "opt = torch.optim.AdamW(model.parameters())\n"
+            "for step in range(1000):\n"
+            "    x = torch.randint(0, 512, (a.batch_size, a.len), device=dev)\n"
+            "    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())\n"
+            "    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)\n"
+        )
+        binary = _cli.find()
+        if binary is None:
+            self.skipTest("no gpumem binary: the passes of `gpumem predict` cannot run")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "train.py")
+            with open(path, "w") as f:
+                f.write(script)
+            out = os.path.join(d, "rec")
+            env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
+            done = subprocess.run(
+                [sys.executable, "-m", "gpumem.predict", "--memory", "80G", "--batch-sizes", "1,2", "--steps", "2",
+                 "--cpu", "--traces", out, "--batch", "8", "--seq-lens", "8,16,32", "--seq-len", "64",
+                 path, "--batch-size", "{B}", "--len", "{L}"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900,
+            )  # fmt: skip
+            err, text = done.stderr.decode(), done.stdout.decode()
+            self.assertEqual(done.returncode, 0, err)
+            self.assertIn("recorded at batch 1, 2 x length 8, 16, 32, predicted at length 64", text)
+            self.assertIn("peak reserved at batch 8", text)
+            # the first pass: batch 2 written at length 64 is what a run there records
+            direct = command.record(path, ["--batch-size", "{B}", "--len", "{L}"], 2, os.path.join(d, "direct"),
+                                    "cpu", 2, "h200", seq_len=64)  # fmt: skip
+            def sizes(name):
+                with open(name) as f:
+                    return [int(line.split()[2]) for line in f if line.startswith("a ")]
+
+            got, want = sizes(os.path.join(out, "b2_L64.trace")), sizes(direct["path"])
+            self.assertEqual(got, want)
+            self.assertIn(2 * 64 * 512 * 4, got)  # the logits at batch 2, length 64, fp32
+
 
 if __name__ == "__main__":
     unittest.main()

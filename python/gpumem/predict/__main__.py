@@ -3,6 +3,8 @@
     python -m gpumem.predict --memory 80G --batch-sizes 1,2 [--batch 64]
         [--steps 3] [--cpu] [--profile h200] [--traces DIR]
         train.py --batch-size {B} [script args]
+    python -m gpumem.predict ... --seq-lens 128,256,512 --seq-len 2048
+        train.py --batch-size {B} --max-length {L} [script args]
 
 Runs the training script briefly at each small batch size ({B} in its
 arguments becomes the batch size), each in a process of its own, until
@@ -14,6 +16,12 @@ each allocator; the table gives, for PyTorch's allocator, expandable
 segments, cudaMallocAsync and gpumem, the largest batch that fits in
 --memory and the peak reserved memory at --batch, and below it what the
 recordings could not see.
+
+With --seq-lens the script also runs at each of those sequence lengths ({L}
+in its arguments), at every small batch size; each batch's recordings are
+predicted at --seq-len first (`gpumem predict --write-trace`), then those
+traces over the batch: the table is for the job at --seq-len
+(docs/predict.md, "Two dimensions").
 
 Exit status: 0 done, 1 a run or `gpumem predict` failed, 2 bad usage."""
 
@@ -47,14 +55,14 @@ def parse_size(text):
     return value
 
 
-def parse_sizes(text):
+def parse_sizes(text, option="--batch-sizes", what="batch sizes", example="1,2"):
     try:
         sizes = [int(s) for s in text.split(",")]
     except ValueError:
-        raise ValueError("bad --batch-sizes %r (two or more batch sizes: 1,2)" % text) from None
+        raise ValueError("bad %s %r (two or more %s: %s)" % (option, text, what, example)) from None
     if len(sizes) < 2 or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise ValueError("bad --batch-sizes %r (two or more different batch sizes, each at least 1)" % text)
-    return sizes
+        raise ValueError("bad %s %r (two or more different %s, each at least 1)" % (option, text, what))
+    return sorted(sizes)
 
 
 def _parser():
@@ -66,6 +74,9 @@ def _parser():
     p.add_argument("--memory", required=True, help="the device memory to fit in (80G, 141GiB)")
     p.add_argument("--batch-sizes", default="1,2", help="the small batch sizes to run at (default 1,2)")
     p.add_argument("--batch", type=int, help="the batch size to report the peak at")
+    p.add_argument("--seq-lens", help="also run at these sequence lengths ({L} in the script's arguments); "
+                   "three or more where sizes grow with the square of the length")
+    p.add_argument("--seq-len", type=int, help="with --seq-lens: the sequence length to predict at")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
     p.add_argument("--cpu", action="store_true", help="record on fake CUDA tensors even with a GPU")
     p.add_argument("--profile", default="h200", help="device profile for --cpu runs (default h200)")
@@ -91,23 +102,27 @@ def _gpu_available():
     return torch.cuda.is_available()
 
 
-def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800):
-    """Runs script at batch_size in a child process; returns its meta.json
-    (with 'path': the recording) or raises PredictError."""
+def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
+    """Runs script at batch_size (and seq_len, for {L}) in a child process;
+    returns its meta.json (with 'path': the recording) or raises
+    PredictError."""
     os.makedirs(out_dir, mode=0o700, exist_ok=True)
     argv = [a.replace("{B}", str(batch_size)) for a in args]
+    if seq_len is not None:
+        argv = [a.replace("{L}", str(seq_len)) for a in argv]
+    at = "batch %d" % batch_size + ("" if seq_len is None else " length %d" % seq_len)
     cmd = [sys.executable, "-m", "gpumem.predict._child", mode, out_dir, str(steps), profile, script] + argv
     try:
         done = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
-        raise PredictError("%s at batch %d ran past %g s" % (script, batch_size, timeout)) from None
+        raise PredictError("%s at %s ran past %g s" % (script, at, timeout)) from None
     meta_path = os.path.join(out_dir, "meta.json")
     if done.returncode != 0 or not os.path.exists(meta_path):
         tail = done.stdout.decode("utf-8", "replace").strip().splitlines()[-15:]
         raise PredictError(
-            "%s at batch %d failed (exit status %d):\n  %s"
-            % (script, batch_size, done.returncode, "\n  ".join(tail) or "(no output)")
+            "%s at %s failed (exit status %d):\n  %s"
+            % (script, at, done.returncode, "\n  ".join(tail) or "(no output)")
         )
     with open(meta_path) as f:
         meta = json.load(f)
@@ -115,7 +130,7 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
     meta["output"] = done.stdout.decode("utf-8", "replace")
     if meta["steps"] == 0 and not meta.get("ended"):
         raise PredictError(
-            "%s at batch %d stopped before its first optimizer step: nothing to scale" % (script, batch_size)
+            "%s at %s stopped before its first optimizer step: nothing to scale" % (script, at)
         )
     if meta["steps"] == 0:
         meta["notes"] = meta["notes"] + ["%s took no optimizer step (inference): its whole run is what is scaled"
@@ -123,19 +138,38 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
     return meta
 
 
-def run_predict(sizes, paths, memory, batch=None, binary=None):
-    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed, and
-    what its check of the largest recording said (check_line)."""
+def _binary(binary=None):
     binary = binary or _cli.find()
     if binary is None:
         raise PredictError(
             "the gpumem command line program is missing (tried %s): run `make build` in the checkout "
             "or reinstall the package" % ", ".join(_cli.candidates())
         )
+    return binary
+
+
+def run_predict(sizes, paths, memory, batch=None, binary=None):
+    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed, and
+    what its check of the largest recording said (check_line)."""
+    binary = _binary(binary)
     cmd = [binary, "predict", "--sizes", ",".join(str(s) for s in sizes)] + list(paths)
     cmd += ["--memory", "%dB" % memory, "--json"]
     if batch is not None:
         cmd += ["--batch", str(batch)]
+    return _predict_output(binary, cmd)
+
+
+def write_at(batch, lengths, paths, seq_len, out, binary=None):
+    """`gpumem predict --sizes L1,L2,... --batch seq_len --write-trace out`:
+    the recordings at batch over the lengths, written at seq_len. Returns
+    what its check of the longest recording said (check_line), or None."""
+    binary = _binary(binary)
+    cmd = [binary, "predict", "--sizes", ",".join(str(s) for s in lengths)] + list(paths)
+    cmd += ["--batch", str(seq_len), "--write-trace", out, "--json"]
+    return _predict_output(binary, cmd, "check at batch %d: length" % batch, "shorter")[1]
+
+
+def _predict_output(binary, cmd, check_prefix="check: batch", smaller="smaller"):
     done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     err = done.stderr.decode("utf-8", "replace").strip()
     if done.returncode != 0:
@@ -143,7 +177,7 @@ def run_predict(sizes, paths, memory, batch=None, binary=None):
             raise PredictError("%s has no `predict` command (an older build: run `make build`)" % binary)
         raise PredictError("`gpumem predict` failed (exit status %d): %s" % (done.returncode, err))
     text = done.stdout.decode("utf-8", "replace")
-    return parse_rows(text), check_line(text)
+    return parse_rows(text), check_line(text, check_prefix, smaller)
 
 
 def parse_rows(text):
@@ -165,14 +199,14 @@ def parse_rows(text):
     return out
 
 
-def check_line(text):
+def check_line(text, prefix="check: batch", smaller="smaller"):
     """With three recordings or more, the largest is predicted from the
     others (docs/predict.md): one line saying how well, or None."""
     c = json.loads(text).get("check") if text.strip() else None
     if not c:
         return None
-    line = "check: batch %s predicted from the smaller ones: %s of %s allocations to the byte" % (
-        c.get("batch"), c.get("exact"), c.get("allocations"))
+    line = "%s %s predicted from the %s ones: %s of %s allocations to the byte" % (
+        prefix, c.get("batch"), smaller, c.get("exact"), c.get("allocations"))
     rec, pred = c.get("recorded_peak_live_bytes"), c.get("predicted_peak_live_bytes")
     if rec and pred is not None:
         line += "; peak live %s predicted, %s recorded" % (_gib(pred), _gib(rec))
@@ -183,11 +217,15 @@ def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
 
 
-def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None, check=None):
+def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None, check=None,
+          seq_lens=None, seq_len=None):
     """The command's report, as text."""
     where = "on the GPU" if mode == "gpu" else "on fake CUDA tensors (no GPU used)"
+    recorded = "batch %s" % ", ".join(str(s) for s in sizes)
+    if seq_lens:
+        recorded += " x length %s, predicted at length %d" % (", ".join(str(s) for s in seq_lens), seq_len)
     lines = [
-        "%s: recorded at batch %s %s" % (script, ", ".join(str(s) for s in sizes), where),
+        "%s: recorded at %s %s" % (script, recorded, where),
         "device memory %s; the CUDA context takes %s (%s), leaving %s to the allocator"
         % (_gib(memory), _gib(context), context_source, _gib(memory - context)),
         "",
@@ -216,6 +254,21 @@ def main(argv=None):
         p.error(str(e))
     if not any("{B}" in x for x in a.args):
         p.error("the script's arguments need {B} where the batch size goes (e.g. --batch-size {B})")
+    seq_lens = None
+    if a.seq_lens is not None or a.seq_len is not None:
+        if a.seq_lens is None or a.seq_len is None:
+            p.error("--seq-lens and --seq-len go together: the lengths to run at and the one to predict at")
+        try:
+            seq_lens = parse_sizes(a.seq_lens, "--seq-lens", "sequence lengths", "128,256,512")
+        except ValueError as e:
+            p.error(str(e))
+        if a.seq_len < 1:
+            p.error("--seq-len must be at least 1")
+        if not any("{L}" in x for x in a.args):
+            p.error("with --seq-lens the script's arguments need {L} where the sequence length goes "
+                    "(e.g. --max-length {L})")
+    elif any("{L}" in x for x in a.args):
+        p.error("the script's arguments have {L} but no --seq-lens gives the lengths to run at")
     if a.steps < 1:
         p.error("--steps must be at least 1")
     if not os.path.isfile(a.script):
@@ -230,9 +283,12 @@ def main(argv=None):
         root = a.traces if keep else tempfile.mkdtemp(prefix="gpumem-predict-")
         metas = []
         for b in sizes:
-            sys.stderr.write("gpumem.predict: running %s at batch %d (%s)\n" % (a.script, b, mode))
-            metas.append(record(a.script, a.args, b, os.path.join(root, "b%d" % b), mode, a.steps,
-                                a.profile, a.timeout))  # fmt: skip
+            for length in seq_lens or [None]:
+                at = "batch %d" % b + ("" if length is None else " length %d" % length)
+                sys.stderr.write("gpumem.predict: running %s at %s (%s)\n" % (a.script, at, mode))
+                folder = "b%d" % b + ("" if length is None else "_L%d" % length)
+                metas.append(record(a.script, a.args, b, os.path.join(root, folder), mode, a.steps,
+                                    a.profile, a.timeout, length))  # fmt: skip
         notes = []
         for m in metas:
             for n in m["notes"]:
@@ -242,12 +298,27 @@ def main(argv=None):
         if context >= memory:
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
         try:
-            rows, check = run_predict(sizes, [m["path"] for m in metas], memory - context, a.batch)
+            paths = [m["path"] for m in metas]
+            checks = []
+            if seq_lens:
+                # each batch's recordings over the lengths, written at --seq-len; then those over the batch
+                n = len(seq_lens)
+                written = []
+                for i, b in enumerate(sizes):
+                    out = os.path.join(root, "b%d_L%d.trace" % (b, a.seq_len))
+                    c = write_at(b, seq_lens, paths[i * n:(i + 1) * n], a.seq_len, out)
+                    if c:
+                        checks.append(c)
+                    written.append(out)
+                paths = written
+            rows, check = run_predict(sizes, paths, memory - context, a.batch)
+            if check:
+                checks.append(check)
         except PredictError as e:
             keep = True
             raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
         sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows, notes,
-                               a.batch, check))  # fmt: skip
+                               a.batch, "\n".join(checks) or None, seq_lens, a.seq_len))  # fmt: skip
         if keep:
             sys.stdout.write("recordings: %s\n" % root)
         return 0
