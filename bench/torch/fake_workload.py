@@ -10,7 +10,8 @@ ms, x GPUMEM_SLOWDOWN under gpumem, x LIMIT_SLOWDOWN more when capped, plus
 a small jitter by step; with a record: key in --conf (gpumem), x
 FAKE_RECORD_SLOWDOWN more (default 1.0), and an empty file at its path (%p:
 the process id) stands for the recording. FAKE_LOG, when set, gets a line
-'ALLOCATOR[@LIMIT] STEP' per step, in the order the steps ran."""
+'ALLOCATOR[@LIMIT] STEP' per step, in the order the steps ran. Peak reserved
+is 1.1 x PEAK, or FAKE_RESERVED_<ALLOCATOR> x PEAK where that is set."""
 
 import argparse
 import json
@@ -62,8 +63,9 @@ def main():
             print("LOCKSTEP %d %.3f" % (i, ms), flush=True)
         if i >= args.warmup:
             times.append(ms)
+    reserved = float(os.environ.get("FAKE_RESERVED_" + args.allocator.upper(), "1.1"))
     result = {"workload": args.workload, "allocator": args.allocator, "conf": args.conf, "limit": args.limit,
-              "device": "fake GPU", "steps": len(times), "step_ms": times, "peak_reserved": int(PEAK * 1.1),
+              "device": "fake GPU", "steps": len(times), "step_ms": times, "peak_reserved": int(PEAK * reserved),
               "peak_allocated": PEAK, "oom": oom_message is not None, "oom_message": oom_message}
     if args.allocator == "gpumem":
         result["gpumem"] = {"backend_calls.map": 5, "num_syncs": 1}

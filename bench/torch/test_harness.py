@@ -229,6 +229,17 @@ class UserJobsTest(unittest.TestCase):
                       text)
         self.assertIn("a limit 1.02x gpumem@1.02x: timed steps: map=2", text)
 
+    def test_peers(self):
+        rows, text, _ = self.drive(WORKLOADS="a", PHASES="peers", FAKE_RESERVED_NATIVE="1.2",
+                                   FAKE_RESERVED_EXPANDABLE="1.05", FAKE_RESERVED_GPUMEM="1.04")
+        self.assertEqual([(r["phase"], r["verdict"]) for r in rows], [("peers", "PASS")])
+        self.assertIn("peak reserved gpumem 9.69 GiB, at most native's and expandable's", rows[0]["why"])
+        self.assertIn("| a | peers | expandable / native |", text)
+        rows, _, _ = self.drive(WORKLOADS="a", PHASES="peers", FAKE_RESERVED_GPUMEM="1.15")
+        self.assertEqual(rows[0]["verdict"], "FAIL")
+        self.assertIn("more than native 10.24 GiB and expandable 10.24 GiB", rows[0]["why"])
+        self.assertTrue(rows[0]["why"].startswith("gpumem / native 1.0"), rows[0]["why"])  # the step time too
+
     def test_gpumem_out_of_memory_under_the_limit_fails(self):
         rows, _, _ = self.drive(WORKLOADS="a", FAKE_GPUMEM_FITS="1.015", LIMITS="1.01")
         self.assertEqual(rows[1]["verdict"], "FAIL")

@@ -8,6 +8,9 @@ Per workload (WORKLOADS):
            (PASS: ratio of medians <= 1.01 and the upper end of its 95%
            interval <= 1.02). Native's peak allocated bytes are the job's
            peak for the limits below.
+  peers    native, gpumem and expandable segments, no limit, in turns
+           (PASS: gpumem / native as in free, and gpumem's peak reserved
+           at most native's and expandable segments').
   limits   for each R in LIMITS, three sides capped or not: expandable
            segments at R x peak, gpumem at R x peak, gpumem unlimited.
            Where expandable segments runs, gpumem capped must be within 1%
@@ -25,7 +28,7 @@ Environment (all optional):
                    bench/torch/workloads.py's: the bundled four too)
   LIMIT_WORKLOADS  the workloads of WORKLOADS but llama_generate_serve
   LIMITS           "1.02 1.01" (ratios of the job's peak allocated bytes)
-  PHASES           "free limits"
+  PHASES           "free limits" (and/or peers)
   STEPS, WARMUP    timed and warm-up steps per run (default per workload,
                    DEFAULT_STEPS and DEFAULT_WARMUP: 40 and 4 unless listed)
   CONF             GPUMEM_CONF of the gpumem sides (default: none, the
@@ -199,6 +202,28 @@ def judge_free(result):
         over, ratio, lo, hi, FREE_RATIO_MAX, FREE_CI_HIGH_MAX)
 
 
+def judge_peers(result):
+    """PASS / FAIL / ERROR of an unlimited run of native, gpumem and
+    expandable segments: the step time as judge_free has it, and gpumem's
+    peak reserved at most each peer's."""
+    verdict, why = judge_free(result)
+    if verdict == "ERROR":
+        return verdict, why
+    gm = side_of(result, "gpumem")
+    over = []
+    for peer in ("native", "expandable"):
+        s = side_of(result, peer)
+        if s is None or s["stopped_at"] is not None:
+            return "ERROR", "%s did not run to the end" % peer
+        if gm["peak_reserved"] > s["peak_reserved"]:
+            over.append("%s %s GiB" % (peer, gib(s["peak_reserved"])))
+    if over:
+        verdict = "FAIL"
+    return verdict, "%s; peak reserved gpumem %s GiB%s" % (
+        why, gib(gm["peak_reserved"]), ", more than " + " and ".join(over) if over else ", at most native's and "
+        "expandable's")
+
+
 def judge_limit(result, r):
     """PASS / FAIL / ERROR at limit r: against expandable segments where it
     ran, else against gpumem unlimited."""
@@ -331,6 +356,9 @@ def main():
             native = side_of(r, "native")
             if native and native["stopped_at"] is None:
                 peak = native["peak_allocated"]
+        if "peers" in cfg["phases"]:
+            r = lockstep(w, ["native", "gpumem", "expandable"], ["1/0", "2/0"], cfg, clock)
+            record(r, "peers", *judge_peers(r))
         if "limits" not in cfg["phases"] or w not in cfg["limit_workloads"]:
             continue
         if peak is None:
