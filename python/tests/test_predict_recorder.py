@@ -641,6 +641,23 @@ class GpuHistoryTest(unittest.TestCase):
         self.assertEqual(rec.peak_live_bytes, 512 + 1024)
 
 
+def predict_script(d, script, options, script_args):
+    """Writes script to d/train.py and runs `python -m gpumem.predict` on it
+    at batch 1 and 2, two steps, on the CPU recorder, keeping the recordings
+    in d/rec, with further options and the script's arguments.
+    (the finished process, the recordings' directory, the script's path)"""
+    path = os.path.join(d, "train.py")
+    with open(path, "w") as f:
+        f.write(script)
+    out = os.path.join(d, "rec")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpumem.predict", "--memory", "80G", "--batch-sizes", "1,2", "--steps", "2",
+         "--cpu", "--traces", out] + options + [path] + script_args,
+        env=dict(os.environ, PYTHONPATH=PYTHON_DIR), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900,
+    )  # fmt: skip
+    return done, out, path
+
+
 class CommandTest(unittest.TestCase):
     def test_sizes(self):
         self.assertEqual(command.parse_size("80G"), 80 << 30)
@@ -702,16 +719,7 @@ class CommandTest(unittest.TestCase):
             "    print('loss', loss.item())\n"
         )
         with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "train.py")
-            with open(path, "w") as f:
-                f.write(script)
-            out = os.path.join(d, "rec")
-            env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
-            done = subprocess.run(
-                [sys.executable, "-m", "gpumem.predict", "--memory", "80G", "--batch-sizes", "1,2", "--steps", "2",
-                 "--cpu", "--traces", out, "--batch", "64", path, "--batch-size", "{B}"],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=600,
-            )  # fmt: skip
+            done, out, _ = predict_script(d, script, ["--batch", "64"], ["--batch-size", "{B}"])
             err = done.stderr.decode()
             traces = []
             for b in (1, 2):
@@ -767,17 +775,8 @@ class CommandTest(unittest.TestCase):
         if binary is None:
             self.skipTest("no gpumem binary: the passes of `gpumem predict` cannot run")
         with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "train.py")
-            with open(path, "w") as f:
-                f.write(script)
-            out = os.path.join(d, "rec")
-            env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
-            done = subprocess.run(
-                [sys.executable, "-m", "gpumem.predict", "--memory", "80G", "--batch-sizes", "1,2", "--steps", "2",
-                 "--cpu", "--traces", out, "--batch", "8", "--seq-lens", "8,16,32", "--seq-len", "64",
-                 path, "--batch-size", "{B}", "--len", "{L}"],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900,
-            )  # fmt: skip
+            done, out, path = predict_script(d, script, ["--batch", "8", "--seq-lens", "8,16,32", "--seq-len", "64"],
+                                             ["--batch-size", "{B}", "--len", "{L}"])  # fmt: skip
             err, text = done.stderr.decode(), done.stdout.decode()
             self.assertEqual(done.returncode, 0, err)
             self.assertIn("recorded at batch 1, 2 x length 8, 16, 32, predicted at length 64", text)
