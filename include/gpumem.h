@@ -208,20 +208,30 @@ typedef struct gpumem_options {
    * the device; gpumem_record_trace() does the same at run time. Empty
    * (the default): no recording. */
   char record[256];
+  /* Default policy, no cap: a run of allocations made with no free between
+   * them that walks past an arena's highest mapped page maps ahead of
+   * itself, twice the block and at most this many bytes, so that the run's
+   * next blocks need no mapping (src/alloc.c, tail_run_ahead). What a run
+   * mapped and did not use when it stops (at most this much per arena)
+   * stays reserved, and where a job's live peak is the end of such a run
+   * (weights loaded, then converted) it is part of the peak. 0: nothing
+   * ahead, one mapping per block. Default 128 MiB. */
+  size_t map_ahead_bytes;
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 
 /* Fills defaults (policy default with auto placement and lazy reclaim
  * with no move budget (moves only when needed), headroom 0.02, no limit,
- * map_max 1 GiB, move_guard on, stream_waits on, fences on, publish auto,
- * leak_check off, no oom_snapshot). */
+ * map_max 1 GiB, map_ahead 128 MiB, move_guard on, stream_waits on, fences
+ * on, publish auto, leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
  * limit (bytes with optional K/M/G/T suffix, binary), fraction (0..1],
  * reclaim (lazy|eager|pressure), headroom (0..1), max_split_size_mb,
- * placement (auto|planned|bestfit), map_max (a size, as limit), move_guard
+ * placement (auto|planned|bestfit), map_max (a size, as limit), map_ahead
+ * (a size, or off), move_guard
  * (on|off), fences (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
  * stream_waits (on|off), publish (auto|on|off), leak_check (on|off),
  * oom_snapshot (a path without ','), shared_limit (a size), shared_name (a

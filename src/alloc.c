@@ -513,7 +513,7 @@ static inline bool follows_tail_run(const gm_pool* pool) {
  * costs; a job whose shapes never repeat pays it at each new largest
  * shape. So where a block of a run walks past the arena's highest mapped
  * page, its mapping takes room for the run's next blocks too: twice the
- * block, at most GM_TAIL_RUN_AHEAD_MAX (the pages above are free, and
+ * block, at most the map_ahead setting (the pages above are free, and
  * best fit takes them next by prefer_walked_tail). What is mapped and not
  * used when the run stops is at most that much per arena, cached and
  * reclaimable. Only where nothing moves pages (mappings of several pages,
@@ -529,16 +529,18 @@ static inline bool follows_tail_run(const gm_pool* pool) {
  * 1.0854); at most 256 MiB llama 1.1252; at 96 MiB t5 1.0507, at 64 MiB
  * synth_streams stayed at 0.519: the bundled traces' peaks sit within
  * 0.0004 x of the best peer's (gpt2, t5), and the cap is where none of
- * them passes it. */
+ * them passes it. The cap is the map_ahead setting (default 128 MiB; 0:
+ * nothing ahead): where a job's live peak is the end of such a run, what
+ * it mapped ahead is part of the peak (gpt2_generate 1.0406 x peak live,
+ * 1.0006 with map_ahead:0; BENCHMARKS.md). */
 #define GM_TAIL_RUN_AHEAD_FACTOR 2
-#define GM_TAIL_RUN_AHEAD_MAX ((size_t)128 << 20)
 
-static inline size_t tail_run_ahead(const gm_pool* pool, size_t rsize) {
+static inline size_t tail_run_ahead(const gpumem_t* gm, const gm_pool* pool, size_t rsize) {
   /* (the run first: on a warm path blocks come from holes, and that one
    * test is all it costs) */
   if (GM_LIKELY(!follows_tail_run(pool)) || pool->is_small) return 0;
-  size_t ahead = GM_TAIL_RUN_AHEAD_FACTOR * rsize;
-  return ahead < GM_TAIL_RUN_AHEAD_MAX ? ahead : GM_TAIL_RUN_AHEAD_MAX;
+  size_t ahead = GM_TAIL_RUN_AHEAD_FACTOR * rsize, cap = gm->opts.map_ahead_bytes;
+  return ahead < cap ? ahead : cap;
 }
 
 static inline void note_tail_run(gm_pool* pool, bool at_tail_for_want_of_hole) {
@@ -648,7 +650,7 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
   if (arena) {
     gm_arena_busy(gm, b, 1);
     gpumem_status_t st =
-        gm_arena_map_range_ahead(gm, b->seg, b->addr, b->size, tail_run_ahead(pool, rsize));
+        gm_arena_map_range_ahead(gm, b->seg, b->addr, b->size, tail_run_ahead(gm, pool, rsize));
     if (st != GPUMEM_OK) {
       gm_free_unused(gm, b);
       /* An arena reserved for this request alone goes back with it. */

@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name, shared_group, record, fences"
+  "shared_name, shared_group, record, fences, map_ahead"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -55,6 +55,9 @@ void gpumem_options_init(gpumem_options_t* opts) {
    * on an H100 a mapping costs ~50-110 us to create, map and grant access
    * to, 2 MiB or 1 GiB alike; see docs/design.md. */
   opts->map_max_bytes = (size_t)1 << 30;
+  /* A run that grows an arena block by block maps ahead of itself, up to
+   * this much (alloc.c, tail_run_ahead has the measurements). */
+  opts->map_ahead_bytes = (size_t)128 << 20;
   /* Memory held at the high-water mark unless that costs a page move every
    * few allocations with no plan serving (pages.c, note_move). */
   opts->move_guard = 1;
@@ -305,6 +308,7 @@ enum {
   KEY_SHARED_GROUP,
   KEY_RECORD,
   KEY_FENCES,
+  KEY_MAP_AHEAD,
   KEY_COUNT
 };
 
@@ -316,7 +320,7 @@ static const char* const key_names[KEY_COUNT] = {
     "stream_waits", "publish",      "leak_check",
     "oom_snapshot", "shared_limit", "shared_name",
     "move_budget",  "shared_group", "record",
-    "fences",
+    "fences",       "map_ahead",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -487,6 +491,13 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       gpumem_status_t st = size_value(value, "map_max", &o->map_max_bytes);
       if (st != GPUMEM_OK) return st;
       return GPUMEM_OK;
+    }
+    case KEY_MAP_AHEAD: {
+      if (span_eq(value, "off")) {
+        o->map_ahead_bytes = 0;
+        return GPUMEM_OK;
+      }
+      return size_value(value, "map_ahead", &o->map_ahead_bytes);
     }
     case KEY_FRACTION: {
       double v = 0;

@@ -621,6 +621,12 @@ for args in "replay --limit 80" "replay --capacity 80" "summary --limit 80" "rep
   expect_rc 1 "$args"
   expect_in "did you mean" "$err" "$args"
 done
+# A bare zero is the same in every unit.
+run "$BIN" replay --json --passes 0 --conf map_ahead:0 "$TINY"
+expect_rc 0 "replay --conf map_ahead:0"
+run "$BIN" replay --policy pytorch --conf map_ahead:off "$TINY"
+expect_rc 1 "replay --policy pytorch --conf map_ahead:off"
+expect_in "key 'map_ahead' does not apply to the pytorch policy" "$err" "map_ahead under pytorch"
 run "$BIN" run --conf limit:80 -- true
 expect_rc 2 "run --conf limit:80"
 expect_in "did you mean 80G" "$err" "run --conf limit:80"

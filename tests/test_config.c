@@ -14,6 +14,7 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
          a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
+         a->map_ahead_bytes == b->map_ahead_bytes &&
          a->move_guard == b->move_guard && a->stream_waits == b->stream_waits &&
          a->publish == b->publish;
 }
@@ -32,6 +33,7 @@ static gpumem_options_t odd_options(void) {
   o.placement = GPUMEM_PLACEMENT_BESTFIT;
   o.own_backend = 1;
   o.map_max_bytes = 6 * GM_MIB;
+  o.map_ahead_bytes = 7 * GM_MIB;
   o.move_guard = 0;
   o.stream_waits = 0;
   o.publish = GPUMEM_PUBLISH_OFF;
@@ -84,6 +86,7 @@ static void test_defaults(void) {
   CHECK(o.placement == GPUMEM_PLACEMENT_AUTO);
   CHECK(o.own_backend == 0);
   CHECK(o.map_max_bytes == GM_GIB);
+  CHECK(o.map_ahead_bytes == 128 * GM_MIB);
   CHECK(o.move_guard == 1);
   CHECK(o.stream_waits == 1);
   CHECK(o.publish == GPUMEM_PUBLISH_AUTO);
@@ -238,6 +241,11 @@ static void test_map_max(void) {
   CHECK(parse_ok("map_max:0").map_max_bytes == 0);
   parse_fails("map_max:lots", "bad value \"lots\" for key \"map_max\"", "1.5G", NULL);
   parse_fails("map_max:-1M", "\"-1M\"", "map_max", NULL);
+  CHECK(parse_ok("map_ahead:64M").map_ahead_bytes == 64 * GM_MIB);
+  CHECK(parse_ok("map_ahead:off").map_ahead_bytes == 0);
+  CHECK(parse_ok("map_ahead:0").map_ahead_bytes == 0);
+  parse_fails("map_ahead:lots", "bad value \"lots\" for key \"map_ahead\"", "1.5G", NULL);
+  parse_fails("map_ahead:on", "bad value \"on\" for key \"map_ahead\"", "1.5G", NULL);
 }
 
 static void test_max_split_size(void) {

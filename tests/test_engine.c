@@ -398,6 +398,30 @@ static void test_map_ahead(void) {
   fx_done(&f);
 }
 
+/* map_ahead caps what a run maps ahead of itself; off (or 0): each block
+ * of a run maps its own pages only, one mapping each. */
+static void test_map_ahead_setting(const char* conf, size_t cap) {
+  fx_t f = fx_new(conf, 64 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 10 * MIB, SA);
+  char* b = alloc(&f, 10 * MIB, SA); /* the run's second block: 10 MiB and min(20, cap) ahead */
+  size_t ahead = cap < 20 * MIB ? cap : 20 * MIB;
+  CHECK_MSG(reserved(&f) == (int64_t)(20 * MIB + ahead), "%s: a run of two: reserved %lld, want %zu",
+            conf, (long long)reserved(&f), 20 * MIB + ahead);
+  uint64_t creates = dev(&f).calls[GPUMEM_CALL_create_page];
+  char* c = alloc(&f, 10 * MIB, SA);
+  uint64_t want = ahead >= 10 * MIB ? 0 : 1; /* found mapped, or one mapping of its own */
+  CHECK_MSG(dev(&f).calls[GPUMEM_CALL_create_page] - creates == want,
+            "%s: the third block made %llu mappings, want %llu", conf,
+            (unsigned long long)(dev(&f).calls[GPUMEM_CALL_create_page] - creates),
+            (unsigned long long)want);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  release(&f, a);
+  release(&f, b);
+  release(&f, c);
+  fx_done(&f);
+}
+
 /* Mapping ahead under random runs and frees on three streams, on a device
  * large enough never to refuse (a refusal turns mapping ahead off for
  * good, so the randomized test's small devices reach it rarely):
@@ -1710,6 +1734,9 @@ int main(int argc, char** argv) {
   test_tail_run("policy:default", true);
   test_tail_run("policy:default,limit:4G", false);
   test_map_ahead();
+  test_map_ahead_setting("policy:default,map_ahead:off", 0);
+  test_map_ahead_setting("policy:default,map_ahead:4M", 4 * MIB);
+  test_map_ahead_setting("policy:default,map_ahead:1G", 1 * GIB);
   test_map_ahead_random();
   test_stream_ownership();
   test_record_stream("policy:pytorch");

@@ -86,6 +86,21 @@ static int unitless(const char* text, size_t n) {
   return n && (isdigit((unsigned char)text[n - 1]) || text[n - 1] == '.');
 }
 
+/* Whether text (n bytes) is a bare zero ("0", "0.0"): the same in every
+ * unit, so a key's value needs none (map_ahead:0; limit:0 is refused by
+ * the library, by name). */
+static int bare_zero(const char* text, size_t n) {
+  while (n && isspace((unsigned char)text[n - 1])) n--;
+  size_t zeros = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (text[i] == '0')
+      zeros++;
+    else if (text[i] != '.')
+      return 0;
+  }
+  return zeros > 0;
+}
+
 /* "bad --limit '80': 80 bytes: did you mean 80G? write 80B for bytes" */
 static void unit_message(const char* option, const char* text, size_t n) {
   while (n && isspace((unsigned char)text[n - 1])) n--;
@@ -112,7 +127,7 @@ gpumem_status_t cli_parse_size(const char* option, const char* text, size_t* out
 }
 
 gpumem_status_t cli_check_conf_units(const char* option, const char* conf) {
-  static const char* const size_keys[] = {"limit", "map_max", "shared_limit"};
+  static const char* const size_keys[] = {"limit", "map_max", "map_ahead", "shared_limit"};
   const char* p = conf ? conf : "";
   while (*p) {
     size_t item = strcspn(p, ",");
@@ -127,7 +142,7 @@ gpumem_status_t cli_check_conf_units(const char* option, const char* conf) {
       while (vlen && isspace((unsigned char)*v)) v++, vlen--;
       for (size_t i = 0; i < sizeof size_keys / sizeof size_keys[0]; i++) {
         if (strlen(size_keys[i]) == klen && strncasecmp(k, size_keys[i], klen) == 0 &&
-            unitless(v, vlen)) {
+            unitless(v, vlen) && !bare_zero(v, vlen)) {
           char name[64];
           snprintf(name, sizeof name, "%s %.*s", option, (int)klen, k);
           unit_message(name, v, vlen);
