@@ -14,9 +14,8 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->reclaim == b->reclaim && a->headroom == b->headroom &&
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
          a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
-         a->map_ahead_bytes == b->map_ahead_bytes &&
-         a->move_guard == b->move_guard && a->stream_waits == b->stream_waits &&
-         a->publish == b->publish;
+         a->map_ahead_bytes == b->map_ahead_bytes && a->move_guard == b->move_guard &&
+         a->stream_waits == b->stream_waits && a->publish == b->publish;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"

@@ -406,8 +406,9 @@ static void test_map_ahead_setting(const char* conf, size_t cap) {
   char* a = alloc(&f, 10 * MIB, SA);
   char* b = alloc(&f, 10 * MIB, SA); /* the run's second block: 10 MiB and min(20, cap) ahead */
   size_t ahead = cap < 20 * MIB ? cap : 20 * MIB;
-  CHECK_MSG(reserved(&f) == (int64_t)(20 * MIB + ahead), "%s: a run of two: reserved %lld, want %zu",
-            conf, (long long)reserved(&f), 20 * MIB + ahead);
+  CHECK_MSG(reserved(&f) == (int64_t)(20 * MIB + ahead),
+            "%s: a run of two: reserved %lld, want %zu", conf, (long long)reserved(&f),
+            20 * MIB + ahead);
   uint64_t creates = dev(&f).calls[GPUMEM_CALL_create_page];
   char* c = alloc(&f, 10 * MIB, SA);
   uint64_t want = ahead >= 10 * MIB ? 0 : 1; /* found mapped, or one mapping of its own */
