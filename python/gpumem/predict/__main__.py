@@ -102,6 +102,11 @@ def _gpu_available():
     return torch.cuda.is_available()
 
 
+def _at(batch_size, seq_len=None):
+    """'batch 4', or 'batch 4 length 128': a run's point, in words."""
+    return "batch %d" % batch_size + ("" if seq_len is None else " length %d" % seq_len)
+
+
 def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
     """Runs script at batch_size (and seq_len, for {L}) in a child process;
     returns its meta.json (with 'path': the recording) or raises
@@ -110,7 +115,7 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
     argv = [a.replace("{B}", str(batch_size)) for a in args]
     if seq_len is not None:
         argv = [a.replace("{L}", str(seq_len)) for a in argv]
-    at = "batch %d" % batch_size + ("" if seq_len is None else " length %d" % seq_len)
+    at = _at(batch_size, seq_len)
     cmd = [sys.executable, "-m", "gpumem.predict._child", mode, out_dir, str(steps), profile, script] + argv
     try:
         done = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -284,8 +289,7 @@ def main(argv=None):
         metas = []
         for b in sizes:
             for length in seq_lens or [None]:
-                at = "batch %d" % b + ("" if length is None else " length %d" % length)
-                sys.stderr.write("gpumem.predict: running %s at %s (%s)\n" % (a.script, at, mode))
+                sys.stderr.write("gpumem.predict: running %s at %s (%s)\n" % (a.script, _at(b, length), mode))
                 folder = "b%d" % b + ("" if length is None else "_L%d" % length)
                 metas.append(record(a.script, a.args, b, os.path.join(root, folder), mode, a.steps,
                                     a.profile, a.timeout, length))  # fmt: skip
