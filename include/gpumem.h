@@ -217,6 +217,14 @@ typedef struct gpumem_options {
    * (weights loaded, then converted) it is part of the peak. 0: nothing
    * ahead, one mapping per block. Default 128 MiB. */
   size_t map_ahead_bytes;
+  /* Default policy, no cap: 1 (the default) lets a large request of one
+   * stream whose arena would have to grow take a free block of another
+   * stream's arena whose pages are mapped, once an event recorded on that
+   * stream after its last free is seen complete (queried, never waited
+   * for; src/alloc.c, borrow_mapped). The block is used on the borrower
+   * as after record_stream. 0: each stream's arena holds its own peak.
+   * Needs the backend's event slots. */
+  int lend;
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
@@ -224,7 +232,7 @@ enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 /* Fills defaults (policy default with auto placement and lazy reclaim
  * with no move budget (moves only when needed), headroom 0.02, no limit,
  * map_max 1 GiB, map_ahead 128 MiB, move_guard on, stream_waits on, fences
- * on, publish auto, leak_check off, no oom_snapshot). */
+ * on, lend on, publish auto, leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
@@ -233,7 +241,7 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * placement (auto|planned|bestfit), map_max (a size, as limit), map_ahead
  * (a size, or off), move_guard
  * (on|off), fences (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
- * stream_waits (on|off), publish (auto|on|off), leak_check (on|off),
+ * stream_waits (on|off), lend (on|off), publish (auto|on|off), leak_check (on|off),
  * oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
  * name), shared_group (a group's name), record (a path without ',').
  * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
@@ -356,6 +364,7 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_plans_shared, "Plans whose streams share one arena")           \
   X(num_moves_deferred, "Moves over the move budget (grew instead)")   \
   X(num_pages_fenced, "Free pages taken back behind a fence")          \
+  X(num_blocks_lent, "Blocks lent to another stream")                  \
   X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
   X(mapping_time_ns, "Time in mapping calls (ns, measured)")
 

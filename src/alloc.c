@@ -566,6 +566,56 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
                                                     size_t rsize, gm_segment* fresh,
                                                     gm_block** out);
 
+/* Arenas are per stream, so a job whose streams peak at different times
+ * holds the sum of their peaks: a side stream's free blocks sit mapped
+ * while the main stream's arena grows. cudaMallocAsync's one pool lends
+ * them, making the borrower wait on the device for the frees. gpumem
+ * lends them only where no stream need wait: where memory grows in runs
+ * (nothing moves pages) and a large request of one stream would have to
+ * grow its arena, a free block of another stream's arena whose pages are
+ * all mapped serves it, provided every use of that stream's free blocks
+ * is known over (a probe event queried, never waited for:
+ * gm_stream_settled). The block stays the lender's, used on the
+ * borrower as after record_stream: freed, it waits for an event of the
+ * borrower before the lender's pool has it back. Nothing is mapped for
+ * it, no page moves, and no stream waits for another. */
+static bool lends_instead_of_growing(gpumem_t* gm, const gm_pool* pool, const gm_block* b,
+                                     size_t rsize) {
+  if (!pool->maps_pages || pool->is_small || pool->is_private || !gm->opts.lend) return false;
+  if (!gm_grows_in_runs(gm)) return false;
+  /* growth from pages held but unused needs no new memory */
+  if (gm->num_spare_pages) return false;
+  if (b && gm_arena_range_mapped(b->seg, gm->page_size, b->addr, rsize)) return false;
+  const gpumem_backend_t* be = gm->backend;
+  if (!be->event_create || !be->event_record || !be->event_query || !be->event_destroy)
+    return false;
+  /* (events recorded during a capture would become graph nodes) */
+  return !(gm_capture_possible(gm) && gm_capture_underway(gm));
+}
+
+static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize) {
+  gm_stream* me = pool->stream;
+  gm_block* best = NULL;
+  for (gm_stream* s = gm->streams; s; s = s->next) {
+    gm_pool* lender = &s->pools[GM_POOL_LARGE];
+    if (s == me || lender->is_private || !lender->maps_pages) continue;
+    gm_block* c = find_free(gm, lender, rsize);
+    if (!c || (best && c->size >= best->size)) continue;
+    if (!gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize)) continue;
+    if (gm_stream_settled(gm, s)) best = c;
+  }
+  if (!best) return NULL;
+  gm_block* b = NULL;
+  /* (all mapped: placing it makes no device call) */
+  if (place_block(gm, best->pool, best, rsize, NULL, &b) != GPUMEM_OK) return NULL;
+  if (gm_block_add_use(b, me->handle) != GPUMEM_OK) {
+    gm_free_unused(gm, b);
+    return NULL;
+  }
+  gm->stats.num_blocks_lent++;
+  return b;
+}
+
 /* One attempt to serve rsize bytes from pool, growing through the backend
  * as the policy allows. On success *out is ALLOCATED and out of the index. */
 static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
@@ -590,6 +640,15 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
       b = prefer_walked_tail(gm, pool, b, rsize);
     }
     if (!pool->is_small) note_tail_run(pool, for_want_of_hole);
+  }
+  /* (one pointer test for a job of one stream) */
+  if (GM_UNLIKELY(gm->streams && gm->streams->next) &&
+      lends_instead_of_growing(gm, pool, b, rsize)) {
+    gm_block* lent = borrow_mapped(gm, pool, rsize);
+    if (lent) {
+      *out = lent;
+      return GPUMEM_OK;
+    }
   }
   gm_segment* fresh = NULL;
   if (!b) {

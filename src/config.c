@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name, shared_group, record, fences, map_ahead"
+  "shared_name, shared_group, record, fences, map_ahead, lend"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -58,6 +58,7 @@ void gpumem_options_init(gpumem_options_t* opts) {
   /* A run that grows an arena block by block maps ahead of itself, up to
    * this much (alloc.c, tail_run_ahead has the measurements). */
   opts->map_ahead_bytes = (size_t)128 << 20;
+  opts->lend = 1;
   /* Memory held at the high-water mark unless that costs a page move every
    * few allocations with no plan serving (pages.c, note_move). */
   opts->move_guard = 1;
@@ -309,6 +310,7 @@ enum {
   KEY_RECORD,
   KEY_FENCES,
   KEY_MAP_AHEAD,
+  KEY_LEND,
   KEY_COUNT
 };
 
@@ -320,7 +322,7 @@ static const char* const key_names[KEY_COUNT] = {
     "stream_waits", "publish",      "leak_check",
     "oom_snapshot", "shared_limit", "shared_name",
     "move_budget",  "shared_group", "record",
-    "fences",       "map_ahead",
+    "fences",       "map_ahead",    "lend",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -421,12 +423,14 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
     case KEY_MOVE_GUARD:
     case KEY_STREAM_WAITS:
     case KEY_FENCES:
+    case KEY_LEND:
     case KEY_LEAK_CHECK: {
       int c = parse_choice(value, on_off_names);
       if (c < 0) return bad_value(value, name, "one of: on, off");
       *(k == KEY_MOVE_GUARD     ? &o->move_guard
         : k == KEY_STREAM_WAITS ? &o->stream_waits
         : k == KEY_FENCES       ? &o->fences
+        : k == KEY_LEND         ? &o->lend
                                 : &o->leak_check) = c == 0;
       return GPUMEM_OK;
     }

@@ -276,6 +276,11 @@ struct gm_stream {
   gpumem_event_t fence_event;
   bool fence_made;     /* fence_event exists */
   bool fence_recorded; /* recorded and not yet seen complete */
+  /* Its probe (streams.c, gm_stream_settled): an event recorded on it
+   * when frees_total was probe_frees, and whether it was seen complete. */
+  gpumem_event_t probe_event;
+  uint64_t probe_frees;
+  bool probe_made, probe_recorded, probe_done;
   gm_stream* next;
   /* The graph-private pool this stream's pools belong to (graphpool.c),
    * NULL for a regular stream (those in gpumem_t.streams). */
@@ -578,6 +583,9 @@ bool gm_can_order_streams(const gpumem_t* gm);
  * use of b, so that its free orders the pool's stream after u. On failure
  * b is unchanged. */
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u);
+/* True when every use of the free blocks of s's arenas is known over on
+ * the device (an event queried, never waited for). */
+bool gm_stream_settled(gpumem_t* gm, gm_stream* s);
 /* Frees blocks whose events completed; with wait, synchronizes on every
  * pending event first. */
 gpumem_status_t gm_process_events(gpumem_t* gm, bool wait);

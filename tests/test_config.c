@@ -15,7 +15,7 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
          a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
          a->map_ahead_bytes == b->map_ahead_bytes && a->move_guard == b->move_guard &&
-         a->stream_waits == b->stream_waits && a->publish == b->publish;
+         a->stream_waits == b->stream_waits && a->publish == b->publish && a->lend == b->lend;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -35,6 +35,7 @@ static gpumem_options_t odd_options(void) {
   o.map_ahead_bytes = 7 * GM_MIB;
   o.move_guard = 0;
   o.stream_waits = 0;
+  o.lend = 0;
   o.publish = GPUMEM_PUBLISH_OFF;
   return o;
 }
@@ -88,6 +89,7 @@ static void test_defaults(void) {
   CHECK(o.map_ahead_bytes == 128 * GM_MIB);
   CHECK(o.move_guard == 1);
   CHECK(o.stream_waits == 1);
+  CHECK(o.lend == 1);
   CHECK(o.publish == GPUMEM_PUBLISH_AUTO);
   gpumem_options_init(NULL); /* must not crash */
 }
@@ -150,6 +152,9 @@ static void test_stream_waits(void) {
   CHECK(parse_ok("stream_waits:off").stream_waits == 0);
   CHECK(parse_ok("stream_waits:on").stream_waits == 1);
   parse_fails("stream_waits:1", "bad value \"1\" for key \"stream_waits\"", "on, off", NULL);
+  CHECK(parse_ok("lend:off").lend == 0);
+  CHECK(parse_ok("lend:on").lend == 1);
+  parse_fails("lend:0", "bad value \"0\" for key \"lend\"", "on, off", NULL);
   parse_fails("stream_wait:off", "unknown key \"stream_wait\"", "did you mean \"stream_waits\"",
               NULL);
 }

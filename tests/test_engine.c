@@ -1340,6 +1340,75 @@ static void test_shared_take_waits(void) {
   fx_done(&f);
 }
 
+/* Uncapped, a large request of a stream whose arena would have to grow
+ * borrows a free block of another stream's arena whose pages are mapped,
+ * once that stream's work up to its last free is known over: an event
+ * recorded on it, queried (the simulated device completes it at its first
+ * query). No mapping, and no stream waits for another. Freed, the block
+ * waits for an event of the borrower before its lender reuses it. A
+ * lender that freed something since its probe is asked again (a new
+ * probe). With lend:off, or under a limit (pages move one at a time
+ * there), the borrower's arena grows. */
+static void test_streams_lend(const char* conf, bool lends) {
+  fx_t f = fx_new(conf, 64 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a1 = alloc(&f, 64 * MIB, SA);
+  char* a2 = alloc(&f, 64 * MIB, SA);
+  char* b1 = alloc(&f, 96 * MIB, SB);
+  char* b2 = alloc(&f, 64 * MIB, SB);
+  release(&f, a1); /* A: a mapped 64 MiB hole */
+  release(&f, b1); /* B: a mapped 96 MiB hole */
+  gpumem_sim_counters_t before = dev(&f);
+  char* u1 = alloc(&f, 64 * MIB, SC);
+  gpumem_sim_counters_t after = dev(&f);
+  uint64_t made = after.calls[GPUMEM_CALL_create_page] - before.calls[GPUMEM_CALL_create_page];
+  uint64_t waits = after.calls[GPUMEM_CALL_stream_wait] - before.calls[GPUMEM_CALL_stream_wait];
+  uint64_t syncs = after.calls[GPUMEM_CALL_stream_sync] + after.calls[GPUMEM_CALL_event_sync] -
+                   before.calls[GPUMEM_CALL_stream_sync] - before.calls[GPUMEM_CALL_event_sync];
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  CHECK_MSG(waits == 0 && syncs == 0, "%s: lending waited: %llu stream waits, %llu syncs", conf,
+            (unsigned long long)waits, (unsigned long long)syncs);
+  if (!lends) {
+    CHECK_MSG(u1 != a1 && made >= 1 && stats(&f).num_blocks_lent == 0,
+              "%s: C took A's hole (%d), %llu mappings", conf, u1 == a1, (unsigned long long)made);
+    release(&f, u1);
+    release(&f, a2);
+    release(&f, b2);
+    return fx_done(&f);
+  }
+  CHECK_MSG(u1 == a1 && made == 0 && stats(&f).num_blocks_lent == 1,
+            "%s: C's block at A's hole: %d; %llu mappings, %lld lent", conf, u1 == a1,
+            (unsigned long long)made, (long long)stats(&f).num_blocks_lent);
+  char* u2 = alloc(&f, 96 * MIB, SC); /* only B's hole holds it */
+  CHECK_MSG(u2 == b1, "C's second block not at B's hole");
+  /* Freed, C's block is A's again only after an event of C: pending until
+   * the next allocation queries it. */
+  uint64_t records = dev(&f).calls[GPUMEM_CALL_event_record];
+  release(&f, u1);
+  CHECK_MSG(dev(&f).calls[GPUMEM_CALL_event_record] - records == 1,
+            "freeing a lent block recorded %llu events, not 1",
+            (unsigned long long)(dev(&f).calls[GPUMEM_CALL_event_record] - records));
+  CHECK_MSG(stats(&f).active_bytes[GPUMEM_POOL_ALL].current ==
+                (int64_t)(64 * MIB + 96 * MIB + 64 * MIB + 64 * MIB),
+            "a lent block freed is not pending: active %lld",
+            (long long)stats(&f).active_bytes[GPUMEM_POOL_ALL].current);
+  char* a3 = alloc(&f, 64 * MIB, SA); /* A takes its hole back */
+  CHECK_MSG(a3 == a1, "A did not take its hole back");
+  release(&f, b2); /* B frees its own, at its top: its probe is stale */
+  records = dev(&f).calls[GPUMEM_CALL_event_record];
+  char* u3 = alloc(&f, 64 * MIB, SC);
+  CHECK_MSG(u3 == b2 && dev(&f).calls[GPUMEM_CALL_event_record] - records == 1,
+            "C taking what B freed since its probe: at b2 %d, %llu events recorded, not 1",
+            u3 == b2, (unsigned long long)(dev(&f).calls[GPUMEM_CALL_event_record] - records));
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  release(&f, u2);
+  release(&f, u3);
+  release(&f, a2);
+  release(&f, a3);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  fx_done(&f);
+}
+
 /* A workload that repeats only after a long stretch that never does: past
  * GM_PLAN_SAMPLE_AFTER (16384) requests without a plan, detection consults
  * its table for one context in eight, and from GM_PLAN_IDLE_AFTER (65536)
@@ -1769,6 +1838,9 @@ int main(int argc, char** argv) {
   test_planned_streams(HOLD ",stream_waits:off", 1);
   test_planned_streams(HOLD, 0);
   test_shared_take_waits();
+  test_streams_lend("policy:default,map_ahead:off", true);
+  test_streams_lend("policy:default,map_ahead:off,lend:off", false);
+  test_streams_lend("policy:default,map_ahead:off,limit:8G", false);
   test_move_budget();
   test_fences();
   test_auto_placement();
