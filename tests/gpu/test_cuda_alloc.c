@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "gpumem.h"
 #include "gpumem_backend.h"
@@ -502,6 +503,72 @@ static void test_shared_plan(void) {
   DRV_OK(drv.StreamDestroy(sb));
 }
 
+/* Uncapped, a stream whose arena must grow borrows another stream's free
+ * block only once that stream's work up to its last free is known done
+ * (an event queried): while the lender's queued work still writes the
+ * blocks it freed, the borrower must not get them; once the lender is
+ * idle, it does, and no stream waits for another. Each round the lender
+ * frees 160 MiB still being written, the borrower takes two blocks (its
+ * first growth, then, the lender idle and a millisecond later, one its
+ * arena has no room for), and once both streams are idle every block holds
+ * what its own stream wrote. */
+static void test_lend(void) {
+  int rounds = 6;
+  size_t bad_borrower = 0;
+  long long lent = 0;
+  unsigned long long waits = 0;
+  for (int it = 0; it < rounds; it++) {
+    gpumem_t* gm = make(GPUMEM_POLICY_DEFAULT, 1);
+    if (!gm) return;
+    drv_stream sa = NULL, sb = NULL;
+    DRV_OK(drv.StreamCreate(&sa, DRV_STREAM_NON_BLOCKING));
+    DRV_OK(drv.StreamCreate(&sb, DRV_STREAM_NON_BLOCKING));
+    const gpumem_stream_t ga = (gpumem_stream_t)sa, gb = (gpumem_stream_t)sb;
+    void* a[2] = {NULL, NULL};
+    size_t asz[2] = {64 * MIB, 96 * MIB};
+    unsigned char va = (unsigned char)(0x40 + it), vb = (unsigned char)(0xC0 + it);
+    for (int k = 0; k < 2; k++) CHECK_STATUS(gpumem_malloc(gm, asz[k], ga, &a[k]), GPUMEM_OK);
+    DRV_OK(drv.StreamSynchronize(sa));
+    for (int k = 0; k < 2; k++) {
+      if (!a[k]) continue;
+      queue_busy_work((uintptr_t)a[k], asz[k], sa, 40);
+      DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)a[k], va, asz[k], sa));
+      CHECK_STATUS(gpumem_free(gm, a[k]), GPUMEM_OK); /* still being written */
+    }
+    void* b[2] = {NULL, NULL};
+    size_t bsz[2] = {48 * MIB, 64 * MIB};
+    CHECK_STATUS(gpumem_malloc(gm, bsz[0], gb, &b[0]), GPUMEM_OK); /* the lender is busy */
+    if (b[0]) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)b[0], vb, bsz[0], sb));
+    DRV_OK(drv.StreamSynchronize(sa));
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+    CHECK_STATUS(gpumem_malloc(gm, bsz[1], gb, &b[1]), GPUMEM_OK); /* the lender is idle */
+    if (b[1]) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)b[1], vb, bsz[1], sb));
+    DRV_OK(drv.StreamSynchronize(sb));
+    DRV_OK(drv.StreamSynchronize(sa));
+    for (int k = 0; k < 2; k++) {
+      if (!b[k]) continue;
+      bad_borrower += check_value((uintptr_t)b[k], bsz[k], vb) != 0;
+      CHECK_STATUS(gpumem_free(gm, b[k]), GPUMEM_OK);
+    }
+    CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
+    gpumem_stats_t st;
+    gpumem_get_stats(gm, &st);
+    lent += st.num_blocks_lent;
+    waits += st.backend_calls[GPUMEM_CALL_stream_wait];
+    gpumem_destroy(gm);
+    DRV_OK(drv.StreamDestroy(sa));
+    DRV_OK(drv.StreamDestroy(sb));
+  }
+  printf("lend: %d rounds, %lld blocks lent, %llu stream waits, borrower blocks overwritten %zu\n",
+         rounds, lent, waits, bad_borrower);
+  CHECK_MSG(bad_borrower == 0,
+            "a borrowed block was handed out while its lender's work still wrote it (%zu blocks)",
+            bad_borrower);
+  CHECK_MSG(lent >= rounds && waits == 0, "%lld blocks lent in %d rounds, %llu stream waits", lent,
+            rounds, waits);
+}
+
 /* A block freed while another stream (record_stream) still writes it must
  * not be handed out, on its own stream or any other, before that work is
  * done; a block on its own stream may be reused at once (stream order
@@ -658,6 +725,7 @@ int main(void) {
   }
   if (have_vmm) test_alias();
   if (have_vmm) test_shared_plan();
+  if (have_vmm) test_lend();
   /* Last: a premature reuse would fault the context. */
   for (int i = 0; i < 2; i++) test_streams(policies[i]);
 
