@@ -37,6 +37,7 @@ STEPS = {
     "graphsage_varlen": 10,
     "resnet_multiscale": 8,
     "llama_finetune_varlen": 6,
+    "distill_side_stream": 8,
 }
 MAX_ENTRIES = 20_000_000
 

@@ -547,6 +547,47 @@ def resnet_multiscale(torch, args):
     return model, make_state, step
 
 
+def distill_side_stream(torch, args):
+    """Knowledge distillation with the teacher on a side stream: torchvision's
+    ResNet-50 in bf16 inference computes the next batch's soft targets on a
+    stream of its own while a ResNet-18 student trains on the current batch
+    on the main stream (images 128 x 3 x 288 x 288). The two streams' large
+    transient tensors peak at different times: the default arenas are per
+    stream, and a stream may lend another its free blocks."""
+    import torchvision
+
+    with torch.device("cuda"):
+        teacher = torchvision.models.resnet50(weights=None).eval()
+        student = torchvision.models.resnet18(weights=None)
+    teacher = teacher.to(memory_format=torch.channels_last)
+    student = student.to(memory_format=torch.channels_last)
+    side = torch.cuda.Stream()
+    kl = torch.nn.KLDivLoss(reduction="batchmean")
+
+    def teach(i):
+        gen = torch.Generator(device="cuda").manual_seed(9_000_011 * i)
+        with torch.cuda.stream(side), torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            x = torch.randn(128, 3, 288, 288, device="cuda", generator=gen).to(memory_format=torch.channels_last)
+            return x, teacher(x).float().log_softmax(-1)
+
+    def make_state():
+        return {"opt": torch.optim.SGD(student.parameters(), lr=0.1, momentum=0.9), "next": None}
+
+    def step(state, i):
+        main = torch.cuda.current_stream()
+        x, target = state["next"] if state["next"] is not None else teach(i)
+        main.wait_stream(side)
+        x.record_stream(main)
+        target.record_stream(main)
+        state["next"] = teach(i + 1)  # overlaps with the student's step
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = kl(student(x).float().log_softmax(-1), target.exp())
+        del x, target
+        return optimizer_step(state, loss)
+
+    return student, make_state, step
+
+
 WORKLOADS = {
     "gpt2_train": gpt2_train,
     "resnet50_train": resnet50_train,
@@ -561,6 +602,7 @@ WORKLOADS = {
     "lora_peft_ckpt": lora_peft_ckpt,
     "graphsage_varlen": graphsage_varlen,
     "resnet_multiscale": resnet_multiscale,
+    "distill_side_stream": distill_side_stream,
 }
 
 
