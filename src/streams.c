@@ -163,33 +163,29 @@ static gpumem_status_t order_after(gpumem_t* gm, gpumem_stream_t waiter, gpumem_
 /* Is every use of the free blocks of s's arenas over on the device? A
  * probe event recorded on s after its last free answers, once complete,
  * with a query: never a wait. A free since makes the probe stale, and a
- * new one is recorded for a later question, but only once the last one
- * has completed (while s is still busy with what came before, a new record
- * would only move the answer later, at a driver call each time). Blocks
- * that became free when events of other streams completed (record_stream)
- * were freed before the probe too, and their other streams' uses are
- * over. (A new probe is queried at once: on a stream with nothing queued
- * it may be complete already.) */
-static bool probe_query(gpumem_t* gm, gm_stream* s) {
-  const gpumem_backend_t* be = gm->backend;
-  s->probe_done = GM_CALL(gm, event_query, be->event_query(be->ctx, s->probe_event)) == GPUMEM_OK;
-  return s->probe_done;
-}
-
+ * new one is recorded for a later question. Blocks that became free when
+ * events of other streams completed (record_stream) were freed before the
+ * probe too, and their other streams' uses are over. (The probe is queried
+ * at once after its record: on a stream with nothing queued it may be
+ * complete already.) */
 bool gm_stream_settled(gpumem_t* gm, gm_stream* s) {
   const gpumem_backend_t* be = gm->backend;
-  if (s->probe_recorded && !s->probe_done && !probe_query(gm, s)) return false;
-  if (s->probe_recorded && s->probe_frees == s->frees_total) return true;
-  if (!s->probe_made) {
-    if (GM_CALL(gm, event_create, be->event_create(be->ctx, &s->probe_event)) != GPUMEM_OK)
+  if (!s->probe_recorded || s->probe_frees != s->frees_total) {
+    if (!s->probe_made) {
+      if (GM_CALL(gm, event_create, be->event_create(be->ctx, &s->probe_event)) != GPUMEM_OK)
+        return false;
+      s->probe_made = true;
+    }
+    if (GM_CALL(gm, event_record, be->event_record(be->ctx, s->probe_event, s->handle)) !=
+        GPUMEM_OK)
       return false;
-    s->probe_made = true;
+    s->probe_recorded = true;
+    s->probe_done = false;
+    s->probe_frees = s->frees_total;
   }
-  if (GM_CALL(gm, event_record, be->event_record(be->ctx, s->probe_event, s->handle)) != GPUMEM_OK)
-    return false;
-  s->probe_recorded = true;
-  s->probe_frees = s->frees_total;
-  return probe_query(gm, s);
+  if (!s->probe_done)
+    s->probe_done = GM_CALL(gm, event_query, be->event_query(be->ctx, s->probe_event)) == GPUMEM_OK;
+  return s->probe_done;
 }
 
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u) {
