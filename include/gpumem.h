@@ -217,13 +217,13 @@ typedef struct gpumem_options {
    * (weights loaded, then converted) it is part of the peak. 0: nothing
    * ahead, one mapping per block. Default 128 MiB. */
   size_t map_ahead_bytes;
-  /* Default policy, no cap: 1 (the default) lets a large request of one
-   * stream whose arena would have to grow take a free block of another
-   * stream's arena whose pages are mapped, once an event recorded on that
-   * stream after its last free is seen complete (queried, never waited
-   * for; src/alloc.c, borrow_mapped). The block is used on the borrower
-   * as after record_stream. 0: each stream's arena holds its own peak.
-   * Needs the backend's event slots. */
+  /* Default policy, no cap: 1 lets a large request of one stream whose
+   * arena would have to grow take a free block of another stream's arena
+   * whose pages are mapped, once an event recorded on that stream after
+   * its last free is seen complete (queried, never waited for;
+   * src/alloc.c, borrow_mapped). The block is used on the borrower as
+   * after record_stream. 0 (the default): each stream's arena holds its
+   * own peak. Needs the backend's event slots. */
   int lend;
 } gpumem_options_t;
 
@@ -232,7 +232,7 @@ enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 /* Fills defaults (policy default with auto placement and lazy reclaim
  * with no move budget (moves only when needed), headroom 0.02, no limit,
  * map_max 1 GiB, map_ahead 128 MiB, move_guard on, stream_waits on, fences
- * on, lend on, publish auto, leak_check off, no oom_snapshot). */
+ * on, lend off, publish auto, leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),

@@ -612,6 +612,7 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
     gm_free_unused(gm, b);
     return NULL;
   }
+  b->lent = 1;
   gm->stats.num_blocks_lent++;
   return b;
 }

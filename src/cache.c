@@ -50,6 +50,7 @@ gm_block* gm_block_new(gpumem_t* gm) {
   b->prio = 0;
   b->cls = 0;
   b->state = GM_FREE;
+  b->lent = 0;
   b->num_uses = 0;
   b->pool = NULL;
   b->requested = 0;
@@ -454,6 +455,7 @@ static gm_block* free_live_block(gpumem_t* gm, gm_block* b) {
   bool small = gm_block_stat_small(b); /* before merging: the live block's size */
   size_t original_size = b->size;
   if (GM_UNLIKELY(b->aliased)) gm_alias_release(gm, b);
+  b->lent = 0;
   b = release_block(gm, b, small);
   gm_stat_pool_shrink(gm->stats.active, small, 1);
   gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)original_size);

@@ -217,6 +217,13 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
       default:
         violation(c, "block 0x%lx: bad state %d", (unsigned long)b->addr, b->state);
     }
+    /* a lent block is live, in a large arena, and names its borrower:
+     * another stream, still one of its uses while allocated */
+    if (b->lent && (b->state == GM_FREE || b->state == GM_SHADOW || !seg->is_arena ||
+                    b->pool->is_small || b->inline_uses[0] == b->pool->stream->handle ||
+                    (b->state == GM_ALLOCATED && b->num_uses == 0)))
+      violation(c, "lent block 0x%lx: state %d, borrower 0x%lx, %u uses", (unsigned long)b->addr,
+                b->state, (unsigned long)b->inline_uses[0], (unsigned)b->num_uses);
     if (b->aliased) s->aliased++;
     if (b->aliased && b->state != GM_ALLOCATED && b->state != GM_PENDING)
       violation(c, "block 0x%lx: an alias's owner is not live", (unsigned long)b->addr);

@@ -58,7 +58,9 @@ void gpumem_options_init(gpumem_options_t* opts) {
   /* A run that grows an arena block by block maps ahead of itself, up to
    * this much (alloc.c, tail_run_ahead has the measurements). */
   opts->map_ahead_bytes = (size_t)128 << 20;
-  opts->lend = 1;
+  /* Off: on a GPU the host runs ahead, and lending gained nothing on the
+   * one job measured (alloc.c, borrow_mapped). */
+  opts->lend = 0;
   /* Memory held at the high-water mark unless that costs a page move every
    * few allocations with no plan serving (pages.c, note_move). */
   opts->move_guard = 1;

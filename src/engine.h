@@ -84,9 +84,13 @@ struct gm_block {
   gm_block* prev; /* address neighbours inside the segment */
   gm_block* next;
   gm_segment* seg;
-  uint16_t prio;     /* treap priority, a hash of the address */
-  uint16_t cls;      /* its size class while in a free index (set by the insert) */
-  uint8_t state;     /* gm_block_state */
+  uint16_t prio; /* treap priority, a hash of the address */
+  uint16_t cls;  /* its size class while in a free index (set by the insert) */
+  uint8_t state; /* gm_block_state */
+  /* Allocated on another stream than its arena's (alloc.c, borrow_mapped):
+   * that stream is inline_uses[0], its first use, kept there until the
+   * block is free again (gm_block_stream). */
+  uint8_t lent;
   uint16_t num_uses; /* streams other than the owner's it was used on */
   /* Second line. */
   gm_pool* pool;
@@ -583,6 +587,10 @@ bool gm_can_order_streams(const gpumem_t* gm);
  * use of b, so that its free orders the pool's stream after u. On failure
  * b is unchanged. */
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u);
+/* The stream b was allocated on: its arena's, or the borrower's. */
+static inline gpumem_stream_t gm_block_stream(const gm_block* b) {
+  return GM_UNLIKELY(b->lent) ? b->inline_uses[0] : b->pool->stream->handle;
+}
 /* True when every use of the free blocks of s's arenas is known over on
  * the device (an event queried, never waited for). */
 bool gm_stream_settled(gpumem_t* gm, gm_stream* s);

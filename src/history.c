@@ -57,7 +57,7 @@ void gm_history_note(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,
 }
 
 void gm_history_note_block(gpumem_t* gm, int action, const gm_block* b) {
-  gm_history_note(gm, action, b->addr, b->size, b->pool->stream->handle);
+  gm_history_note(gm, action, b->addr, b->size, gm_block_stream(b));
 }
 
 static void history_free(gm_history* h) {

@@ -76,7 +76,7 @@ static gpumem_status_t collect_locked(gpumem_t* gm, uint64_t since, leak_rec** o
     for (const gm_block* b = seg->first; b; b = b->next) {
       if (b->state != GM_ALLOCATED || b->serial <= since) continue;
       recs[k++] = (leak_rec){b->serial, b->tag,       b->addr,
-                             b->size,   b->requested, (uint64_t)b->pool->stream->handle};
+                             b->size,   b->requested, (uint64_t)gm_block_stream(b)};
     }
   }
   *made = gm->num_mallocs;

@@ -35,7 +35,7 @@ static gpumem_options_t odd_options(void) {
   o.map_ahead_bytes = 7 * GM_MIB;
   o.move_guard = 0;
   o.stream_waits = 0;
-  o.lend = 0;
+  o.lend = 1;
   o.publish = GPUMEM_PUBLISH_OFF;
   return o;
 }
@@ -89,7 +89,7 @@ static void test_defaults(void) {
   CHECK(o.map_ahead_bytes == 128 * GM_MIB);
   CHECK(o.move_guard == 1);
   CHECK(o.stream_waits == 1);
-  CHECK(o.lend == 1);
+  CHECK(o.lend == 0);
   CHECK(o.publish == GPUMEM_PUBLISH_AUTO);
   gpumem_options_init(NULL); /* must not crash */
 }

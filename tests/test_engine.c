@@ -1347,8 +1347,8 @@ static void test_shared_take_waits(void) {
  * query). No mapping, and no stream waits for another. Freed, the block
  * waits for an event of the borrower before its lender reuses it. A
  * lender that freed something since its probe is asked again (a new
- * probe). With lend:off, or under a limit (pages move one at a time
- * there), the borrower's arena grows. */
+ * probe). By default (lend:off), or under a limit (pages move one at a
+ * time there), the borrower's arena grows. */
 static void test_streams_lend(const char* conf, bool lends) {
   fx_t f = fx_new(conf, 64 * GIB, 0);
   if (!f.gm) return fx_done(&f);
@@ -1379,6 +1379,13 @@ static void test_streams_lend(const char* conf, bool lends) {
   CHECK_MSG(u1 == a1 && made == 0 && stats(&f).num_blocks_lent == 1,
             "%s: C's block at A's hole: %d; %llu mappings, %lld lent", conf, u1 == a1,
             (unsigned long long)made, (long long)stats(&f).num_blocks_lent);
+  /* Reports name the stream it was allocated on: a2 on A, b2 on B and u1
+   * on C are three groups of one size and stream, not two. */
+  gpumem_leaks_t leaks = {.struct_size = sizeof leaks};
+  CHECK_STATUS(gpumem_find_leaks(f.gm, 0, &leaks), GPUMEM_OK);
+  CHECK_MSG(leaks.count == 3 && leaks.groups == 3,
+            "%s: %llu live in %llu groups of one size and stream, not 3 in 3", conf,
+            (unsigned long long)leaks.count, (unsigned long long)leaks.groups);
   char* u2 = alloc(&f, 96 * MIB, SC); /* only B's hole holds it */
   CHECK_MSG(u2 == b1, "C's second block not at B's hole");
   /* Freed, C's block is A's again only after an event of C: pending until
@@ -1838,9 +1845,10 @@ int main(int argc, char** argv) {
   test_planned_streams(HOLD ",stream_waits:off", 1);
   test_planned_streams(HOLD, 0);
   test_shared_take_waits();
-  test_streams_lend("policy:default,map_ahead:off", true);
+  test_streams_lend("policy:default,map_ahead:off,lend:on", true);
+  test_streams_lend("policy:default,map_ahead:off", false);
   test_streams_lend("policy:default,map_ahead:off,lend:off", false);
-  test_streams_lend("policy:default,map_ahead:off,limit:8G", false);
+  test_streams_lend("policy:default,map_ahead:off,lend:on,limit:8G", false);
   test_move_budget();
   test_fences();
   test_auto_placement();

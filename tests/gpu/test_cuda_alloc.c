@@ -124,6 +124,25 @@ static gpumem_t* make_mapped(int policy, int virtual_memory, gpumem_placement_t 
   return gm;
 }
 
+/* The default policy over CUDA with virtual memory, under conf. */
+static gpumem_t* make_conf(const char* conf) {
+  gpumem_cuda_options_t co;
+  gpumem_cuda_options_init(&co);
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_backend_t* be = gpumem_cuda_create(&co, &st);
+  CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
+  if (!be) return NULL;
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
+  o.own_backend = 1;
+  gpumem_t* gm = gpumem_create(be, &o, &st);
+  CHECK_MSG(gm != NULL, "gpumem_create(%s): %s (%s)", conf, gpumem_strerror(st),
+            gpumem_last_error());
+  if (!gm) gpumem_cuda_destroy(be);
+  return gm;
+}
+
 static gpumem_t* make(int policy, int virtual_memory) {
   return make_mapped(policy, virtual_memory, GPUMEM_PLACEMENT_AUTO, 0);
 }
@@ -503,7 +522,7 @@ static void test_shared_plan(void) {
   DRV_OK(drv.StreamDestroy(sb));
 }
 
-/* Uncapped, a stream whose arena must grow borrows another stream's free
+/* Uncapped, with lend:on, a stream whose arena must grow borrows another stream's free
  * block only once that stream's work up to its last free is known done
  * (an event queried): while the lender's queued work still writes the
  * blocks it freed, the borrower must not get them; once the lender is
@@ -518,7 +537,7 @@ static void test_lend(void) {
   long long lent = 0;
   unsigned long long waits = 0;
   for (int it = 0; it < rounds; it++) {
-    gpumem_t* gm = make(GPUMEM_POLICY_DEFAULT, 1);
+    gpumem_t* gm = make_conf("policy:default,lend:on");
     if (!gm) return;
     drv_stream sa = NULL, sb = NULL;
     DRV_OK(drv.StreamCreate(&sa, DRV_STREAM_NON_BLOCKING));
