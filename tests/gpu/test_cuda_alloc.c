@@ -100,10 +100,9 @@ static const char* policy_name(int policy) {
   return policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default";
 }
 
-/* An allocator over a fresh CUDA backend it owns (map_max_bytes 0: the
- * default's); NULL (with a failed check) when it cannot be made. */
-static gpumem_t* make_mapped(int policy, int virtual_memory, gpumem_placement_t placement,
-                             size_t map_max_bytes) {
+/* An allocator with options o over a fresh CUDA backend it owns; NULL
+ * (with a failed check naming what) when it cannot be made. */
+static gpumem_t* make_with(gpumem_options_t o, int virtual_memory, const char* what) {
   gpumem_cuda_options_t co;
   gpumem_cuda_options_init(&co);
   co.virtual_memory = virtual_memory;
@@ -111,36 +110,31 @@ static gpumem_t* make_mapped(int policy, int virtual_memory, gpumem_placement_t 
   gpumem_backend_t* be = gpumem_cuda_create(&co, &st);
   CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
   if (!be) return NULL;
+  o.own_backend = 1;
+  gpumem_t* gm = gpumem_create(be, &o, &st);
+  CHECK_MSG(gm != NULL, "gpumem_create(%s, %s): %s (%s)", be->name, what, gpumem_strerror(st),
+            gpumem_last_error());
+  if (!gm) gpumem_cuda_destroy(be);
+  return gm;
+}
+
+/* (map_max_bytes 0: the default's) */
+static gpumem_t* make_mapped(int policy, int virtual_memory, gpumem_placement_t placement,
+                             size_t map_max_bytes) {
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = (gpumem_policy_t)policy;
   o.placement = placement;
   if (map_max_bytes) o.map_max_bytes = map_max_bytes;
-  o.own_backend = 1;
-  gpumem_t* gm = gpumem_create(be, &o, &st);
-  CHECK_MSG(gm != NULL, "gpumem_create(%s, %s): %s (%s)", be->name, policy_name(policy),
-            gpumem_strerror(st), gpumem_last_error());
-  if (!gm) gpumem_cuda_destroy(be);
-  return gm;
+  return make_with(o, virtual_memory, policy_name(policy));
 }
 
-/* The default policy over CUDA with virtual memory, under conf. */
+/* Virtual memory, under the configuration conf. */
 static gpumem_t* make_conf(const char* conf) {
-  gpumem_cuda_options_t co;
-  gpumem_cuda_options_init(&co);
-  gpumem_status_t st = GPUMEM_OK;
-  gpumem_backend_t* be = gpumem_cuda_create(&co, &st);
-  CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
-  if (!be) return NULL;
   gpumem_options_t o;
   gpumem_options_init(&o);
   CHECK_STATUS(gpumem_options_parse(&o, conf), GPUMEM_OK);
-  o.own_backend = 1;
-  gpumem_t* gm = gpumem_create(be, &o, &st);
-  CHECK_MSG(gm != NULL, "gpumem_create(%s): %s (%s)", conf, gpumem_strerror(st),
-            gpumem_last_error());
-  if (!gm) gpumem_cuda_destroy(be);
-  return gm;
+  return make_with(o, 1, conf);
 }
 
 static gpumem_t* make(int policy, int virtual_memory) {
