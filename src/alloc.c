@@ -588,7 +588,7 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
  * queued work is done, while the lender grows meanwhile. */
 static bool lends_instead_of_growing(gpumem_t* gm, const gm_pool* pool, const gm_block* b,
                                      size_t rsize) {
-  if (!pool->maps_pages || pool->is_small || pool->is_private || !gm->opts.lend) return false;
+  if (!pool->maps_pages || pool->is_small || pool->is_private) return false;
   if (!gm_grows_in_runs(gm)) return false;
   /* growth from pages held but unused needs no new memory */
   if (gm->num_spare_pages) return false;
@@ -649,8 +649,8 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     }
     if (!pool->is_small) note_tail_run(pool, for_want_of_hole);
   }
-  /* (one pointer test for a job of one stream) */
-  if (GM_UNLIKELY(gm->streams && gm->streams->next) &&
+  /* (one test where lending is off, the default) */
+  if (GM_UNLIKELY(gm->opts.lend) && gm->streams && gm->streams->next &&
       lends_instead_of_growing(gm, pool, b, rsize)) {
     gm_block* lent = borrow_mapped(gm, pool, rsize);
     if (lent) {
