@@ -10,7 +10,9 @@ profile of that name, else h200. Each value measured replaces the base's
 seconds on an idle GPU; the context size assumes nothing else uses it.
 
 Measured: the CUDA context (device memory used outside the allocator
-after initialisation and a first kernel), the cuBLAS workspaces (the
+after initialisation and a first kernel), the multiprocessor count and
+threads per multiprocessor (which size reductions' staging buffers), the
+cuBLAS workspaces (the
 allocations a first matmul and a first backward leave that are no
 tensor's storage), cuBLASLt's (a first addmm with bias), the attention
 backend scaled_dot_product_attention runs for bf16 inputs and the scratch
@@ -95,6 +97,9 @@ def measure(torch):
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     out["cuda_context_bytes"] = int(total - free - torch.cuda.memory_reserved())
+    props = torch.cuda.get_device_properties(dev)
+    out["multiprocessor_count"] = int(props.multi_processor_count)
+    out["max_threads_per_multiprocessor"] = int(props.max_threads_per_multi_processor)
 
     # cuBLAS: the forward's workspace (this thread), the backward's (autograd's thread)
     a = torch.randn(256, 256, device=dev, requires_grad=True)

@@ -19,7 +19,9 @@ memory.
 
 What a CPU run cannot see (values of CUDA tensors, workspaces that
 cuBLAS, cuDNN and attention kernels take inside an operation) comes from
-a device profile (profiles.py) or is named in the recording's notes.
+a device profile (profiles.py) or is named in the recording's notes. The
+staging buffers of reductions that split rows across thread blocks follow
+from shapes and the profile's multiprocessor count (reductions.py).
 
     rec = record_step(build_model, make_batch, step_fn, batch_size=2)
     rec.write("b2.trace")
@@ -34,7 +36,7 @@ import threading
 import types
 import weakref
 
-from . import profiles
+from . import profiles, reductions
 from .values import UNKNOWN, KnownValues
 
 __all__ = ["Recording", "RecorderError", "record_step", "recording", "LAZY_NUMEL"]
@@ -386,6 +388,7 @@ def _tracker(recording, fake_mode, profile):
                  aten.randn_like.default, aten.rand_like.default, aten.arange.default,
                  aten.arange.start, aten.arange.start_step}  # fmt: skip
     conv = {aten.convolution.default, aten.convolution_backward.default}
+    summing = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
     live = {}  # storage key -> allocation id
     workspaces = set()
     values = KnownValues(torch)
@@ -476,6 +479,36 @@ def _tracker(recording, fake_mode, profile):
                 )
         return torch.empty((count, mask.dim()), dtype=torch.long, device=mask.device)
 
+    def reduction_scratch(kind, x, dims, out):
+        """Records the staging buffer and semaphores a CUDA reduction of x
+        over dims (None: all) into out takes and gives back within the call
+        (reductions.py), or notes that it could not say."""
+        mps = profile.value("multiprocessor_count") if profile is not None else None
+        threads = profile.value("max_threads_per_multiprocessor") if profile is not None else None
+        if not mps or not threads:
+            recording.note(
+                "staging buffers of long reductions (taken and given back within the call) are not in the "
+                "trace: the device profile has no multiprocessor_count"
+            )
+            return
+        nd = x.dim()
+        dims = set(range(nd)) if not dims else {d % nd for d in dims}
+        strides = iter(out.stride())
+        out_strides = list(out.stride()) if out.dim() == nd else [0 if d in dims else next(strides) for d in range(nd)]
+        sizes = reductions.scratch_sizes(
+            kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(), _dtype_name(x), dims,
+            out_strides, out.element_size(), _dtype_name(out), mps, threads,
+        )  # fmt: skip
+        if sizes is None:
+            recording.note(
+                "a %s of a %s tensor of %d elements: its staging buffers, if any, are not in the trace"
+                % (kind, _dtype_name(x), x.numel())
+            )
+            return
+        taken = [recording.alloc(n) for n in sizes if n]
+        for i in reversed(taken):
+            recording.free(i)
+
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -555,7 +588,15 @@ def _tracker(recording, fake_mode, profile):
                 if per:
                     scratch = recording.alloc(int(per * args[1].numel()))
                     recording.free(scratch)
-            elif func in conv and is_cuda(args, kwargs):
+            elif func in summing and is_cuda(args, kwargs):
+                dims = args[1] if func in (aten.sum.dim_IntList, aten.mean.dim) and len(args) > 1 else None
+                reduction_scratch(summing[func], args[0], dims, out)
+            if func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
+                # a bias's gradient is a sum over all but the channel dimension,
+                # made after the backend's own work (PyTorch's convolution_backward)
+                grad = args[0]
+                reduction_scratch("sum", grad, [0] + list(range(2, grad.dim())), out[2])
+            if func in conv and is_cuda(args, kwargs):
                 recording.note(
                     "cuDNN convolution workspaces (taken and given back within each call, sized by "
                     "cuDNN's choice of algorithm) are not in the trace"
@@ -563,6 +604,10 @@ def _tracker(recording, fake_mode, profile):
             return out
 
     return Tracker()
+
+
+def _dtype_name(t):
+    return str(t.dtype).replace("torch.", "")
 
 
 def _dense(t):

@@ -1,0 +1,128 @@
+"""What a job allocates only at large batches: the staging buffers of CUDA
+reductions as the CPU recorder sizes them (gpumem.predict.reductions). The
+sizes below are what PyTorch 2.11's reduction kernel takes on an H200 (132
+multiprocessors of 2048 threads): bench/torch/reduce_probe.py compares the
+model with the GPU call by call. The recorder test at the end needs PyTorch
+(the CPU build will do)."""
+
+import os
+import sys
+import unittest
+
+try:
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from gpumem.predict import reductions  # noqa: E402
+
+H200 = (132, 2048)
+NO_TORCH = "needs PyTorch (pip install torch: the CPU build will do)"
+
+
+def bias_sum(rows, cols, dtype="bfloat16", size=2):
+    """A linear layer's bias gradient: a [rows, cols] gradient summed over rows."""
+    return reductions.scratch_sizes("sum", [rows, cols], [cols, 1], 0, size, dtype, [0], [0, 1], size, dtype, *H200)
+
+
+class ReductionTest(unittest.TestCase):
+    def test_bias_gradient_of_a_vit_mlp(self):
+        # ViT-B/16's fc1 (3,072 outputs) over 197 tokens a sample: none at batch 4,
+        # 75 MiB at 16, capped at 88 blocks a column from 64 on
+        self.assertEqual(bias_sum(4 * 197, 3072), [])
+        self.assertEqual(bias_sum(16 * 197, 3072), [4 * 3072 * 50 * 128, 4 * 24])
+        self.assertEqual(bias_sum(64 * 197, 3072), [4 * 3072 * 88 * 128, 4 * 24])
+        self.assertEqual(bias_sum(256 * 197, 3072), bias_sum(64 * 197, 3072))
+
+    def test_dimensions_merge_as_tensoriterator_merges_them(self):
+        # [16, 197, 3072] over its first two dimensions is [3152, 3072] over its first
+        three = reductions.scratch_sizes("sum", [16, 197, 3072], [197 * 3072, 3072, 1], 0, 2, "bfloat16", [0, 1],
+                                         [0, 0, 1], 2, "bfloat16", *H200)  # fmt: skip
+        self.assertEqual(three, bias_sum(16 * 197, 3072))
+        # a channels-last convolution gradient over (N, H, W) is a row sum over N*H*W rows
+        n, c, h, w = 16, 96, 56, 56
+        conv = reductions.scratch_sizes("sum", [n, c, h, w], [c * h * w, 1, w * c, c], 0, 2, "bfloat16", [0, 2, 3],
+                                        [0, 1, 0, 0], 2, "bfloat16", *H200)  # fmt: skip
+        self.assertEqual(conv, bias_sum(n * h * w, c))
+        shape, ins, outs = reductions.iteration_shape([n, c, h, w], [c * h * w * 2, 2, w * c * 2, c * 2],
+                                                      [0, 2, 0, 0])  # fmt: skip
+        self.assertEqual((shape, ins, outs), ([n * h * w, c], [c * 2, 2], [0, 2]))
+
+    def test_reduced_dimensions_go_first(self):
+        # a contiguous [64, 4096] summed over its last dimension: rows along the fastest stride
+        shape, ins, outs = reductions.iteration_shape([64, 4096], [4096 * 4, 4], [4, 0])
+        self.assertEqual((shape, ins, outs), ([4096, 64], [4, 4096 * 4], [0, 4]))
+        cfg = reductions.launch(shape, ins, outs, 4, 4, 4, 4, *H200)
+        self.assertEqual(cfg["block"][0], 32)  # the row split across a warp's lanes
+        self.assertFalse(cfg["global_reduce"])  # 64 outputs of 4,096: no blocks meet in memory
+
+    def test_a_whole_tensor_summed_to_one_value(self):
+        # one output: the blocks meet in a buffer of one accumulator per block
+        got = reductions.scratch_sizes("sum", [1 << 20], [1], 0, 4, "float32", [0], [0], 4, "float32", *H200)
+        self.assertEqual(len(got), 2)
+        self.assertEqual(got[0] % 4, 0)
+        self.assertEqual(got[1], 4)  # one semaphore: one output column of blocks
+        self.assertEqual(reductions.scratch_sizes("sum", [], [], 0, 4, "float32", [], [], 4, "float32", *H200), [])
+
+    def test_an_input_of_another_type_is_copied_first(self):
+        # generate() counts a bool attention mask: summed as int64, copied into it first
+        self.assertEqual(reductions.scratch_sizes("sum", [16, 128], [128, 1], 0, 1, "bool", [], [0, 0], 8, "int64",
+                                                  *H200), [16 * 128 * 8])  # fmt: skip
+        # half precision summed into float is read as it is: no copy
+        rows = 16 * 197
+        self.assertEqual(reductions.scratch_sizes("sum", [rows, 3072], [3072, 1], 0, 2, "bfloat16", [0], [0, 1], 4,
+                                                  "float32", *H200), bias_sum(rows, 3072))  # fmt: skip
+
+    def test_what_the_model_does_not_reach_says_so(self):
+        self.assertIsNone(reductions.scratch_sizes("sum", [4], [1], 0, 8, "complex64", [0], [0], 8, "complex64",
+                                                   *H200))  # fmt: skip
+        huge = 1 << 31
+        self.assertIsNone(reductions.scratch_sizes("sum", [huge], [1], 0, 2, "bfloat16", [0], [0], 2, "bfloat16",
+                                                   *H200))  # fmt: skip
+
+    def test_a_smaller_gpu_splits_rows_sooner_and_less(self):
+        rows = 16 * 197
+        small = reductions.scratch_sizes("sum", [rows, 3072], [3072, 1], 0, 2, "bfloat16", [0], [0, 1], 2,
+                                         "bfloat16", 40, 1024)  # fmt: skip
+        self.assertLess(small[0], bias_sum(rows, 3072)[0])
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class RecorderReductionTest(unittest.TestCase):
+    def test_bias_gradient_staging_in_the_trace(self):
+        """A linear layer's bias gradient over many rows takes the staging
+        buffer and semaphores after its output and gives them back at
+        once; over few rows, none."""
+        from gpumem.predict import recording
+
+        def run(rows):
+            with recording(None, "h200") as rec:
+                if rec.profile is None or not rec.profile.value("multiprocessor_count"):
+                    self.skipTest("the shipped profile has no multiprocessor_count")
+                lin = torch.nn.Linear(64, 3072).cuda()
+                x = torch.randn(rows, 64, device="cuda")
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    y = lin(x)
+                before = len(rec.events)
+                y.float().sum().backward()
+            return rec.events[before:]
+
+        want = bias_sum(16 * 197, 3072)
+        events = run(16 * 197)
+        sizes = [e[2] for e in events if e[0] == "a"]
+        i = sizes.index(want[0])
+        self.assertEqual(sizes[i + 1], want[1])
+        allocs = [e for e in events if e[0] == "a"]
+        staged = allocs[i][1]
+        # freed before anything else is allocated: semaphores, then the buffer
+        pos = events.index(allocs[i])
+        self.assertEqual([e[0] for e in events[pos:pos + 4]], ["a", "a", "f", "f"])
+        self.assertEqual(events[pos + 3][1], staged)
+        self.assertNotIn(want[0], [e[2] for e in run(4 * 197) if e[0] == "a"])
+
+
+if __name__ == "__main__":
+    unittest.main()
