@@ -33,6 +33,7 @@ from gpumem.predict import profiles  # noqa: E402
 
 NO_TORCH = "needs PyTorch (pip install torch: the CPU build will do)"
 WORKSPACE = 32 << 20
+LT_WORKSPACE = 1 << 20
 
 
 def parse(lines):
@@ -100,8 +101,9 @@ class RecorderTest(unittest.TestCase):
         sizes = [e[2] for e in seq if e[0] == "a"]
         # parameters (W1, b1, W2, b2), then the batch (x fp32, y int64)
         self.assertEqual(sizes[:6], [16 * 32 * 4, 32 * 4, 32 * 4 * 4, 4 * 4, 2 * 16 * 4, 2 * 8])
-        # forward: addmm (2x32), cuBLAS's workspace at the first matmul, relu (2x32)
-        self.assertEqual(sizes[6:9], [2 * 32 * 4, WORKSPACE, 2 * 32 * 4])
+        # forward: addmm (2x32), cuBLAS's workspace at the first matmul and cuBLASLt's
+        # (the bias goes through its epilogue), relu (2x32)
+        self.assertEqual(sizes[6:10], [2 * 32 * 4, WORKSPACE, LT_WORKSPACE, 2 * 32 * 4])
         # the addmm's output dies at once: relu saves its own output
         first_free = next(e for e in seq if e[0] == "f")
         self.assertEqual(first_free[1], 6)
@@ -109,10 +111,12 @@ class RecorderTest(unittest.TestCase):
         p_sizes = sizes[:4]
         state = [a for a in rec.allocations() if not a[2] and a[1] in p_sizes and a[0] > 8]
         self.assertEqual(sorted(s for _, s, _ in state), sorted(p_sizes * 2))
-        # a second workspace for the backward's matmuls, then no more
+        # a second workspace for the backward's matmuls, then no more; the backward
+        # sums its bias gradients, so no second cuBLASLt workspace
         self.assertEqual(sizes.count(WORKSPACE), 2)
+        self.assertEqual(sizes.count(LT_WORKSPACE), 1)
         # live at the end: parameters, moments, workspaces (gradients freed by zero_grad)
-        self.assertEqual(rec.live_bytes, 3 * sum(p_sizes) + 2 * WORKSPACE)
+        self.assertEqual(rec.live_bytes, 3 * sum(p_sizes) + 2 * WORKSPACE + LT_WORKSPACE)
 
     def test_matches_the_real_cpu_run(self):
         """Ground truth: the same two steps run for real on the CPU under
@@ -356,7 +360,7 @@ class TransformersTest(unittest.TestCase):
         recs = [self._run(build, 1000, n) for n in (1, 2)]
         n_params = sum(p.numel() for p in build().parameters())
         for rec in recs:
-            params = sum(s for _, s, freed in rec.allocations() if not freed and s != WORKSPACE)
+            params = sum(s for _, s, freed in rec.allocations() if not freed and s not in (WORKSPACE, LT_WORKSPACE))
             self.assertEqual(params, 3 * 4 * n_params)  # weights, exp_avg, exp_avg_sq (fp32)
         # bf16 logits (batch x 32 x vocab) under autocast, twice as many at batch 2
         s1 = {s for _, s, _ in recs[0].allocations()}
@@ -380,7 +384,7 @@ class TransformersTest(unittest.TestCase):
         model = build()
         n_params = sum(p.numel() for p in model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # rotary inv_freq
-        live = sum(s for _, s, freed in rec.allocations() if not freed and s != WORKSPACE)
+        live = sum(s for _, s, freed in rec.allocations() if not freed and s not in (WORKSPACE, LT_WORKSPACE))
         self.assertEqual(live, 3 * 4 * n_params + buffers)
 
     def test_checkpointing_under_autocast(self):
@@ -396,7 +400,14 @@ class TransformersTest(unittest.TestCase):
 
         plain = self._run(lambda: transformers.GPT2LMHeadModel(cfg), 1000, 2)
         ckpt = self._run(build, 1000, 2)
-        self.assertLess(ckpt.peak_live_bytes, plain.peak_live_bytes)
+
+        def lt(rec):
+            return sum(1 for _, s, _ in rec.allocations() if s == LT_WORKSPACE)
+
+        # the recomputation's biased matmuls run on autograd's thread, which takes a
+        # cuBLASLt workspace of its own (as on the GPU); past that, checkpointing saves
+        self.assertEqual((lt(plain), lt(ckpt)), (1, 2))
+        self.assertLess(ckpt.peak_live_bytes - LT_WORKSPACE, plain.peak_live_bytes)
 
     def test_generate_runs_to_its_length(self):
         from gpumem.predict import recording
@@ -641,7 +652,7 @@ class GpuHistoryTest(unittest.TestCase):
         self.assertEqual(rec.peak_live_bytes, 512 + 1024)
 
 
-def predict_script(d, script, options, script_args):
+def predict_script(d, script, options, script_args, memory="80G"):
     """Writes script to d/train.py and runs `python -m gpumem.predict` on it
     at batch 1 and 2, two steps, on the CPU recorder, keeping the recordings
     in d/rec, with further options and the script's arguments.
@@ -651,7 +662,7 @@ def predict_script(d, script, options, script_args):
         f.write(script)
     out = os.path.join(d, "rec")
     done = subprocess.run(
-        [sys.executable, "-m", "gpumem.predict", "--memory", "80G", "--batch-sizes", "1,2", "--steps", "2",
+        [sys.executable, "-m", "gpumem.predict", "--memory", memory, "--batch-sizes", "1,2", "--steps", "2",
          "--cpu", "--traces", out] + options + [path] + script_args,
         env=dict(os.environ, PYTHONPATH=PYTHON_DIR), stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=900,
     )  # fmt: skip
@@ -719,7 +730,9 @@ class CommandTest(unittest.TestCase):
             "    print('loss', loss.item())\n"
         )
         with tempfile.TemporaryDirectory() as d:
-            done, out, _ = predict_script(d, script, ["--batch", "64"], ["--batch-size", "{B}"])
+            # the check at the batches themselves (on by default on the CPU recorder), three recordings
+            done, out, _ = predict_script(d, script, ["--batch", "64", "--confirm-runs", "3"],
+                                          ["--batch-size", "{B}"], memory="1G")  # fmt: skip
             err = done.stderr.decode()
             traces = []
             for b in (1, 2):
@@ -738,8 +751,13 @@ class CommandTest(unittest.TestCase):
                 self.skipTest("the gpumem binary has no `predict` command: the table is not checked (%s)"
                               % (binary or "no binary"))  # fmt: skip
             self.assertEqual(done.returncode, 0, err)
+            text = done.stdout.decode()
             for name in ("pytorch", "cudaMallocAsync"):
-                self.assertIn(name, done.stdout.decode())
+                self.assertIn(name, text)
+            self.assertIn("checked with the CPU recorder at batch 64, ", text)
+            self.assertIn("3 recordings replayed", text)
+            self.assertIn("ran out of recordings (--confirm-runs)", text)
+            self.assertTrue(os.path.exists(os.path.join(out, "at_b64", "trace")))
 
     def test_sequence_length_usage_errors(self):
         env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
@@ -775,12 +793,14 @@ class CommandTest(unittest.TestCase):
         if binary is None:
             self.skipTest("no gpumem binary: the passes of `gpumem predict` cannot run")
         with tempfile.TemporaryDirectory() as d:
-            done, out, path = predict_script(d, script, ["--batch", "8", "--seq-lens", "8,16,32", "--seq-len", "64"],
+            done, out, path = predict_script(d, script, ["--batch", "8", "--seq-lens", "8,16,32", "--seq-len", "64",
+                                                         "--no-confirm"],
                                              ["--batch-size", "{B}", "--len", "{L}"])  # fmt: skip
             err, text = done.stderr.decode(), done.stdout.decode()
             self.assertEqual(done.returncode, 0, err)
             self.assertIn("recorded at batch 1, 2 x length 8, 16, 32, predicted at length 64", text)
             self.assertIn("peak reserved at batch 8", text)
+            self.assertNotIn("checked with the CPU recorder", text)  # --no-confirm
             # the first pass: batch 2 written at length 64 is what a run there records
             direct = command.record(path, ["--batch-size", "{B}", "--len", "{L}"], 2, os.path.join(d, "direct"),
                                     "cpu", 2, "h200", seq_len=64)  # fmt: skip

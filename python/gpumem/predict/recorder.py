@@ -583,6 +583,12 @@ def _tracker(recording, fake_mode, profile):
                 if where not in workspaces and profile is not None and profile.value("cublas_workspace_bytes"):
                     workspaces.add(where)
                     recording.alloc(profile.value("cublas_workspace_bytes"))
+                # a bias added in the GEMM's epilogue goes through cuBLASLt, which
+                # takes a workspace of its own at its first call on each thread
+                lt = profile.value("cublaslt_workspace_bytes") if profile is not None else None
+                if lt and where + " lt" not in workspaces and _lt_epilogue(func, args, kwargs):
+                    workspaces.add(where + " lt")
+                    recording.alloc(lt)
             elif func in sdpa_backward and profile is not None:
                 per = profile.value("sdpa_backward_scratch_bytes_per_q_element")
                 if per:
@@ -604,6 +610,16 @@ def _tracker(recording, fake_mode, profile):
             return out
 
     return Tracker()
+
+
+def _lt_epilogue(func, args, kwargs):
+    """addmm (or _addmm_activation) of a 1-D bias the length of the
+    output's rows, beta 1: PyTorch hands the bias to cuBLASLt's epilogue."""
+    if func.__name__ not in ("addmm.default", "_addmm_activation.default") or len(args) < 3:
+        return False
+    bias, mat2 = args[0], args[2]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 and func.__name__ == "addmm.default" else 1)
+    return bias.dim() == 1 and mat2.dim() == 2 and bias.shape[0] == mat2.shape[1] and beta == 1
 
 
 def _dtype_name(t):

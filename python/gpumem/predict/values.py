@@ -33,7 +33,7 @@ __all__ = ["KnownValues", "UNKNOWN", "SHADOW_NUMEL"]
 UNKNOWN = object()
 
 # Fake tensors of at most this many elements get shadow values.
-SHADOW_NUMEL = 1 << 16
+SHADOW_NUMEL = 1 << 20
 # Operators whose results are not values of their inputs.
 _UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 
