@@ -20,6 +20,11 @@ second run with the same OUTDIR carries on where the first stopped):
   predict     `gpumem predict` from each pair of recordings: the peak reserved
               at each of --targets under each allocator, and the largest batch
               under a cap of --fraction of the device's memory;
+  direct      the CPU recorder at each target itself, replayed with `gpumem
+              fit`, and the largest batch under the cap searched with
+              recordings at the batches, from the CPU prediction's (what
+              `python -m gpumem.predict` checks on the CPU recorder,
+              gpumem.predict.confirm);
   measure     each job at each target under native PyTorch, expandable
               segments and gpumem (torch.cuda.max_memory_reserved);
   memtracker  PyTorch's MemTracker on each job at the middle target;
@@ -177,6 +182,39 @@ def predict(binary, sizes, traces, targets, cap_bytes):
     return out
 
 
+def direct(runner, binary, job, targets, cap_bytes, steps, start, budget=24):
+    """The CPU recorder at the batches themselves: {"targets": {T: {allocator
+    row: peak reserved}}, "largest": {row: batch}, "bounds": {row: (fits, does
+    not)}, "recordings": [batch, ...]}, or {"error": ...}."""
+    from gpumem.predict import confirm
+
+    def record_at(b):
+        path = record(runner, job, b, "cpu", steps)
+        if path is None:
+            raise RuntimeError("the CPU recording of %s at batch %d failed or was not run" % (job, b))
+        return path
+
+    checker = confirm.Checker(record_at, cap_bytes, binary, budget)
+    out = {"targets": {}, "largest": {}, "bounds": {}}
+    try:
+        for t in targets:
+            out["targets"][str(t)] = checker.peaks(t)
+        for a in ALLOCATORS:
+            row = ROW[a]
+            if not start.get(row):
+                continue
+            try:
+                lo, hi = confirm.largest(lambda b: checker.fits(b, row), start[row], known=checker.known(row))
+            except confirm.SearchBudget as e:
+                lo, hi = e.lo, e.hi
+            out["largest"][row] = lo
+            out["bounds"][row] = (lo, hi)
+    except (RuntimeError, confirm.SearchBudget) as e:
+        out["error"] = str(e)
+    out["recordings"] = sorted(checker.rows)
+    return out
+
+
 def measure(runner, job, batch, allocator, steps, gib, fraction=None):
     tag = "cap" if fraction is not None else "measure"
     name = "%s_%s_%s_b%d" % (tag, job, allocator, batch)
@@ -238,7 +276,7 @@ def main():
     ap.add_argument("--pool-gib", type=float, default=125)
     ap.add_argument("--deadline", type=float, default=1e9)
     ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
-    ap.add_argument("--phases", default="record,cpu,predict,measure,memtracker,cap")
+    ap.add_argument("--phases", default="record,cpu,predict,direct,measure,memtracker,cap")
     ap.add_argument("--gpumem", default=os.path.join(REPO, "build", "gpumem"), help="the gpumem command")
     ap.add_argument("--cpu-gpu-visible", action="store_true",
                     help="cpu phase: leave the GPU visible (the recorder still uses none)")
@@ -312,6 +350,17 @@ def main():
         for j in jobs:
             for mode, paths in traces[j].items():
                 jr[j]["predicted_" + mode] = predict(args.gpumem, sizes, paths, targets, cap_bytes)
+        with open(results_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    if "direct" in phases:
+        sys.path.insert(0, os.path.join(REPO, "python"))
+
+        def run_direct(j):
+            start = jr[j].get("predicted_cpu", {}).get("largest") or {}
+            jr[j]["predicted_direct"] = direct(runner, args.gpumem, j, targets, cap_bytes, args.steps, start)
+
+        parallel(run_direct, [(j,) for j in jobs])
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -73,6 +73,59 @@ def peak_rows(results):
     return rows
 
 
+def direct_report(results):
+    """The CPU recorder at the batch itself (the direct phase): peaks and
+    the largest batch under the cap, for every allocator."""
+    out = ["### The CPU recorder at the batch itself (what `python -m gpumem.predict` checks on fake tensors)\n",
+           "| job | batch | native | error | expandable | error | gpumem | error |", "|---|---|---|---|---|---|---|---|"]
+    errs = []
+    for job, jr in results["jobs"].items():
+        d = jr.get("predicted_direct", {})
+        for t in map(str, results["targets"]):
+            cells = [job, t]
+            for a in ("native", "expandable", "gpumem"):
+                m, why = measured_peak(jr.get("measured", {}).get(t, {}).get(a))
+                e = err(d.get("targets", {}).get(t, {}).get(ROW[a]), m)
+                if m is not None:
+                    errs.append((job, int(t), a, e))
+                cells += [gib(m) if m is not None else (why or "-"), pct(e)]
+            out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    for lim in (0.02, 0.05, 0.10):
+        ok = [x for x in errs if x[3] is not None and abs(x[3]) <= lim]
+        nat = [x for x in errs if x[2] == "native"]
+        nat_ok = [x for x in ok if x[2] == "native"]
+        out.append("Within %d%%: %d of %d (native: %d of %d)." % (100 * lim, len(ok), len(errs), len(nat_ok),
+                                                                  len(nat)))
+    for job, b, a, e in errs:
+        if e is None or abs(e) > 0.02:
+            out.append("- over 2%%: %s batch %d %s: %s" % (job, b, a, pct(e) if e is not None else "no figure"))
+    out.append("")
+    out.append("| job | allocator | measured largest | at the batches | steps off | recordings |")
+    out.append("|---|---|---|---|---|---|")
+    n = exact = one = 0
+    for job, jr in results["jobs"].items():
+        d = jr.get("predicted_direct", {})
+        for a in ("native", "expandable", "gpumem"):
+            c = jr.get("cap", {}).get(a)
+            if not c:
+                continue
+            truth = c["largest"] if c["bound"] == "exact" else None
+            lb = d.get("largest", {}).get(ROW[a])
+            g = grid_floor(lb)
+            off = GRID.index(g) - GRID.index(truth) if g and truth else None
+            n += 1
+            exact += off == 0
+            one += off is not None and abs(off) <= 1
+            out.append("| %s | %s | %s | %s | %s | %d |" % (
+                job, a, c["largest"] if truth else "%s (%s)" % (c["largest"], c["bound"]),
+                "-" if lb is None else "%s (grid %s)" % (lb, g), "-" if off is None else "%+d" % off,
+                len(d.get("recordings", []))))
+    out.append("")
+    out.append("At the batches: %d of %d exact on the grid, %d within one step.\n" % (exact, n, one))
+    return "\n".join(out)
+
+
 def report(results):
     out = []
     frac, cap = results["fraction"], results["cap_bytes"]
@@ -139,6 +192,9 @@ def report(results):
     out.append("")
     out.append("From GPU recordings: %d of %d exact on the grid, %d within one step." % (exact, n, one))
     out.append("From the CPU recorder (native): %d of %d within one step.\n" % (c_one, cn))
+
+    if any("predicted_direct" in jr for jr in results["jobs"].values()):
+        out.append(direct_report(results))
 
     out.append("### PyTorch's MemTracker against the measured native peak reserved\n")
     out.append("| job | batch | measured native (GiB) | MemTracker (GiB) | error |")

@@ -1,6 +1,9 @@
-"""What a job allocates only at large batches: the staging buffers of CUDA
-reductions as the CPU recorder sizes them (gpumem.predict.reductions). The
-sizes below are what PyTorch 2.11's reduction kernel takes on an H200 (132
+"""What a job allocates only at large batches, and answers checked there:
+the staging buffers of CUDA reductions as the CPU recorder sizes them
+(gpumem.predict.reductions), and the check of a prediction at the batches
+themselves (gpumem.predict.confirm): the search for the largest batch, its
+budget, and the table's figures replaced by the checked ones. The sizes
+below are what PyTorch 2.11's reduction kernel takes on an H200 (132
 multiprocessors of 2048 threads): bench/torch/reduce_probe.py compares the
 model with the GPU call by call. The recorder test at the end needs PyTorch
 (the CPU build will do)."""
@@ -17,7 +20,8 @@ except ImportError:  # pragma: no cover
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from gpumem.predict import reductions  # noqa: E402
+from gpumem.predict import __main__ as command  # noqa: E402
+from gpumem.predict import confirm, reductions  # noqa: E402
 
 H200 = (132, 2048)
 NO_TORCH = "needs PyTorch (pip install torch: the CPU build will do)"
@@ -88,6 +92,96 @@ class ReductionTest(unittest.TestCase):
         small = reductions.scratch_sizes("sum", [rows, 3072], [3072, 1], 0, 2, "bfloat16", [0], [0, 1], 2,
                                          "bfloat16", 40, 1024)  # fmt: skip
         self.assertLess(small[0], bias_sum(rows, 3072)[0])
+
+
+class SearchTest(unittest.TestCase):
+    def counting(self, limit):
+        asked = []
+
+        def fits(b):
+            asked.append(b)
+            return b <= limit
+
+        return fits, asked
+
+    def test_exact_below_fifty(self):
+        for start in (1, 10, 37, 38, 49, 200):
+            fits, _ = self.counting(37)
+            self.assertEqual(confirm.largest(fits, start), (37, 38), start)
+
+    def test_within_two_percent_above(self):
+        for limit in (137, 1000, 4321):
+            for start in (limit // 3, limit, limit * 2):
+                fits, asked = self.counting(limit)
+                lo, hi = confirm.largest(fits, start)
+                self.assertTrue(lo <= limit < hi, (limit, start, lo, hi))
+                self.assertLessEqual(hi - lo, max(1, int(lo * 0.02)))
+                self.assertLess(len(set(asked)), 20)
+
+    def test_a_known_bracket_is_searched_within(self):
+        fits, asked = self.counting(190)
+        lo, hi = confirm.largest(fits, 150, known={100: True, 180: True, 200: False, 300: False})
+        self.assertTrue(lo <= 190 < hi and hi - lo <= 3, (lo, hi))
+        self.assertTrue(all(180 < b < 200 for b in asked), asked)
+        # results that contradict each other (a larger batch fitting) are not trusted
+        fits, asked = self.counting(37)
+        self.assertEqual(confirm.largest(fits, 30, known={50: True, 40: False}), (37, 38))
+
+    def test_nothing_fits(self):
+        fits, _ = self.counting(0)
+        self.assertEqual(confirm.largest(fits, 5), (0, 1))
+
+    def test_budget_gives_the_bracket_so_far(self):
+        recorded = []
+
+        def replay(binary, trace, memory):  # stands in for `gpumem fit`
+            b = int(trace[1:])
+            return {"pytorch": {"fits": b <= 500, "peak_reserved_bytes": b << 20}}
+
+        def record_at(b):
+            recorded.append(b)
+            return "t%d" % b
+
+        real, confirm.fit_rows = confirm.fit_rows, replay
+        try:
+            checker = confirm.Checker(record_at, 1 << 30, "gpumem", budget=3)
+            with self.assertRaises(confirm.SearchBudget) as e:
+                confirm.largest(lambda b: checker.fits(b, "pytorch"), 100)
+            self.assertEqual(checker.peaks(100), {"pytorch": 100 << 20})  # recorded once, kept
+        finally:
+            confirm.fit_rows = real
+        self.assertEqual(recorded, [100, 112, 136])
+        self.assertEqual((e.exception.lo, e.exception.hi), (136, None))
+
+    def test_table_rows_take_the_checked_figures(self):
+        class Checker:
+            rows = {}
+
+            def at(self, b):
+                self.rows[b] = True
+                return b
+
+            def peaks(self, b):
+                self.at(b)
+                return {"pytorch": 9 << 30, "gpumem default": 7 << 30}
+
+            def fits(self, b, who):
+                self.at(b)
+                return b <= (40 if who == "pytorch" else 48)
+
+            def known(self, who):
+                return {b: self.fits(b, who) for b in list(self.rows)}
+
+        rows = [{"allocator": "pytorch", "max_batch": 44, "peak_reserved_bytes": 8 << 30},
+                {"allocator": "gpumem default", "max_batch": 48, "peak_reserved_bytes": 7 << 30}]  # fmt: skip
+        line = command.check_at_batches(rows, Checker(), batch=64)
+        self.assertEqual([r["max_batch"] for r in rows], [40, 48])
+        self.assertEqual(rows[0]["scaled_max_batch"], 44)
+        self.assertEqual(rows[0]["peak_reserved_bytes"], 9 << 30)
+        self.assertEqual(rows[0]["scaled_peak_reserved_bytes"], 8 << 30)
+        self.assertIn("checked with the CPU recorder at batch", line)
+        self.assertIn("scaled from the small runs: pytorch largest 44, pytorch peak 8.000 GiB", line)
+        self.assertNotIn("gpumem default largest", line)
 
 
 @unittest.skipIf(torch is None, NO_TORCH)

@@ -23,6 +23,16 @@ predicted at --seq-len first (`gpumem predict --write-trace`), then those
 traces over the batch: the table is for the job at --seq-len
 (docs/predict.md, "Two dimensions").
 
+Then, on the CPU recorder (by default when the runs were there; --confirm
+on a GPU machine too), the answers are checked at the batches themselves:
+fake tensors cost the same at any batch, so the job is recorded at --batch
+and at batches around each predicted largest one, and those recordings are
+replayed (`gpumem fit`). They see what small batches do not show (the
+staging buffers of reductions split across thread blocks at large
+batches); the table gives their figures, and what scaling said beside
+them. The search for the largest batch stops within 2% (exact below 50)
+or after --confirm-runs recordings, and says which.
+
 Exit status: 0 done, 1 a run or `gpumem predict` failed, 2 bad usage."""
 
 import argparse
@@ -35,6 +45,7 @@ import sys
 import tempfile
 
 from .. import _cli
+from . import confirm
 
 GIB = 1 << 30
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -82,6 +93,13 @@ def _parser():
     p.add_argument("--profile", default="h200", help="device profile for --cpu runs (default h200)")
     p.add_argument("--traces", help="keep the recordings in this directory")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default 1800)")
+    p.add_argument("--confirm", dest="confirm", action="store_true", default=None,
+                   help="check the answers with the CPU recorder at the batches themselves (the default "
+                   "when the runs are on the CPU recorder)")
+    p.add_argument("--no-confirm", dest="confirm", action="store_false",
+                   help="report the scaled prediction as it is")
+    p.add_argument("--confirm-runs", type=int, default=12,
+                   help="recordings the check may make (default 12)")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments; {B} becomes the batch size")
     return p
@@ -222,6 +240,52 @@ def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
 
 
+def check_at_batches(rows, checker, batch=None):
+    """Puts the checker's figures in rows in place of the scaled ones
+    (kept as scaled_*): the peak at batch, and each allocator's largest
+    batch searched from the scaled one. Returns a line saying what was
+    recorded and what scaling had said where it differs."""
+    differ = []
+    if batch is not None:
+        try:
+            peaks = checker.peaks(batch)
+        except confirm.SearchBudget:
+            peaks = {}
+        for r in rows:
+            if r.get("allocator") in peaks:
+                r["scaled_peak_reserved_bytes"] = r.get("peak_reserved_bytes")
+                r["peak_reserved_bytes"] = peaks[r["allocator"]]
+    short = []
+    for r in rows:
+        start = r.get("max_batch")
+        if not start:
+            continue
+        try:
+            lo, hi = confirm.largest(lambda b, who=r["allocator"]: checker.fits(b, who), start,
+                                     known=checker.known(r["allocator"]))
+        except confirm.SearchBudget as e:
+            if e.lo is None:
+                short.append("%s (no batch checked)" % r["allocator"])
+                continue
+            short.append("%s (%d fits%s)" % (r["allocator"], e.lo, "" if e.hi is None else ", %d does not" % e.hi))
+            lo = e.lo
+        r["scaled_max_batch"] = start
+        r["max_batch"] = r["largest_batch"] = lo
+        if lo != start:
+            differ.append("%s largest %d" % (r["allocator"], start))
+    for r in rows:
+        old, new = r.get("scaled_peak_reserved_bytes"), r.get("peak_reserved_bytes")
+        if old and new and abs(new - old) > 0.005 * old:
+            differ.append("%s peak %s" % (r["allocator"], _gib(old)))
+    line = "checked with the CPU recorder at batch %s (%d recordings replayed)" % (
+        ", ".join(str(b) for b in sorted(checker.rows)) or "-", len(checker.rows))
+    if differ:
+        line += "; scaled from the small runs: " + ", ".join(differ)
+    if short:
+        line += "; the search ran out of recordings (--confirm-runs) for " + ", ".join(short)
+    return line
+
+
 def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None, check=None,
           seq_lens=None, seq_len=None):
     """The command's report, as text."""
@@ -276,11 +340,14 @@ def main(argv=None):
         p.error("the script's arguments have {L} but no --seq-lens gives the lengths to run at")
     if a.steps < 1:
         p.error("--steps must be at least 1")
+    if a.confirm_runs < 1:
+        p.error("--confirm-runs must be at least 1")
     if not os.path.isfile(a.script):
         p.error("no script %s" % a.script)
     try:
         mode = "gpu" if not a.cpu and _gpu_available() else "cpu"
-        if mode == "cpu":
+        confirm_on = a.confirm if a.confirm is not None else mode == "cpu"
+        if mode == "cpu" or confirm_on:
             from . import profiles
 
             profiles.load(a.profile)  # names an unknown profile before anything runs
@@ -321,6 +388,17 @@ def main(argv=None):
         except PredictError as e:
             keep = True
             raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
+        if confirm_on:
+            def record_at(b):
+                meta = record(a.script, a.args, b, os.path.join(root, "at_b%d" % b), "cpu", a.steps, a.profile,
+                              a.timeout, a.seq_len if seq_lens else None)  # fmt: skip
+                for n in meta["notes"]:
+                    if n not in notes:
+                        notes.append(n)
+                return meta["path"]
+
+            checks.append(check_at_batches(rows, confirm.Checker(record_at, memory - context, _binary(),
+                                                                 a.confirm_runs), a.batch))  # fmt: skip
         sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows, notes,
                                a.batch, "\n".join(checks) or None, seq_lens, a.seq_len))  # fmt: skip
         if keep:

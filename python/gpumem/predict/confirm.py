@@ -1,0 +1,125 @@
+"""Answers at the batch itself, from the CPU recorder.
+
+Scaling recordings of small batches sees every allocation the job makes at
+those batches, and none that appears only at a larger one: the staging
+buffers of reductions whose rows grew long enough to be split across
+thread blocks, algorithms chosen by problem size. On fake tensors a
+recording costs the same at batch 2 as at batch 200, so the CPU recorder
+can record the job at the batch asked about and replay that instead. This
+module does the replay (`gpumem fit`) and the search for the largest batch
+that fits, started from the scaled prediction:
+
+    checker = Checker(record_at, memory)      # record_at(b) -> a trace path
+    checker.peaks(64)                         # {allocator: peak reserved bytes}
+    largest(lambda b: checker.fits(b, "pytorch"), start=190, precision=0.02)
+"""
+
+import json
+import subprocess
+
+__all__ = ["Checker", "SearchBudget", "largest", "fit_rows"]
+
+
+class SearchBudget(Exception):
+    """The search ran out of recordings; lo fits, hi does not (or is None)."""
+
+    def __init__(self, lo, hi):
+        Exception.__init__(self, "no recordings left: %s fits, %s does not" % (lo, hi))
+        self.lo, self.hi = lo, hi
+
+
+def fit_rows(binary, trace, memory):
+    """`gpumem fit --memory NB --json TRACE`: {allocator: its row} (fits,
+    peak_reserved_bytes, needed_bytes, ...)."""
+    done = subprocess.run([binary, "fit", "--memory", "%dB" % memory, "--json", trace],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError("`gpumem fit` failed (exit status %d): %s"
+                           % (done.returncode, done.stderr.decode("utf-8", "replace").strip()))  # fmt: skip
+    rows = {}
+    for line in done.stdout.decode("utf-8", "replace").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["allocator"]] = row
+    return rows
+
+
+class Checker:
+    """Recordings at the batches asked about, each made once and replayed
+    under every allocator with `gpumem fit` at memory bytes; at most
+    `budget` of them."""
+
+    def __init__(self, record_at, memory, binary, budget=12):
+        self.record_at = record_at
+        self.memory = memory
+        self.binary = binary
+        self.budget = budget
+        self.rows = {}
+
+    def at(self, batch):
+        if batch not in self.rows:
+            if len(self.rows) >= self.budget:
+                raise SearchBudget(None, None)
+            self.rows[batch] = fit_rows(self.binary, self.record_at(batch), self.memory)
+        return self.rows[batch]
+
+    def peaks(self, batch):
+        return {a: r["peak_reserved_bytes"] for a, r in self.at(batch).items()}
+
+    def known(self, allocator):
+        """{batch: fits} for allocator over the batches recorded so far."""
+        return {b: bool(rows[allocator]["fits"]) for b, rows in self.rows.items() if allocator in rows}
+
+    def fits(self, batch, allocator):
+        row = self.at(batch).get(allocator)
+        if row is None:
+            raise KeyError("gpumem fit gave no row for %s" % allocator)
+        return bool(row["fits"])
+
+
+def largest(fits, start, precision=0.02, known=None):
+    """The largest batch b for which fits(b) holds, taking memory to grow
+    with the batch: from start (a prediction) up or down in steps that
+    double until the answer is bracketed, then halving the bracket until
+    it is within precision of its lower end (exact below 50 at 2%).
+    known: {batch: fits} already found (other allocators' searches
+    recorded those batches); where they bracket the answer the search
+    starts from that bracket. Returns (b, first batch found not to fit,
+    or None); b is 0 when batch 1 does not fit. fits may raise
+    SearchBudget, which is raised again with the bracket found so far."""
+    start = max(1, int(start))
+    known = known or {}
+    lo = max((b for b, f in known.items() if f), default=None)
+    hi = min((b for b, f in known.items() if not f), default=None)
+    if lo is None or hi is None or lo >= hi:
+        lo = hi = None
+    try:
+        if lo is not None:
+            pass  # bracketed already
+        elif fits(start):
+            lo, step = start, max(1, start // 8)
+            while hi is None:
+                b = lo + step
+                if fits(b):
+                    lo, step = b, step * 2
+                else:
+                    hi = b
+        else:
+            hi, step = start, max(1, start // 8)
+            while lo is None:
+                b = max(1, hi - step)
+                if fits(b):
+                    lo = b
+                elif b == 1:
+                    return 0, 1
+                else:
+                    hi, step = b, step * 2
+        while hi - lo > max(1, int(lo * precision)):
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+    except SearchBudget:
+        raise SearchBudget(lo, hi) from None
+    return lo, hi
