@@ -14,14 +14,10 @@ shape, strides, dimensions) gives both and how often it came; the last line
 counts the calls where they differ. Exit status 1 when any does.
 """
 
-import argparse
 import collections
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+from probes import setup, step_under
 
 
 def _counters(torch):
@@ -48,7 +44,6 @@ def _name(dtype):
 
 
 def probe(torch, profile, job, batch):
-    import predict_jobs
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
     from gpumem.predict import reductions
@@ -103,12 +98,7 @@ def probe(torch, profile, job, batch):
                 return out
             return func(*args, **kwargs)
 
-    model, step, opt = predict_jobs.build(torch, job, batch)
-    with Spy():
-        step(opt)
-    torch.cuda.synchronize()
-    del model, step, opt
-    torch.cuda.empty_cache()
+    step_under(torch, job, batch, Spy())
     return seen
 
 
@@ -118,24 +108,12 @@ def agrees(real, mine):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="h200")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("jobs", nargs="*")
-    args = ap.parse_args()
-    import torch
-
-    import predict_jobs
-    from gpumem.predict import profiles
-
-    if not torch.cuda.is_available():
-        sys.exit("reduce_probe: needs a GPU")
-    profile = profiles.load(args.profile)
+    args, torch, profile = setup("reduce_probe", __doc__, 16)
     if not profile.value("multiprocessor_count"):
         sys.exit("reduce_probe: the device profile %s has no multiprocessor_count" % profile.name)
     differ = total = with_scratch = 0
     print("job | operator | dtype | shape | strides | dims | pytorch (allocations, bytes) | recorder | calls")
-    for job in args.jobs or list(predict_jobs.JOBS):
+    for job in args.jobs:
         try:
             seen = probe(torch, profile, job, args.batch)
         except Exception as e:  # noqa: BLE001 (a job that fails is reported, the others still run)

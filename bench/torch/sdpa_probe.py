@@ -14,14 +14,10 @@ came, and the last line counts those where they differ. Exit status 1 when
 any does.
 """
 
-import argparse
 import collections
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"))
+from probes import setup, step_under
 
 BACKENDS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
 
@@ -32,7 +28,6 @@ class _Notes:
 
 
 def probe(torch, profile, job, batch):
-    import predict_jobs
     from torch.overrides import TorchFunctionMode
 
     from gpumem.predict import profiles
@@ -64,32 +59,15 @@ def probe(torch, profile, job, batch):
                     seen[kind] += 1
             return func(*args, **kwargs)
 
-    model, step, opt = predict_jobs.build(torch, job, batch)
-    with Spy():
-        step(opt)
-    torch.cuda.synchronize()
-    del model, step, opt
-    torch.cuda.empty_cache()
+    step_under(torch, job, batch, Spy())
     return seen
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="h200")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("jobs", nargs="*")
-    args = ap.parse_args()
-    import torch
-
-    import predict_jobs
-    from gpumem.predict import profiles
-
-    if not torch.cuda.is_available():
-        sys.exit("sdpa_probe: needs a GPU")
-    profile = profiles.load(args.profile)
+    args, torch, profile = setup("sdpa_probe", __doc__, 2)
     differ = total = 0
     print("job | dtype | q | k | mask (dtype, shape, grad) | grad | causal | gqa | dropout | pytorch | profile | times")
-    for job in args.jobs or list(predict_jobs.JOBS):
+    for job in args.jobs:
         try:
             seen = probe(torch, profile, job, args.batch)
         except Exception as e:  # noqa: BLE001 (a job that fails is reported, the others still run)
