@@ -218,5 +218,45 @@ class RecorderReductionTest(unittest.TestCase):
         self.assertNotIn(want[0], [e[2] for e in run(4 * 197) if e[0] == "a"])
 
 
+@unittest.skipIf(torch is None, NO_TORCH)
+class KernelOrderTest(unittest.TestCase):
+    """Outputs allocated in the order PyTorch's CUDA kernels allocate them,
+    and the copies they make: set against recordings made on an H200 at
+    the same batch, these moved GPT-2's blocks under expandable segments
+    by up to 6%."""
+
+    def events(self, body):
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            before = len(rec.events)
+            body()
+        return rec.events[before:]
+
+    def test_dropout_makes_its_mask_first(self):
+        x = []
+
+        def body():
+            x.append(torch.randn(64, 1024, device="cuda"))
+            x.append(torch.nn.functional.dropout(x[0], 0.1, training=True))
+
+        sizes = [e[2] for e in self.events(body) if e[0] == "a"]
+        self.assertEqual(sizes, [64 * 1024 * 4, 64 * 1024, 64 * 1024 * 4])  # x, the bool mask, the output
+
+    def test_a_mask_counted_into_int64_is_copied_first(self):
+        kept = []
+
+        def body():
+            mask = torch.ones(16, 128, dtype=torch.bool, device="cuda")
+            kept.append(mask.cumsum(-1))
+
+        events = self.events(body)
+        n = 16 * 128
+        # the mask, the int64 result, the mask's int64 copy given back at once
+        self.assertEqual([(e[0], e[2]) if e[0] == "a" else (e[0],) for e in events],
+                         [("a", n), ("a", n * 8), ("a", n * 8), ("f",), ("f",)])  # fmt: skip
+        self.assertEqual(events[3][1], events[2][1])
+
+
 if __name__ == "__main__":
     unittest.main()

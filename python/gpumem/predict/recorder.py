@@ -388,6 +388,7 @@ def _tracker(recording, fake_mode, profile):
                  aten.randn_like.default, aten.rand_like.default, aten.arange.default,
                  aten.arange.start, aten.arange.start_step}  # fmt: skip
     conv = {aten.convolution.default, aten.convolution_backward.default}
+    scans = {aten.cumsum.default, aten.cumprod.default}
     summing = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
     live = {}  # storage key -> allocation id
     workspaces = set()
@@ -574,7 +575,7 @@ def _tracker(recording, fake_mode, profile):
                     "%s at %s: its output's size depends on the values of tensors, which fake tensors do "
                     "not have" % (func, _user_frame())
                 ) from None
-            values.after(func, args, kwargs, out, track(out))
+            values.after(func, args, kwargs, out, track(_kernel_order(func, out)))
             if func.overloadpacket in matmuls and is_cuda(args, kwargs):
                 # cuBLAS takes its workspace from the caching allocator at the
                 # first matmul of each thread and stream; autograd's backward
@@ -597,6 +598,11 @@ def _tracker(recording, fake_mode, profile):
             elif func in summing and is_cuda(args, kwargs):
                 dims = args[1] if func in (aten.sum.dim_IntList, aten.mean.dim) and len(args) > 1 else None
                 reduction_scratch(summing[func], args[0], dims, out)
+            elif func in scans and is_cuda(args, kwargs) and args[0].dtype != out.dtype:
+                # a scan of another type than its result's (a bool mask counted into
+                # int64) reads a copy of its input in the result's type (cumsum_out)
+                copy = recording.alloc(args[0].numel() * out.element_size())
+                recording.free(copy)
             if func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
                 # a bias's gradient is a sum over all but the channel dimension,
                 # made after the backend's own work (PyTorch's convolution_backward)
@@ -620,6 +626,21 @@ def _lt_epilogue(func, args, kwargs):
     bias, mat2 = args[0], args[2]
     beta = kwargs.get("beta", args[3] if len(args) > 3 and func.__name__ == "addmm.default" else 1)
     return bias.dim() == 1 and mat2.dim() == 2 and bias.shape[0] == mat2.shape[1] and beta == 1
+
+
+# Operators whose CUDA kernels allocate their outputs in another order than
+# they return them: the indices of the outputs allocated first.
+_ALLOCATED_FIRST = {
+    "native_dropout.default": (1,),  # the mask, then the output (dropout_cuda)
+    "_scaled_dot_product_cudnn_attention.default": (6, 7),  # the RNG seed and offset
+}
+
+
+def _kernel_order(func, out):
+    first = _ALLOCATED_FIRST.get(func.__name__)
+    if first is None or not isinstance(out, tuple) or len(out) <= max(first):
+        return out
+    return tuple(out[i] for i in first) + tuple(o for i, o in enumerate(out) if i not in first)
 
 
 def _dtype_name(t):
