@@ -184,6 +184,46 @@ class SearchTest(unittest.TestCase):
         self.assertNotIn("gpumem default largest", line)
 
 
+class CheckFailureTest(unittest.TestCase):
+    def test_a_failed_check_leaves_the_scaled_answer_and_says_so(self):
+        # a script that runs at the small batches and fails at a large one
+        script = (
+            "import argparse, sys, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "if a.batch_size > 4: sys.exit('too large for this script')\n"
+            "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+            "model = torch.nn.Linear(64, 64).to(dev)\n"
+            "opt = torch.optim.AdamW(model.parameters())\n"
+            "for step in range(10):\n"
+            "    model(torch.randn(a.batch_size, 64).to(dev)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        )
+        if torch is None:
+            self.skipTest(NO_TORCH)
+        import subprocess
+        import tempfile
+
+        from gpumem import _cli
+
+        if _cli.find() is None:
+            self.skipTest("no gpumem binary: `gpumem predict` cannot run")
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "train.py")
+            with open(path, "w") as f:
+                f.write(script)
+            done = subprocess.run(
+                [sys.executable, "-m", "gpumem.predict", "--cpu", "--memory", "1G", "--batch-sizes", "2,4",
+                 "--steps", "2", "--batch", "64", path, "--batch-size", "{B}"],
+                env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)), stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, timeout=600,
+            )  # fmt: skip
+            text = done.stdout.decode()
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            self.assertIn("the check at the batches themselves failed, so the table is the scaled prediction: "
+                          "%s at batch 64 failed" % path, text)  # fmt: skip
+            self.assertIn("pytorch expandable", text)
+            self.assertIn("recordings: ", text)  # kept, to look at
+
+
 @unittest.skipIf(torch is None, NO_TORCH)
 class RecorderReductionTest(unittest.TestCase):
     def test_bias_gradient_staging_in_the_trace(self):
