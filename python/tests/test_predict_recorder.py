@@ -491,6 +491,22 @@ class AttentionTest(unittest.TestCase):
         self.assertGreater(self.scores(rec, 2), 0)
         self.assertTrue(any("math backend" in n for n in rec.notes), rec.notes)
 
+    def test_autocast_casts_right_to_left(self):
+        # a Llama's q and k leave its rotary embedding in fp32: autocast casts
+        # the call's arguments right to left, k before q, as on the GPU
+        from gpumem.predict import recording
+
+        B, L, D = self.B, self.L, self.D
+        with recording(None, "h200") as rec:
+            q = torch.randn(B, 8, L, D, device="cuda")
+            k = torch.randn(B, 2, L, D, device="cuda")
+            v = torch.randn(B, 2, L, D, device="cuda", dtype=torch.bfloat16)
+            before = len(rec.events)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        sizes = [e[2] for e in rec.events[before:] if e[0] == "a"]
+        self.assertEqual(sizes[:2], [B * 2 * L * D * 2, B * 8 * L * D * 2])  # k in bf16, then q
+
     def test_function_is_put_back(self):
         before = torch.nn.functional.scaled_dot_product_attention
         self.attention_step(torch.bfloat16)

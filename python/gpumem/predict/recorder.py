@@ -723,7 +723,11 @@ def autocast_sdpa_inputs(torch, q, k, v, mask):
         eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == "cuda"
         return t.to(dtype) if eligible and t.dtype != dtype else t
 
-    return cast(q), cast(k), cast(v), cast(mask)
+    # autocast's C++ wrapper casts the arguments of a call right to left (the
+    # order GCC evaluates a call's arguments in: a Llama's k is cast before its
+    # q on the GPU), and the caching allocator sees them in that order
+    mask, v, k, q = cast(mask), cast(v), cast(k), cast(q)
+    return q, k, v, mask
 
 
 def _sdpa_mode(recording, profile):
