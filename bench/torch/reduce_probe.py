@@ -1,6 +1,6 @@
 """The scratch memory of PyTorch's CUDA reductions on this GPU, against what
 the CPU recorder puts in its traces for them (gpumem.predict.reductions),
-call by call, on the jobs of bench/torch/predict_jobs.py.
+operator by operator, on the jobs of bench/torch/predict_jobs.py.
 
     python3 bench/torch/reduce_probe.py [--profile h200] [--batch 16] [JOB ...]
 

@@ -5,7 +5,7 @@ themselves (gpumem.predict.confirm): the search for the largest batch, its
 budget, and the table's figures replaced by the checked ones. The sizes
 below are what PyTorch 2.11's reduction kernel takes on an H200 (132
 multiprocessors of 2048 threads): bench/torch/reduce_probe.py compares the
-model with the GPU call by call. The recorder test at the end needs PyTorch
+model with the GPU operator by operator. The recorder test at the end needs PyTorch
 (the CPU build will do)."""
 
 import os

@@ -585,7 +585,7 @@ def _tracker(recording, fake_mode, profile):
                     workspaces.add(where)
                     recording.alloc(profile.value("cublas_workspace_bytes"))
                 # a bias added in the GEMM's epilogue goes through cuBLASLt, which
-                # takes a workspace of its own at its first call on each thread
+                # takes a workspace of its own the first time it runs on each thread
                 lt = profile.value("cublaslt_workspace_bytes") if profile is not None else None
                 if lt and where + " lt" not in workspaces and _lt_epilogue(func, args, kwargs):
                     workspaces.add(where + " lt")
