@@ -55,13 +55,7 @@ def probe(torch, profile, job, batch):
     seen = collections.Counter()
 
     def predicted(kind, x, dims, out):
-        nd = x.dim()
-        dims = set(range(nd)) if not dims else {d % nd for d in dims}
-        it = iter(out.stride())
-        out_strides = list(out.stride()) if out.dim() == nd else [0 if d in dims else next(it) for d in range(nd)]
-        sizes = reductions.scratch_sizes(kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(),
-                                         _name(x.dtype), dims, out_strides, out.element_size(), _name(out.dtype),
-                                         mps, threads)  # fmt: skip
+        sizes = reductions.scratch_of(kind, x, dims, out, mps, threads)
         return None if sizes is None else tuple(n for n in sizes if n)
 
     def measured(call):

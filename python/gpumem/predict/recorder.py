@@ -492,18 +492,11 @@ def _tracker(recording, fake_mode, profile):
                 "trace: the device profile has no multiprocessor_count"
             )
             return
-        nd = x.dim()
-        dims = set(range(nd)) if not dims else {d % nd for d in dims}
-        strides = iter(out.stride())
-        out_strides = list(out.stride()) if out.dim() == nd else [0 if d in dims else next(strides) for d in range(nd)]
-        sizes = reductions.scratch_sizes(
-            kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(), _dtype_name(x), dims,
-            out_strides, out.element_size(), _dtype_name(out), mps, threads,
-        )  # fmt: skip
+        sizes = reductions.scratch_of(kind, x, dims, out, mps, threads)
         if sizes is None:
             recording.note(
                 "a %s of a %s tensor of %d elements: its staging buffers, if any, are not in the trace"
-                % (kind, _dtype_name(x), x.numel())
+                % (kind, str(x.dtype).replace("torch.", ""), x.numel())
             )
             return
         taken = [recording.alloc(n) for n in sizes if n]
@@ -643,19 +636,10 @@ def _kernel_order(func, out):
     return tuple(out[i] for i in first) + tuple(o for i, o in enumerate(out) if i not in first)
 
 
-def _dtype_name(t):
-    return str(t.dtype).replace("torch.", "")
-
-
 def _dense(t):
     """Its elements fill its storage's span once each, in some order of
     its dimensions."""
-    span = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != span:
-            return False
-        span *= size
-    return True
+    return reductions.dense(t.shape, t.stride())
 
 
 def _accumulation(torch, args, kwargs):

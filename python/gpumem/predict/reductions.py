@@ -18,7 +18,7 @@ model it says (None): inputs past 32-bit indexing, which the kernel splits
 into pieces.
 """
 
-__all__ = ["iteration_shape", "launch", "scratch_sizes"]
+__all__ = ["iteration_shape", "launch", "scratch_sizes", "scratch_of", "dense"]
 
 WARP = 32
 MAX_THREADS = 512  # per block; 256 for complex double, which is not modelled
@@ -222,7 +222,7 @@ def scratch_sizes(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, re
     half_to_float = in_dtype_name in ("float16", "bfloat16") and out_dtype_name == "float32"
     if in_dtype_name != out_dtype_name and not half_to_float:
         taken.append(numel * out_size)  # the input in the output's type (its strides kept where dense)
-        if not _dense(sizes, in_strides):
+        if not dense(sizes, in_strides):
             in_strides = _contiguous(sizes)
         in_size, in_dtype_name, in_offset = out_size, out_dtype_name, 0
     if numel > INT32_MAX or sum((s - 1) * abs(st) for s, st in zip(sizes, in_strides)) * in_size > INT32_MAX:
@@ -246,7 +246,7 @@ def _contiguous(sizes):
     return strides[::-1]
 
 
-def _dense(sizes, strides):
+def dense(sizes, strides):
     """Its elements fill a span of its own size once each."""
     span = 1
     for stride, size in sorted((st, sz) for sz, st in zip(sizes, strides) if sz != 1):
@@ -254,3 +254,20 @@ def _dense(sizes, strides):
             return False
         span *= size
     return True
+
+
+def scratch_of(kind, x, dims, out, multiprocessors, threads_per_multiprocessor):
+    """scratch_sizes for tensors (anything with PyTorch's tensor methods,
+    fake ones too): a `kind` reduction of x over dims (None or empty:
+    all) into out, with keepdim or without."""
+    nd = x.dim()
+    dims = set(range(nd)) if not dims else {d % nd for d in dims}
+    kept = iter(out.stride())
+    out_strides = list(out.stride()) if out.dim() == nd else [0 if d in dims else next(kept) for d in range(nd)]
+    return scratch_sizes(kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(), _name(x),
+                         dims, out_strides, out.element_size(), _name(out), multiprocessors,
+                         threads_per_multiprocessor)  # fmt: skip
+
+
+def _name(t):
+    return str(t.dtype).replace("torch.", "")
