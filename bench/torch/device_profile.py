@@ -140,7 +140,7 @@ def measure(torch):
     torch.cuda.synchronize()
     grads = sum(t.grad.untyped_storage().nbytes() for t in (q, k, v))
     scratch = torch.cuda.max_memory_allocated() - start - grads
-    out["sdpa_backward_scratch_bytes_per_q_element"] = round(max(0, scratch) / q.numel(), 3)
+    out["sdpa_backward_scratch_bytes_per_q_element"] = round(max(0, scratch) / q.numel(), 6)
     return out
 
 

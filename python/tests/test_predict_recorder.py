@@ -479,6 +479,34 @@ class AttentionTest(unittest.TestCase):
         rec = self.attention_step(torch.bfloat16, heads_kv=2)
         self.assertEqual(self.scores(rec, 2) + self.scores(rec, 4), 0)
 
+    def test_cudnn_workspaces_in_order(self):
+        """cuDNN's attention as PyTorch's allocation history shows it on an
+        H200: the forward's outputs, then its 256-byte workspace, freed at
+        once; the backward's three gradients, then 4.0625 bytes per
+        element of q, freed at once."""
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            q, k, v = (torch.randn(self.B, self.H, self.L, self.D, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))  # fmt: skip
+            before = len(rec.events)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            forward = len(rec.events)
+            o.backward(torch.ones_like(o))
+        numel = self.B * self.H * self.L * self.D
+        ev = rec.events[before:forward]
+        sizes = [e[2] for e in ev if e[0] == "a"]
+        # the RNG seed and offset, the output, the softmax statistics (fp32), the workspace
+        self.assertEqual(sizes, [8, 8, 2 * numel, 4 * self.B * self.H * self.L, 256])
+        self.assertEqual(ev[-1], ("f", ev[-2][1]))
+        ev = rec.events[forward:]
+        # (the gradient of o, then dq, dk, dv)
+        grads = [k for k, e in enumerate(ev) if e[0] == "a" and e[2] == 2 * numel]
+        self.assertEqual(len(grads), 4)
+        after = ev[grads[-1] + 1]
+        self.assertEqual(after[:3:2], ("a", int(4.0625 * numel)))
+        self.assertEqual(ev[grads[-1] + 2], ("f", after[1]))
+
     def test_learned_bias_runs_math(self):
         # a mask that requires grad (T5's position bias) takes no fused kernel
         bias = torch.zeros(1, self.H, self.L, self.L, device="cpu", requires_grad=True)
@@ -548,6 +576,45 @@ class ConvolutionTest(unittest.TestCase):
         self.assertFalse(channels_last)
         self.assertTrue(same_strides)
         self.assertEqual(weight_sized, 1)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class ModuleMoveTest(unittest.TestCase):
+    """A model moved to the GPU allocates its parameters in the order
+    PyTorch's Module._apply converts them: each module's children before
+    its own parameters (a ViT's class token after its blocks)."""
+
+    def test_children_before_own_parameters(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from gpumem.predict import recording
+
+        class Outer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.token = torch.nn.Parameter(torch.zeros(3))
+                self.inner = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 11, bias=False))
+                self.register_buffer("table", torch.zeros(13))
+                self.last = torch.nn.Linear(11, 2)
+
+        # PyTorch's own order: what a real conversion on the CPU makes, element counts
+        made = []
+
+        class Watch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor) and out.dtype == torch.float64:
+                    made.append(out.numel())
+                return out
+
+        model = Outer()
+        with Watch():
+            model.double()
+        with recording(None, "h200") as rec:
+            Outer().cuda()
+        moved = [e[2] // 4 for e in rec.events if e[0] == "a"]
+        self.assertEqual(moved, made)
+        self.assertEqual(moved[-2:], [3, 13])  # the outer module's own, last
 
 
 @unittest.skipIf(torch is None, NO_TORCH)

@@ -19,6 +19,8 @@ The keys the recorder uses:
   half-precision inputs it can take (flash, efficient, cudnn or math).
 - sdpa_backward_scratch_bytes_per_q_element: scratch the attention
   backward takes and gives back within the call, per element of q.
+- sdpa_cudnn_forward_scratch_bytes: the workspace cuDNN's attention
+  forward takes after its outputs and gives back within the call.
 - cuda_context_bytes: device memory the CUDA context and PyTorch's
   kernels take outside the allocator: it is not in a trace, but the
   allocator has that much less to use."""
@@ -59,9 +61,11 @@ class Profile:
         entry = self.values.get(key)
         return entry.get("source") if entry else None
 
-    def notes(self):
-        """What the recording takes from this profile that was not measured."""
-        unmeasured = sorted(k for k, e in self.values.items() if e.get("source") != "measured")
+    def notes(self, measured_elsewhere=()):
+        """What the recording takes from this profile that was not measured
+        (measured_elsewhere: keys the recording measures itself)."""
+        unmeasured = sorted(k for k, e in self.values.items()
+                            if e.get("source") != "measured" and k not in measured_elsewhere)  # fmt: skip
         if not unmeasured:
             return ["device profile %s (%s, torch %s): all values measured" % (self.name, self.gpu, self.torch)]
         return [

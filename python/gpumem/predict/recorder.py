@@ -387,6 +387,7 @@ def _tracker(recording, fake_mode, profile):
                  aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
                  aten.randn_like.default, aten.rand_like.default, aten.arange.default,
                  aten.arange.start, aten.arange.start_step}  # fmt: skip
+    cudnn_attention = {getattr(aten, n) for n in ("_scaled_dot_product_cudnn_attention",) if hasattr(aten, n)}
     conv = {aten.convolution.default, aten.convolution_backward.default}
     scans = {aten.cumsum.default, aten.cumprod.default}
     summing = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
@@ -583,11 +584,17 @@ def _tracker(recording, fake_mode, profile):
                 if lt and where + " lt" not in workspaces and _lt_epilogue(func, args, kwargs):
                     workspaces.add(where + " lt")
                     recording.alloc(lt)
-            elif func in sdpa_backward and profile is not None:
+            elif func.overloadpacket in sdpa_backward and profile is not None:
                 per = profile.value("sdpa_backward_scratch_bytes_per_q_element")
                 if per:
                     scratch = recording.alloc(int(per * args[1].numel()))
                     recording.free(scratch)
+            elif func.overloadpacket in cudnn_attention and profile is not None:
+                # cuDNN's attention forward takes a small workspace of its own
+                # after its outputs and gives it back (MHA.cpp)
+                n = profile.value("sdpa_cudnn_forward_scratch_bytes")
+                if n:
+                    recording.free(recording.alloc(n))
             elif func in summing and is_cuda(args, kwargs):
                 dims = args[1] if func in (aten.sum.dim_IntList, aten.mean.dim) and len(args) > 1 else None
                 reduction_scratch(summing[func], args[0], dims, out)
@@ -1034,7 +1041,11 @@ _MISSING = object()
 def _module_apply(module, fn, recurse=True):
     """nn.Module._apply for fake tensors: a parameter moved to another
     device becomes a new Parameter (shared ones stay shared); one that
-    stays on its device keeps its identity, as PyTorch does."""
+    stays on its device keeps its identity, as PyTorch does. Modules are
+    visited in PyTorch's order, each one's children before its own
+    parameters and buffers: the order the parameters' memory is
+    allocated on the GPU (a ViT's class token and position embedding,
+    the root's own, come after its blocks')."""
     torch = _torch()
     memo = {}
 
@@ -1042,8 +1053,13 @@ def _module_apply(module, fn, recurse=True):
         with torch.no_grad():
             return fn(t)
 
-    mods = module.modules() if recurse else [module]
-    for m in mods:
+    def post_order(m):
+        if recurse:
+            for child in m.children():
+                yield from post_order(child)
+        yield m
+
+    for m in post_order(module):
         for key, p in list(m._parameters.items()):
             if p is None:
                 continue
