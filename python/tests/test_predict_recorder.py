@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import unittest
 
 try:
@@ -576,6 +577,171 @@ class ConvolutionTest(unittest.TestCase):
         self.assertFalse(channels_last)
         self.assertTrue(same_strides)
         self.assertEqual(weight_sized, 1)
+
+
+class ConvSequenceTest(unittest.TestCase):
+    """probe.sequence_of: a watched convolution's allocation history as the
+    steps the recorder puts in its trace (no torch needed)."""
+
+    def test_outputs_and_workspaces_in_order(self):
+        from gpumem.predict.probe import sequence_of
+
+        entries = [
+            {"action": "alloc", "addr": 10, "size": 4096},  # grad_input
+            {"action": "alloc", "addr": 20, "size": 1 << 20},  # its workspace
+            {"action": "free_requested", "addr": 20, "size": 1 << 20},
+            {"action": "free_completed", "addr": 20, "size": 1 << 20},
+            {"action": "alloc", "addr": 20, "size": 512},  # grad_weight, where the workspace was
+            {"action": "alloc", "addr": 30, "size": 2 << 20},  # a second workspace
+            {"action": "free_requested", "addr": 30, "size": 2 << 20},
+            {"action": "free_requested", "addr": 5, "size": 64},  # allocated before the call: not the call's
+        ]
+        self.assertEqual(sequence_of(entries, {10: 0, 20: 1}),
+                         [("out", 0), ("a", 1, 1 << 20), ("f", 1), ("out", 1), ("a", 3, 2 << 20), ("f", 3)])
+
+    def test_a_kept_allocation_that_is_no_output(self):
+        from gpumem.predict.probe import sequence_of
+
+        entries = [{"action": "alloc", "addr": 10, "size": 4096}, {"action": "alloc", "addr": 11, "size": 512}]
+        self.assertIsNone(sequence_of(entries, {10: 0}))
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class ConvProbeTest(unittest.TestCase):
+    """The recorder with a convolution probe: what the probe says a call
+    allocated goes into the trace in its order, the first call's sequence
+    at a problem's first occurrence and the later calls' after; the
+    modelled bias-gradient staging and the workspace note give way to it;
+    a probe that fails leaves the outputs alone, with a note. The probe's
+    GPU side is replaced by a stub here (ConvProbeOnGpuTest runs it)."""
+
+    FIRST, LATER = 3 << 20, 1 << 20  # a forward's workspaces, first call and later ones
+
+    def stub(self, calls):
+        from gpumem.predict.probe import ConvProbe
+
+        def run(func, args, kwargs, fake_out):
+            calls.append(str(func))
+            if "backward" in str(func):
+                # grad_input, its workspace, grad_weight, its workspace, grad_bias
+                seq = [("out", 0), ("a", 1, 5 << 20), ("f", 1), ("out", 1), ("a", 3, 7 << 20), ("f", 3), ("out", 2)]
+                return seq, seq
+            return [("out", 0), ("a", 1, self.FIRST), ("f", 1)], [("out", 0), ("a", 1, self.LATER), ("f", 1)]
+
+        return ConvProbe(torch, run=run)
+
+    def record(self, probe, steps=2):
+        from gpumem.predict import recording
+
+        with recording(None, "h200", probe=probe) as rec:
+            conv = torch.nn.Conv2d(8, 16, 3, padding=1).cuda()
+            for _ in range(steps):
+                x = torch.randn(4, 8, 32, 32, device="cuda", requires_grad=True)
+                conv(x).sum().backward()
+                conv.weight.grad = conv.bias.grad = None
+        return rec
+
+    def test_probed_sequence_in_the_trace(self):
+        calls = []
+        rec = self.record(self.stub(calls))
+        sizes = [e[2] for e in rec.events if e[0] == "a"]
+        out_bytes = 4 * 16 * 32 * 32 * 4
+        # the forward: its output, then the workspace: the first call's, then the later one's
+        first = sizes.index(self.FIRST)
+        self.assertEqual(sizes[first - 1], out_bytes)
+        self.assertEqual(sizes.count(self.FIRST), 1)
+        self.assertEqual(sizes.count(self.LATER), 1)
+        self.assertGreater(sizes.index(self.LATER), first)
+        # the backward: grad_input, 5 MiB, grad_weight, 7 MiB, grad_bias; no modelled staging beside them
+        i = sizes.index(5 << 20)
+        self.assertEqual(sizes[i - 1:i + 4], [4 * 8 * 32 * 32 * 4, 5 << 20, 16 * 8 * 9 * 4, 7 << 20, 16 * 4])
+        # each workspace is given back at once, before the next allocation
+        events = rec.events
+        for k, e in enumerate(events):
+            if e[0] == "a" and e[2] in (self.FIRST, self.LATER, 5 << 20, 7 << 20):
+                self.assertEqual(events[k + 1], ("f", e[1]))
+        # one probe per problem: the forward and the backward
+        self.assertEqual(len(calls), 2)
+        self.assertFalse(any("cuDNN convolution workspaces" in n for n in rec.notes), rec.notes)
+
+    def test_a_failing_probe_leaves_the_outputs(self):
+        from gpumem.predict.probe import ConvProbe
+
+        def run(func, args, kwargs, fake_out):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+        rec = self.record(ConvProbe(torch, run=run), steps=1)
+        plain = self.record(None, steps=1)
+        self.assertEqual([e for e in rec.events if e[0] == "a"], [e for e in plain.events if e[0] == "a"])
+        self.assertTrue(any("could not be run on the GPU (RuntimeError: CUDA out of memory" in n for n in rec.notes),
+                        rec.notes)
+
+    def test_no_gpu_is_named(self):
+        from gpumem.predict.probe import ConvProbe, ProbeError
+
+        if torch.cuda.is_available():
+            self.skipTest("a GPU is visible")
+        with self.assertRaisesRegex(ProbeError, "no GPU"):
+            ConvProbe(torch)
+
+
+@unittest.skipIf(torch is None or not torch.cuda.is_available(), "needs a GPU")
+class ConvProbeOnGpuTest(unittest.TestCase):
+    """On the GPU: a small convolutional network's training steps (bf16
+    autocast, channels-last, a depthwise convolution and biases) recorded
+    on fake tensors with the probe equal, allocation by allocation, what
+    PyTorch's allocator saw when the same steps ran for real."""
+
+    def test_matches_the_gpu(self):
+        code = textwrap.dedent("""
+            import json, sys
+            import torch
+            sys.path.insert(0, %r)
+            from gpumem.predict import _child, probe, recording
+
+            def net():
+                torch.manual_seed(0)
+                return torch.nn.Sequential(
+                    torch.nn.Conv2d(3, 64, 7, stride=2, padding=3), torch.nn.ReLU(),
+                    torch.nn.Conv2d(64, 64, 7, padding=3, groups=64), torch.nn.Conv2d(64, 128, 1),
+                    torch.nn.Conv2d(128, 128, 3, stride=2, padding=1, bias=False), torch.nn.AdaptiveAvgPool2d(1),
+                    torch.nn.Flatten(), torch.nn.Linear(128, 10))
+
+            def steps(batch):
+                model = net().cuda().to(memory_format=torch.channels_last)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                for _ in range(3):
+                    x = torch.randn(batch, 3, 96, 96, device="cuda").to(memory_format=torch.channels_last)
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        loss = model(x).float().sum()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+
+            batch = int(sys.argv[1])
+            if sys.argv[2] == "gpu":
+                torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+                steps(batch)
+                torch.cuda.synchronize()
+                entries = torch.cuda.memory._snapshot()["device_traces"][0]
+                rec = _child.history_to_recording(entries, [], "net", "gpu")
+            else:
+                conv = probe.ConvProbe(torch)
+                with recording(None, "h200", probe=conv) as rec:
+                    steps(batch)
+            print(json.dumps([e[2] for e in rec.events if e[0] == "a"]))
+        """ % PYTHON_DIR)
+        for batch in (4, 64):
+            sizes = {}
+            for mode in ("gpu", "probe"):
+                done = subprocess.run([sys.executable, "-c", code, str(batch), mode], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, timeout=600)  # fmt: skip
+                self.assertEqual(done.returncode, 0, done.stderr.decode()[-2000:])
+                sizes[mode] = json.loads(done.stdout.decode().strip().splitlines()[-1])
+            gpu, fake = sizes["gpu"], sizes["probe"]
+            k = next((i for i, (a, b) in enumerate(zip(gpu, fake)) if a != b), min(len(gpu), len(fake)))
+            self.assertEqual(fake, gpu, "batch %d: %d allocations on the GPU, %d recorded; from allocation %d on, "
+                             "GPU %s, recorded %s" % (batch, len(gpu), len(fake), k, gpu[k:k + 6], fake[k:k + 6]))
 
 
 @unittest.skipIf(torch is None, NO_TORCH)

@@ -4,7 +4,9 @@ per batch size:
     python -m gpumem.predict._child MODE OUT_DIR STEPS PROFILE SCRIPT [ARGS...]
 
 MODE cpu: the script runs on fake CUDA tensors under the recorder
-(recorder.py) and OUT_DIR/trace gets the trace. MODE gpu: the script runs
+(recorder.py) and OUT_DIR/trace gets the trace. MODE probe: the same, on a
+machine whose GPU is the device profile's, with each convolution also run
+for real on the GPU for its workspaces (probe.py). MODE gpu: the script runs
 on the GPU with PyTorch's own allocation history on, and OUT_DIR/trace gets
 its events as a trace with the same step markers. Either way the script is stopped (SystemExit from
 the optimizer step hook) once STEPS optimizer steps are done, and
@@ -38,21 +40,43 @@ def _run_script(script, args):
     return False
 
 
-def run_cpu(out_dir, steps, profile, script, args):
+def run_cpu(out_dir, steps, profile, script, args, probes=False):
     from .recorder import recording
+
+    probe = _conv_probe(profile) if probes else None
 
     def stop(rec):
         if rec.steps >= steps:
             raise _Enough(0)
 
     name = os.path.splitext(os.path.basename(script))[0]
-    with recording(None, profile, workload=name, step_hook=stop) as rec:
+    with recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
         stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
     source = rec.profile.source("cuda_context_bytes") if rec.profile else None
     return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
             "context_bytes": context, "context_source": source or "none", "file": "trace"}
+
+
+def _conv_probe(profile_name):
+    """A probe.ConvProbe on this machine's GPU, which must be the one the
+    device profile describes: its workspaces go beside the profile's
+    figures in one trace."""
+    import torch
+
+    from . import probe, profiles
+
+    profile = profiles.load(profile_name)
+    try:
+        conv = probe.ConvProbe(torch)
+    except probe.ProbeError as e:
+        raise SystemExit("gpumem.predict: convolutions cannot be run on the GPU: %s" % e)
+    if conv.device_name != profile.gpu:
+        raise SystemExit("gpumem.predict: this machine's GPU is %s, the device profile %s describes %s: "
+                         "the convolutions' workspaces would be another GPU's" % (conv.device_name, profile.name,
+                                                                                  profile.gpu))  # fmt: skip
+    return conv
 
 
 def history_to_recording(entries, step_ends, workload, source):
@@ -116,16 +140,19 @@ def run_gpu(out_dir, steps, script, args):
     rec = history_to_recording(done["entries"], done["step_ends"], name, source)
     rec.write(os.path.join(out_dir, "trace"))
     return {"steps": done["steps"], "ended": ended, "notes": [], "context_bytes": done["context_bytes"],
-            "peak_live_bytes": rec.peak_live_bytes, "context_source": "measured", "file": "trace"}
+            "peak_live_bytes": rec.peak_live_bytes, "context_source": "measured", "file": "trace",
+            "device": torch.cuda.get_device_name()}
 
 
 def main(argv):
     mode, out_dir, steps, profile, script = argv[:5]
     args = argv[5:]
-    if mode == "cpu":
-        meta = run_cpu(out_dir, int(steps), profile, script, args)
-    else:
+    if mode in ("cpu", "probe"):
+        meta = run_cpu(out_dir, int(steps), profile, script, args, probes=mode == "probe")
+    elif mode == "gpu":
         meta = run_gpu(out_dir, int(steps), script, args)
+    else:
+        raise SystemExit("gpumem.predict._child: unknown mode %r (cpu, probe or gpu)" % mode)
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f)
     return 0

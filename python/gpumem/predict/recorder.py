@@ -364,7 +364,7 @@ def _generate_loop_by_length(recording):
     )
 
 
-def _tracker(recording, fake_mode, profile):
+def _tracker(recording, fake_mode, profile, probe=None):
     torch = _torch()
     from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -504,6 +504,27 @@ def _tracker(recording, fake_mode, profile):
         for i in reversed(taken):
             recording.free(i)
 
+    def probed(func, args, kwargs, out):
+        """A convolution run for real on the GPU (probe.py): what it
+        allocated and freed, in its order, recorded with the fake outputs'
+        storages in place of the real ones'; the new storages' keys. None
+        where the probe could not say (noted)."""
+        steps = probe.steps(func, args, kwargs, out)
+        if steps is None:
+            recording.note("a convolution could not be run on the GPU (%s): its workspaces are not in the trace"
+                           % probe.why)
+            return None
+        flat = tree_flatten(out)[0]
+        new, ids = set(), {}
+        for step in steps:
+            if step[0] == "out":
+                new |= track(flat[step[1]])
+            elif step[0] == "a":
+                ids[step[1]] = recording.alloc(step[2])
+            else:
+                recording.free(ids.pop(step[1]))
+        return new | track(out)
+
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -569,7 +590,10 @@ def _tracker(recording, fake_mode, profile):
                     "%s at %s: its output's size depends on the values of tensors, which fake tensors do "
                     "not have" % (func, _user_frame())
                 ) from None
-            values.after(func, args, kwargs, out, track(_kernel_order(func, out)))
+            on_gpu = None  # the storages a convolution run on the GPU made (probe), or None
+            if probe is not None and func in conv and is_cuda(args, kwargs):
+                on_gpu = probed(func, args, kwargs, out)
+            values.after(func, args, kwargs, out, on_gpu if on_gpu is not None else track(_kernel_order(func, out)))
             if func.overloadpacket in matmuls and is_cuda(args, kwargs):
                 # cuBLAS takes its workspace from the caching allocator at the
                 # first matmul of each thread and stream; autograd's backward
@@ -603,12 +627,14 @@ def _tracker(recording, fake_mode, profile):
                 # int64) reads a copy of its input in the result's type (cumsum_out)
                 copy = recording.alloc(args[0].numel() * out.element_size())
                 recording.free(copy)
-            if func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
+            if on_gpu is not None:
+                pass  # the GPU's own sequence, the bias gradient's staging included
+            elif func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
                 # a bias's gradient is a sum over all but the channel dimension,
                 # made after the backend's own work (PyTorch's convolution_backward)
                 grad = args[0]
                 reduction_scratch("sum", grad, [0] + list(range(2, grad.dim())), out[2])
-            if func in conv and is_cuda(args, kwargs):
+            if func in conv and is_cuda(args, kwargs) and on_gpu is None:
                 recording.note(
                     "cuDNN convolution workspaces (taken and given back within each call, sized by "
                     "cuDNN's choice of algorithm) are not in the trace"
@@ -1089,17 +1115,20 @@ def _module_apply(module, fn, recurse=True):
 
 
 @contextlib.contextmanager
-def recording(batch_size=None, device_profile="h200", workload="job", step_hook=None):
+def recording(batch_size=None, device_profile="h200", workload="job", step_hook=None, probe=None):
     """Runs the with-block on fake CUDA tensors, recording into the
     Recording it yields. Each optimizer step ends a training step ('# step
-    N'); step_hook(recording) is called after each."""
+    N'); step_hook(recording) is called after each. probe: a
+    probe.ConvProbe (made before the recording starts) that runs each
+    convolution for real on the GPU for its workspaces, or None."""
     torch = _torch()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     profile = profiles.load(device_profile) if isinstance(device_profile, str) else device_profile
     rec = Recording(batch_size=batch_size, profile=profile, workload=workload)
     if profile is not None:
-        for text in profile.notes():
+        # (with a probe, the GPU says what convolutions take)
+        for text in profile.notes(measured_elsewhere={"cudnn_conv_workspace"} if probe is not None else ()):
             rec.note(text)
     _allow_fake_cuda(torch)
     _transformers_sees_real_tensors(rec)
@@ -1133,14 +1162,23 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
         # guard was registered.
         with _patched(_cuda_patches(torch, rec, profile)), _Placement(rec), \
                 torch.autograd.set_multithreading_enabled(False):
-            with fake_mode, _tracker(rec, fake_mode, profile), _sdpa_mode(rec, profile):
+            with fake_mode, _tracker(rec, fake_mode, profile, probe), _sdpa_mode(rec, profile):
                 yield rec
     finally:
+        if probe is not None:
+            _probe_notes(rec, probe)
         rec.closed = True
         rec.unpatch()
         handle.remove()
         if added:
             native.remove(FakeTensor)
+
+
+def _probe_notes(rec, probe):
+    if getattr(probe, "device_name", None):
+        rec.note("convolutions were run on the GPU (%s) for their workspaces" % probe.device_name)
+    for func, i, real, fake in probe.mismatched[:3]:
+        rec.note("%s output %d has strides %s on the GPU, %s in the recording" % (func, i, real, fake))
 
 
 def _to_cuda(torch, batch):
@@ -1161,7 +1199,7 @@ def _loss_of(out):
 
 
 def record_step(build_model, make_batch, step_fn=None, batch_size=1, steps=3, device_profile="h200",
-                optimizer=None, path=None, workload=None):
+                optimizer=None, path=None, workload=None, probe=None):
     """Records `steps` training steps of a model on fake CUDA tensors.
 
     build_model(): the model (built on any device; it is moved to cuda).
@@ -1175,7 +1213,7 @@ def record_step(build_model, make_batch, step_fn=None, batch_size=1, steps=3, de
     optimizer.zero_grad(set_to_none=True). A model whose constructor
     reads tensor values (.item()) is built for real on the CPU, then
     moved (a note says so). Writes the trace to path when given; returns
-    the Recording."""
+    the Recording. probe: as recording()'s."""
     torch = _torch()
     if batch_size < 1 or steps < 1:
         raise ValueError("record_step: batch_size and steps must be at least 1 (got %r, %r)" % (batch_size, steps))
@@ -1188,7 +1226,7 @@ def record_step(build_model, make_batch, step_fn=None, batch_size=1, steps=3, de
     name = workload or getattr(build_model, "__name__", "job")
     owned = []
     try:
-        with recording(batch_size, device_profile, workload=name) as rec:
+        with recording(batch_size, device_profile, workload=name, probe=probe) as rec:
             from torch._subclasses.fake_tensor import DataDependentOutputException
 
             try:
