@@ -183,6 +183,16 @@ class SearchTest(unittest.TestCase):
         self.assertIn("scaled from the small runs: pytorch largest 44, pytorch peak 8.000 GiB", line)
         self.assertNotIn("gpumem default largest", line)
 
+    def test_checked_by_default_on_the_profiles_gpu(self):
+        from gpumem.predict import profiles
+
+        h200 = profiles.load("h200")
+        self.assertEqual(command.check_by_default("cpu", None, h200), (True, None))
+        self.assertEqual(command.check_by_default("gpu", "NVIDIA H200", h200), (True, None))
+        on, why = command.check_by_default("gpu", "NVIDIA A100-SXM4-80GB", h200)
+        self.assertFalse(on)
+        self.assertIn("this GPU is NVIDIA A100-SXM4-80GB, the device profile h200-torch2.11 describes NVIDIA H200", why)
+
 
 class CheckFailureTest(unittest.TestCase):
     def test_a_failed_check_leaves_the_scaled_answer_and_says_so(self):

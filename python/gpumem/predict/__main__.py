@@ -23,14 +23,16 @@ predicted at --seq-len first (`gpumem predict --write-trace`), then those
 traces over the batch: the table is for the job at --seq-len
 (docs/predict.md, "Two dimensions").
 
-Then, on the CPU recorder (by default when the runs were there; --confirm
-on a GPU machine too), the answers are checked at the batches themselves:
-fake tensors cost the same at any batch, so the job is recorded at --batch
-and at batches around each predicted largest one, and those recordings are
+Then the answers are checked at the batches themselves: fake tensors
+cost the same at any batch, so the job is recorded on them at --batch and
+at batches around each predicted largest one, and those recordings are
 replayed (`gpumem fit`). They see what small batches do not show (the
 staging buffers of reductions split across thread blocks at large
-batches); the table gives their figures, and what scaling said beside
-them. The search for the largest batch stops within 2% (exact below 50)
+batches, the workspaces cuDNN picks by problem size); on a GPU machine
+each convolution also runs for real on the GPU for its workspaces
+(gpumem.predict.probe), which needs the GPU to be the device profile's:
+elsewhere the check is off unless --confirm asks for it. The table gives
+the check's figures, and what scaling said beside them. The search for the largest batch stops within 2% (exact below 50)
 or after --confirm-runs recordings, and says which. Where a run at a
 large batch fails, the table is the scaled prediction and a line says
 what failed (the recordings are kept).
@@ -96,8 +98,8 @@ def _parser():
     p.add_argument("--traces", help="keep the recordings in this directory")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default 1800)")
     p.add_argument("--confirm", dest="confirm", action="store_true", default=None,
-                   help="check the answers with the CPU recorder at the batches themselves (the default "
-                   "when the runs are on the CPU recorder)")
+                   help="check the answers on fake tensors at the batches themselves (the default on the CPU "
+                   "recorder, and on a GPU that is the device profile's)")
     p.add_argument("--no-confirm", dest="confirm", action="store_false",
                    help="report the scaled prediction as it is")
     p.add_argument("--confirm-runs", type=int, default=12,
@@ -242,7 +244,19 @@ def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
 
 
-def check_at_batches(rows, checker, batch=None):
+def check_by_default(mode, device, profile):
+    """(whether the answers are checked at the batches when --confirm and
+    --no-confirm are not given, the line saying why not or None): on the
+    CPU recorder always; on a GPU where it is the device profile's, as the
+    check's convolutions run on it and its workspaces go beside the
+    profile's figures."""
+    if mode == "cpu" or device == profile.gpu:
+        return True, None
+    return False, ("not checked at the batches themselves: this GPU is %s, the device profile %s describes %s "
+                   "(--profile; --confirm checks anyway)" % (device, profile.name, profile.gpu))
+
+
+def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     """Puts the checker's figures in rows in place of the scaled ones
     (kept as scaled_*): the peak at batch, and each allocator's largest
     batch searched from the scaled one. Returns a line saying what was
@@ -279,8 +293,8 @@ def check_at_batches(rows, checker, batch=None):
         old, new = r.get("scaled_peak_reserved_bytes"), r.get("peak_reserved_bytes")
         if old and new and abs(new - old) > 0.005 * old:
             differ.append("%s peak %s" % (r["allocator"], _gib(old)))
-    line = "checked with the CPU recorder at batch %s (%d recordings replayed)" % (
-        ", ".join(str(b) for b in sorted(checker.rows)) or "-", len(checker.rows))
+    line = "checked %s at batch %s (%d recordings replayed)" % (
+        how, ", ".join(str(b) for b in sorted(checker.rows)) or "-", len(checker.rows))
     if differ:
         line += "; scaled from the small runs: " + ", ".join(differ)
     if short:
@@ -348,11 +362,9 @@ def main(argv=None):
         p.error("no script %s" % a.script)
     try:
         mode = "gpu" if not a.cpu and _gpu_available() else "cpu"
-        confirm_on = a.confirm if a.confirm is not None else mode == "cpu"
-        if mode == "cpu" or confirm_on:
-            from . import profiles
+        from . import profiles
 
-            profiles.load(a.profile)  # names an unknown profile before anything runs
+        profile = profiles.load(a.profile)  # names an unknown profile before anything runs
         keep = a.traces is not None
         root = a.traces if keep else tempfile.mkdtemp(prefix="gpumem-predict-")
         metas = []
@@ -370,9 +382,14 @@ def main(argv=None):
         context = max(m["context_bytes"] for m in metas)
         if context >= memory:
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
+        checks = []
+        confirm_on = a.confirm
+        if confirm_on is None:
+            confirm_on, why_not = check_by_default(mode, metas[0].get("device"), profile)
+            if why_not:
+                checks.append(why_not)
         try:
             paths = [m["path"] for m in metas]
-            checks = []
             if seq_lens:
                 # each batch's recordings over the lengths, written at --seq-len; then those over the batch
                 n = len(seq_lens)
@@ -392,8 +409,10 @@ def main(argv=None):
             raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
         if confirm_on:
             def record_at(b):
-                meta = record(a.script, a.args, b, os.path.join(root, "at_b%d" % b), "cpu", a.steps, a.profile,
-                              a.timeout, a.seq_len if seq_lens else None)  # fmt: skip
+                # (on a GPU machine the convolutions run there too, for their workspaces)
+                meta = record(a.script, a.args, b, os.path.join(root, "at_b%d" % b),
+                              "probe" if mode == "gpu" else "cpu", a.steps, a.profile, a.timeout,
+                              a.seq_len if seq_lens else None)  # fmt: skip
                 for n in meta["notes"]:
                     if n not in notes:
                         notes.append(n)
@@ -401,8 +420,9 @@ def main(argv=None):
 
             scaled = [dict(r) for r in rows]
             try:
+                how = "on fake tensors, each convolution run on the GPU," if mode == "gpu" else "with the CPU recorder"
                 checks.append(check_at_batches(rows, confirm.Checker(record_at, memory - context, _binary(),
-                                                                     a.confirm_runs), a.batch))  # fmt: skip
+                                                                     a.confirm_runs), a.batch, how))  # fmt: skip
             except (PredictError, RuntimeError) as e:
                 # the scaled answer stands, and the table says the check did not
                 rows[:] = scaled
