@@ -25,8 +25,14 @@ second run with the same OUTDIR carries on where the first stopped):
               recordings at the batches, from the CPU prediction's (what
               `python -m gpumem.predict` checks on the CPU recorder,
               gpumem.predict.confirm);
+  probe       the same on the GPU machine, each convolution also run for
+              real on the GPU for its workspaces (gpumem.predict.probe),
+              the search started from the GPU prediction's (what the
+              command checks on a GPU machine);
   measure     each job at each target under native PyTorch, expandable
-              segments and gpumem (torch.cuda.max_memory_reserved);
+              segments and gpumem (torch.cuda.max_memory_reserved;
+              --measure-allocators: only those, the others' figures taken
+              from --measured);
   memtracker  PyTorch's MemTracker on each job at the middle target;
   cap         the largest batch that really fits under the cap
               (torch.cuda.set_per_process_memory_fraction), on a grid of
@@ -147,7 +153,8 @@ def record(runner, job, batch, mode, steps):
     cmd = [sys.executable, "-m", "gpumem.predict._child", mode, d, str(steps), "h200", JOBS_SCRIPT, job,
            "--batch-size", str(batch), "--steps", str(steps)]  # fmt: skip
     env = child_env({"CUDA_VISIBLE_DEVICES": ""} if mode == "cpu" and runner.hide_gpu else None)
-    meta = runner.run("record_%s_%s_b%d" % (job, mode, batch), cmd, 8 if mode == "gpu" else 0, env,
+    # (a probe run holds only one convolution's tensors on the GPU at a time)
+    meta = runner.run("record_%s_%s_b%d" % (job, mode, batch), cmd, {"gpu": 8, "probe": 2}.get(mode, 0), env,
                       os.path.join(d, "meta.json"))  # fmt: skip
     return os.path.join(d, meta["file"]) if meta else None
 
@@ -182,16 +189,17 @@ def predict(binary, sizes, traces, targets, cap_bytes):
     return out
 
 
-def direct(runner, binary, job, targets, cap_bytes, steps, start, budget=24):
-    """The CPU recorder at the batches themselves: {"targets": {T: {allocator
-    row: peak reserved}}, "largest": {row: batch}, "bounds": {row: (fits, does
-    not)}, "recordings": [batch, ...]}, or {"error": ...}."""
+def direct(runner, binary, job, targets, cap_bytes, steps, start, budget=24, mode="cpu"):
+    """The CPU recorder at the batches themselves (mode probe: with the
+    convolutions run on the GPU): {"targets": {T: {allocator row: peak
+    reserved}}, "largest": {row: batch}, "bounds": {row: (fits, does not)},
+    "recordings": [batch, ...]}, or {"error": ...}."""
     from gpumem.predict import confirm
 
     def record_at(b):
-        path = record(runner, job, b, "cpu", steps)
+        path = record(runner, job, b, mode, steps)
         if path is None:
-            raise RuntimeError("the CPU recording of %s at batch %d failed or was not run" % (job, b))
+            raise RuntimeError("the %s recording of %s at batch %d failed or was not run" % (mode, job, b))
         return path
 
     checker = confirm.Checker(record_at, cap_bytes, binary, budget)
@@ -276,7 +284,12 @@ def main():
     ap.add_argument("--pool-gib", type=float, default=125)
     ap.add_argument("--deadline", type=float, default=1e9)
     ap.add_argument("--timeout", type=float, default=300, help="seconds a run may take")
-    ap.add_argument("--phases", default="record,cpu,predict,direct,measure,memtracker,cap")
+    ap.add_argument("--phases", default="record,cpu,predict,direct,probe,measure,memtracker,cap")
+    ap.add_argument("--direct-from", choices=["cpu", "gpu"], default="cpu",
+                    help="direct phase: start the search for the largest batch from the prediction of the CPU "
+                         "recordings (default) or of the GPU ones")
+    ap.add_argument("--measure-allocators", default=",".join(ALLOCATORS),
+                    help="the allocators the measure phase runs (default all three)")
     ap.add_argument("--gpumem", default=os.path.join(REPO, "build", "gpumem"), help="the gpumem command")
     ap.add_argument("--cpu-gpu-visible", action="store_true",
                     help="cpu phase: leave the GPU visible (the recorder still uses none)")
@@ -357,10 +370,22 @@ def main():
         sys.path.insert(0, os.path.join(REPO, "python"))
 
         def run_direct(j):
-            start = jr[j].get("predicted_cpu", {}).get("largest") or {}
+            start = jr[j].get("predicted_" + args.direct_from, {}).get("largest") or {}
             jr[j]["predicted_direct"] = direct(runner, args.gpumem, j, targets, cap_bytes, args.steps, start)
 
         parallel(run_direct, [(j,) for j in jobs])
+        with open(results_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+    if "probe" in phases:
+        sys.path.insert(0, os.path.join(REPO, "python"))
+
+        def run_probe(j):
+            start = jr[j].get("predicted_gpu", {}).get("largest") or {}
+            jr[j]["predicted_probe"] = direct(runner, args.gpumem, j, targets, cap_bytes, args.steps, start,
+                                              mode="probe")  # fmt: skip
+
+        parallel(run_probe, [(j,) for j in jobs])
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
 
@@ -375,7 +400,7 @@ def main():
     if "measure" in phases:
         for t in targets:
             for j in jobs:
-                for a in ALLOCATORS:
+                for a in args.measure_allocators.split(","):
                     gib = predicted_gib(j, t)
                     if gib is None or gib > args.pool_gib:
                         jr[j].setdefault("measured", {}).setdefault(str(t), {})[a] = {

@@ -73,14 +73,22 @@ def peak_rows(results):
     return rows
 
 
-def direct_report(results):
-    """The CPU recorder at the batch itself (the direct phase): peaks and
-    the largest batch under the cap, for every allocator."""
-    out = ["### The CPU recorder at the batch itself (what `python -m gpumem.predict` checks on fake tensors)\n",
+DIRECT_TITLES = {
+    "predicted_direct": "The CPU recorder at the batch itself (what `python -m gpumem.predict` checks on fake "
+                        "tensors)",
+    "predicted_probe": "Fake tensors at the batch itself with the convolutions run on the GPU (what `python -m "
+                       "gpumem.predict` checks on a GPU machine)",
+}
+
+
+def direct_report(results, key="predicted_direct"):
+    """The recorder at the batch itself (the direct or probe phase):
+    peaks and the largest batch under the cap, for every allocator."""
+    out = ["### %s\n" % DIRECT_TITLES[key],
            "| job | batch | native | error | expandable | error | gpumem | error |", "|---|---|---|---|---|---|---|---|"]
     errs = []
     for job, jr in results["jobs"].items():
-        d = jr.get("predicted_direct", {})
+        d = jr.get(key, {})
         for t in map(str, results["targets"]):
             cells = [job, t]
             for a in ("native", "expandable", "gpumem"):
@@ -105,7 +113,7 @@ def direct_report(results):
     out.append("|---|---|---|---|---|---|")
     n = exact = one = 0
     for job, jr in results["jobs"].items():
-        d = jr.get("predicted_direct", {})
+        d = jr.get(key, {})
         for a in ("native", "expandable", "gpumem"):
             c = jr.get("cap", {}).get(a)
             if not c:
@@ -193,8 +201,9 @@ def report(results):
     out.append("From GPU recordings: %d of %d exact on the grid, %d within one step." % (exact, n, one))
     out.append("From the CPU recorder (native): %d of %d within one step.\n" % (c_one, cn))
 
-    if any("predicted_direct" in jr for jr in results["jobs"].values()):
-        out.append(direct_report(results))
+    for key in DIRECT_TITLES:
+        if any(key in jr for jr in results["jobs"].values()):
+            out.append(direct_report(results, key))
 
     out.append("### PyTorch's MemTracker against the measured native peak reserved\n")
     out.append("| job | batch | measured native (GiB) | MemTracker (GiB) | error |")
