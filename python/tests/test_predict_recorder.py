@@ -667,12 +667,16 @@ class ConvProbeTest(unittest.TestCase):
     def test_a_failing_probe_leaves_the_outputs(self):
         from gpumem.predict.probe import ConvProbe
 
+        calls = []
+
         def run(func, args, kwargs, fake_out):
+            calls.append(func)
             raise RuntimeError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
-        rec = self.record(ConvProbe(torch, run=run), steps=1)
-        plain = self.record(None, steps=1)
+        rec = self.record(ConvProbe(torch, run=run), steps=2)
+        plain = self.record(None, steps=2)
         self.assertEqual([e for e in rec.events if e[0] == "a"], [e for e in plain.events if e[0] == "a"])
+        self.assertEqual(len(calls), 2)  # the forward and the backward, each tried once
         self.assertTrue(any("could not be run on the GPU (RuntimeError: CUDA out of memory" in n for n in rec.notes),
                         rec.notes)
 

@@ -50,13 +50,13 @@ def sequence_of(entries, outputs):
     ("a", k, size) for its k-th allocation that it gave back within the
     call, ("f", k) where it did. None when an allocation the call kept is
     no output's (something this model does not know)."""
-    steps, live = [], {}
+    steps, live, made = [], {}, 0
     for e in entries:
         action, addr = e.get("action"), e.get("addr")
         if action == "alloc":
-            k = sum(1 for s in steps if s[0] == "a")
-            live[addr] = k
-            steps.append(["a", k, int(e.get("size", 0)), addr])
+            live[addr] = made
+            steps.append(["a", made, int(e.get("size", 0)), addr])
+            made += 1
         elif action == "free_requested" and addr in live:
             steps.append(["f", live.pop(addr)])
     out = []
@@ -82,7 +82,7 @@ class ConvProbe:
         self.torch = torch
         self.why = None
         self.mismatched = []  # outputs whose real layout differs from the fake one's
-        self._seen = {}  # problem -> [first, later, times met]
+        self._seen = {}  # problem -> [first, later, times met], or the text of why it could not run
         self._run = run
         if run is None:
             if not torch.cuda.is_available():
@@ -108,13 +108,14 @@ class ConvProbe:
         if seen is None:
             try:
                 first, later = self._run(func, args, kwargs, fake_out)
+                seen = [first, later, 0] if first is not None and later is not None else \
+                    "an allocation the call kept is none of its outputs"
             except Exception as e:  # noqa: BLE001 (any failure falls back to the outputs alone, named)
-                self.why = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                return None
-            if first is None or later is None:
-                self.why = self.why or "an allocation the call kept is none of its outputs"
-                return None
-            seen = self._seen[key] = [first, later, 0]
+                seen = "%s: %s" % (type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self._seen[key] = seen  # (a problem that failed is not run again)
+        if isinstance(seen, str):
+            self.why = seen
+            return None
         seen[2] += 1
         return seen[0] if seen[2] == 1 else seen[1]
 
