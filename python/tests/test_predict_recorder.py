@@ -990,7 +990,11 @@ class CommandTest(unittest.TestCase):
             traces = []
             for b in (1, 2):
                 with open(os.path.join(out, "b%d" % b, "trace")) as f:
-                    traces.append(parse(f.read().splitlines()))
+                    lines = f.read().splitlines()
+                traces.append(parse(lines))
+                # the recording ends with its last step: what dies while the script unwinds
+                # (the model, its optimizer: when is up to Python's collector) is not in it
+                self.assertEqual(lines[-1], "# step 2")
                 with open(os.path.join(out, "b%d" % b, "meta.json")) as f:
                     self.assertEqual(json.load(f)["steps"], 2)
             self.assertIn(64 * 4 * b, traces[1][0].values())  # x at batch 2

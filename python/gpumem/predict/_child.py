@@ -47,6 +47,10 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
 
     def stop(rec):
         if rec.steps >= steps:
+            # The recording ends with the step: what dies while the script
+            # unwinds dies when Python's collector runs, which varies from
+            # run to run, and the recordings at each batch must align.
+            rec.closed = True
             raise _Enough(0)
 
     name = os.path.splitext(os.path.basename(script))[0]
