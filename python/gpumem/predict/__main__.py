@@ -28,12 +28,13 @@ cost the same at any batch, so the job is recorded on them at --batch and
 at batches around each predicted largest one, and those recordings are
 replayed (`gpumem fit`). They see what small batches do not show (the
 staging buffers of reductions split across thread blocks at large
-batches, the workspaces cuDNN picks by problem size); on a GPU machine
-each convolution also runs for real on the GPU for its workspaces
+batches); on a GPU machine each convolution also runs for real on the
+GPU, for the workspaces cuDNN picks by problem size
 (gpumem.predict.probe), which needs the GPU to be the device profile's:
 elsewhere the check is off unless --confirm asks for it. The table gives
-the check's figures, and what scaling said beside them. The search for the largest batch stops within 2% (exact below 50)
-or after --confirm-runs recordings, and says which. Where a run at a
+the check's figures, and what scaling said beside them. The search for
+the largest batch stops within 2% (exact below 50) or after
+--confirm-runs recordings, and says which. Where a run at a
 large batch fails, the table is the scaled prediction and a line says
 what failed (the recordings are kept).
 
