@@ -3,8 +3,8 @@ them, for the memory they take inside the call.
 
 cuDNN picks a convolution's algorithm by problem size and device, and the
 call takes that algorithm's workspace from the caching allocator and gives
-it back before it returns. On PyTorch's cuDNN path the first call at a
-problem allocates the largest workspace among the plans it may try, later
+it back before it returns. On PyTorch's cuDNN path a problem's first
+call allocates the largest workspace among the plans it may try, later
 calls only the chosen plan's (Conv_v8.cpp: generate_and_filter_plans, then
 the plan cache); a depthwise convolution may not reach cuDNN at all. None
 of this can be read from shapes on a CPU: the workspaces of ViT-B/16's
