@@ -366,26 +366,19 @@ def main():
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
 
-    if "direct" in phases:
+    # the recorder at the batches themselves: on the CPU (direct), on the GPU machine with its
+    # convolutions run there (probe); each search starts from one prediction of the scaled runs
+    checks = [(phase, mode, start_from) for phase, mode, start_from in
+              (("direct", "cpu", args.direct_from), ("probe", "probe", "gpu")) if phase in phases]  # fmt: skip
+    if checks:
         sys.path.insert(0, os.path.join(REPO, "python"))
+    for phase, mode, start_from in checks:
+        def run_check(j, phase=phase, mode=mode, start_from=start_from):
+            start = jr[j].get("predicted_" + start_from, {}).get("largest") or {}
+            jr[j]["predicted_" + phase] = direct(runner, args.gpumem, j, targets, cap_bytes, args.steps, start,
+                                                 mode=mode)  # fmt: skip
 
-        def run_direct(j):
-            start = jr[j].get("predicted_" + args.direct_from, {}).get("largest") or {}
-            jr[j]["predicted_direct"] = direct(runner, args.gpumem, j, targets, cap_bytes, args.steps, start)
-
-        parallel(run_direct, [(j,) for j in jobs])
-        with open(results_path, "w") as f:
-            json.dump(results, f, indent=1)
-
-    if "probe" in phases:
-        sys.path.insert(0, os.path.join(REPO, "python"))
-
-        def run_probe(j):
-            start = jr[j].get("predicted_gpu", {}).get("largest") or {}
-            jr[j]["predicted_probe"] = direct(runner, args.gpumem, j, targets, cap_bytes, args.steps, start,
-                                              mode="probe")  # fmt: skip
-
-        parallel(run_probe, [(j,) for j in jobs])
+        parallel(run_check, [(j,) for j in jobs])
         with open(results_path, "w") as f:
             json.dump(results, f, indent=1)
 

@@ -627,11 +627,10 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 # int64) reads a copy of its input in the result's type (cumsum_out)
                 copy = recording.alloc(args[0].numel() * out.element_size())
                 recording.free(copy)
-            if on_gpu is not None:
-                pass  # the GPU's own sequence, the bias gradient's staging included
-            elif func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
+            if on_gpu is None and func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
                 # a bias's gradient is a sum over all but the channel dimension,
-                # made after the backend's own work (PyTorch's convolution_backward)
+                # made after the backend's own work (PyTorch's convolution_backward;
+                # run on the GPU, the call's own sequence has it)
                 grad = args[0]
                 reduction_scratch("sum", grad, [0] + list(range(2, grad.dim())), out[2])
             if func in conv and is_cuda(args, kwargs) and on_gpu is None:
