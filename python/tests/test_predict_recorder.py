@@ -853,7 +853,9 @@ class ProfileTest(unittest.TestCase):
         for key, entry in p.values.items():
             self.assertIn(entry["source"], profiles.SOURCES, key)
             self.assertTrue(entry.get("why"), key)
-        self.assertIn("not measured yet", p.notes()[0])
+        self.assertIn("taken from PyTorch's source, not measured: autocast_weight_cache", p.notes()[0])
+        self.assertIn("estimated, not measured: cudnn_conv_workspace", p.notes()[0])
+        self.assertNotIn("cudnn_conv_workspace", p.notes(measured_elsewhere=("cudnn_conv_workspace",))[0])
 
     def test_bad_profiles_named(self):
         with self.assertRaisesRegex(ValueError, "no device profile 'a100'"):

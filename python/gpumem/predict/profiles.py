@@ -63,15 +63,19 @@ class Profile:
 
     def notes(self, measured_elsewhere=()):
         """What the recording takes from this profile that was not measured
-        (measured_elsewhere: keys the recording measures itself)."""
-        unmeasured = sorted(k for k, e in self.values.items()
-                            if e.get("source") != "measured" and k not in measured_elsewhere)  # fmt: skip
-        if not unmeasured:
-            return ["device profile %s (%s, torch %s): all values measured" % (self.name, self.gpu, self.torch)]
-        return [
-            "device profile %s (%s, torch %s): not measured yet: %s"
-            % (self.name, self.gpu, self.torch, ", ".join(unmeasured))
-        ]
+        (measured_elsewhere: keys the recording measures itself), by where
+        each value comes from instead."""
+        head = "device profile %s (%s, torch %s)" % (self.name, self.gpu, self.torch)
+        rest = {s: sorted(k for k, e in self.values.items() if e.get("source") == s and k not in measured_elsewhere)
+                for s in ("derived", "estimate")}  # fmt: skip
+        if not rest["derived"] and not rest["estimate"]:
+            return [head + ": all values measured"]
+        parts = []
+        if rest["derived"]:
+            parts.append("taken from PyTorch's source, not measured: " + ", ".join(rest["derived"]))
+        if rest["estimate"]:
+            parts.append("estimated, not measured: " + ", ".join(rest["estimate"]))
+        return [head + ": " + "; ".join(parts)]
 
 
 def available():
