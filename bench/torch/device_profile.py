@@ -7,7 +7,8 @@ Default --out: python/gpumem/predict/profiles/<gpu>-torch<major.minor>.json
 (h200-torch2.11.json on an H200 with PyTorch 2.11); --base: the shipped
 profile of that name, else h200. Each value measured replaces the base's
 ("source": "measured"); the others are kept as they were. Takes a few
-seconds on an idle GPU; the context size assumes nothing else uses it.
+seconds; the context is this process's own, as NVML lists it, where
+other processes use the GPU too (gpumem.predict.gpu_context).
 
 Measured: the CUDA context (device memory used outside the allocator
 after initialisation and a first kernel), the multiprocessor count and
@@ -89,14 +90,16 @@ def _known(*tensors):
     return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
 
 
-def measure(torch):
+def measure(torch, others=None):
+    from gpumem.predict import gpu_context
+
     out = {}
     dev = torch.device("cuda", 0)
     torch.cuda.init()
     torch.empty(1, device=dev).add_(1)  # a first kernel: lazily loaded modules
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    out["cuda_context_bytes"] = int(total - free - torch.cuda.memory_reserved())
+    out["cuda_context_bytes"], how = gpu_context.measure(others)
+    print("device_profile: the CUDA context: %s" % how)
     props = torch.cuda.get_device_properties(dev)
     out["multiprocessor_count"] = int(props.multi_processor_count)
     out["max_threads_per_multiprocessor"] = int(props.max_threads_per_multi_processor)
@@ -149,6 +152,10 @@ def main(argv=None):
     p.add_argument("--out", help="where to write the profile (default: the package's profiles/)")
     p.add_argument("--base", help="profile to start from (name or path; default: same name, else h200)")
     a = p.parse_args(argv)
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    from gpumem.predict import gpu_context
+
+    others = gpu_context.others()  # before this process's CUDA context exists
     import torch
 
     if not torch.cuda.is_available():
@@ -156,7 +163,7 @@ def main(argv=None):
         return 2
     props = torch.cuda.get_device_properties(0)
     torch.cuda.memory._record_memory_history(max_entries=100000)
-    measured = measure(torch)
+    measured = measure(torch, others)
     torch.cuda.memory._record_memory_history(enabled=None)
     name = profile_name(props.name, torch.__version__)
     base_path = a.base or os.path.join(PROFILES, name + ".json")

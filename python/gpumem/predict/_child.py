@@ -111,15 +111,17 @@ def history_to_recording(entries, step_ends, workload, source):
 def run_gpu(out_dir, steps, script, args):
     import torch
 
+    from . import gpu_context
+
+    others = gpu_context.others()  # before this process's CUDA context exists
     torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
-    done = {"steps": 0, "context_bytes": 0, "step_ends": []}
+    done = {"steps": 0, "context_bytes": 0, "context_source": "measured", "step_ends": []}
 
     def entries():
         return torch.cuda.memory._snapshot()["device_traces"][0]
 
     def dump():
-        free, total = torch.cuda.mem_get_info()
-        done["context_bytes"] = max(0, total - free - torch.cuda.memory_reserved())
+        done["context_bytes"], done["context_source"] = gpu_context.measure(others)
         done["entries"] = entries()
         torch.cuda.memory._record_memory_history(enabled=None)
 
@@ -144,7 +146,7 @@ def run_gpu(out_dir, steps, script, args):
     rec = history_to_recording(done["entries"], done["step_ends"], name, source)
     rec.write(os.path.join(out_dir, "trace"))
     return {"steps": done["steps"], "ended": ended, "notes": [], "context_bytes": done["context_bytes"],
-            "peak_live_bytes": rec.peak_live_bytes, "context_source": "measured", "file": "trace",
+            "peak_live_bytes": rec.peak_live_bytes, "context_source": done["context_source"], "file": "trace",
             "device": torch.cuda.get_device_name()}
 
 
