@@ -7,6 +7,8 @@ the recording, called twice, or reading values in their constructor are
 recorded; the command runs a script end to end. Needs PyTorch (the CPU
 build will do); the transformers models need transformers."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -1017,6 +1019,46 @@ class CommandTest(unittest.TestCase):
             self.assertIn("3 recordings replayed", text)
             self.assertIn("ran out of recordings (--confirm-runs)", text)
             self.assertTrue(os.path.exists(os.path.join(out, "at_b64", "trace")))
+
+    def test_gpu_runs_that_do_not_align_fall_back_on_fake_tensors(self):
+        # On the GPU, a kernel may pick its algorithm by size (embedding's backward sorts its
+        # indices past 3072 of them): the runs' requests then differ between batch sizes, past
+        # what a transient group reconciles. The command says where, and scales from
+        # fake-tensor recordings at the same batches.
+        if _cli.find() is None:
+            self.skipTest("no gpumem binary (make build)")
+        calls = []
+
+        def fake_record(script, args, b, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
+            calls.append((mode, b))
+            os.makedirs(out_dir, exist_ok=True)
+            lines = ["# gpumem-trace v1", "a 0 %d 0" % (b << 20), "# step 1", "a 1 %d 0" % (b << 21)]
+            if mode == "gpu" and b == 4:  # a sort's six buffers, at batch 4 only
+                lines += ["a %d 4096 0" % k for k in range(10, 16)] + ["f %d" % k for k in range(15, 9, -1)]
+            lines += ["a 2 %d 0" % (b << 21), "f 1", "f 2", "# step 2"]
+            with open(os.path.join(out_dir, "trace"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+            return {"path": os.path.join(out_dir, "trace"), "notes": ["seen in %s mode" % mode], "steps": 2,
+                    "context_bytes": 1 << 28, "context_source": "measured", "device": "NVIDIA H200"}
+
+        saved = command.record, command._gpu_available
+        command.record, command._gpu_available = fake_record, lambda: True
+        out = io.StringIO()
+        try:
+            with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(out), \
+                    contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
+                rc = command.main(["--memory", "1G", "--batch-sizes", "1,2,4", "--batch", "16", "--no-confirm",
+                                   "--traces", d, __file__, "--batch-size", "{B}"])  # fmt: skip
+        finally:
+            command.record, command._gpu_available = saved
+        text = out.getvalue()
+        self.assertEqual(rc, 0, text)
+        self.assertEqual(calls, [("gpu", 1), ("gpu", 2), ("gpu", 4), ("probe", 1), ("probe", 2), ("probe", 4)])
+        self.assertIn("the GPU runs' recordings do not align, so the scaling is from fake tensors (each "
+                      "convolution run on the GPU) at the same batches: the recordings differ at event 4", text)
+        self.assertIn("seen in probe mode", text)
+        # at batch 16: 16 MiB of weights and two 32 MiB activations live together
+        self.assertRegex(text, r"pytorch +\d+ +0\.078 GiB")
 
     def test_sequence_length_usage_errors(self):
         env = dict(os.environ, PYTHONPATH=PYTHON_DIR)

@@ -245,6 +245,16 @@ def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
 
 
+MISALIGNED = "the recordings differ at event"  # gpumem predict's words for recordings that do not align
+
+
+def _misalignment(text):
+    """gpumem predict's sentence naming the first event that differs."""
+    line = text.splitlines()[0] if text else ""
+    line = line[line.index(MISALIGNED):] if MISALIGNED in line else line
+    return line.split(": the recordings must be", 1)[0]
+
+
 def check_by_default(mode, device, profile):
     """(whether the answers are checked at the batches when --confirm and
     --no-confirm are not given, the line saying why not or None): on the
@@ -368,18 +378,26 @@ def main(argv=None):
         profile = profiles.load(a.profile)  # names an unknown profile before anything runs
         keep = a.traces is not None
         root = a.traces if keep else tempfile.mkdtemp(prefix="gpumem-predict-")
-        metas = []
-        for b in sizes:
-            for length in seq_lens or [None]:
-                sys.stderr.write("gpumem.predict: running %s at %s (%s)\n" % (a.script, _at(b, length), mode))
-                folder = "b%d" % b + ("" if length is None else "_L%d" % length)
-                metas.append(record(a.script, a.args, b, os.path.join(root, folder), mode, a.steps,
-                                    a.profile, a.timeout, length))  # fmt: skip
+        def record_sizes(how, prefix):
+            out = []
+            for b in sizes:
+                for length in seq_lens or [None]:
+                    sys.stderr.write("gpumem.predict: running %s at %s (%s)\n" % (a.script, _at(b, length), how))
+                    folder = prefix + "%d" % b + ("" if length is None else "_L%d" % length)
+                    out.append(record(a.script, a.args, b, os.path.join(root, folder), how, a.steps,
+                                      a.profile, a.timeout, length))  # fmt: skip
+            return out
+
         notes = []
-        for m in metas:
-            for n in m["notes"]:
-                if n not in notes:
-                    notes.append(n)
+
+        def add_notes(ms):
+            for m in ms:
+                for n in m["notes"]:
+                    if n not in notes:
+                        notes.append(n)
+
+        metas = record_sizes(mode, "b")
+        add_notes(metas)
         context = max(m["context_bytes"] for m in metas)
         if context >= memory:
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
@@ -389,14 +407,14 @@ def main(argv=None):
             confirm_on, why_not = check_by_default(mode, metas[0].get("device"), profile)
             if why_not:
                 checks.append(why_not)
-        try:
-            paths = [m["path"] for m in metas]
+        def scale(ms, prefix):
+            paths = [m["path"] for m in ms]
             if seq_lens:
                 # each batch's recordings over the lengths, written at --seq-len; then those over the batch
                 n = len(seq_lens)
                 written = []
                 for i, b in enumerate(sizes):
-                    out = os.path.join(root, "b%d_L%d.trace" % (b, a.seq_len))
+                    out = os.path.join(root, "%s%d_L%d.trace" % (prefix, b, a.seq_len))
                     c = write_at(b, seq_lens, paths[i * n:(i + 1) * n], a.seq_len, out)
                     if c:
                         checks.append(c)
@@ -405,6 +423,27 @@ def main(argv=None):
             rows, check = run_predict(sizes, paths, memory - context, a.batch)
             if check:
                 checks.append(check)
+            return rows
+
+        try:
+            try:
+                rows = scale(metas, "b")
+            except PredictError as e:
+                if mode != "gpu" or MISALIGNED not in str(e):
+                    raise
+                # A kernel that picks its algorithm by size (embedding's backward sorts its indices
+                # past 3072 of them, cub's sorts take scratch) makes the GPU runs' requests differ
+                # between batch sizes. On fake tensors the same operators make the same requests at
+                # every batch: scale from those, and say so.
+                fake = "probe" if metas[0].get("device") == profile.gpu else "cpu"
+                keep = True
+                checks.append("the GPU runs' recordings do not align, so the scaling is from fake tensors "
+                              "(%s) at the same batches: %s" % (
+                                  "each convolution run on the GPU" if fake == "probe" else "the CPU recorder",
+                                  _misalignment(str(e))))  # fmt: skip
+                fake_metas = record_sizes(fake, "fake_b")
+                add_notes(fake_metas)
+                rows = scale(fake_metas, "fake_b")
         except PredictError as e:
             keep = True
             raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
