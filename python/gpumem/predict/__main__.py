@@ -378,6 +378,7 @@ def main(argv=None):
         profile = profiles.load(a.profile)  # names an unknown profile before anything runs
         keep = a.traces is not None
         root = a.traces if keep else tempfile.mkdtemp(prefix="gpumem-predict-")
+
         def record_sizes(how, prefix):
             out = []
             for b in sizes:
@@ -407,6 +408,7 @@ def main(argv=None):
             confirm_on, why_not = check_by_default(mode, metas[0].get("device"), profile)
             if why_not:
                 checks.append(why_not)
+
         def scale(ms, prefix):
             paths = [m["path"] for m in ms]
             if seq_lens:
@@ -453,9 +455,7 @@ def main(argv=None):
                 meta = record(a.script, a.args, b, os.path.join(root, "at_b%d" % b),
                               "probe" if mode == "gpu" else "cpu", a.steps, a.profile, a.timeout,
                               a.seq_len if seq_lens else None)  # fmt: skip
-                for n in meta["notes"]:
-                    if n not in notes:
-                        notes.append(n)
+                add_notes([meta])
                 return meta["path"]
 
             scaled = [dict(r) for r in rows]
