@@ -352,16 +352,17 @@ def _generate_loop_by_length(recording):
         return length_call(self, input_ids, scores, **kwargs)
 
     def has_unfinished(self, this_peer_finished, synced_gpus=False, device=None, *a, **k):
+        # (said once generate() runs: a training script imports the module without generating)
+        recording.note(
+            "generate() ran every sequence to its length limit (max_length, max_new_tokens): when a sequence "
+            "ends early (EOS, stop strings) cannot be read from fake tensors, and the longest generation takes "
+            "the most memory"
+        )
         done, state["done"] = state["done"], False  # the next generate() starts unfinished
         return not done
 
     recording.patch(max_length, "__call__", length_criterion)
     recording.patch(mixin, "_has_unfinished_sequences", has_unfinished)
-    recording.note(
-        "generate() ran every sequence to its length limit (max_length, max_new_tokens): when a sequence "
-        "ends early (EOS, stop strings) cannot be read from fake tensors, and the longest generation takes "
-        "the most memory"
-    )
 
 
 def _tracker(recording, fake_mode, profile, probe=None):
