@@ -153,6 +153,25 @@ class SearchTest(unittest.TestCase):
         self.assertEqual(recorded, [100, 112, 136])
         self.assertEqual((e.exception.lo, e.exception.hi), (136, None))
 
+    def test_a_search_cut_short_shows_its_bracket_in_the_table(self):
+        # the largest batch the table gives is what the recordings showed, not a guess
+        def replay(binary, trace, memory):
+            b = int(trace[1:])
+            return {"pytorch": {"fits": b <= 500, "peak_reserved_bytes": b << 20},
+                    "cudaMallocAsync": {"fits": b <= 130, "peak_reserved_bytes": b << 20}}  # fmt: skip
+
+        real, confirm.fit_rows = confirm.fit_rows, replay
+        try:
+            rows = [{"allocator": "pytorch", "max_batch": 100}, {"allocator": "cudaMallocAsync", "max_batch": 90}]
+            line = command.check_at_batches(rows, confirm.Checker(lambda b: "t%d" % b, 1 << 30, "gpumem", 4))
+        finally:
+            confirm.fit_rows = real
+        self.assertIn("ran out of recordings (--confirm-runs) for pytorch (184 fits)", line)
+        self.assertIn("cudaMallocAsync (112 fits, 136 does not)", line)
+        text = command.table("train.py", [1, 2], "cpu", 80 << 30, 0, "estimate", rows, [])
+        self.assertRegex(text, r"pytorch +184\+ ")
+        self.assertRegex(text, r"cudaMallocAsync +112-135 ")
+
     def test_table_rows_take_the_checked_figures(self):
         class Checker:
             rows = {}

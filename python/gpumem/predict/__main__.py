@@ -296,6 +296,7 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
                 continue
             short.append("%s (%d fits%s)" % (r["allocator"], e.lo, "" if e.hi is None else ", %d does not" % e.hi))
             lo = e.lo
+            r["max_batch_below"] = e.hi  # (the table shows the bracket: the search did not close it)
         r["scaled_max_batch"] = start
         r["max_batch"] = r["largest_batch"] = lo
         if lo != start:
@@ -331,9 +332,13 @@ def table(script, sizes, mode, memory, context, context_source, rows, notes, bat
     if check:
         lines[2:2] = [check]
     for r in rows:
-        mb = r.get("max_batch")
-        lines.append("%-22s %-14s %s" % (r.get("allocator", "?"), "-" if mb is None else mb,
-                                         _gib(r.get("peak_reserved_bytes"))))  # fmt: skip
+        mb, cell = r.get("max_batch"), "-"
+        if mb is not None:
+            cell = str(mb)
+        if mb is not None and "max_batch_below" in r:  # a search cut short: what it knows
+            below = r["max_batch_below"]
+            cell = "%d+" % mb if below is None else "%d-%d" % (mb, below - 1)
+        lines.append("%-22s %-14s %s" % (r.get("allocator", "?"), cell, _gib(r.get("peak_reserved_bytes"))))
     if notes:
         lines += ["", "What the recordings could not see, or assumed:"]
         lines += ["  - %s" % n for n in notes]

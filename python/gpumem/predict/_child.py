@@ -59,6 +59,8 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
     source = rec.profile.source("cuda_context_bytes") if rec.profile else None
+    if source:  # (from the profile: where it was measured, not here)
+        source = "%s on the %s, device profile %s" % (source, rec.profile.gpu, rec.profile.name)
     return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
             "context_bytes": context, "context_source": source or "none", "file": "trace"}
 
