@@ -800,6 +800,52 @@ class ModuleMoveTest(unittest.TestCase):
 
 
 @unittest.skipIf(torch is None, NO_TORCH)
+class CompiledCodeTest(unittest.TestCase):
+    """torch.compile'd code runs eagerly under the recorder (Dynamo compiles
+    nothing under a dispatch mode); the notes say so wherever it ran, and
+    only there."""
+
+    def compiled_noted(self, rec):
+        return any(n.startswith("torch.compile: the compiled code was recorded as eager") for n in rec.notes)
+
+    def test_every_way_of_compiling_is_noted(self):
+        from gpumem.predict import recording
+
+        real_compile = torch.compile
+        ahead = torch.compile(torch.nn.Linear(8, 8))  # compiled before the recording
+
+        def f(x):
+            return (x.sin() * 2).cos().sum()
+
+        def in_place():
+            m = torch.nn.Linear(8, 8).cuda()
+            m.compile()
+            return m
+
+        cases = {
+            "module compiled before": lambda: ahead.cuda(),
+            "function compiled inside": lambda: torch.compile(f),
+            "decorator with options": lambda: torch.compile(dynamic=False)(f),
+            "module compiled in place": in_place,
+        }
+        for name, make in cases.items():
+            with recording(None, "h200") as rec:
+                fn = make()
+                x = torch.randn(4, 8, device="cuda")
+                out = fn(x)
+                self.assertEqual(out.device.type, "cuda")
+            self.assertTrue(self.compiled_noted(rec), (name, rec.notes))
+            if name.startswith("function") or name.startswith("decorator"):
+                # eager: x, sin, the product, cos and the sum, each its own allocation
+                self.assertEqual(len(rec.allocations()), 5, (name, rec.allocations()))
+        with recording(None, "h200") as rec:
+            f(torch.randn(4, 8, device="cuda"))
+            torch.compile(f)  # compiled, never called
+        self.assertFalse(self.compiled_noted(rec), rec.notes)
+        self.assertIs(torch.compile, real_compile)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
 class KnownValuesTest(unittest.TestCase):
     """Values read from fake tensors made of constants, or small ones made
     from known values, are the real ones; a tensor written into is unknown

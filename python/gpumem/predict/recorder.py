@@ -30,6 +30,7 @@ Needs PyTorch (the CPU build will do)."""
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -83,6 +84,7 @@ class Recording:
         self._lock = threading.Lock()
         self._patches = []  # (object, attribute, value before) set while recording
         self._generate_patched = False
+        self._compiled_patched = False
 
     # -- building -------------------------------------------------------
     def alloc(self, size, stream=0):
@@ -304,6 +306,63 @@ def _user_frame():
             return "%s:%d" % (os.path.basename(path), f.f_lineno)
         f = f.f_back
     return "?"
+
+
+COMPILED_NOTE = (
+    "torch.compile: the compiled code was recorded as eager PyTorch (Dynamo compiles nothing while the "
+    "recorder's dispatch modes are on); Inductor's fused kernels on the GPU usually keep fewer intermediate "
+    "tensors, so for the compiled parts the recording holds eager's activations and the figures are likely high"
+)
+
+
+def _compiled_code_runs_eager(recording):
+    """Code compiled with torch.compile runs eagerly under a dispatch mode:
+    Dynamo lets the frames through uncompiled. Recorded as it ran, and said
+    once it runs: a compiled module (OptimizedModule) called, a function
+    compiled during the recording called, a module compiled in place."""
+    torch = _torch()
+
+    def patch_optimized_module():
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        cls = getattr(eval_frame, "OptimizedModule", None)
+        if cls is None or recording._compiled_patched:
+            return
+        recording._compiled_patched = True
+        call = cls.__call__
+
+        def noted_call(self, *args, **kwargs):
+            recording.note(COMPILED_NOTE)
+            return call(self, *args, **kwargs)
+
+        recording.patch(cls, "__call__", noted_call)
+
+    real_compile = torch.compile
+
+    def compile(model=None, *args, **kwargs):
+        if model is None:  # (as a decorator with options)
+            return lambda fn: compile(fn, *args, **kwargs)
+        out = real_compile(model, *args, **kwargs)
+        patch_optimized_module()  # (Dynamo is loaded now)
+        if isinstance(out, torch.nn.Module) or not callable(out):
+            return out
+
+        @functools.wraps(out)
+        def noted(*a, **k):
+            recording.note(COMPILED_NOTE)
+            return out(*a, **k)
+
+        return noted
+
+    module_compile = getattr(torch.nn.Module, "compile", None)
+
+    def compile_in_place(self, *args, **kwargs):
+        recording.note(COMPILED_NOTE)
+        return module_compile(self, *args, **kwargs)
+
+    recording.patch(torch, "compile", compile)
+    if module_compile is not None:
+        recording.patch(torch.nn.Module, "compile", compile_in_place)
+    patch_optimized_module()
 
 
 def _transformers_sees_real_tensors(recording):
@@ -1132,6 +1191,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
             rec.note(text)
     _allow_fake_cuda(torch)
     _transformers_sees_real_tensors(rec)
+    _compiled_code_runs_eager(rec)
 
     def on_step(optimizer, args, kwargs):
         rec.step()
