@@ -153,6 +153,26 @@ class SearchTest(unittest.TestCase):
         self.assertEqual(recorded, [100, 112, 136])
         self.assertEqual((e.exception.lo, e.exception.hi), (136, None))
 
+    def test_a_batch_that_stops_growing_stops_the_search(self):
+        # a script whose batch is capped (a DataLoader over 4096 samples asked for batches of a
+        # million) records the same job at every large batch: every one fits, and the search
+        # doubled until its budget ran out; now it stops at the first recording that shows it
+        def replay(binary, trace, memory):
+            b = min(int(trace[1:]), 4096)
+            return {"pytorch": {"fits": True, "peak_reserved_bytes": b << 20, "peak_live_bytes": b << 20}}
+
+        real, confirm.fit_rows = confirm.fit_rows, replay
+        try:
+            checker = confirm.Checker(lambda b: "t%d" % b, 1 << 40, "gpumem", 12)
+            with self.assertRaises(confirm.BatchDoesNotGrow) as e:
+                confirm.largest(lambda b: checker.fits(b, "pytorch"), 4000)
+        finally:
+            confirm.fit_rows = real
+        self.assertEqual(sorted(checker.rows), [4000, 4500, 5500])
+        self.assertIn("the recording at batch 5500 holds no more than the one at batch 4500 (peak live 4.000 GiB "
+                      "against 4.000 GiB): the script's batch stops growing", str(e.exception))
+        self.assertIsInstance(e.exception, RuntimeError)  # (the command keeps the scaled answer, and says why)
+
     def test_a_search_cut_short_shows_its_bracket_in_the_table(self):
         # the largest batch the table gives is what the recordings showed, not a guess
         def replay(binary, trace, memory):

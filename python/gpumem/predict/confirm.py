@@ -20,6 +20,14 @@ import subprocess
 __all__ = ["Checker", "SearchBudget", "largest", "fit_rows"]
 
 
+class BatchDoesNotGrow(RuntimeError):
+    """A recording at a larger batch holds no more memory than one at a smaller."""
+
+
+def _peak_live(rows):
+    return next((r.get("peak_live_bytes") for r in rows.values() if r.get("peak_live_bytes") is not None), None)
+
+
 class SearchBudget(Exception):
     """The search ran out of recordings; lo fits, hi does not (or is None)."""
 
@@ -60,8 +68,29 @@ class Checker:
         if batch not in self.rows:
             if len(self.rows) >= self.budget:
                 raise SearchBudget(None, None)
-            self.rows[batch] = fit_rows(self.binary, self.record_at(batch), self.memory)
+            rows = fit_rows(self.binary, self.record_at(batch), self.memory)
+            self.rows[batch] = rows
+            self._grows(batch, rows)
         return self.rows[batch]
+
+    def _grows(self, batch, rows):
+        """A job whose memory does not grow with the batch is not the one
+        the search assumes (a dataset smaller than the batch, a batch the
+        script caps): every larger batch would fit, and the search would
+        double until its budget ran out."""
+        live = _peak_live(rows)
+        if live is None:
+            return
+        for b in sorted(self.rows):
+            other = _peak_live(self.rows[b])
+            if other is None or b == batch:
+                continue
+            (lo, lo_live), (hi, hi_live) = sorted([(b, other), (batch, live)])
+            if hi_live <= lo_live:
+                raise BatchDoesNotGrow(
+                    "the recording at batch %d holds no more than the one at batch %d (peak live %.3f GiB "
+                    "against %.3f GiB): the script's batch stops growing with the batch size asked for "
+                    "(a dataset smaller than the batch?)" % (hi, lo, hi_live / 2**30, lo_live / 2**30))
 
     def peaks(self, batch):
         return {a: r["peak_reserved_bytes"] for a, r in self.at(batch).items()}
