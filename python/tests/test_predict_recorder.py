@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -800,6 +801,25 @@ class ModuleMoveTest(unittest.TestCase):
 
 
 @unittest.skipIf(torch is None, NO_TORCH)
+class DataDependentSizesTest(unittest.TestCase):
+    def test_nms_keeps_every_box_as_an_upper_bound(self):
+        try:
+            import torchvision
+        except ImportError:
+            self.skipTest("needs torchvision")
+        from gpumem.predict import recording
+
+        with recording(None, "h200") as rec:
+            boxes = torch.rand(300, 4, device="cuda") * 100
+            keep = torchvision.ops.nms(boxes, torch.rand(300, device="cuda"), 0.5)
+            self.assertEqual(tuple(keep.shape), (300,))
+            self.assertEqual(keep.dtype, torch.long)
+        self.assertIn(300 * 8, [size for _, size, _ in rec.allocations()])
+        self.assertTrue(any(n.startswith("torchvision's nms at") and "upper bound" in n for n in rec.notes),
+                        rec.notes)  # fmt: skip
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
 class CompiledCodeTest(unittest.TestCase):
     """torch.compile'd code runs eagerly under the recorder (Dynamo compiles
     nothing under a dispatch mode); the notes say so wherever it ran, and
@@ -1115,6 +1135,56 @@ class CommandTest(unittest.TestCase):
         self.assertIn("seen in probe mode", text)
         # at batch 16: 16 MiB of weights and two 32 MiB activations live together
         self.assertRegex(text, r"pytorch +\d+ +0\.078 GiB")
+
+    def test_recordings_that_never_align_are_answered_at_the_batches(self):
+        # a loop over the images of a batch (a detection model): one allocation per image, so no
+        # two batch sizes align; on fake tensors the figures come from the batches themselves
+        if _cli.find() is None:
+            self.skipTest("no gpumem binary (make build)")
+        calls = []
+
+        def fake_record(script, args, b, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
+            calls.append((mode, b))
+            os.makedirs(out_dir, exist_ok=True)
+            lines = ["# gpumem-trace v1", "a 0 %d 0" % (64 << 20), "# step 1"]
+            per_image = [1 << 20, 1 << 20, 1 << 20, 1 << 19, 1 << 19]  # 4 MiB in five allocations
+            ids = [(10 + 5 * i + k, size) for i in range(b) for k, size in enumerate(per_image)]
+            lines += ["a %d %d 0" % (i, size) for i, size in ids] + ["a 1 %d 0" % (1 << 20)]  # then the loss
+            lines += ["f %d" % i for i, _ in ids] + ["f 1", "# step 2"]
+            with open(os.path.join(out_dir, "trace"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+            return {"path": os.path.join(out_dir, "trace"), "notes": [], "steps": 2, "context_bytes": 0,
+                    "context_source": "estimate"}  # fmt: skip
+
+        saved = command.record
+        command.record = fake_record
+        out = io.StringIO()
+        try:
+            with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(out), \
+                    contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
+                rc = command.main(["--cpu", "--memory", "1G", "--batch-sizes", "2,4", "--batch", "16", "--traces", d,
+                                   __file__, "--batch-size", "{B}"])  # fmt: skip
+        finally:
+            command.record = saved
+        text = out.getvalue()
+        self.assertEqual(rc, 0, text)
+        self.assertIn("the recordings at batch 2, 4 do not align, so every figure is from recordings at the "
+                      "batches themselves: the recordings differ at event", text)
+        self.assertIn(("cpu", 16), calls)
+        self.assertNotIn("scaled from the small runs", text)
+        # 64 MiB of weights, 4 MiB per image and the loss's 1 MiB: at 16, 129 MiB and PyTorch's
+        # rounding; 1 GiB holds at most 239 images
+        m = re.search(r"^pytorch +(\d+) +(0\.\d+) GiB", text, re.M)
+        self.assertIsNotNone(m, text)
+        self.assertTrue(225 <= int(m.group(1)) <= 239, text)
+        self.assertTrue(0.126 <= float(m.group(2)) <= 0.130, text)
+
+    def test_upper_bounds_are_said_above_the_table(self):
+        rows = [{"allocator": "pytorch", "max_batch": 7, "peak_reserved_bytes": 1 << 30}]
+        note = "nonzero() (boolean masks) at det.py:10 assumed every element true: its size is an upper bound"
+        text = command.table("det.py", [2, 4], "cpu", 8 << 30, 0, "estimate", rows, [note], 16)
+        self.assertIn("upper bounds: sizes that depend on tensor values", text.splitlines()[2])
+        self.assertNotIn("upper bounds", command.table("a.py", [2, 4], "cpu", 8 << 30, 0, "estimate", rows, [], 16))
 
     def test_sequence_length_usage_errors(self):
         env = dict(os.environ, PYTHONPATH=PYTHON_DIR)

@@ -267,6 +267,22 @@ def check_by_default(mode, device, profile):
                    "(--profile; --confirm checks anyway)" % (device, profile.name, profile.gpu))
 
 
+def start_rows(sizes, paths, memory, binary=None):
+    """Rows to start the check's searches from where the recordings do not
+    align: for each allocator, the batch where a line through the two
+    recordings' peak reserved reaches memory (at least the larger batch)."""
+    binary = _binary(binary)
+    (b1, r1), (b2, r2) = [(b, confirm.fit_rows(binary, p, memory)) for b, p in zip(sizes, paths)]
+    rows = []
+    for allocator, row in r2.items():
+        p1, p2 = r1.get(allocator, {}).get("peak_reserved_bytes"), row.get("peak_reserved_bytes")
+        start = b2
+        if p1 is not None and p2 is not None and p2 > p1:
+            start = max(b2, b2 + int((memory - p2) * (b2 - b1) / (p2 - p1)))
+        rows.append({"allocator": allocator, "max_batch": start, "peak_reserved_bytes": None, "start_only": True})
+    return rows
+
+
 def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     """Puts the checker's figures in rows in place of the scaled ones
     (kept as scaled_*): the peak at batch, and each allocator's largest
@@ -299,7 +315,7 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
             r["max_batch_below"] = e.hi  # (the table shows the bracket: the search did not close it)
         r["scaled_max_batch"] = start
         r["max_batch"] = r["largest_batch"] = lo
-        if lo != start:
+        if lo != start and not r.get("start_only"):
             differ.append("%s largest %d" % (r["allocator"], start))
     for r in rows:
         old, new = r.get("scaled_peak_reserved_bytes"), r.get("peak_reserved_bytes")
@@ -339,6 +355,11 @@ def table(script, sizes, mode, memory, context, context_source, rows, notes, bat
             below = r["max_batch_below"]
             cell = "%d+" % mb if below is None else "%d-%d" % (mb, below - 1)
         lines.append("%-22s %-14s %s" % (r.get("allocator", "?"), cell, _gib(r.get("peak_reserved_bytes"))))
+    if any("is an upper bound" in n for n in notes):
+        # (said above the table too: such a bound can be far above the job, and the table reads as its figures)
+        lines.insert(2, "upper bounds: sizes that depend on tensor values the recording could not see were "
+                        "taken at their largest (notes below), so the peaks are at most these and the largest "
+                        "batches at least these")
     if notes:
         lines += ["", "What the recordings could not see, or assumed:"]
         lines += ["  - %s" % n for n in notes]
@@ -432,7 +453,9 @@ def main(argv=None):
                 checks.append(check)
             return rows
 
+        direct = False  # every figure from recordings at the batches themselves
         try:
+            scaled_from = metas
             try:
                 rows = scale(metas, "b")
             except PredictError as e:
@@ -448,12 +471,22 @@ def main(argv=None):
                               "(%s) at the same batches: %s" % (
                                   "each convolution run on the GPU" if fake == "probe" else "the CPU recorder",
                                   _misalignment(str(e))))  # fmt: skip
-                fake_metas = record_sizes(fake, "fake_b")
-                add_notes(fake_metas)
-                rows = scale(fake_metas, "fake_b")
+                scaled_from = record_sizes(fake, "fake_b")
+                add_notes(scaled_from)
+                rows = scale(scaled_from, "fake_b")
         except PredictError as e:
             keep = True
-            raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
+            if MISALIGNED not in str(e) or not confirm_on or seq_lens:
+                raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
+            # Control flow that depends on the batch (a loop over the images of a batch): no model
+            # of the sizes, but on fake tensors a large batch costs what a small one does, so the
+            # figures come from recordings at the batches themselves, the search started from a
+            # line through the two largest small recordings' peaks.
+            direct = True
+            checks.append("the recordings at batch %s do not align, so every figure is from recordings at "
+                          "the batches themselves: %s" % (", ".join(str(b) for b in sizes),
+                                                          _misalignment(str(e))))  # fmt: skip
+            rows = start_rows(sizes[-2:], [m["path"] for m in scaled_from[-2:]], memory - context)
         if confirm_on:
             def record_at(b):
                 # (on a GPU machine the convolutions run there too, for their workspaces)
@@ -469,6 +502,9 @@ def main(argv=None):
                 checks.append(check_at_batches(rows, confirm.Checker(record_at, memory - context, _binary(),
                                                                      a.confirm_runs), a.batch, how))  # fmt: skip
             except (PredictError, RuntimeError) as e:
+                if direct:
+                    raise PredictError("the check at the batches themselves failed: %s\nthe recordings are in %s"
+                                       % (str(e).splitlines()[0], root)) from None
                 # the scaled answer stands, and the table says the check did not
                 rows[:] = scaled
                 keep = True

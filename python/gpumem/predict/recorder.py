@@ -629,6 +629,15 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 out = positions(args[0], "nonzero() (boolean masks)")
                 track(out)
                 return out
+            if func.name() == "torchvision::nms" and isinstance(args[0], FakeTensor):
+                # The boxes kept depend on their values: all of them, an upper bound.
+                recording.note(
+                    "torchvision's nms at %s kept every box: its output's size is an upper bound, and the "
+                    "kernel's own buffers are not in the trace" % _user_frame()
+                )
+                out = torch.empty((args[0].size(0),), dtype=torch.long, device=args[0].device)
+                track(out)
+                return out
             if func is aten.index.Tensor and any(
                 i is not None and i.dtype == torch.bool and isinstance(i, FakeTensor) for i in args[1]
             ):
