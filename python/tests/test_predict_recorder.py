@@ -1096,11 +1096,10 @@ class CommandTest(unittest.TestCase):
             self.assertIn("ran out of recordings (--confirm-runs)", text)
             self.assertTrue(os.path.exists(os.path.join(out, "at_b64", "trace")))
 
-    def test_gpu_runs_that_do_not_align_fall_back_on_fake_tensors(self):
-        # On the GPU, a kernel may pick its algorithm by size (embedding's backward sorts its
-        # indices past 3072 of them): the runs' requests then differ between batch sizes, past
-        # what a transient group reconciles. The command says where, and scales from
-        # fake-tensor recordings at the same batches.
+    def command_with_traces(self, trace_lines, argv, meta, gpu=False):
+        """(exit status, stdout, [(mode, batch)] recorded): the command run
+        in this process, its `record` stood in for by one that writes
+        trace_lines(mode, batch) as the recording, with meta as its meta.json."""
         if _cli.find() is None:
             self.skipTest("no gpumem binary (make build)")
         calls = []
@@ -1108,26 +1107,40 @@ class CommandTest(unittest.TestCase):
         def fake_record(script, args, b, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
             calls.append((mode, b))
             os.makedirs(out_dir, exist_ok=True)
-            lines = ["# gpumem-trace v1", "a 0 %d 0" % (b << 20), "# step 1", "a 1 %d 0" % (b << 21)]
-            if mode == "gpu" and b == 4:  # a sort's six buffers, at batch 4 only
-                lines += ["a %d 4096 0" % k for k in range(10, 16)] + ["f %d" % k for k in range(15, 9, -1)]
-            lines += ["a 2 %d 0" % (b << 21), "f 1", "f 2", "# step 2"]
             with open(os.path.join(out_dir, "trace"), "w") as f:
-                f.write("\n".join(lines) + "\n")
-            return {"path": os.path.join(out_dir, "trace"), "notes": ["seen in %s mode" % mode], "steps": 2,
-                    "context_bytes": 1 << 28, "context_source": "measured", "device": "NVIDIA H200"}
+                f.write("\n".join(["# gpumem-trace v1"] + trace_lines(mode, b)) + "\n")
+            return dict(meta(mode), path=os.path.join(out_dir, "trace"), steps=2)
 
         saved = command.record, command._gpu_available
-        command.record, command._gpu_available = fake_record, lambda: True
+        command.record = fake_record
+        if gpu:
+            command._gpu_available = lambda: True
         out = io.StringIO()
         try:
             with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(out), \
                     contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
-                rc = command.main(["--memory", "1G", "--batch-sizes", "1,2,4", "--batch", "16", "--no-confirm",
-                                   "--traces", d, __file__, "--batch-size", "{B}"])  # fmt: skip
+                rc = command.main(argv + ["--traces", d, __file__, "--batch-size", "{B}"])
         finally:
             command.record, command._gpu_available = saved
-        text = out.getvalue()
+        return rc, out.getvalue(), calls
+
+    def test_gpu_runs_that_do_not_align_fall_back_on_fake_tensors(self):
+        # On the GPU, a kernel may pick its algorithm by size (embedding's backward sorts its
+        # indices past 3072 of them): the runs' requests then differ between batch sizes, past
+        # what a transient group reconciles. The command says where, and scales from
+        # fake-tensor recordings at the same batches.
+        def trace_lines(mode, b):
+            lines = ["a 0 %d 0" % (b << 20), "# step 1", "a 1 %d 0" % (b << 21)]
+            if mode == "gpu" and b == 4:  # a sort's six buffers, at batch 4 only
+                lines += ["a %d 4096 0" % k for k in range(10, 16)] + ["f %d" % k for k in range(15, 9, -1)]
+            return lines + ["a 2 %d 0" % (b << 21), "f 1", "f 2", "# step 2"]
+
+        def meta(mode):
+            return {"notes": ["seen in %s mode" % mode], "context_bytes": 1 << 28, "context_source": "measured",
+                    "device": "NVIDIA H200"}  # fmt: skip
+
+        rc, text, calls = self.command_with_traces(
+            trace_lines, ["--memory", "1G", "--batch-sizes", "1,2,4", "--batch", "16", "--no-confirm"], meta, gpu=True)
         self.assertEqual(rc, 0, text)
         self.assertEqual(calls, [("gpu", 1), ("gpu", 2), ("gpu", 4), ("probe", 1), ("probe", 2), ("probe", 4)])
         self.assertIn("the GPU runs' recordings do not align, so the scaling is from fake tensors (each "
@@ -1139,34 +1152,16 @@ class CommandTest(unittest.TestCase):
     def test_recordings_that_never_align_are_answered_at_the_batches(self):
         # a loop over the images of a batch (a detection model): one allocation per image, so no
         # two batch sizes align; on fake tensors the figures come from the batches themselves
-        if _cli.find() is None:
-            self.skipTest("no gpumem binary (make build)")
-        calls = []
-
-        def fake_record(script, args, b, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
-            calls.append((mode, b))
-            os.makedirs(out_dir, exist_ok=True)
-            lines = ["# gpumem-trace v1", "a 0 %d 0" % (64 << 20), "# step 1"]
+        def trace_lines(mode, b):
+            lines = ["a 0 %d 0" % (64 << 20), "# step 1"]
             per_image = [1 << 20, 1 << 20, 1 << 20, 1 << 19, 1 << 19]  # 4 MiB in five allocations
             ids = [(10 + 5 * i + k, size) for i in range(b) for k, size in enumerate(per_image)]
             lines += ["a %d %d 0" % (i, size) for i, size in ids] + ["a 1 %d 0" % (1 << 20)]  # then the loss
-            lines += ["f %d" % i for i, _ in ids] + ["f 1", "# step 2"]
-            with open(os.path.join(out_dir, "trace"), "w") as f:
-                f.write("\n".join(lines) + "\n")
-            return {"path": os.path.join(out_dir, "trace"), "notes": [], "steps": 2, "context_bytes": 0,
-                    "context_source": "estimate"}  # fmt: skip
+            return lines + ["f %d" % i for i, _ in ids] + ["f 1", "# step 2"]
 
-        saved = command.record
-        command.record = fake_record
-        out = io.StringIO()
-        try:
-            with tempfile.TemporaryDirectory() as d, contextlib.redirect_stdout(out), \
-                    contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
-                rc = command.main(["--cpu", "--memory", "1G", "--batch-sizes", "2,4", "--batch", "16", "--traces", d,
-                                   __file__, "--batch-size", "{B}"])  # fmt: skip
-        finally:
-            command.record = saved
-        text = out.getvalue()
+        rc, text, calls = self.command_with_traces(
+            trace_lines, ["--cpu", "--memory", "1G", "--batch-sizes", "2,4", "--batch", "16"],
+            lambda mode: {"notes": [], "context_bytes": 0, "context_source": "estimate"})
         self.assertEqual(rc, 0, text)
         self.assertIn("the recordings at batch 2, 4 do not align, so every figure is from recordings at the "
                       "batches themselves: the recordings differ at event", text)

@@ -20,6 +20,7 @@ installs); where it is missing or answers nothing usable, measure() falls
 back on cudaMemGetInfo and says so in `how`."""
 
 import ctypes
+import functools
 
 _NOT_AVAILABLE = (1 << 64) - 1  # NVML_VALUE_NOT_AVAILABLE for a process's memory
 
@@ -30,7 +31,9 @@ class _ProcessInfo(ctypes.Structure):
                 ("gpuInstanceId", ctypes.c_uint), ("computeInstanceId", ctypes.c_uint)]  # fmt: skip
 
 
+@functools.lru_cache(maxsize=None)
 def _nvml():
+    """The initialised NVML library, once per process, or None."""
     try:
         lib = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
