@@ -225,6 +225,12 @@ typedef struct gpumem_options {
    * after record_stream. 0 (the default): each stream's arena holds its
    * own peak. Needs the backend's event slots. */
   int lend;
+  /* Default policy: 1 (the default) serves requests of up to 1 MiB from
+   * arenas of their own, as PyTorch's small pool; 0 serves every request
+   * from the large arenas, as cudaMallocAsync's one pool, where small
+   * blocks fill the room that large blocks leave (src/alloc.c,
+   * pool_index). */
+  int small_pool;
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
@@ -232,7 +238,7 @@ enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 /* Fills defaults (policy default with auto placement and lazy reclaim
  * with no move budget (moves only when needed), headroom 0.02, no limit,
  * map_max 1 GiB, map_ahead 128 MiB, move_guard on, stream_waits on, fences
- * on, lend off, publish auto, leak_check off, no oom_snapshot). */
+ * on, lend off, small_pool on, publish auto, leak_check off, no oom_snapshot). */
 GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
 /* Applies a configuration string "key:value,key:value" (the grammar of
  * PYTORCH_CUDA_ALLOC_CONF) over opts. Keys: policy (default|pytorch),
@@ -241,11 +247,10 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * placement (auto|planned|bestfit), map_max (a size, as limit), map_ahead
  * (a size, or off), move_guard
  * (on|off), fences (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
- * stream_waits (on|off), lend (on|off), publish (auto|on|off), leak_check (on|off),
- * oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
- * name), shared_group (a group's name), record (a path without ',').
- * Unknown keys and bad values fail with GPUMEM_ERR_CONFIG naming the key
- * and the valid choices; opts is unchanged on failure. */
+ * stream_waits (on|off), lend (on|off), small_pool (on|off), publish (auto|on|off), leak_check
+ * (on|off), oom_snapshot (a path without ','), shared_limit (a size), shared_name (a name),
+ * shared_group (a group's name), record (a path without ','). Unknown keys and bad values fail with
+ * GPUMEM_ERR_CONFIG naming the key and the valid choices; opts is unchanged on failure. */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
 /* Parses "123", "4K", "1.5G", "2GiB" (binary units). */
 GPUMEM_API gpumem_status_t gpumem_parse_size(const char* text, size_t* out);

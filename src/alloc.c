@@ -758,10 +758,19 @@ static gpumem_status_t free_cached_memory(gpumem_t* gm) {
   return release_plain_cache(gm, NULL);
 }
 
-/* Which pool serves a rounded request (see GM_NUM_POOLS). */
+/* Which pool serves a rounded request (see GM_NUM_POOLS). With
+ * small_pool:off (default policy) every request goes to the large arenas,
+ * as to cudaMallocAsync's one pool: small blocks then take the room large
+ * blocks leave in partly used pages instead of pages of their own.
+ * Measured (simulated device, peak reserved / peak live, no limit;
+ * BENCHMARKS.md): lora_peft_ckpt 1.0964 -> 1.0298, t5_varlen_prefetch
+ * 1.0310 -> 1.0246, llama_finetune_varlen 1.0373 -> 1.0305, the
+ * llama serving recording 1.0515 -> 1.0501; but long-lived small blocks in
+ * large holes split the room later large tensors need: gpt2_train 1.0691
+ * -> 1.1149, llama_ckpt_train 1.0926 -> 1.1494, graphsage_varlen 1.0420
+ * -> 1.6299. Hence PyTorch's split by default. */
 static inline int pool_index(const gpumem_t* gm, size_t rsize) {
-  if (rsize <= GM_SMALL_SIZE) return GM_POOL_SMALL;
-  (void)gm;
+  if (rsize <= GM_SMALL_SIZE && (gm->opts.small_pool || !gm->virtual_memory)) return GM_POOL_SMALL;
   return GM_POOL_LARGE;
 }
 
@@ -866,7 +875,9 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     gm_free_unused(gm, b);
     return st;
   }
-  gm_note_allocated(gm, b, size, small, stream);
+  /* (the pool the block is in says: with small_pool:off a small request
+   * may be in a large arena) */
+  gm_note_allocated(gm, b, size, gm_block_stat_small(b), stream);
   b->seq = gm->planner.enabled && !gm->planner.idle && !private_pool ? gm->planner.n : 0;
   gm_publish_after_op(gm);
   *out = (void*)b->addr;

@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name, shared_group, record, fences, map_ahead, lend"
+  "shared_name, shared_group, record, fences, map_ahead, lend, small_pool"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -61,6 +61,10 @@ void gpumem_options_init(gpumem_options_t* opts) {
   /* Off: on a GPU the host runs ahead, and lending gained nothing on the
    * one job measured (alloc.c, borrow_mapped). */
   opts->lend = 0;
+  /* Requests of up to 1 MiB in arenas of their own, as PyTorch's small
+   * pool: small blocks scattered through the large arenas' holes split the
+   * room later large tensors need (alloc.c, pool_index). */
+  opts->small_pool = 1;
   /* Memory held at the high-water mark unless that costs a page move every
    * few allocations with no plan serving (pages.c, note_move). */
   opts->move_guard = 1;
@@ -313,6 +317,7 @@ enum {
   KEY_FENCES,
   KEY_MAP_AHEAD,
   KEY_LEND,
+  KEY_SMALL_POOL,
   KEY_COUNT
 };
 
@@ -325,6 +330,7 @@ static const char* const key_names[KEY_COUNT] = {
     "oom_snapshot", "shared_limit", "shared_name",
     "move_budget",  "shared_group", "record",
     "fences",       "map_ahead",    "lend",
+    "small_pool",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -426,6 +432,7 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
     case KEY_STREAM_WAITS:
     case KEY_FENCES:
     case KEY_LEND:
+    case KEY_SMALL_POOL:
     case KEY_LEAK_CHECK: {
       int c = parse_choice(value, on_off_names);
       if (c < 0) return bad_value(value, name, "one of: on, off");
@@ -433,6 +440,7 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
         : k == KEY_STREAM_WAITS ? &o->stream_waits
         : k == KEY_FENCES       ? &o->fences
         : k == KEY_LEND         ? &o->lend
+        : k == KEY_SMALL_POOL   ? &o->small_pool
                                 : &o->leak_check) = c == 0;
       return GPUMEM_OK;
     }

@@ -15,7 +15,8 @@ static int opts_equal(const gpumem_options_t* a, const gpumem_options_t* b) {
          a->max_split_size == b->max_split_size && a->placement == b->placement &&
          a->own_backend == b->own_backend && a->map_max_bytes == b->map_max_bytes &&
          a->map_ahead_bytes == b->map_ahead_bytes && a->move_guard == b->move_guard &&
-         a->stream_waits == b->stream_waits && a->publish == b->publish && a->lend == b->lend;
+         a->stream_waits == b->stream_waits && a->publish == b->publish && a->lend == b->lend &&
+         a->small_pool == b->small_pool;
 }
 
 /* A baseline that differs from the defaults everywhere, so "unchanged"
@@ -36,6 +37,7 @@ static gpumem_options_t odd_options(void) {
   o.move_guard = 0;
   o.stream_waits = 0;
   o.lend = 1;
+  o.small_pool = 0;
   o.publish = GPUMEM_PUBLISH_OFF;
   return o;
 }
@@ -90,6 +92,7 @@ static void test_defaults(void) {
   CHECK(o.move_guard == 1);
   CHECK(o.stream_waits == 1);
   CHECK(o.lend == 0);
+  CHECK(o.small_pool == 1);
   CHECK(o.publish == GPUMEM_PUBLISH_AUTO);
   gpumem_options_init(NULL); /* must not crash */
 }
@@ -154,6 +157,9 @@ static void test_stream_waits(void) {
   parse_fails("stream_waits:1", "bad value \"1\" for key \"stream_waits\"", "on, off", NULL);
   CHECK(parse_ok("lend:off").lend == 0);
   CHECK(parse_ok("lend:on").lend == 1);
+  CHECK(parse_ok("small_pool:off").small_pool == 0);
+  CHECK(parse_ok("small_pool:on").small_pool == 1);
+  parse_fails("small_pool:shared", "bad value \"shared\" for key \"small_pool\"", "on, off", NULL);
   parse_fails("lend:0", "bad value \"0\" for key \"lend\"", "on, off", NULL);
   parse_fails("stream_wait:off", "unknown key \"stream_wait\"", "did you mean \"stream_waits\"",
               NULL);

@@ -398,6 +398,39 @@ static void test_map_ahead(void) {
   fx_done(&f);
 }
 
+/* small_pool:off puts a small request in the large arena, in the room a
+ * large block leaves in its last page: no page of its own, and it counts
+ * in the large pool's statistics, where its free takes it back out. By
+ * default it gets a small arena of its own, as in PyTorch. */
+static void test_small_pool_setting(const char* conf, bool shared) {
+  fx_t f = fx_new(conf, 64 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* big = alloc(&f, 3 * MIB, SA); /* two pages, the second half free */
+  char* small = alloc(&f, 4096, SA);
+  gpumem_stats_t s = stats(&f);
+  CHECK_MSG(reserved(&f) == (int64_t)((shared ? 4 : 6) * MIB), "%s: reserved %lld", conf,
+            (long long)reserved(&f));
+  CHECK_MSG((small == big + 3 * MIB) == shared, "%s: the small block at %p, the large at %p", conf,
+            (void*)small, (void*)big);
+  CHECK_MSG(
+      s.allocated_bytes[GPUMEM_POOL_SMALL].current == (shared ? 0 : 4096) &&
+          s.allocated_bytes[GPUMEM_POOL_LARGE].current == (int64_t)(3 * MIB) + (shared ? 4096 : 0),
+      "%s: allocated small %lld, large %lld", conf,
+      (long long)s.allocated_bytes[GPUMEM_POOL_SMALL].current,
+      (long long)s.allocated_bytes[GPUMEM_POOL_LARGE].current);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  release(&f, small);
+  s = stats(&f);
+  CHECK_MSG(s.allocated_bytes[GPUMEM_POOL_ALL].current == (int64_t)(3 * MIB) &&
+                s.allocated_bytes[GPUMEM_POOL_SMALL].current == 0,
+            "%s: after the free, allocated %lld (small %lld)", conf,
+            (long long)s.allocated_bytes[GPUMEM_POOL_ALL].current,
+            (long long)s.allocated_bytes[GPUMEM_POOL_SMALL].current);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  release(&f, big);
+  fx_done(&f);
+}
+
 /* map_ahead caps what a run maps ahead of itself; off (or 0): each block
  * of a run maps its own pages only, one mapping each. */
 static void test_map_ahead_setting(const char* conf, size_t cap) {
@@ -1811,6 +1844,9 @@ int main(int argc, char** argv) {
   test_tail_run("policy:default", true);
   test_tail_run("policy:default,limit:4G", false);
   test_map_ahead();
+  test_small_pool_setting("policy:default", false);
+  test_small_pool_setting("policy:default,small_pool:on", false);
+  test_small_pool_setting("policy:default,small_pool:off", true);
   test_map_ahead_setting("policy:default,map_ahead:off", 0);
   test_map_ahead_setting("policy:default,map_ahead:4M", 4 * MIB);
   test_map_ahead_setting("policy:default,map_ahead:1G", 1 * GIB);
