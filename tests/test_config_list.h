@@ -21,8 +21,7 @@ typedef struct config {
    * 2: the library's defaults with map_pages per mapping and the headroom
    * of 0.2%, so that arenas pass the mark often and fences (fence.c) take
    * pages back. Under 0 and 2 streams lend (lend:on), so that blocks pass
-   * between streams' arenas while pages move. 3: the library's defaults
-   * with small_pool:off, every request in the large arenas. */
+   * between streams' arenas while pages move. */
   int library_defaults;
 } config_t;
 
@@ -37,10 +36,6 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
     o.placement = cfg->placement;
     o.map_max_bytes = cfg->map_pages * page_size;
     o.lend = 1;
-    return o;
-  }
-  if (cfg->library_defaults == 3) {
-    o.small_pool = 0;
     return o;
   }
   if (cfg->library_defaults) return o;

@@ -43,8 +43,6 @@ static const config_t configs[] = {
      GPUMEM_PLACEMENT_BESTFIT, 8, 0},
     /* the library's defaults: large mappings, the move budget, auto placement */
     {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
-    /* The same with every request in the large arenas (small_pool:off). */
-    {"default/onepool", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 3},
 };
 
 /* What one run injects. kind -2 means nothing (the baseline). */

@@ -84,8 +84,6 @@ static const config_t configs[] = {
     /* What a user gets: large mappings uncapped, the move budget, and a
      * planner from the limit phase's set_limit on (auto placement). */
     {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
-    /* The same with every request in the large arenas (small_pool:off). */
-    {"default/onepool", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 3},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
