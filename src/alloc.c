@@ -813,17 +813,15 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     }
   }
   size_t rsize = round_request(size);
-  bool small = rsize <= GM_SMALL_SIZE;
+  /* (the request's size; statistics follow the block's pool, below) */
+  const bool small = rsize <= GM_SMALL_SIZE;
   gm_pool* pool = &s->pools[pool_index(gm, rsize)];
   gm_block* b = NULL;
   size_t spare_before = gm->num_spare_pages;
   st = GPUMEM_OK;
   if (gm->planner.enabled && rsize <= gm->device_total && !private_pool)
     b = gm_plan_malloc(gm, s, rsize);
-  if (b)
-    small = gm_block_stat_small(b);
-  else
-    st = try_alloc(gm, pool, rsize, &b);
+  if (!b) st = try_alloc(gm, pool, rsize, &b);
   if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY)) {
     /* The ladder: cached memory first (PyTorch's order), then a retry. */
     if (!private_pool && release_available(gm, pool, rsize)) st = try_alloc(gm, pool, rsize, &b);
@@ -875,7 +873,8 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
     gm_free_unused(gm, b);
     return st;
   }
-  /* (the pool the block is in says: with small_pool:off a small request
+  /* (the pool the block is in says which statistics it counts in: a plan
+   * arena's blocks by their size, and with small_pool:off a small request
    * may be in a large arena) */
   gm_note_allocated(gm, b, size, gm_block_stat_small(b), stream);
   b->seq = gm->planner.enabled && !gm->planner.idle && !private_pool ? gm->planner.n : 0;
