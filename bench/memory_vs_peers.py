@@ -3,7 +3,7 @@ traces replayed on the simulated device: the pytorch policy (PyTorch's
 caching allocator rule for rule), the models of expandable segments and
 cudaMallocAsync (docs/whatif.md), and the default's priced mapping work.
 
-    python3 bench/memory_vs_peers.py [--gpumem build/gpumem] TRACE...
+    python3 bench/memory_vs_peers.py [--gpumem build/gpumem] [--conf CONF] TRACE...
 
 One row per trace (a markdown table, as BENCHMARKS.md quotes it): peak
 reserved / peak live under each, the default's distance to the better peer
@@ -11,7 +11,8 @@ model (negative: below it), the smallest limit the default replays under,
 and the first pass's priced mapping work per operation and that of its
 second half (a long job's steady state). The last line counts the traces
 where the default reserves more than the pytorch policy or a peer model,
-and the synchronizations the replays made.
+and the synchronizations the replays made. --conf replays gpumem with
+settings over its defaults (the min limit column stays the defaults').
 """
 
 import argparse
@@ -29,19 +30,20 @@ def run_json(cmd):
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
-def one(gpumem, trace):
+def one(gpumem, trace, conf):
     rows = {r["allocator"]: r for r in run_json([gpumem, "fit", "--memory", "1000G", "--json", trace])}
-    replay = run_json([gpumem, "replay", "--json", "--passes", "0", trace])[0]
+    replay = run_json([gpumem, "replay", "--json", "--passes", "0"] + (["--conf", conf] if conf else []) + [trace])[0]
     return trace, rows, replay
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpumem", default=os.path.join("build", "gpumem"))
+    ap.add_argument("--conf", default="", help="gpumem settings for the replay, e.g. lend:ordered")
     ap.add_argument("traces", nargs="+")
     args = ap.parse_args()
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        results = list(ex.map(lambda t: one(args.gpumem, t), args.traces))
+        results = list(ex.map(lambda t: one(args.gpumem, t, args.conf), args.traces))
     print("| trace | pytorch | expandable | cudaMallocAsync | default | vs better peer | min limit "
           "| us/op 1st pass | 2nd half |")
     print("|---|---|---|---|---|---|---|---|---|")
