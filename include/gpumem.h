@@ -217,13 +217,22 @@ typedef struct gpumem_options {
    * (weights loaded, then converted) it is part of the peak. 0: nothing
    * ahead, one mapping per block. Default 128 MiB. */
   size_t map_ahead_bytes;
-  /* Default policy, no cap: 1 lets a large request of one stream whose
-   * arena would have to grow take a free block of another stream's arena
-   * whose pages are mapped, once an event recorded on that stream after
-   * its last free is seen complete (queried, never waited for;
-   * src/alloc.c, borrow_mapped). The block is used on the borrower as
-   * after record_stream. 0 (the default): each stream's arena holds its
-   * own peak. Needs the backend's event slots. */
+  /* Default policy, no cap: GPUMEM_LEND_ON lets a large request of one
+   * stream whose arena would have to grow take a free block of another
+   * stream's arena whose pages are mapped, once an event recorded on that
+   * stream after its last free is seen complete (queried, never waited
+   * for; src/alloc.c, borrow_mapped). The block is used on the borrower as
+   * after record_stream. GPUMEM_LEND_ORDERED lends as well where that
+   * event is not complete yet: the borrower's later work waits on the
+   * device for the lender's work so far (a stream wait, as cudaMallocAsync
+   * orders its reuse across streams; the host never waits), and a lent
+   * block the borrower frees is free at once, the borrower's to take again
+   * in its stream order, the lender waiting for the borrower on the device
+   * before it uses its free memory again. Streams that ran side by side
+   * are ordered where memory passes between them. Needs the backend's
+   * stream_wait slot and stream_waits on; without them it lends as
+   * GPUMEM_LEND_ON. GPUMEM_LEND_OFF (0): each stream's arena holds its
+   * own peak. Lending needs the backend's event slots. */
   int lend;
   /* Default policy: 1 (the default) serves requests of up to 1 MiB from
    * arenas of their own, as PyTorch's small pool; 0 serves every request
@@ -234,6 +243,7 @@ typedef struct gpumem_options {
 } gpumem_options_t;
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
+enum { GPUMEM_LEND_OFF = 0, GPUMEM_LEND_ON = 1, GPUMEM_LEND_ORDERED = 2 };
 
 /* Fills defaults (policy default with auto placement and lazy reclaim
  * with no move budget (moves only when needed), headroom 0.02, no limit,
@@ -247,10 +257,11 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * placement (auto|planned|bestfit), map_max (a size, as limit), map_ahead
  * (a size, or off), move_guard
  * (on|off), fences (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
- * stream_waits (on|off), lend (on|off), small_pool (on|off), publish (auto|on|off), leak_check
- * (on|off), oom_snapshot (a path without ','), shared_limit (a size), shared_name (a name),
- * shared_group (a group's name), record (a path without ','). Unknown keys and bad values fail with
- * GPUMEM_ERR_CONFIG naming the key and the valid choices; opts is unchanged on failure. */
+ * stream_waits (on|off), lend (off|on|ordered), small_pool (on|off), publish (auto|on|off),
+ * leak_check (on|off), oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
+ * name), shared_group (a group's name), record (a path without ','). Unknown keys and bad values
+ * fail with GPUMEM_ERR_CONFIG naming the key and the valid choices; opts is unchanged on failure.
+ */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
 /* Parses "123", "4K", "1.5G", "2GiB" (binary units). */
 GPUMEM_API gpumem_status_t gpumem_parse_size(const char* text, size_t* out);

@@ -585,7 +585,12 @@ static GM_ALWAYS_INLINE gpumem_status_t place_block(gpumem_t* gm, gm_pool* pool,
  * host ran ahead of the device, that job reserved 4.100-4.252 GiB over
  * five runs against 4.170 without lending: the lender's probe is seldom
  * complete in time, and a lent block comes back only when the borrower's
- * queued work is done, while the lender grows meanwhile. */
+ * queued work is done, while the lender grows meanwhile. lend:ordered
+ * lends where the probe is not complete too, the borrower waiting for it
+ * on the device, and gives the borrower back at once what it frees
+ * (streams.c, freed_to_lender): on the H200 the same job reserved 2.939
+ * GiB, but ran 4% slower than native, its streams no longer overlapping
+ * (BENCHMARKS.md). */
 static bool lends_instead_of_growing(gpumem_t* gm, const gm_pool* pool, const gm_block* b,
                                      size_t rsize) {
   if (!pool->maps_pages || pool->is_small || pool->is_private) return false;
@@ -602,16 +607,45 @@ static bool lends_instead_of_growing(gpumem_t* gm, const gm_pool* pool, const gm
 
 static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize) {
   gm_stream* me = pool->stream;
+  const gpumem_backend_t* be = gm->backend;
+  const bool may_wait = gm_lends_ordered(gm);
   gm_block* best = NULL;
+  gm_stream* lender = NULL;
+  bool best_settled = false;
   for (gm_stream* s = gm->streams; s; s = s->next) {
-    gm_pool* lender = &s->pools[GM_POOL_LARGE];
-    if (s == me || lender->is_private || !lender->maps_pages) continue;
-    gm_block* c = find_free(gm, lender, rsize);
-    if (!c || (best && c->size >= best->size)) continue;
+    gm_pool* lp = &s->pools[GM_POOL_LARGE];
+    if (s == me || lp->is_private || !lp->maps_pages) continue;
+    gm_block* c = find_free(gm, lp, rsize);
+    if (!c) continue;
+    /* (a lender that needs no wait beats a smaller block that does) */
+    if (best && best_settled && c->size >= best->size) continue;
     if (!gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize)) continue;
-    if (gm_stream_settled(gm, s)) best = c;
+    /* What another borrower freed there is ours only once s is ordered
+     * after it (what we freed ourselves is ours in stream order). */
+    if (s->unordered_borrower && s->unordered_borrower != me &&
+        gm_lender_catch_up(gm, s) != GPUMEM_OK)
+      continue;
+    bool settled = gm_stream_settled(gm, s);
+    /* Ordered: the probe, recorded after s's last free, is what the
+     * borrower would wait for (a failed record leaves none to wait for). */
+    if (!settled && !(may_wait && s->probe_recorded && s->probe_frees == s->own_frees)) continue;
+    if (best && !settled && c->size >= best->size) continue;
+    best = c;
+    lender = s;
+    best_settled = settled;
   }
   if (!best) return NULL;
+  if (!best_settled &&
+      (me->lend_waited_on != lender || me->lend_waited_frees != lender->probe_frees)) {
+    /* Every use of lender's free blocks comes before its probe: the
+     * borrower's work from now on comes after it on the device. A wait
+     * that fails leaves the request to grow the arena instead. */
+    if (GM_CALL(gm, stream_wait, be->stream_wait(be->ctx, me->handle, lender->probe_event)) !=
+        GPUMEM_OK)
+      return NULL;
+    me->lend_waited_on = lender;
+    me->lend_waited_frees = lender->probe_frees;
+  }
   gm_block* b = NULL;
   /* (all mapped: placing it makes no device call) */
   if (place_block(gm, best->pool, best, rsize, NULL, &b) != GPUMEM_OK) return NULL;
@@ -802,6 +836,10 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
   gm_stream* s = gm_stream_get(gm, stream);
   if (GM_UNLIKELY(!s))
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_malloc: out of host memory for a stream");
+  /* Its arenas may hold blocks a borrower freed (lend:ordered): ordered
+   * after that borrower before it takes any. */
+  st = gm_lender_ready(gm, s);
+  if (GM_UNLIKELY(st != GPUMEM_OK)) return st;
   bool private_pool = false;
   if (GM_UNLIKELY(gm->num_routes | gm->num_capture_deferred)) {
     gm_stream* ps = gm->num_routes ? gm_graph_route(gm, stream) : NULL;
@@ -969,8 +1007,12 @@ gpumem_status_t gm_free_locked(gpumem_t* gm, uintptr_t addr) {
   gm_history_add_block(gm, GM_HISTORY_FREE_REQUESTED, b);
   gm_record(gm, 'f', b->serial, 0, 0);
   if (b->seg->is_arena) {
-    b->pool->stream->frees_since_sync++;
-    b->pool->stream->frees_total++;
+    gm_stream* owner = b->pool->stream;
+    owner->frees_since_sync++;
+    owner->frees_total++;
+    /* (a lent block's uses on its arena's stream ended before the lend:
+     * its free leaves the lender's probe as good as it was) */
+    if (!b->lent) owner->own_frees++;
   }
   if (gm->planner.enabled) gm_plan_note_free(gm, b);
   if (GM_UNLIKELY(b->num_uses)) {

@@ -368,6 +368,17 @@ size_t gpumem_check(gpumem_t* gm) {
   }
   size_t indexed = 0, dirty_listed = 0;
   for (gm_stream* st = gm->streams; st; st = st->next) {
+    /* an unordered borrower (streams.c, freed_to_lender) is another
+     * stream of this allocator, and only under lend:ordered */
+    if (st->unordered_borrower) {
+      const gm_stream* u = gm->streams;
+      while (u && u != st->unordered_borrower) u = u->next;
+      if (!u || u == st || !gm_lends_ordered(gm))
+        violation(&c, "stream 0x%lx: its unordered borrower is %s", (unsigned long)st->handle,
+                  !u        ? "no stream of the allocator"
+                  : u == st ? "itself"
+                            : "there without lend:ordered");
+    }
     for (int i = 0; i < GM_NUM_POOLS; i++) {
       gm_pool* pool = &st->pools[i];
       if (pool->source)

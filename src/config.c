@@ -338,6 +338,7 @@ static const char* const reclaim_names[] = {"lazy", "eager", "pressure", NULL};
 static const char* const placement_names[] = {"planned", "bestfit", "auto", NULL};
 static const char* const on_off_names[] = {"on", "off", NULL};
 static const char* const publish_names[] = {"auto", "on", "off", NULL};
+static const char* const lend_names[] = {"off", "on", "ordered", NULL};
 static const char* const unlimited_names[] = {"unlimited", NULL};
 
 /* Levenshtein distance between a (short) typed key and a valid key, capped
@@ -431,7 +432,6 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
     case KEY_MOVE_GUARD:
     case KEY_STREAM_WAITS:
     case KEY_FENCES:
-    case KEY_LEND:
     case KEY_SMALL_POOL:
     case KEY_LEAK_CHECK: {
       int c = parse_choice(value, on_off_names);
@@ -439,9 +439,14 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
       *(k == KEY_MOVE_GUARD     ? &o->move_guard
         : k == KEY_STREAM_WAITS ? &o->stream_waits
         : k == KEY_FENCES       ? &o->fences
-        : k == KEY_LEND         ? &o->lend
         : k == KEY_SMALL_POOL   ? &o->small_pool
                                 : &o->leak_check) = c == 0;
+      return GPUMEM_OK;
+    }
+    case KEY_LEND: {
+      int c = parse_choice(value, lend_names);
+      if (c < 0) return bad_value(value, name, "one of: off, on, ordered");
+      o->lend = c == 0 ? GPUMEM_LEND_OFF : c == 1 ? GPUMEM_LEND_ON : GPUMEM_LEND_ORDERED;
       return GPUMEM_OK;
     }
     case KEY_PUBLISH: {

@@ -272,6 +272,11 @@ struct gm_stream {
    * nothing new is skipped). */
   uint64_t frees_total;
   uint64_t self_frees;
+  /* Of frees_total, those of blocks not lent (alloc.c, borrow_mapped): a
+   * lent block's uses on this stream ended before it was lent, and its
+   * borrower's are over when it is free again, so its free leaves this
+   * stream's probe valid (gm_stream_settled). */
+  uint64_t own_frees;
   gm_stream* waited_on;
   uint64_t waited_frees;
   /* Its fence (fence.c): an event recorded on it behind the pages marked
@@ -281,10 +286,23 @@ struct gm_stream {
   bool fence_made;     /* fence_event exists */
   bool fence_recorded; /* recorded and not yet seen complete */
   /* Its probe (streams.c, gm_stream_settled): an event recorded on it
-   * when frees_total was probe_frees, and whether it was seen complete. */
+   * when own_frees was probe_frees, and whether it was seen complete. */
   gpumem_event_t probe_event;
   uint64_t probe_frees;
   bool probe_made, probe_recorded, probe_done;
+  /* The lender whose probe this stream last waited for on the device to
+   * borrow (lend:ordered, alloc.c borrow_mapped), and that probe's
+   * probe_frees then: a later borrow from it with no free since needs no
+   * new wait. */
+  gm_stream* lend_waited_on;
+  uint64_t lend_waited_frees;
+  /* lend:ordered: a borrower that freed blocks lent by this stream, now
+   * free in its arenas, before this stream was ordered after it on the
+   * device (streams.c, gm_lender_catch_up). NULL: none. Such blocks are
+   * the borrower's to take again in its own stream order; this stream's
+   * own use of its free memory, its probes and fences, and another
+   * borrower wait for the catch-up first. */
+  gm_stream* unordered_borrower;
   gm_stream* next;
   /* The graph-private pool this stream's pools belong to (graphpool.c),
    * NULL for a regular stream (those in gpumem_t.streams). */
@@ -587,6 +605,11 @@ bool gm_can_order_streams(const gpumem_t* gm);
  * use of b, so that its free orders the pool's stream after u. On failure
  * b is unchanged. */
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u);
+/* lend:ordered with the means to order: stream_waits on and the
+ * backend's stream_wait slot (alloc.c, borrow_mapped). */
+static inline bool gm_lends_ordered(const gpumem_t* gm) {
+  return gm->opts.lend == GPUMEM_LEND_ORDERED && gm->opts.stream_waits && gm->backend->stream_wait;
+}
 /* The stream b was allocated on: its arena's, or the borrower's. */
 static inline gpumem_stream_t gm_block_stream(const gm_block* b) {
   return GM_UNLIKELY(b->lent) ? b->inline_uses[0] : b->pool->stream->handle;
@@ -594,6 +617,15 @@ static inline gpumem_stream_t gm_block_stream(const gm_block* b) {
 /* True when every use of the free blocks of s's arenas is known over on
  * the device (an event queried, never waited for). */
 bool gm_stream_settled(gpumem_t* gm, gm_stream* s);
+/* Orders s after its unordered borrower on the device (an event recorded
+ * on the borrower, waited for on s: the host never waits) and makes s's
+ * probe stale (own_frees). Nothing to do without one. */
+gpumem_status_t gm_lender_catch_up(gpumem_t* gm, gm_stream* s);
+static inline gpumem_status_t gm_lender_ready(gpumem_t* gm, gm_stream* s) {
+  return GM_UNLIKELY(s->unordered_borrower != NULL) ? gm_lender_catch_up(gm, s) : GPUMEM_OK;
+}
+/* Every stream caught up with its borrowers (before a capture may begin). */
+gpumem_status_t gm_lenders_catch_up(gpumem_t* gm);
 /* Frees blocks whose events completed; with wait, synchronizes on every
  * pending event first. */
 gpumem_status_t gm_process_events(gpumem_t* gm, bool wait);

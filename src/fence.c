@@ -110,6 +110,9 @@ static gpumem_status_t fences_advance(gpumem_t* gm) {
       fence_completed(gm, s);
     }
     if (!mark_free_pages(gm, s)) continue;
+    /* (the fence covers what a borrower freed in s's arenas once s waits for it) */
+    gpumem_status_t ready = gm_lender_ready(gm, s);
+    if (ready != GPUMEM_OK) return ready;
     if (!s->fence_made) {
       gpumem_status_t st =
           GM_CALL(gm, event_create, gm->backend->event_create(gm->backend->ctx, &s->fence_event));

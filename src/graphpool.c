@@ -326,6 +326,11 @@ static gpumem_status_t begin_route(gpumem_t* gm, uint64_t pool_id, gpumem_stream
     gm->routes = grown;
     gm->routes_capacity = cap;
   }
+  /* No lender may stay unordered into a capture (its catch-up's event
+   * and wait would join the graph): caught up now, and no new ones while
+   * a capture may be underway (streams.c, freed_to_lender). */
+  st = gm_lenders_catch_up(gm);
+  if (st != GPUMEM_OK) goto out;
   gm_graph_pool* gp = NULL;
   st = pool_retain(gm, pool_id, &gp);
   if (st != GPUMEM_OK) goto out;

@@ -302,9 +302,11 @@ static gpumem_status_t sync_stream_for_reclaim(gpumem_t* gm, gm_stream* s) {
                    "gpumem: moving pages would synchronize a stream while a CUDA graph is being "
                    "captured (illegal during capture); reserve the memory before capturing (run "
                    "the captured work once first) or raise the limit");
+  /* (blocks a borrower freed in s's arenas: its work too, through s) */
+  gpumem_status_t st = gm_lender_ready(gm, s);
+  if (st != GPUMEM_OK) return st;
   gm->stats.num_syncs++;
-  gpumem_status_t st =
-      GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
+  st = GM_CALL(gm, stream_sync, gm->backend->stream_sync(gm->backend->ctx, s->handle));
   if (st == GPUMEM_OK) {
     s->frees_since_sync = 0;
     s->syncs++;

@@ -63,7 +63,10 @@ static gpumem_stream_t* block_uses(gm_block* b) {
 }
 
 gpumem_status_t gm_block_add_use(gm_block* b, gpumem_stream_t stream) {
-  if (stream == b->pool->stream->handle) {
+  /* Its arena's stream is a use like any other of a lent block: its free
+   * by the borrower leaves the lender's probe as it was (own_frees), so
+   * the lender's work on it must be waited for as another stream's. */
+  if (stream == b->pool->stream->handle && !b->lent) {
     b->handed = 0; /* a handed block used on its arena's stream too (ordered_free) */
     return GPUMEM_OK;
   }
@@ -163,14 +166,19 @@ static gpumem_status_t order_after(gpumem_t* gm, gpumem_stream_t waiter, gpumem_
 /* Is every use of the free blocks of s's arenas over on the device? A
  * probe event recorded on s after its last free answers, once complete,
  * with a query: never a wait. A free since makes the probe stale, and a
- * new one is recorded for a later question. Blocks that became free when
+ * new one is recorded for a later question; not a lent block's free by its
+ * borrower (own_frees): that block is free again only once the
+ * borrower's use is over, and its uses on s were over before the lend.
+ * (Blocks s's unordered borrower freed are the exception: that borrower
+ * may take them in its own stream order, another only after
+ * gm_lender_catch_up, which makes the probe stale.) Blocks that became free when
  * events of other streams completed (record_stream) were freed before the
  * probe too, and their other streams' uses are over. (The probe is queried
  * at once after its record: on a stream with nothing queued it may be
  * complete already.) */
 bool gm_stream_settled(gpumem_t* gm, gm_stream* s) {
   const gpumem_backend_t* be = gm->backend;
-  if (!s->probe_recorded || s->probe_frees != s->frees_total) {
+  if (!s->probe_recorded || s->probe_frees != s->own_frees) {
     if (!s->probe_made) {
       if (GM_CALL(gm, event_create, be->event_create(be->ctx, &s->probe_event)) != GPUMEM_OK)
         return false;
@@ -181,11 +189,50 @@ bool gm_stream_settled(gpumem_t* gm, gm_stream* s) {
       return false;
     s->probe_recorded = true;
     s->probe_done = false;
-    s->probe_frees = s->frees_total;
+    s->probe_frees = s->own_frees;
   }
   if (!s->probe_done)
     s->probe_done = GM_CALL(gm, event_query, be->event_query(be->ctx, s->probe_event)) == GPUMEM_OK;
   return s->probe_done;
+}
+
+gpumem_status_t gm_lender_catch_up(gpumem_t* gm, gm_stream* s) {
+  gm_stream* u = s->unordered_borrower;
+  if (!u) return GPUMEM_OK;
+  gpumem_status_t st = order_after(gm, s->handle, u->handle);
+  if (st != GPUMEM_OK) return st;
+  s->unordered_borrower = NULL;
+  /* (a probe recorded before this wait does not cover u's uses) */
+  s->own_frees++;
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_lenders_catch_up(gpumem_t* gm) {
+  for (gm_stream* s = gm->streams; s; s = s->next) {
+    gpumem_status_t st = gm_lender_ready(gm, s);
+    if (st != GPUMEM_OK) return st;
+  }
+  return GPUMEM_OK;
+}
+
+/* lend:ordered: a lent block freed by its borrower alone is free at once,
+ * in its lender's arena: the borrower may take it again in its own stream
+ * order (borrow_mapped), as cudaMallocAsync's pool gives a stream back
+ * what it freed; the lender is ordered after the borrower only when it
+ * next needs to be (gm_lender_ready), so that a step's frees cost one
+ * wait at most instead of an event each. One unordered borrower per
+ * lender: a second one's free catches the lender up with the first. Not
+ * while a capture may be underway (events and waits would join it). */
+static bool freed_to_lender(gpumem_t* gm, gm_block* b) {
+  if (!gm_lends_ordered(gm) || b->num_uses != 1 || gm_capture_possible(gm)) return false;
+  gm_stream* lender = b->pool->stream;
+  gm_stream* u = gm_stream_get(gm, b->inline_uses[0]);
+  if (!u || u == lender) return false;
+  if (lender->unordered_borrower != u && gm_lender_ready(gm, lender) != GPUMEM_OK) return false;
+  lender->unordered_borrower = u;
+  b->num_uses = 0;
+  gm_free_block(gm, b);
+  return true;
 }
 
 gpumem_status_t gm_shared_take(gpumem_t* gm, gm_block* b, gm_stream* u) {
@@ -230,6 +277,7 @@ gpumem_status_t gm_defer_free(gpumem_t* gm, gm_block* b) {
   /* (an arena is shared only where streams can be ordered, plan.c; a
    * wait that failed leaves the block as it was: pending instead) */
   if (b->seg->shared_streams && ordered_free(gm, b) == GPUMEM_OK) return GPUMEM_OK;
+  if (GM_UNLIKELY(b->lent) && freed_to_lender(gm, b)) return GPUMEM_OK;
   b->handed = 0;
   unsigned n = b->num_uses;
   gpumem_stream_t* uses = block_uses(b);

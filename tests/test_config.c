@@ -156,11 +156,12 @@ static void test_stream_waits(void) {
   CHECK(parse_ok("stream_waits:on").stream_waits == 1);
   parse_fails("stream_waits:1", "bad value \"1\" for key \"stream_waits\"", "on, off", NULL);
   CHECK(parse_ok("lend:off").lend == 0);
-  CHECK(parse_ok("lend:on").lend == 1);
+  CHECK(parse_ok("lend:on").lend == GPUMEM_LEND_ON);
+  CHECK(parse_ok("lend:ordered").lend == GPUMEM_LEND_ORDERED);
   CHECK(parse_ok("small_pool:off").small_pool == 0);
   CHECK(parse_ok("small_pool:on").small_pool == 1);
   parse_fails("small_pool:shared", "bad value \"shared\" for key \"small_pool\"", "on, off", NULL);
-  parse_fails("lend:0", "bad value \"0\" for key \"lend\"", "on, off", NULL);
+  parse_fails("lend:0", "bad value \"0\" for key \"lend\"", "off, on, ordered", NULL);
   parse_fails("stream_wait:off", "unknown key \"stream_wait\"", "did you mean \"stream_waits\"",
               NULL);
 }

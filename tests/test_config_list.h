@@ -20,8 +20,8 @@ typedef struct config {
    * headroom of 0.2%), so that the tests reach every path that moves;
    * 2: the library's defaults with map_pages per mapping and the headroom
    * of 0.2%, so that arenas pass the mark often and fences (fence.c) take
-   * pages back. Under 0 and 2 streams lend (lend:on), so that blocks pass
-   * between streams' arenas while pages move. */
+   * pages back. Under 0 and 2 streams lend (lend:ordered and lend:on), so
+   * that blocks pass between streams' arenas while pages move. */
   int library_defaults;
 } config_t;
 
@@ -35,11 +35,11 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
     o.reclaim = cfg->reclaim;
     o.placement = cfg->placement;
     o.map_max_bytes = cfg->map_pages * page_size;
-    o.lend = 1;
+    o.lend = GPUMEM_LEND_ORDERED;
     return o;
   }
   if (cfg->library_defaults) return o;
-  o.lend = 1;
+  o.lend = GPUMEM_LEND_ORDERED;
   o.move_budget_us = -1.0;
   o.headroom = 0.002;
   o.reclaim = cfg->reclaim;

@@ -1373,6 +1373,21 @@ static void test_shared_take_waits(void) {
   fx_done(&f);
 }
 
+/* Device calls between two readings that lending may make: pages
+ * created, stream waits, host synchronizations (stream or event). */
+typedef struct lend_calls {
+  uint64_t made, waits, syncs;
+} lend_calls_t;
+static lend_calls_t lend_calls(const gpumem_sim_counters_t* before,
+                               const gpumem_sim_counters_t* after) {
+  lend_calls_t d;
+  d.made = after->calls[GPUMEM_CALL_create_page] - before->calls[GPUMEM_CALL_create_page];
+  d.waits = after->calls[GPUMEM_CALL_stream_wait] - before->calls[GPUMEM_CALL_stream_wait];
+  d.syncs = after->calls[GPUMEM_CALL_stream_sync] + after->calls[GPUMEM_CALL_event_sync] -
+            before->calls[GPUMEM_CALL_stream_sync] - before->calls[GPUMEM_CALL_event_sync];
+  return d;
+}
+
 /* Uncapped, a large request of a stream whose arena would have to grow
  * borrows a free block of another stream's arena whose pages are mapped,
  * once that stream's work up to its last free is known over: an event
@@ -1394,10 +1409,8 @@ static void test_streams_lend(const char* conf, bool lends) {
   gpumem_sim_counters_t before = dev(&f);
   char* u1 = alloc(&f, 64 * MIB, SC);
   gpumem_sim_counters_t after = dev(&f);
-  uint64_t made = after.calls[GPUMEM_CALL_create_page] - before.calls[GPUMEM_CALL_create_page];
-  uint64_t waits = after.calls[GPUMEM_CALL_stream_wait] - before.calls[GPUMEM_CALL_stream_wait];
-  uint64_t syncs = after.calls[GPUMEM_CALL_stream_sync] + after.calls[GPUMEM_CALL_event_sync] -
-                   before.calls[GPUMEM_CALL_stream_sync] - before.calls[GPUMEM_CALL_event_sync];
+  lend_calls_t d = lend_calls(&before, &after);
+  uint64_t made = d.made, waits = d.waits, syncs = d.syncs;
   CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
   CHECK_MSG(waits == 0 && syncs == 0, "%s: lending waited: %llu stream waits, %llu syncs", conf,
             (unsigned long long)waits, (unsigned long long)syncs);
@@ -1422,18 +1435,24 @@ static void test_streams_lend(const char* conf, bool lends) {
   char* u2 = alloc(&f, 96 * MIB, SC); /* only B's hole holds it */
   CHECK_MSG(u2 == b1, "C's second block not at B's hole");
   /* Freed, C's block is A's again only after an event of C: pending until
-   * the next allocation queries it. */
+   * the next allocation queries it. Under lend:ordered it is free at once
+   * and A, allocating next, waits for C on the device first. */
+  const bool ordered = strstr(conf, "lend:ordered") != NULL;
   uint64_t records = dev(&f).calls[GPUMEM_CALL_event_record];
   release(&f, u1);
-  CHECK_MSG(dev(&f).calls[GPUMEM_CALL_event_record] - records == 1,
-            "freeing a lent block recorded %llu events, not 1",
+  CHECK_MSG(dev(&f).calls[GPUMEM_CALL_event_record] - records == (ordered ? 0 : 1),
+            "%s: freeing a lent block recorded %llu events", conf,
             (unsigned long long)(dev(&f).calls[GPUMEM_CALL_event_record] - records));
   CHECK_MSG(stats(&f).active_bytes[GPUMEM_POOL_ALL].current ==
-                (int64_t)(64 * MIB + 96 * MIB + 64 * MIB + 64 * MIB),
-            "a lent block freed is not pending: active %lld",
+                (int64_t)(64 * MIB + 96 * MIB + 64 * MIB + (ordered ? 0 : 64 * MIB)),
+            "%s: a lent block freed is %s: active %lld", conf, ordered ? "pending" : "not pending",
             (long long)stats(&f).active_bytes[GPUMEM_POOL_ALL].current);
+  uint64_t waits_before = dev(&f).calls[GPUMEM_CALL_stream_wait];
   char* a3 = alloc(&f, 64 * MIB, SA); /* A takes its hole back */
   CHECK_MSG(a3 == a1, "A did not take its hole back");
+  CHECK_MSG(dev(&f).calls[GPUMEM_CALL_stream_wait] - waits_before == (ordered ? 1 : 0),
+            "%s: A took back what C freed after %llu stream waits", conf,
+            (unsigned long long)(dev(&f).calls[GPUMEM_CALL_stream_wait] - waits_before));
   release(&f, b2); /* B frees its own, at its top: its probe is stale */
   records = dev(&f).calls[GPUMEM_CALL_event_record];
   char* u3 = alloc(&f, 64 * MIB, SC);
@@ -1445,6 +1464,65 @@ static void test_streams_lend(const char* conf, bool lends) {
   release(&f, u3);
   release(&f, a2);
   release(&f, a3);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  fx_done(&f);
+}
+
+/* Where the lender's probe is not complete yet (its stream still at
+ * work), lend:ordered lends all the same: the borrower waits on the device
+ * for the lender's work up to its probe (one stream wait, no host wait),
+ * and a second borrow from the same lender with no free since needs no new
+ * wait. lend:on grows instead, as does lend:ordered with stream_waits:off
+ * (nothing to order with). */
+static void test_streams_lend_ordered(const char* conf, bool lends) {
+  fx_t f = fx_new(conf, 64 * GIB, 1000); /* events complete after 1000 queries */
+  if (!f.gm) return fx_done(&f);
+  char* a1 = alloc(&f, 64 * MIB, SA);
+  char* a2 = alloc(&f, 64 * MIB, SA);
+  char* a3 = alloc(&f, 32 * MIB, SA);
+  char* a4 = alloc(&f, 64 * MIB, SA);
+  release(&f, a1);
+  release(&f, a3); /* A: mapped holes of 64 and 32 MiB */
+  gpumem_sim_counters_t before = dev(&f);
+  char* u1 = alloc(&f, 64 * MIB, SC);
+  char* u2 = alloc(&f, 32 * MIB, SC);
+  gpumem_sim_counters_t after = dev(&f);
+  lend_calls_t d = lend_calls(&before, &after);
+  uint64_t made = d.made, waits = d.waits, syncs = d.syncs;
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  CHECK_MSG(syncs == 0, "%s: lending synchronized %llu times", conf, (unsigned long long)syncs);
+  if (lends) {
+    CHECK_MSG(u1 == a1 && u2 == a3 && made == 0 && waits == 1 && stats(&f).num_blocks_lent == 2,
+              "%s: C at A's holes: %d %d; %llu mappings, %llu stream waits, %lld lent", conf,
+              u1 == a1, u2 == a3, (unsigned long long)made, (unsigned long long)waits,
+              (long long)stats(&f).num_blocks_lent);
+    /* C frees one and takes it again: its own stream order, no call */
+    uint64_t calls0 =
+        dev(&f).calls[GPUMEM_CALL_stream_wait] + dev(&f).calls[GPUMEM_CALL_event_record];
+    release(&f, u1);
+    u1 = alloc(&f, 64 * MIB, SC);
+    uint64_t calls1 =
+        dev(&f).calls[GPUMEM_CALL_stream_wait] + dev(&f).calls[GPUMEM_CALL_event_record];
+    CHECK_MSG(u1 == a1 && calls1 == calls0,
+              "%s: C took back what it freed: at a1 %d, after %llu waits and records", conf,
+              u1 == a1, (unsigned long long)(calls1 - calls0));
+    /* A frees again: the next borrow waits again */
+    release(&f, a2);
+    uint64_t w0 = dev(&f).calls[GPUMEM_CALL_stream_wait];
+    char* u3 = alloc(&f, 64 * MIB, SC);
+    CHECK_MSG(u3 == a2 && dev(&f).calls[GPUMEM_CALL_stream_wait] - w0 == 1,
+              "%s: C taking what A freed since its wait: at a2 %d, %llu stream waits, not 1", conf,
+              u3 == a2, (unsigned long long)(dev(&f).calls[GPUMEM_CALL_stream_wait] - w0));
+    release(&f, u3);
+  } else {
+    CHECK_MSG(u1 != a1 && u2 != a3 && made >= 1 && waits == 0 && stats(&f).num_blocks_lent == 0,
+              "%s: C took A's holes (%d %d), %llu mappings, %llu waits", conf, u1 == a1, u2 == a3,
+              (unsigned long long)made, (unsigned long long)waits);
+    release(&f, a2);
+  }
+  release(&f, u1);
+  release(&f, u2);
+  release(&f, a4);
   CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
   fx_done(&f);
 }
@@ -1885,6 +1963,10 @@ int main(int argc, char** argv) {
   test_streams_lend("policy:default,map_ahead:off", false);
   test_streams_lend("policy:default,map_ahead:off,lend:off", false);
   test_streams_lend("policy:default,map_ahead:off,lend:on,limit:8G", false);
+  test_streams_lend("policy:default,map_ahead:off,lend:ordered", true);
+  test_streams_lend_ordered("policy:default,map_ahead:off,lend:ordered", true);
+  test_streams_lend_ordered("policy:default,map_ahead:off,lend:on", false);
+  test_streams_lend_ordered("policy:default,map_ahead:off,lend:ordered,stream_waits:off", false);
   test_move_budget();
   test_fences();
   test_auto_placement();

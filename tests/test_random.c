@@ -171,6 +171,10 @@ typedef struct run {
   long allocs, frees, records, ooms, empties, verified, deferred, ordered_frees;
   long reuses_ordered; /* reuses of bytes another stream used, ordered by stream waits */
   int quarantine_own;  /* every free is quarantined, its own stream included (loop_phase) */
+  /* The configuration lends across streams: every free is quarantined
+   * throughout, since a lender may take back at the same address what a
+   * borrower freed only once the device orders it after the borrower. */
+  int lends;
   uint64_t bytes_verified;
   size_t max_live;
 } run_t;
@@ -1134,7 +1138,7 @@ static void loop_phase(run_t* r, int iters, int len) {
     }
   }
   r->rng = stray;
-  r->quarantine_own = 0;
+  r->quarantine_own = r->lends;
   gpumem_stats_t st;
   gpumem_get_stats(r->gm, &st);
   /* The loop's two streams may peak apart: then a plan is declined (its
@@ -1248,6 +1252,8 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   r->spy.on_map = note_map;
 
   gpumem_options_t o = config_options(cfg, so.page_size);
+  r->lends = cfg->policy == GPUMEM_POLICY_DEFAULT && o.lend != GPUMEM_LEND_OFF;
+  r->quarantine_own = r->lends;
   gpumem_status_t st = GPUMEM_OK;
   r->gm = gpumem_create(&r->spy.be, &o, &st);
   RUN_CHECK(r, r->gm != NULL && st == GPUMEM_OK, "create: %s: %s", gpumem_strerror(st),
@@ -1306,13 +1312,15 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
   spy_fini(&r->spy);
   printf(
       "%-16s seed %-3llu %-11s %ld ops: %ld mallocs, %ld frees, %ld record_stream, %ld "
-      "deferred frees, %ld ordered (%lld shared plans, %ld reuses ordered on the device), %ld "
-      "unmaps checked, %ld page reuses checked, %lld pages shared (%ld "
+      "deferred frees, %ld ordered (%lld shared plans, %ld reuses ordered on the device), %lld "
+      "lent (%lld stream waits in all), %ld unmaps checked, %ld page reuses checked, %lld pages "
+      "shared (%ld "
       "checked by byte), %ld empty_cache, %ld OOMs, max %zu live, %ld "
       "verified (%.1f MiB), device peak %.0f MiB, %lld segments at most, %.2f s\n",
       cfg->name, (unsigned long long)seed, host_backed ? "host-backed" : "no-backing", r->op,
       r->allocs, r->frees, r->records, r->deferred, r->ordered_frees,
-      (long long)fin.num_plans_shared, r->reuses_ordered, r->unmaps_checked, r->reuses_checked,
+      (long long)fin.num_plans_shared, r->reuses_ordered, (long long)fin.num_blocks_lent,
+      (long long)fin.backend_calls[GPUMEM_CALL_stream_wait], r->unmaps_checked, r->reuses_checked,
       (long long)fin.num_pages_aliased, r->aliases_checked, r->empties, r->ooms, r->max_live,
       r->verified, (double)r->bytes_verified / (double)MIB,
       (double)c.peak_bytes_in_use / (double)MIB, (long long)fin.segment[0].peak, now_s() - t0);

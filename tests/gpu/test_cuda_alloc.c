@@ -524,14 +524,21 @@ static void test_shared_plan(void) {
  * frees 160 MiB still being written, the borrower takes two blocks (its
  * first growth, then, the lender idle and a millisecond later, one its
  * arena has no room for), and once both streams are idle every block holds
- * what its own stream wrote. */
-static void test_lend(void) {
+ * what its own stream wrote. With lend:ordered (ordered true) the borrower
+ * takes the lender's blocks while the lender still writes them: its work
+ * waits on the device for the lender's (one stream wait a round at most,
+ * none where the lender's probe is complete already), and the same check
+ * of what each block holds says whether the device kept them apart; then
+ * the borrower takes a block again, frees it while still writing it, and
+ * the lender takes its whole hole back: its work must come after those
+ * writes (the lender's catch-up, one more stream wait a round). */
+static void test_lend(bool ordered) {
   int rounds = 6;
-  size_t bad_borrower = 0;
+  size_t bad_borrower = 0, bad_lender = 0, overlapped = 0;
   long long lent = 0;
   unsigned long long waits = 0;
   for (int it = 0; it < rounds; it++) {
-    gpumem_t* gm = make_conf("policy:default,lend:on");
+    gpumem_t* gm = make_conf(ordered ? "policy:default,lend:ordered" : "policy:default,lend:on");
     if (!gm) return;
     drv_stream sa = NULL, sb = NULL;
     DRV_OK(drv.StreamCreate(&sa, DRV_STREAM_NON_BLOCKING));
@@ -564,6 +571,29 @@ static void test_lend(void) {
       bad_borrower += check_value((uintptr_t)b[k], bsz[k], vb) != 0;
       CHECK_STATUS(gpumem_free(gm, b[k]), GPUMEM_OK);
     }
+    if (ordered) {
+      /* The borrower takes one again (its own stream order) and frees it
+       * while still writing it; the lender then takes its whole hole back
+       * and must be ordered after those writes. */
+      void* c = NULL;
+      CHECK_STATUS(gpumem_malloc(gm, bsz[1], gb, &c), GPUMEM_OK);
+      if (c) {
+        queue_busy_work((uintptr_t)c, bsz[1], sb, 40);
+        CHECK_STATUS(gpumem_free(gm, c), GPUMEM_OK);
+      }
+      void* d = NULL;
+      const size_t dsz = asz[0] + asz[1];
+      const unsigned char vd = (unsigned char)(0xE0 + it);
+      CHECK_STATUS(gpumem_malloc(gm, dsz, ga, &d), GPUMEM_OK);
+      if (d) DRV_OK(drv.MemsetD8Async((drv_ptr)(uintptr_t)d, vd, dsz, sa));
+      DRV_OK(drv.StreamSynchronize(sa));
+      DRV_OK(drv.StreamSynchronize(sb));
+      if (d) {
+        overlapped += c && (uintptr_t)d <= (uintptr_t)c && (uintptr_t)c < (uintptr_t)d + dsz;
+        bad_lender += check_value((uintptr_t)d, dsz, vd) != 0;
+        CHECK_STATUS(gpumem_free(gm, d), GPUMEM_OK);
+      }
+    }
     CHECK_MSG(gpumem_check(gm) == 0, "check: %s", gpumem_last_error());
     gpumem_stats_t st;
     gpumem_get_stats(gm, &st);
@@ -573,13 +603,26 @@ static void test_lend(void) {
     DRV_OK(drv.StreamDestroy(sa));
     DRV_OK(drv.StreamDestroy(sb));
   }
-  printf("lend: %d rounds, %lld blocks lent, %llu stream waits, borrower blocks overwritten %zu\n",
-         rounds, lent, waits, bad_borrower);
+  printf(
+      "lend:%s: %d rounds, %lld blocks lent, %llu stream waits, borrower blocks overwritten "
+      "%zu; lender blocks over the borrower's last %zu, overwritten %zu\n",
+      ordered ? "ordered" : "on", rounds, lent, waits, bad_borrower, overlapped, bad_lender);
   CHECK_MSG(bad_borrower == 0,
             "a borrowed block was handed out while its lender's work still wrote it (%zu blocks)",
             bad_borrower);
-  CHECK_MSG(lent >= rounds && waits == 0, "%lld blocks lent in %d rounds, %llu stream waits", lent,
-            rounds, waits);
+  if (ordered) {
+    CHECK_MSG(lent == 3LL * rounds && waits > (unsigned long long)rounds &&
+                  waits <= 2ULL * (unsigned long long)rounds,
+              "lend:ordered: %lld blocks lent in %d rounds (not 3 a round), %llu stream waits",
+              lent, rounds, waits);
+    CHECK_MSG(overlapped == (size_t)rounds && bad_lender == 0,
+              "lend:ordered: the lender's block covered the borrower's last in %zu of %d rounds; "
+              "%zu were overwritten by the borrower's late writes",
+              overlapped, rounds, bad_lender);
+  } else {
+    CHECK_MSG(lent >= rounds && waits == 0, "%lld blocks lent in %d rounds, %llu stream waits",
+              lent, rounds, waits);
+  }
 }
 
 /* A block freed while another stream (record_stream) still writes it must
@@ -738,7 +781,8 @@ int main(void) {
   }
   if (have_vmm) test_alias();
   if (have_vmm) test_shared_plan();
-  if (have_vmm) test_lend();
+  if (have_vmm) test_lend(false);
+  if (have_vmm) test_lend(true);
   /* Last: a premature reuse would fault the context. */
   for (int i = 0; i < 2; i++) test_streams(policies[i]);
 
