@@ -622,9 +622,7 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
     if (!gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize)) continue;
     /* What another borrower freed there is ours only once s is ordered
      * after it (what we freed ourselves is ours in stream order). */
-    if (s->unordered_borrower && s->unordered_borrower != me &&
-        gm_lender_catch_up(gm, s) != GPUMEM_OK)
-      continue;
+    if (s->unordered_borrower != me && gm_lender_ready(gm, s) != GPUMEM_OK) continue;
     bool settled = gm_stream_settled(gm, s);
     /* Ordered: the probe, recorded after s's last free, is what the
      * borrower would wait for (a failed record leaves none to wait for). */

@@ -617,10 +617,11 @@ static inline gpumem_stream_t gm_block_stream(const gm_block* b) {
 /* True when every use of the free blocks of s's arenas is known over on
  * the device (an event queried, never waited for). */
 bool gm_stream_settled(gpumem_t* gm, gm_stream* s);
-/* Orders s after its unordered borrower on the device (an event recorded
- * on the borrower, waited for on s: the host never waits) and makes s's
- * probe stale (own_frees). Nothing to do without one. */
+/* Orders s after its unordered borrower (there must be one) on the
+ * device (an event recorded on the borrower, waited for on s: the host
+ * never waits) and makes s's probe stale (own_frees). */
 gpumem_status_t gm_lender_catch_up(gpumem_t* gm, gm_stream* s);
+/* gm_lender_catch_up where s has an unordered borrower; nothing otherwise. */
 static inline gpumem_status_t gm_lender_ready(gpumem_t* gm, gm_stream* s) {
   return GM_UNLIKELY(s->unordered_borrower != NULL) ? gm_lender_catch_up(gm, s) : GPUMEM_OK;
 }

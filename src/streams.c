@@ -198,7 +198,6 @@ bool gm_stream_settled(gpumem_t* gm, gm_stream* s) {
 
 gpumem_status_t gm_lender_catch_up(gpumem_t* gm, gm_stream* s) {
   gm_stream* u = s->unordered_borrower;
-  if (!u) return GPUMEM_OK;
   gpumem_status_t st = order_after(gm, s->handle, u->handle);
   if (st != GPUMEM_OK) return st;
   s->unordered_borrower = NULL;
