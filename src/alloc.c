@@ -627,7 +627,7 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
     /* Ordered: the probe, recorded after s's last free, is what the
      * borrower would wait for (a failed record leaves none to wait for). */
     if (!settled && !(may_wait && s->probe_recorded && s->probe_frees == s->own_frees)) continue;
-    if (best && !settled && c->size >= best->size) continue;
+    if (best && !settled && (best_settled || c->size >= best->size)) continue;
     best = c;
     lender = s;
     best_settled = settled;
