@@ -20,8 +20,9 @@ typedef struct config {
    * headroom of 0.2%), so that the tests reach every path that moves;
    * 2: the library's defaults with map_pages per mapping and the headroom
    * of 0.2%, so that arenas pass the mark often and fences (fence.c) take
-   * pages back. Under 0 and 2 streams lend (lend:ordered and lend:on), so
-   * that blocks pass between streams' arenas while pages move. */
+   * pages back. Under 0 and 2 streams lend (lend:ordered), so that blocks
+   * pass between streams' arenas while pages move; 3: as 2, lending with
+   * lend:on (lent blocks come back behind the borrower's event). */
   int library_defaults;
 } config_t;
 
@@ -30,12 +31,12 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
-  if (cfg->library_defaults == 2) {
+  if (cfg->library_defaults >= 2) {
     o.headroom = 0.002;
     o.reclaim = cfg->reclaim;
     o.placement = cfg->placement;
     o.map_max_bytes = cfg->map_pages * page_size;
-    o.lend = GPUMEM_LEND_ORDERED;
+    o.lend = cfg->library_defaults == 3 ? GPUMEM_LEND_ON : GPUMEM_LEND_ORDERED;
     return o;
   }
   if (cfg->library_defaults) return o;

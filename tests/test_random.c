@@ -81,6 +81,10 @@ static const config_t configs[] = {
      * past a mark 0.2% above the high water; no limit until the limit
      * phase. */
     {"default/fenced", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 8, 2},
+    /* The same with lend:on: lent blocks freed wait for their borrower's
+     * event, and a lender's probe does not count them (own_frees). */
+    {"default/fenced/on", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_BESTFIT, 8,
+     3},
     /* What a user gets: large mappings uncapped, the move budget, and a
      * planner from the limit phase's set_limit on (auto placement). */
     {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
