@@ -705,6 +705,18 @@ expect_rc 1 "expandable_segments with --policy async"
 expect_in "give one or the other" "$err" "expandable_segments with --policy async"
 run "$BIN" replay --conf policy:pytorch,expandable_segments:True --json "$SMALL"
 expect_in '"policy":"pytorch-expandable"' "$out" "policy:pytorch in --conf selects the model too"
+# its growth priced per page, as PyTorch creates and maps each: the figure is
+# the pages times one page's price over the trace's operations
+pages=$(json_num pages_mapped)
+priced=$(json_num est_h100_map_us_per_op_cold)
+ops=$(grep -c '^[af] ' "$SMALL")
+expect_true "the expandable model's $pages pages at 43.9 us over $ops operations: $priced us/op" \
+  python3 -c "import sys; p, u, n = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]);
+sys.exit(not (p > 0 and abs(u - 43.9 * p / n) < 0.0006))" "${pages:-0}" "${priced:-0}" "$ops"
+run "$BIN" replay --policy pytorch --conf expandable_segments:True "$SMALL"
+expect_in "pages, each created and mapped" "$out" "the expandable model's text names its pages"
+run "$BIN" replay --policy async --json "$SMALL"
+expect_not_in "est_h100_map_us_per_op_cold" "$out" "the async model's growth is not priced"
 
 # record: would write the replay over the recording it reads; refused.
 cp "$TINY" "$T/rec.trace"

@@ -110,12 +110,31 @@ static void test_expandable_best_fit_walk(void) {
   CHECK_MSG(r.peak_reserved_bytes == 60ULL << 20, "peak reserved %llu, want 60 MiB",
             (unsigned long long)r.peak_reserved_bytes);
   CHECK(r.num_maps == 3);
+  CHECK(r.num_pages_mapped == 3);
+  trace_free(t);
+}
+
+/* A growth's pages are counted one by one, as PyTorch creates and maps
+ * them: 50 MiB is one map of three 20 MiB pages, 4 KiB one small page. */
+static void test_expandable_pages(void) {
+  static const char text[] = "# gpumem-trace v1\na 0 52428800 0\na 1 4096 0\n";
+  trace_t* t = NULL;
+  CHECK_STATUS(trace_parse("pages.trace", text, sizeof text - 1, &t), GPUMEM_OK);
+  if (!t) return;
+  peer_result_t r;
+  CHECK_STATUS(peer_run(t, PEER_EXPANDABLE, 0, 1, &r), GPUMEM_OK);
+  CHECK_MSG(r.num_maps == 2 && r.num_pages_mapped == 4, "maps %llu, pages %llu: want 2 and 4",
+            (unsigned long long)r.num_maps, (unsigned long long)r.num_pages_mapped);
+  CHECK(r.peak_reserved_bytes == 62ULL << 20);
+  CHECK_STATUS(peer_run(t, PEER_ASYNC, 0, 1, &r), GPUMEM_OK);
+  CHECK(r.num_pages_mapped == 0);
   trace_free(t);
 }
 
 int main(void) {
   test_conf();
   test_expandable_best_fit_walk();
+  test_expandable_pages();
   test_anchors();
   return test_finish("test_peer_models");
 }

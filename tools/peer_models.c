@@ -85,6 +85,7 @@ typedef struct sim {
   uint64_t async_top;    /* async: end of the range carved so far */
   uint32_t async_last;   /* async: the block ending at async_top */
   uint64_t maps, unmaps; /* counts of map and unmap operations */
+  uint64_t pages_mapped; /* expandable: pages mapped, each its own physical allocation */
   int no_memory;
 } sim_t;
 
@@ -241,6 +242,7 @@ static uint32_t map_block(sim_t* s, uint32_t id, uint64_t size) {
   s->reserved += bytes;
   if (s->reserved > s->peak) s->peak = s->reserved;
   s->maps++;
+  s->pages_mapped += bytes / p->page;
   try_merge(s, id, s->blocks[id].prev);
   try_merge(s, id, s->blocks[id].next);
   list_add(s, id);
@@ -520,6 +522,7 @@ gpumem_status_t peer_run(const trace_t* trace, peer_model_t model, uint64_t limi
   result->peak_reserved_bytes = s.peak;
   result->num_maps = s.maps;
   result->num_unmaps = s.unmaps;
+  result->num_pages_mapped = s.pages_mapped;
   int no_memory = s.no_memory;
   for (size_t p = 0; p < s.num_pools; p++) {
     free(s.pools[p].free_blocks.ids);

@@ -27,6 +27,12 @@ typedef struct peer_result {
   size_t oom_event; /* index of the failed allocation */
   uint64_t oom_size;
   uint64_t num_maps, num_unmaps; /* physical mappings made and released */
+  /* Expandable segments: pages mapped (2 MiB small, 20 MiB large). PyTorch
+   * makes each page a physical allocation of its own, mapped on its own
+   * (ExpandableSegment::map: cuMemCreate and cuMemMap per page, then one
+   * cuMemSetAccess over the range), so this is the count its growth pays
+   * calls for. 0 for the cudaMallocAsync model (the driver's pool). */
+  uint64_t num_pages_mapped;
 } peer_result_t;
 
 /* Replays trace through the model with a hard limit on reserved bytes (0:
