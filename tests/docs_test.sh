@@ -62,12 +62,15 @@ if [ -n "$SYNTH" ]; then
   "$BIN" replay --compare --min-limit --passes 0 --json "$T"/synth/*.trace >"$T/synth.jsonl" ||
     die "gpumem replay --compare of the synthetic workloads failed"
   set -- "$@" "$T/synth.jsonl"
-  # BENCHMARKS.md's table of the bundled, synthetic and recorded jobs, row for row
-  python3 "$SRC/bench/memory_vs_peers.py" --gpumem "$BIN" "$SRC"/traces/*.trace.gz "$T"/synth/*.trace \
-    "$SRC"/traces/jobs/*.trace.gz >"$T/peers.md" || die "bench/memory_vs_peers.py failed"
-  grep '^| ' "$T/peers.md" | while IFS= read -r row; do
-    grep -Fxq -- "$row" "$SRC/BENCHMARKS.md" || { echo "BENCHMARKS.md: row not as the program prints it: $row"; }
-  done >"$T/peers_missing.txt"
-  [ -s "$T/peers_missing.txt" ] && die "$(cat "$T/peers_missing.txt")"
+  # BENCHMARKS.md's tables of the bundled, synthetic and recorded jobs, row for row: the peers
+  # beside the default, and which settings meet the bounds on which traces
+  for script in memory_vs_peers bounds_by_setting; do
+    python3 "$SRC/bench/$script.py" --gpumem "$BIN" "$SRC"/traces/*.trace.gz "$T"/synth/*.trace \
+      "$SRC"/traces/jobs/*.trace.gz >"$T/$script.md" || die "bench/$script.py failed"
+    grep '^| ' "$T/$script.md" | while IFS= read -r row; do
+      grep -Fxq -- "$row" "$SRC/BENCHMARKS.md" || echo "BENCHMARKS.md: row not as bench/$script.py prints it: $row"
+    done >"$T/missing.txt"
+    if [ -s "$T/missing.txt" ]; then die "$(cat "$T/missing.txt")"; fi
+  done
 fi
 GPUMEM_BUILD=$(dirname "$BIN") python3 "$SRC/tests/docs_check.py" "$@"
