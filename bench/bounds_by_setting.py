@@ -22,10 +22,9 @@ every rule tried, not only for the default.
 
 import argparse
 import concurrent.futures
-import json
 import os
-import subprocess
-import sys
+
+from memory_vs_peers import fit_rows, run_json
 
 DEFAULT_SETTINGS = ["", "map_ahead:off", "small_pool:off", "small_pool:off,map_ahead:off", "lend:on",
                     "lend:on,map_ahead:off", "map_max:128M", "map_max:2M"]
@@ -33,24 +32,16 @@ FIRST_PASS_US, SECOND_HALF_US = 0.5, 0.05
 NATIVE = "pytorch policy"
 
 
-def run_json(cmd):
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit("%s: %s" % (" ".join(cmd), done.stderr.strip()))
-    return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
-
-
 def better_peer(gpumem, trace):
-    rows = {r["allocator"]: r for r in run_json([gpumem, "fit", "--memory", "1000G", "--json", trace])}
+    rows = fit_rows(gpumem, trace)
     return min(rows["pytorch expandable"]["peak_reserved_bytes"], rows["cudaMallocAsync"]["peak_reserved_bytes"])
 
 
 def replay(gpumem, trace, setting):
     args = ["--policy", "pytorch"] if setting == NATIVE else (["--conf", setting] if setting else [])
     r = run_json([gpumem, "replay", "--json", "--passes", "0"] + args + [trace])[0]
-    return {"name": r["name"], "ratio": r["peak_reserved_bytes"] / r["peak_live_bytes"],
-            "reserved": r["peak_reserved_bytes"], "first": r["est_h100_map_us_per_op_cold"],
-            "second": r["est_h100_map_us_per_op_cold_second_half"], "live": r["peak_live_bytes"]}
+    return {"name": r["name"], "reserved": r["peak_reserved_bytes"], "live": r["peak_live_bytes"],
+            "first": r["est_h100_map_us_per_op_cold"], "second": r["est_h100_map_us_per_op_cold_second_half"]}
 
 
 def label(setting):
@@ -94,7 +85,7 @@ def main():
         low = min(settings, key=lambda s: (results[(t, s)]["reserved"], settings.index(s)))
         r = results[(t, low)]
         print("| %s | %s | %.4f (better peer %.4f), %s | %.3f, %.3f |" % (
-            names[t], ", ".join(met) or "**none**", r["ratio"], peers[t] / r["live"], label(low),
+            names[t], ", ".join(met) or "**none**", r["reserved"] / r["live"], peers[t] / r["live"], label(low),
             r["first"], r["second"]))
     print("\n%d of %d traces have no setting that meets all three bounds" % (none, len(args.traces)))
 

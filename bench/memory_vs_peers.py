@@ -34,8 +34,13 @@ def run_json(cmd):
     return [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
 
 
+def fit_rows(gpumem, trace):
+    """gpumem fit's line per allocator (pytorch, its models, gpumem's), by name, no limit."""
+    return {r["allocator"]: r for r in run_json([gpumem, "fit", "--memory", "1000G", "--json", trace])}
+
+
 def one(gpumem, trace, conf):
-    rows = {r["allocator"]: r for r in run_json([gpumem, "fit", "--memory", "1000G", "--json", trace])}
+    rows = fit_rows(gpumem, trace)
     replay = run_json([gpumem, "replay", "--json", "--passes", "0"] + (["--conf", conf] if conf else []) + [trace])[0]
     native = run_json([gpumem, "replay", "--json", "--passes", "0", "--policy", "pytorch", trace])[0]
     expandable = run_json([gpumem, "replay", "--json", "--policy", "pytorch",
