@@ -47,9 +47,8 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 
-from .. import _cli
+from .. import _cli, _safefs
 from . import confirm
 
 GIB = 1 << 30
@@ -134,7 +133,10 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
     """Runs script at batch_size (and seq_len, for {L}) in a child process;
     returns its meta.json (with 'path': the recording) or raises
     PredictError."""
-    os.makedirs(out_dir, mode=0o700, exist_ok=True)
+    try:
+        out_dir = _safefs.private_dir(out_dir)
+    except OSError as e:
+        raise PredictError(str(e)) from None
     argv = [a.replace("{B}", str(batch_size)) for a in args]
     if seq_len is not None:
         argv = [a.replace("{L}", str(seq_len)) for a in argv]
@@ -152,9 +154,11 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
             "%s at %s failed (exit status %d):\n  %s"
             % (script, at, done.returncode, "\n  ".join(tail) or "(no output)")
         )
-    with open(meta_path) as f:
-        meta = json.load(f)
-    meta["path"] = os.path.join(out_dir, meta["file"])
+    try:
+        meta = json.loads(_safefs.read_own(meta_path, 1 << 24).decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise PredictError("%s at %s: cannot read what it recorded: %s" % (script, at, e)) from None
+    meta["path"] = os.path.join(out_dir, "trace")  # (never a name read from a file)
     meta["output"] = done.stdout.decode("utf-8", "replace")
     if meta["steps"] == 0 and not meta.get("ended"):
         raise PredictError(
@@ -403,7 +407,10 @@ def main(argv=None):
 
         profile = profiles.load(a.profile)  # names an unknown profile before anything runs
         keep = a.traces is not None
-        root = a.traces if keep else tempfile.mkdtemp(prefix="gpumem-predict-")
+        try:
+            root = _safefs.private_dir(a.traces) if keep else _safefs.fresh_private_dir("gpumem-predict-")
+        except OSError as e:
+            raise PredictError("--traces: %s" % e if keep else str(e)) from None
 
         def record_sizes(how, prefix):
             out = []

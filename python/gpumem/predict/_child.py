@@ -161,8 +161,9 @@ def main(argv):
         meta = run_gpu(out_dir, int(steps), script, args)
     else:
         raise SystemExit("gpumem.predict._child: unknown mode %r (cpu, probe or gpu)" % mode)
-    with open(os.path.join(out_dir, "meta.json"), "w") as f:
-        json.dump(meta, f)
+    from .. import _safefs
+
+    _safefs.write_file(os.path.join(out_dir, "meta.json"), json.dumps(meta))
     return 0
 
 

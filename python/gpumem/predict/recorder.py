@@ -159,10 +159,12 @@ class Recording:
         return head + body
 
     def write(self, path):
-        """Writes the trace (traces/README.md) to path; returns path."""
-        with open(path, "w") as f:
-            f.write("\n".join(self.lines()) + "\n")
-        return path
+        """Writes the trace (traces/README.md) to path, never through a link
+        or over another user's file (gpumem._safefs.write_file); returns
+        path."""
+        from .. import _safefs
+
+        return _safefs.write_file(path, "\n".join(self.lines()) + "\n")
 
 
 # ---- CUDA tensors on a build of PyTorch without CUDA ----------------------
