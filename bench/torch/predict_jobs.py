@@ -190,6 +190,53 @@ def timm_train(name, batch, ckpt=False):
     return model, step
 
 
+def bert_scaler(batch):
+    """BERT sequence classification (6 layers, length 256) in float16
+    autocast with a GradScaler, as mixed-precision scripts of the fp16 era
+    are written."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(num_hidden_layers=6, num_labels=4)
+    model = on_gpu(lambda: BertForSequenceClassification(cfg))
+    scaler = torch.amp.GradScaler("cuda")
+
+    def step(opt):
+        ids = torch.randint(1, cfg.vocab_size, (batch, SEQ), device="cuda")
+        labels = torch.randint(0, 4, (batch,), device="cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def resnet_sgd(batch):
+    """timm ResNet-18 trained by a hand-written SGD update (no optimizer
+    object: p -= lr * p.grad under no_grad), as tutorials write it."""
+    import timm
+    import torch
+
+    model = on_gpu(lambda: timm.create_model("resnet18", pretrained=False, num_classes=1000))
+    model.train()
+    lossf = torch.nn.CrossEntropyLoss()
+
+    def step(opt):
+        x = torch.randn(batch, 3, IMAGE, IMAGE, device="cuda")
+        y = torch.randint(0, 1000, (batch,), device="cuda")
+        loss = lossf(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+                p.grad = None
+
+    return model, step
+
+
 def generate_job(model, vocab, batch):
     """generate() on random prompts: greedy, NEW_TOKENS new tokens each."""
     import torch
@@ -236,6 +283,8 @@ JOBS = {
     "vit": (lambda b: timm_train("vit_base_patch16_224", b), True),
     "vit_ckpt": (lambda b: timm_train("vit_base_patch16_224", b, ckpt=True), True),
     "convnext": (lambda b: timm_train("convnext_tiny", b), True),
+    "bert_scaler": (bert_scaler, True),
+    "resnet_sgd": (resnet_sgd, False),
     "gpt2_generate": (gpt2_generate, False),
     "llama_generate": (llama_generate, False),
 }
@@ -266,6 +315,10 @@ def run(torch, args):
         torch.cuda.init()
         if args.fraction is not None:
             torch.cuda.set_per_process_memory_fraction(args.fraction)
+    if args.snapshot:
+        # as PyTorch's memory tutorial records, with Python frames only
+        # (C++ frames take minutes to symbolize at the dump)
+        torch.cuda.memory._record_memory_history(max_entries=10_000_000, stacks="python")
     t0 = time.perf_counter()
     try:
         model, step, opt = build(torch, args.job, args.batch_size)
@@ -279,11 +332,42 @@ def run(torch, args):
         result["oom"] = True
         result["oom_message"] = str(e).splitlines()[0][:300]
     result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.snapshot:
+        write_snapshot(torch, args.snapshot)
     result["peak_reserved"] = torch.cuda.max_memory_reserved()
     result["peak_allocated"] = torch.cuda.max_memory_allocated()
     result["device"] = torch.cuda.get_device_name()
     result["torch"] = torch.__version__
     return result
+
+
+def write_snapshot(torch, path):
+    """PyTorch's snapshot as _dump_snapshot writes it, gzipped, each frame
+    and frame list made one shared object (pickle's memo then stores it
+    once: a recording of a few steps is megabytes, not hundreds), the
+    blocks of segments without their frames (the readers use the events)."""
+    import gzip
+    import pickle
+
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    frames, lists = {}, {}
+
+    def shared(fs):
+        key = tuple((f.get("filename"), f.get("line"), f.get("name")) for f in fs)
+        if key not in lists:
+            lists[key] = [frames.setdefault(k, {"filename": k[0], "line": k[1], "name": k[2]}) for k in key]
+        return lists[key]
+
+    for trace in snap.get("device_traces", []):
+        for e in trace:
+            e["frames"] = shared(e.get("frames") or [])
+    for seg in snap.get("segments", []):
+        seg.pop("frames", None)
+        for blk in seg.get("blocks", []):
+            blk.pop("frames", None)
+    with gzip.open(path, "wb", compresslevel=6) as f:
+        pickle.dump(snap, f, protocol=4)
 
 
 def memtracker(torch, args):
@@ -322,6 +406,8 @@ def main():
     ap.add_argument("--fraction", type=float, default=None)
     ap.add_argument("--memtracker", action="store_true")
     ap.add_argument("--json", default=None, help="write the result here")
+    ap.add_argument("--snapshot", default=None,
+                    help="record PyTorch's allocation history from the start and write the snapshot here (gzipped)")
     args = ap.parse_args()
     if args.batch_size < 1 or args.steps < 1 or args.seq_len < 1:
         ap.error("--batch-size, --steps and --seq-len must be at least 1")

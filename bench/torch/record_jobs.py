@@ -38,6 +38,9 @@ STEPS = {
     "resnet_multiscale": 8,
     "llama_finetune_varlen": 6,
     "distill_side_stream": 8,
+    "decode_gpt2_b1": 2,
+    "decode_gpt2m_b8": 2,
+    "decode_llama_b16": 2,
 }
 MAX_ENTRIES = 20_000_000
 

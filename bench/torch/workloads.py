@@ -402,6 +402,49 @@ def gpt2_generate(torch, args):
     return model, make_state, step
 
 
+def greedy_decode(n_embd, n_layer, n_head, batch, prompt, new_tokens, family="gpt2"):
+    """A workload that loads a decoder in bf16 (built on the host, moved),
+    then per step one greedy generate() of a fixed shape: a prefill, then
+    every new token concatenated onto each layer's cache (DynamicCache), so
+    each token allocates a slightly larger block per layer and frees the
+    one before: a stream of ever larger blocks with no reuse."""
+
+    def workload(torch, args):
+        import transformers
+
+        if family == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, pad_token_id=0)
+            model = GPT2LMHeadModel(cfg)
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(vocab_size=32000, hidden_size=n_embd, intermediate_size=n_embd * 11 // 4,
+                              num_hidden_layers=n_layer, num_attention_heads=n_head,
+                              num_key_value_heads=max(1, n_head // 4), max_position_embeddings=4096,
+                              pad_token_id=0)  # fmt: skip
+            model = LlamaForCausalLM(cfg)
+        model = model.to("cuda", torch.bfloat16)
+        model.eval()
+        transformers.logging.set_verbosity_error()
+
+        def make_state():
+            return {}
+
+        def step(state, i):
+            gen = torch.Generator().manual_seed(1000 + i)
+            ids = torch.randint(1, cfg.vocab_size, (batch, prompt), generator=gen).to("cuda")
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
+            return out[:, -1].sum()
+
+        return model, make_state, step
+
+    return workload
+
+
 def gpt2_beam_serve(torch, args):
     """Beam search serving: GPT-2 medium (355M) in bf16, built on the host
     and moved; per request batch 1-8 and prompt length 16-256, 4 beams, 64
@@ -603,6 +646,10 @@ WORKLOADS = {
     "graphsage_varlen": graphsage_varlen,
     "resnet_multiscale": resnet_multiscale,
     "distill_side_stream": distill_side_stream,
+    # greedy decoding with a dynamic KV cache at three sizes (traces/jobs/README.md)
+    "decode_gpt2_b1": greedy_decode(768, 12, 12, batch=1, prompt=64, new_tokens=512),
+    "decode_gpt2m_b8": greedy_decode(1024, 24, 16, batch=8, prompt=128, new_tokens=256),
+    "decode_llama_b16": greedy_decode(1536, 16, 16, batch=16, prompt=256, new_tokens=192, family="llama"),
 }
 
 
