@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "align.h"
 #include "cliconf.h"
 #include "gpumem.h"
 #include "fit.h"
@@ -25,7 +26,6 @@
 #include "replay.h"
 #include "report.h"
 #include "run.h"
-#include "reconcile.h"
 #include "scale.h"
 #include "shmfile.h" /* gm_pwrite_all */
 #include "top.h"
@@ -1620,7 +1620,7 @@ static void largest_cell(const cli_t* cli, const scale_model_t* m, const scale_l
   }
 }
 
-static void predict_json(const cli_t* cli, const scale_model_t* m, const reconcile_report_t* rec,
+static void predict_json(const cli_t* cli, const scale_model_t* m, const align_report_t* al,
                          const trace_t* at, const scale_at_t* info, const predict_row_t* rows) {
   printf("{\"recordings\":[");
   for (size_t i = 0; i < m->num_recordings; i++) {
@@ -1636,9 +1636,20 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const reconci
          m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE], m->kind_count[SCALE_QUADRATIC],
          m->num_held);
   printf(
-      ",\"reconciled\":{\"groups\":%zu,\"added\":%zu,\"dropped\":%zu,"
-      "\"added_bytes_at_largest\":%llu}",
-      rec->groups, rec->added, rec->dropped, (unsigned long long)rec->added_bytes_at_largest);
+      ",\"aligned\":{\"by_role\":%s,\"matched\":%zu,\"inserted\":%zu,"
+      "\"inserted_bytes_at_largest\":%llu,\"dropped\":%zu,\"dropped_bytes\":%llu,"
+      "\"frees_moved\":%zu,\"upper_bound\":%s,\"unmatched_roles\":[",
+      al->by_role ? "true" : "false", al->matched, al->inserted,
+      (unsigned long long)al->inserted_bytes, al->dropped, (unsigned long long)al->dropped_bytes,
+      al->frees_moved, al->inserted ? "true" : "false");
+  for (size_t k = 0; k < ALIGN_TOP_ROLES && al->top[k].count; k++) {
+    printf("%s{\"role\":", k ? "," : "");
+    json_string(stdout, al->top[k].role);
+    printf(",\"only_at\":\"%s\",\"count\":%zu,\"bytes\":%llu}",
+           al->top[k].inserted ? "largest" : "smaller", al->top[k].count,
+           (unsigned long long)al->top[k].bytes);
+  }
+  printf("]}");
   const scale_check_t* c = &m->check;
   if (c->done) {
     printf(
@@ -1697,7 +1708,7 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const reconci
   printf("]}\n");
 }
 
-static void predict_human(const cli_t* cli, const scale_model_t* m, const reconcile_report_t* rec,
+static void predict_human(const cli_t* cli, const scale_model_t* m, const align_report_t* al,
                           const trace_t* at, const scale_at_t* info, const predict_row_t* rows) {
   char a[32], b[32];
   printf("%s: the job recorded at batch", m->traces[0]->name);
@@ -1711,13 +1722,30 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const reconc
   } else if (m->steps_used) {
     printf(" (%zu steps)", m->steps_used);
   }
-  if (rec->groups)
-    printf(
-        "\nreconciled: %zu short-lived allocation%s added to the smaller recordings (sized in "
-        "proportion to the batch), %zu dropped from them: %zu group%s that only some batch sizes "
-        "make (a workspace of an algorithm chosen by problem size)",
-        rec->added, rec->added == 1 ? "" : "s", rec->dropped, rec->groups,
-        rec->groups == 1 ? "" : "s");
+  if (al->inserted || al->dropped || al->frees_moved) {
+    char c1[32], c2[32], c3[32];
+    printf("\nmatched by %s: %s of the largest recording's allocations in every recording",
+           al->by_role ? "what made them, stream and size" : "stream and size",
+           fmt_count(al->matched, c1));
+    if (al->frees_moved)
+      printf("; %s frees in another order, placed as at the largest batch",
+             fmt_count(al->frees_moved, c2));
+    if (al->inserted)
+      printf(
+          "\nonly at the largest batch: %s allocations (%.3f GiB there), taken in proportion to "
+          "the batch at every batch: an upper bound where they grow at most linearly",
+          fmt_count(al->inserted, c3), (double)al->inserted_bytes / GIB);
+    if (al->dropped)
+      printf("\nonly at a smaller batch: %s allocations (%.3f GiB), left out",
+             fmt_count(al->dropped, c3), (double)al->dropped_bytes / GIB);
+    for (size_t k = 0; k < ALIGN_TOP_ROLES && al->top[k].count; k++) {
+      /* (a role is printable ASCII: the reader refuses anything else) */
+      printf("\n  %s: %zu allocation%s, %.3f MiB, only at the %s batch",
+             al->top[k].role[0] ? al->top[k].role : "(no role)",
+             al->top[k].count, al->top[k].count == 1 ? "" : "s",
+             (double)al->top[k].bytes / (1 << 20), al->top[k].inserted ? "largest" : "smaller");
+    }
+  }
   printf("\nsizes in the batch: %zu constant, %zu affine, %zu quadratic\n",
          m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE],
          m->kind_count[SCALE_QUADRATIC]);
@@ -1862,8 +1890,8 @@ static int cmd_predict(int argc, char** argv) {
     free(cli.traces);
     return rc;
   }
-  reconcile_report_t reconciled;
-  if (reconcile_transients(traces, batch, (size_t)cli.num_traces, &reconciled) != GPUMEM_OK) {
+  align_report_t aligned;
+  if (align_recordings(traces, batch, (size_t)cli.num_traces, &aligned) != GPUMEM_OK) {
     for (int i = 0; i < cli.num_traces; i++) trace_free(traces[i]);
     free(traces);
     free(cli.traces);
@@ -1902,8 +1930,8 @@ static int cmd_predict(int argc, char** argv) {
     progress_clear(&progress);
     if (st != GPUMEM_OK) rc = error("%s", detail(gpumem_last_error()));
   }
-  if (rc == 0 && cli.json) predict_json(&cli, m, &reconciled, at, &info, rows);
-  if (rc == 0 && !cli.json) predict_human(&cli, m, &reconciled, at, &info, rows);
+  if (rc == 0 && cli.json) predict_json(&cli, m, &aligned, at, &info, rows);
+  if (rc == 0 && !cli.json) predict_human(&cli, m, &aligned, at, &info, rows);
   trace_free(at);
   scale_free(m);
   free(rows);

@@ -34,25 +34,25 @@ static void put(text_t* t, const char* fmt, ...) __attribute__((format(printf, 2
 
 static void put(text_t* t, const char* fmt, ...) {
   if (t->failed) return;
-  if (t->cap - t->len < 128) {
-    size_t n = t->cap ? t->cap * 2 : 1 << 16;
-    char* b = realloc(t->buf, n);
-    if (!b) {
-      t->failed = 1;
+  /* twice at most: the second time with room for what the first measured */
+  for (int pass = 0; pass < 2; pass++) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = t->buf ? vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap) : vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) break;
+    if (t->buf && (size_t)n < t->cap - t->len) {
+      t->len += (size_t)n;
       return;
     }
+    size_t want = t->cap ? t->cap * 2 : 1 << 16;
+    while (want - t->len <= (size_t)n) want *= 2;
+    char* b = realloc(t->buf, want);
+    if (!b) break;
     t->buf = b;
-    t->cap = n;
+    t->cap = want;
   }
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap);
-  va_end(ap);
-  if (n < 0 || (size_t)n >= t->cap - t->len) {
-    t->failed = 1;
-    return;
-  }
-  t->len += (size_t)n;
+  t->failed = 1;
 }
 
 /* An integer field of an event or block; 0 when absent or not an int. */
@@ -116,6 +116,84 @@ static void live_remove(live_map_t* m, size_t i) {
     m->addr[c] = a;
     m->id[c] = id;
   }
+}
+
+/* Copies at most cap - 1 bytes of the string v into out as a part of a
+ * ROLE field: printable ASCII but blanks ('?' for the rest, so nothing in a
+ * file name can end the field or the line); returns the length. */
+static size_t role_part(const pickle_value_t* v, char* out, size_t cap) {
+  size_t n = 0;
+  if (v && v->type == PICKLE_STR) {
+    const char* s = v->s;
+    size_t len = v->len;
+    for (size_t i = 0; i < len && n + 1 < cap; i++) {
+      unsigned char c = (unsigned char)s[i];
+      out[n++] = c > 0x20 && c < 0x7f ? (char)c : '?';
+    }
+  }
+  out[n] = '\0';
+  return n;
+}
+
+/* Frames a role looks at: the innermost (a deep recursion adds nothing). */
+#define ROLE_FRAMES 64
+
+/* What made an allocation, from its frames (innermost first): its role
+ * (tools/trace.h), "name@file:line~hash" with the innermost frame outside
+ * PyTorch's own files (else the innermost) and a hash of all of them, so
+ * that two allocations made by one line at different depths differ. 0
+ * when the event has no frames (a snapshot recorded without them). */
+static int frames_role(const pickle_doc_t* d, const pickle_value_t* e, char* out, size_t cap) {
+  const pickle_value_t* frames = pickle_get(d, e, "frames");
+  if (!frames || frames->type != PICKLE_LIST || frames->len == 0) return 0;
+  uint64_t h = 0xcbf29ce484222325ull;
+  const pickle_value_t* shown = NULL;
+  size_t n = frames->len < ROLE_FRAMES ? frames->len : ROLE_FRAMES;
+  for (size_t i = 0; i < n; i++) {
+    const pickle_value_t* f = pickle_item(d, frames, i);
+    if (f->type != PICKLE_DICT) continue;
+    const pickle_value_t* file = pickle_get(d, f, "filename");
+    const pickle_value_t* name = pickle_get(d, f, "name");
+    const pickle_value_t* line = pickle_get(d, f, "line");
+    const pickle_value_t* parts[2] = {file, name};
+    for (int k = 0; k < 2; k++) {
+      if (!parts[k] || parts[k]->type != PICKLE_STR) continue;
+      for (size_t j = 0; j < parts[k]->len; j++)
+        h = (h ^ (unsigned char)parts[k]->s[j]) * 0x100000001b3ull;
+      h = (h ^ 0xff) * 0x100000001b3ull;
+    }
+    if (line && line->type == PICKLE_INT) h = (h ^ (uint64_t)line->i) * 0x100000001b3ull;
+    if (!shown && file && file->type == PICKLE_STR) {
+      int torch_own = 0;
+      for (size_t j = 0; j + 7 <= file->len && !torch_own; j++)
+        torch_own = memcmp(file->s + j, "/torch/", 7) == 0;
+      if (!torch_own) shown = f;
+    }
+  }
+  if (!shown) shown = pickle_item(d, frames, 0);
+  if (shown->type != PICKLE_DICT) shown = NULL;
+  char name[48] = "", file[64] = "";
+  long long line = 0;
+  if (shown) {
+    role_part(pickle_get(d, shown, "name"), name, sizeof name);
+    const pickle_value_t* fv = pickle_get(d, shown, "filename");
+    if (fv && fv->type == PICKLE_STR) {
+      /* the file's base name: the role is for people to read */
+      pickle_value_t base = *fv;
+      for (size_t j = fv->len; j > 0; j--)
+        if (fv->s[j - 1] == '/') {
+          base.s = fv->s + j;
+          base.len = fv->len - j;
+          break;
+        }
+      role_part(&base, file, sizeof file);
+    }
+    const pickle_value_t* lv = pickle_get(d, shown, "line");
+    if (lv && lv->type == PICKLE_INT) line = (long long)lv->i;
+  }
+  snprintf(out, cap, "%s@%s:%lld~%08llx", name[0] ? name : "?", file[0] ? file : "?", line,
+           (unsigned long long)(h & 0xffffffffull));
+  return 1;
 }
 
 /* Marks the dict v as read; 0 when it was read before. The events, segments
@@ -282,8 +360,13 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
       live.addr[c] = addr;
       live.id[c] = next_id;
       live.count++;
-      put(&body, "a %llu %lld 0x%llx\n", (unsigned long long)next_id++, (long long)size,
-          (unsigned long long)stream);
+      char role[TRACE_MAX_ROLE];
+      if (frames_role(&doc, e, role, sizeof role))
+        put(&body, "a %llu %lld 0x%llx %s\n", (unsigned long long)next_id++, (long long)size,
+            (unsigned long long)stream, role);
+      else
+        put(&body, "a %llu %lld 0x%llx\n", (unsigned long long)next_id++, (long long)size,
+            (unsigned long long)stream);
       allocs++;
     } else if (is_free) {
       size_t c = live_cell(&live, addr);

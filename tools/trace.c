@@ -211,6 +211,9 @@ typedef struct parser {
   uint8_t* slot_live;
   u64map_t ids;     /* trace ID -> latest slot */
   u64map_t streams; /* distinct streams (value unused) */
+  u64map_t roles;   /* a role's hash -> its index in t->roles */
+  size_t roles_cap;
+  size_t slot_roles_cap;
   uint64_t live_bytes;
   size_t live_allocs;
 } parser_t;
@@ -309,6 +312,49 @@ static gpumem_status_t live_slot(parser_t* p, uint64_t id, const char* verb, uin
   return GPUMEM_OK;
 }
 
+/* FNV-1a: a role's text as a map key (its text decides on a collision). */
+static uint64_t role_hash(const char* s, size_t len) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)s[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* The index of the role in tok among t->roles, added when new; the
+ * allocation in `slot` gets it. */
+static gpumem_status_t add_role(parser_t* p, token_t tok, size_t slot) {
+  trace_t* t = p->t;
+  char buf[64];
+  if (tok.len > TRACE_MAX_ROLE)
+    return fail_line(p, "ROLE '%s' is longer than %d characters", show(tok, buf, sizeof buf),
+                     TRACE_MAX_ROLE);
+  for (size_t i = 0; i < tok.len; i++) {
+    unsigned char c = (unsigned char)tok.s[i];
+    if (c <= 0x20 || c >= 0x7f)
+      return fail_line(p, "ROLE '%s' has a character that is not printable ASCII",
+                       show(tok, buf, sizeof buf));
+  }
+  if (!p->roles.keys && map_init(&p->roles, 64) != 0) return no_memory(p);
+  uint64_t h = role_hash(tok.s, tok.len);
+  uint32_t idx = map_get(&p->roles, h);
+  if (idx == MAP_EMPTY || strlen(t->roles[idx]) != tok.len ||
+      memcmp(t->roles[idx], tok.s, tok.len) != 0) {
+    if (grow((void**)&t->roles, &p->roles_cap, t->num_roles + 2, sizeof *t->roles) != 0)
+      return no_memory(p);
+    if (t->num_roles == 0) t->roles[t->num_roles++] = NULL; /* index 0: no role */
+    char* text = malloc(tok.len + 1);
+    if (!text) return no_memory(p);
+    memcpy(text, tok.s, tok.len);
+    text[tok.len] = '\0';
+    idx = (uint32_t)t->num_roles;
+    t->roles[t->num_roles++] = text;
+    if (map_get(&p->roles, h) == MAP_EMPTY && map_put(&p->roles, h, idx) < 0) return no_memory(p);
+  }
+  if (grow((void**)&t->slot_role, &p->slot_roles_cap, slot + 1, sizeof *t->slot_role) != 0)
+    return no_memory(p);
+  t->slot_role[slot] = idx;
+  return GPUMEM_OK;
+}
+
 static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
   trace_t* t = p->t;
   trace_event_t ev = {0};
@@ -318,7 +364,12 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
 
   ev.line = p->line > UINT32_MAX ? UINT32_MAX : (uint32_t)p->line;
   if (c == 'a') {
-    if ((st = field_count(p, n, 3, tok, "a ID SIZE STREAM")) != GPUMEM_OK) return st;
+    if (n > 5) {
+      char buf[64];
+      return fail_line(p, "extra field '%s' (expected 'a ID SIZE STREAM [ROLE]')",
+                       show(tok[5], buf, sizeof buf));
+    }
+    if (n < 4) return fail_line(p, "missing field (expected 'a ID SIZE STREAM [ROLE]')");
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[2], "SIZE", 0, &size)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[3], "STREAM", 1, &stream)) != GPUMEM_OK) return st;
@@ -346,6 +397,21 @@ static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
     t->slot_trace_id[slot] = id;
     t->slot_event[slot] = t->num_events;
     p->slot_live[slot] = 1;
+    /* slot_role covers every slot once one allocation has a role */
+    if (n == 5 || t->slot_role) {
+      if (t->slot_role == NULL && slot > 0) {
+        if (grow((void**)&t->slot_role, &p->slot_roles_cap, slot + 1, sizeof *t->slot_role) != 0)
+          return no_memory(p);
+        memset(t->slot_role, 0, slot * sizeof *t->slot_role);
+      }
+      if (n == 5) {
+        if ((st = add_role(p, tok[4], slot)) != GPUMEM_OK) return st;
+      } else {
+        if (grow((void**)&t->slot_role, &p->slot_roles_cap, slot + 1, sizeof *t->slot_role) != 0)
+          return no_memory(p);
+        t->slot_role[slot] = 0;
+      }
+    }
     t->num_allocs++;
     ev.op = TRACE_ALLOC;
     ev.id = (uint32_t)slot;
@@ -476,8 +542,8 @@ gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trac
     pos += line_len + (nl ? 1 : 0);
     p.line++;
 
-    token_t tok[5];
-    size_t n = split_line(line, line_len, tok, 4);
+    token_t tok[6];
+    size_t n = split_line(line, line_len, tok, 5);
     if (n == 0 && is_step_marker(line, line_len)) st = add_step(&p);
     if (st != GPUMEM_OK) goto done;
     if (n == 0) continue; /* blank or comment */
@@ -496,6 +562,7 @@ gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trac
 done:
   map_destroy(&p.ids);
   map_destroy(&p.streams);
+  map_destroy(&p.roles);
   free(p.slot_live);
   if (st != GPUMEM_OK) {
     trace_free(t);
@@ -611,6 +678,9 @@ void trace_free(trace_t* t) {
   free(t->events);
   free(t->slot_trace_id);
   free(t->slot_event);
+  free(t->slot_role);
+  for (size_t i = 0; i < t->num_roles; i++) free(t->roles[i]);
+  free(t->roles);
   free(t->step_end);
   free(t);
 }

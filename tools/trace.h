@@ -2,9 +2,10 @@
  * and the facts about it that the replay reports (peak live bytes, streams).
  *
  * Format (traces/README.md): '#' comments and blank lines, then one event a
- * line: `a ID SIZE STREAM` (allocate), `f ID` (free), and the project's
- * extension `r ID STREAM` (record_stream: the live allocation ID is used on
- * STREAM). A trace ID may be reused once freed, so every allocation gets its
+ * line: `a ID SIZE STREAM [ROLE]` (allocate; ROLE, optional, names what made
+ * the allocation: an operator, a call site), `f ID` (free), and the
+ * project's extension `r ID STREAM` (record_stream: the live allocation ID
+ * is used on STREAM). A trace ID may be reused once freed, so every allocation gets its
  * own dense slot (0, 1, 2... in allocation order) and events name slots:
  * the replay then keeps its live pointers in a plain array. */
 #ifndef GPUMEM_TOOLS_TRACE_H
@@ -50,6 +51,14 @@ typedef struct trace {
   /* Per slot: the ID the file used and the index of its ALLOC event. */
   uint64_t* slot_trace_id;
   size_t* slot_event;
+  /* What made each allocation, where the recorder said (the ROLE field, or
+   * a snapshot's frames): slot_role[slot] indexes roles, 0 for none;
+   * roles[0] is NULL. NULL arrays when no allocation has a role. The
+   * recordings of one job at two batch sizes are aligned by role
+   * (align.h). */
+  uint32_t* slot_role;
+  char** roles;
+  size_t num_roles;
   /* Made by trace_repeat_tail: the first appended event (0 = not
    * extended), the period repeated and how often. */
   size_t steady_from_event;
@@ -86,6 +95,8 @@ typedef struct trace {
  *   hold once inflated (a gzip file inflates up to 1032 times its size, so
  *   the cap is on the output). */
 #define TRACE_MAX_STREAMS 64
+/* Characters in a ROLE field (printable ASCII, no blanks). */
+#define TRACE_MAX_ROLE 160
 #define TRACE_MAX_SIZE ((uint64_t)1 << 48)
 /* The sum of all sizes requested (2^62): what sums sizes, rounded up to
  * pages and segments, stays below 2^63 and fits the signed statistics. */
