@@ -199,6 +199,44 @@ static void test_cut_to_the_steps_in_common(void) {
   trace_free(t[1]);
 }
 
+static void test_requests_per_item_refused(void) {
+  /* one allocation per image of the batch: at batch 4 twice as many as at
+   * 2. No size model holds, and adding the extra ones in proportion to the
+   * batch would be no bound: refused, saying why */
+  char text[2][8192];
+  long batch[] = {2, 4};
+  align_report_t rep;
+  for (int v = 0; v < 2; v++) {
+    int b = v ? 4 : 2, len = sprintf(text[v], "a 0 67108864 0\n");
+    for (int i = 0; i < 8 * b; i++) len += sprintf(text[v] + len, "a %d 1048576 0\n", 10 + i);
+    for (int i = 0; i < 8 * b; i++) len += sprintf(text[v] + len, "f %d\n", 10 + i);
+  }
+  trace_t* t[2] = {parse("b2.trace", text[0]), parse("b4.trace", text[1])};
+  if (!t[0] || !t[1]) return;
+  CHECK_STATUS(align_recordings(t, batch, 2, &rep), GPUMEM_ERR_INVALID_ARGUMENT);
+  /* (where the extra requests all come after the ones both make, as a run
+   * cut short would have them, both are said) */
+  CHECK(strstr(gpumem_last_error(), "the recordings differ: b2.trace ends there") != NULL);
+  CHECK(strstr(gpumem_last_error(), "requests that grow in number with the batch") != NULL);
+  trace_free(t[0]);
+  trace_free(t[1]);
+  /* each image's buffer freed before the next is made, the loss after the
+   * loop: the extra ones come between, and the count is what is said */
+  for (int v = 0; v < 2; v++) {
+    int b = v ? 4 : 2, len = sprintf(text[v], "a 0 67108864 0\n");
+    for (int i = 0; i < 8 * b; i++)
+      len += sprintf(text[v] + len, "a %d 1048576 0\na %d 4096 0\nf %d\n", 10 + i, 1000 + i, 10 + i);
+    len += sprintf(text[v] + len, "a 5 2097152 0\na 6 2097152 0\na 7 2097152 0\na 8 2097152 0\n");
+  }
+  t[0] = parse("b2.trace", text[0]);
+  t[1] = parse("b4.trace", text[1]);
+  if (!t[0] || !t[1]) return;
+  CHECK_STATUS(align_recordings(t, batch, 2, &rep), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "the number of requests changes with the batch") != NULL);
+  trace_free(t[0]);
+  trace_free(t[1]);
+}
+
 static void test_bad_role_refused(void) {
   const char* text = "a 0 100 0 ro\x01le\n";
   trace_t* t = NULL;
@@ -355,6 +393,7 @@ int main(void) {
   test_closest_sizes_among_grown();
   test_roles_keep_apart_what_sizes_confuse();
   test_cut_to_the_steps_in_common();
+  test_requests_per_item_refused();
   test_bad_role_refused();
   test_different_jobs_refused();
   test_random_edits();

@@ -472,10 +472,14 @@ static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const
   return GPUMEM_OK;
 }
 
-/* Whether the matching says the two are not recordings of one job, with
- * the error set: one that ends early (a run cut short: what one has after
- * its last match is more than a tenth of it), or one that has less than
- * half of its allocations matched. */
+/* Whether the matching says the two are not recordings of one job, or
+ * not of one whose requests only change in size, with the error set: one
+ * that ends early (a run cut short: what one has after its last match is
+ * more than a tenth of it); one that has less than half of its
+ * allocations matched; or more than ALIGN_MAX_UNMATCHED_SHARE of the
+ * largest's allocations unmatched in either (a loop over the items of a
+ * batch makes more requests at a larger one: no size model holds, and
+ * the ones added in proportion to the batch would be no bound). */
 static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR) {
   const seq_t *R = c->R, *O = c->O;
   size_t matched = 0, last_r = 0, last_o = 0;
@@ -500,17 +504,27 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
   if (shorter) {
     const trace_t* l = longer->t;
     gpumem_set_last_error(
-        "%s ends there (its allocations match those of %s up to line %u) where %s goes on with "
-        "%zu more allocations: a recording cut short? Record each batch for the same steps",
+        "the recordings differ: %s ends there (its allocations match those of %s up to line %u) "
+        "where %s goes on with %zu more allocations: a recording cut short (record each batch for "
+        "the same steps), or requests that grow in number with the batch",
         shorter->t->path, l->path, at ? l->events[l->slot_event[at - 1]].line : 0, l->path,
         longer->n - at);
     return 1;
   }
   if (matched * 2 < R->n || matched * 2 < O->n) {
     gpumem_set_last_error(
-        "the recordings are not one job: %zu of the %zu allocations of %s (batch %ld) and %zu of "
+        "the recordings differ: %zu of the %zu allocations of %s (batch %ld) and of the %zu of "
         "%s (batch %ld) match: they must be one job, its requests changing with the batch",
         matched, O->n, O->t->path, bO, R->n, R->t->path, bR);
+    return 1;
+  }
+  size_t unmatched = (R->n - matched) + (O->n - matched);
+  if (unmatched > 16 && unmatched * ALIGN_MAX_UNMATCHED_SHARE_DEN > R->n) {
+    gpumem_set_last_error(
+        "the recordings differ in %zu of their %zu and %zu allocations (%s at batch %ld, %s at "
+        "batch %ld): the number of requests changes with the batch (a loop over the items of a "
+        "batch?), which no size model captures",
+        unmatched, O->n, R->n, O->t->path, bO, R->t->path, bR);
     return 1;
   }
   return 0;

@@ -33,6 +33,10 @@
 /* Differences one alignment of two recordings may hold (its cost in memory
  * grows with the square of it): far more than algorithm choices make. */
 #define ALIGN_MAX_DIFFERENCES 3000
+/* At most one in ALIGN_MAX_UNMATCHED_SHARE_DEN of the largest recording's
+ * allocations may go unmatched (in either recording, more than 16): more
+ * is a job whose number of requests grows with the batch. */
+#define ALIGN_MAX_UNMATCHED_SHARE_DEN 10
 /* Roles named in the report: the unmatched ones with the most bytes. */
 #define ALIGN_TOP_ROLES 3
 
@@ -61,9 +65,11 @@ typedef struct align_report {
  * rewritten is replaced (the old one freed). Recordings with step markers
  * are cut to the whole steps all of them have. GPUMEM_OK also when nothing
  * needed rewriting, and when the batches are not increasing (the fit
- * names that); GPUMEM_ERR_INVALID_ARGUMENT when two recordings differ in
- * more than ALIGN_MAX_DIFFERENCES allocations (gpumem_last_error() names
- * the first difference); GPUMEM_ERR_HOST_MEMORY. */
+ * names that); GPUMEM_ERR_INVALID_ARGUMENT, with gpumem_last_error() beginning
+ * "the recordings differ", when two recordings differ in more than
+ * ALIGN_MAX_DIFFERENCES allocations (it names the first difference), when
+ * one ends early, when less than half match, or when more than one in
+ * ALIGN_MAX_UNMATCHED_SHARE_DEN goes unmatched; GPUMEM_ERR_HOST_MEMORY. */
 gpumem_status_t align_recordings(trace_t** traces, const long* batch, size_t n,
                                  align_report_t* report);
 

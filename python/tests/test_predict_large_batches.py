@@ -183,18 +183,24 @@ class SearchTest(unittest.TestCase):
         real, confirm.fit_rows = confirm.fit_rows, replay
         try:
             rows = [{"allocator": "pytorch", "max_batch": 100}, {"allocator": "cudaMallocAsync", "max_batch": 90}]
-            line = command.check_at_batches(rows, confirm.Checker(lambda b: "t%d" % b, 1 << 30, "gpumem", 4))
+            line = command.check_at_batches(rows, confirm.Checker(lambda b: "t%d" % b, 1 << 30, "gpumem", 8))
         finally:
             confirm.fit_rows = real
-        self.assertIn("ran out of recordings (--confirm-runs) for pytorch (184 fits)", line)
+        # (the first four at once: each scaled answer and one past it)
+        self.assertIn("at batch 90, 91, 100, 101, 112, 136, 184, 280 (8 recordings", line)
+        self.assertIn("ran out of recordings (--confirm-runs) for pytorch (280 fits)", line)
         self.assertIn("cudaMallocAsync (112 fits, 136 does not)", line)
         text = command.table("train.py", [1, 2], "cpu", 80 << 30, 0, "estimate", rows, [])
-        self.assertRegex(text, r"pytorch +184\+ ")
+        self.assertRegex(text, r"pytorch +280\+ ")
         self.assertRegex(text, r"cudaMallocAsync +112-135 ")
 
     def test_table_rows_take_the_checked_figures(self):
         class Checker:
             rows = {}
+
+            def prefetch(self, batches):
+                for b in batches:
+                    self.at(b)
 
             def at(self, b):
                 self.rows[b] = True

@@ -54,7 +54,7 @@ def parse(lines):
         elif line.startswith("#"):
             continue
         elif line.startswith("a "):
-            _, i, size, stream = line.split()
+            _, i, size, stream = line.split()[:4]  # (then the role, if any)
             assert i not in live, "id %s allocated while live" % i
             assert int(size) > 0 and stream == "0", line
             live[i] = int(size)
@@ -942,8 +942,7 @@ class ProfileTest(unittest.TestCase):
             profiles.Profile({"values": {"x": {"value": 1, "source": "guess"}}})
 
     def test_device_profile_script_pure_parts(self):
-        sys.path.insert(0, os.path.join(os.path.dirname(PYTHON_DIR), "bench", "torch"))
-        import device_profile
+        from gpumem.predict import measure as device_profile
 
         base = json.loads(json.dumps(profiles.load("h200").data))
         base["values"]["sdpa_backend"]["source"] = "derived"  # (as a profile not yet measured has it)
@@ -1104,15 +1103,20 @@ class CommandTest(unittest.TestCase):
             self.skipTest("no gpumem binary (make build)")
         calls = []
 
-        def fake_record(script, args, b, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
-            calls.append((mode, b))
-            os.makedirs(out_dir, exist_ok=True)
-            with open(os.path.join(out_dir, "trace"), "w") as f:
-                f.write("\n".join(["# gpumem-trace v1"] + trace_lines(mode, b)) + "\n")
-            return dict(meta(mode), path=os.path.join(out_dir, "trace"), steps=2)
+        def fake_record_points(pool, points, mode, root, prefix):
+            metas = []
+            for b, seq_len in points:
+                calls.append((mode, b))
+                out_dir = os.path.join(root, "%s%d" % (prefix, b))
+                os.makedirs(out_dir, exist_ok=True)
+                with open(os.path.join(out_dir, "trace"), "w") as f:
+                    f.write("\n".join(["# gpumem-trace v1"] + trace_lines(mode, b)) + "\n")
+                metas.append(dict(meta(mode), path=os.path.join(out_dir, "trace"), steps=2))
+            return metas
 
-        saved = command.record, command._gpu_available
-        command.record = fake_record
+        saved = command.record_points, command._gpu_available, command._local_gpu
+        command.record_points = fake_record_points
+        command._local_gpu = lambda: ("NVIDIA H200" if gpu else None, "2.11.0")
         if gpu:
             command._gpu_available = lambda: True
         out = io.StringIO()
@@ -1121,16 +1125,18 @@ class CommandTest(unittest.TestCase):
                     contextlib.redirect_stderr(io.StringIO()):  # fmt: skip
                 rc = command.main(argv + ["--traces", d, __file__, "--batch-size", "{B}"])
         finally:
-            command.record, command._gpu_available = saved
+            command.record_points, command._gpu_available, command._local_gpu = saved
         return rc, out.getvalue(), calls
 
-    def test_gpu_runs_that_do_not_align_fall_back_on_fake_tensors(self):
+    def test_gpu_runs_with_requests_at_one_batch_only_are_aligned(self):
         # On the GPU, a kernel may pick its algorithm by size (embedding's backward sorts its
-        # indices past 3072 of them): the runs' requests then differ between batch sizes, past
-        # what a transient group reconciles. The command says where, and scales from
-        # fake-tensor recordings at the same batches.
+        # indices past 3072 of them): batch 4 makes six buffers the others do not. They are
+        # matched as diff matches lines, the extra ones carried in proportion to the batch,
+        # and the table says so, as a bound.
         def trace_lines(mode, b):
             lines = ["a 0 %d 0" % (b << 20), "# step 1", "a 1 %d 0" % (b << 21)]
+            # (a layer's sixty short-lived buffers beside them)
+            lines += ["a %d %d 0\nf %d" % (100 + k, b << 12, 100 + k) for k in range(60)]
             if mode == "gpu" and b == 4:  # a sort's six buffers, at batch 4 only
                 lines += ["a %d 4096 0" % k for k in range(10, 16)] + ["f %d" % k for k in range(15, 9, -1)]
             return lines + ["a 2 %d 0" % (b << 21), "f 1", "f 2", "# step 2"]
@@ -1142,12 +1148,11 @@ class CommandTest(unittest.TestCase):
         rc, text, calls = self.command_with_traces(
             trace_lines, ["--memory", "1G", "--batch-sizes", "1,2,4", "--batch", "16", "--no-confirm"], meta, gpu=True)
         self.assertEqual(rc, 0, text)
-        self.assertEqual(calls, [("gpu", 1), ("gpu", 2), ("gpu", 4), ("probe", 1), ("probe", 2), ("probe", 4)])
-        self.assertIn("the GPU runs' recordings do not align, so the scaling is from fake tensors (each "
-                      "convolution run on the GPU) at the same batches: the recordings differ at event 4", text)
-        self.assertIn("seen in probe mode", text)
-        # at batch 16: 16 MiB of weights and two 32 MiB activations live together
-        self.assertRegex(text, r"pytorch +\d+ +0\.078 GiB")
+        self.assertEqual(calls, [("gpu", 1), ("gpu", 2), ("gpu", 4)])
+        self.assertIn("the recordings were aligned by what made each allocation: 6 allocations only the largest "
+                      "batch makes (0.000 GiB there) taken in proportion to the batch, an upper bound", text)
+        # at batch 16: 16 MiB of weights and two 32 MiB activations live together, and a 64 KiB buffer
+        self.assertRegex(text, r"pytorch +\d+ +0\.080 GiB")
 
     def test_recordings_that_never_align_are_answered_at_the_batches(self):
         # a loop over the images of a batch (a detection model): one allocation per image, so no
@@ -1164,7 +1169,7 @@ class CommandTest(unittest.TestCase):
             lambda mode: {"notes": [], "context_bytes": 0, "context_source": "estimate"})
         self.assertEqual(rc, 0, text)
         self.assertIn("the recordings at batch 2, 4 do not align, so every figure is from recordings at the "
-                      "batches themselves: the recordings differ at event", text)
+                      "batches themselves: the recordings differ", text)
         self.assertIn(("cpu", 16), calls)
         self.assertNotIn("scaled from the small runs", text)
         # 64 MiB of weights, 4 MiB per image and the loss's 1 MiB: at 16, 129 MiB and PyTorch's

@@ -47,6 +47,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 from .. import _cli, _safefs
 from . import confirm
@@ -94,7 +95,11 @@ def _parser():
     p.add_argument("--seq-len", type=int, help="with --seq-lens: the sequence length to predict at")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
     p.add_argument("--cpu", action="store_true", help="record on fake CUDA tensors even with a GPU")
-    p.add_argument("--profile", default="h200", help="device profile for --cpu runs (default h200)")
+    p.add_argument("--profile", default="auto",
+                   help="device profile of the GPU to predict for (a name or a JSON file from python -m "
+                   "gpumem.predict.measure; default: this machine's GPU's, else h200, and the table says which)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="recordings run at once on fake tensors (default: the processors this process may use)")
     p.add_argument("--traces", help="keep the recordings in this directory")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a run may take (default 1800)")
     p.add_argument("--confirm", dest="confirm", action="store_true", default=None,
@@ -124,50 +129,81 @@ def _gpu_available():
     return torch.cuda.is_available()
 
 
+def _local_gpu():
+    """(this machine's GPU's name or None, torch's version). (This process
+    makes no recording: the runs are forked from another, which never
+    touches CUDA.)"""
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return name, torch.__version__
+
+
 def _at(batch_size, seq_len=None):
     """'batch 4', or 'batch 4 length 128': a run's point, in words."""
     return "batch %d" % batch_size + ("" if seq_len is None else " length %d" % seq_len)
 
 
+class RunPool:
+    """The recording processes of one command (gpumem.predict.runs), made
+    when first needed: one for runs on fake tensors, as many at once as
+    --jobs; one for GPU runs, one at a time (each measures its own CUDA
+    context by what is new on the GPU)."""
+
+    def __init__(self, a, profile_path, root):
+        self.a, self.profile_path, self.root = a, profile_path, root
+        self.jobs = a.jobs or len(os.sched_getaffinity(0))
+        self.runners = {}
+
+    def get(self, how):
+        from . import runs
+
+        key = "gpu" if how == "gpu" else "fake"
+        if key not in self.runners:
+            self.runners[key] = runs.Runs(self.a.script, self.a.args, self.a.steps, self.profile_path,
+                                          jobs=1 if key == "gpu" else self.jobs, timeout=self.a.timeout,
+                                          log_dir=self.root, env=_env())  # fmt: skip
+        return self.runners[key]
+
+    def timing(self):
+        """Where the time went, in words, or None before any run."""
+        parts = []
+        for key, r in sorted(self.runners.items()):
+            if r.count:
+                parts.append("%d recordings %s, %.1f s each on %d worker%s (imports %.1f s, once)" % (
+                    r.count, "on the GPU" if key == "gpu" else "on fake tensors", r.busy_s / r.count,
+                    r.jobs, "" if r.jobs == 1 else "s", r.import_s or 0))  # fmt: skip
+        return "; ".join(parts) or None
+
+    def close(self):
+        for r in self.runners.values():
+            r.close()
+
+
+def record_points(pool, points, how, root, prefix):
+    """Runs the script at each (batch, seq_len) of points in mode how (cpu,
+    probe or gpu) into root/<prefix>...; their metas, each with 'path': its
+    trace. runs.RunError when one fails."""
+    return pool.get(how).record(points, how, root, prefix)
+
+
 def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
-    """Runs script at batch_size (and seq_len, for {L}) in a child process;
-    returns its meta.json (with 'path': the recording) or raises
-    PredictError."""
+    """One run of script at batch_size (and seq_len, for {L}) into the
+    folder out_dir<batch_size>[_L<seq_len>]; its meta (with 'path': the
+    recording), or PredictError."""
+    from . import runs
+
+    parent, prefix = os.path.split(os.path.abspath(out_dir))
     try:
-        out_dir = _safefs.private_dir(out_dir)
-    except OSError as e:
+        parent = _safefs.private_dir(parent)
+        r = runs.Runs(script, args, steps, profile, jobs=1, timeout=timeout, log_dir=parent, env=_env())
+        try:
+            # (into out_dir followed by the batch, as the command names its folders)
+            return r.record([(batch_size, seq_len)], mode, parent, prefix)[0]
+        finally:
+            r.close()
+    except (runs.RunError, OSError) as e:
         raise PredictError(str(e)) from None
-    argv = [a.replace("{B}", str(batch_size)) for a in args]
-    if seq_len is not None:
-        argv = [a.replace("{L}", str(seq_len)) for a in argv]
-    at = _at(batch_size, seq_len)
-    cmd = [sys.executable, "-m", "gpumem.predict._child", mode, out_dir, str(steps), profile, script] + argv
-    try:
-        done = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              timeout=timeout)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        raise PredictError("%s at %s ran past %g s" % (script, at, timeout)) from None
-    meta_path = os.path.join(out_dir, "meta.json")
-    if done.returncode != 0 or not os.path.exists(meta_path):
-        tail = done.stdout.decode("utf-8", "replace").strip().splitlines()[-15:]
-        raise PredictError(
-            "%s at %s failed (exit status %d):\n  %s"
-            % (script, at, done.returncode, "\n  ".join(tail) or "(no output)")
-        )
-    try:
-        meta = json.loads(_safefs.read_own(meta_path, 1 << 24).decode("utf-8"))
-    except (OSError, ValueError) as e:
-        raise PredictError("%s at %s: cannot read what it recorded: %s" % (script, at, e)) from None
-    meta["path"] = os.path.join(out_dir, "trace")  # (never a name read from a file)
-    meta["output"] = done.stdout.decode("utf-8", "replace")
-    if meta["steps"] == 0 and not meta.get("ended"):
-        raise PredictError(
-            "%s at %s stopped before its first optimizer step: nothing to scale" % (script, at)
-        )
-    if meta["steps"] == 0:
-        meta["notes"] = meta["notes"] + ["%s took no optimizer step (inference): its whole run is what is scaled"
-                                         % os.path.basename(script)]
-    return meta
 
 
 def _binary(binary=None):
@@ -209,7 +245,27 @@ def _predict_output(binary, cmd, check_prefix="check: batch", smaller="smaller")
             raise PredictError("%s has no `predict` command (an older build: run `make build`)" % binary)
         raise PredictError("`gpumem predict` failed (exit status %d): %s" % (done.returncode, err))
     text = done.stdout.decode("utf-8", "replace")
-    return parse_rows(text), check_line(text, check_prefix, smaller)
+    return parse_rows(text), check_line(text, check_prefix, smaller), aligned_line(text)
+
+
+def aligned_line(text):
+    """What aligning the recordings found beyond matching requests, in one
+    line (docs/predict.md, "Alignment"), or None."""
+    al = json.loads(text).get("aligned") if text.strip() else None
+    if not al or not (al.get("inserted") or al.get("dropped")):
+        return None
+    parts = []
+    if al.get("inserted"):
+        parts.append("%d allocations only the largest batch makes (%s there) taken in proportion to the batch, an "
+                     "upper bound where they grow at most linearly" % (al["inserted"],
+                                                                      _gib(al.get("inserted_bytes_at_largest"))))
+    if al.get("dropped"):
+        parts.append("%d made only at a smaller batch (%s) left out" % (al["dropped"], _gib(al.get("dropped_bytes"))))
+    roles = ["%s (%d, %s)" % (r["role"] or "no role", r["count"], _gib(r["bytes"])) for r in al.get("unmatched_roles", [])]
+    line = "the recordings were aligned by what made each allocation: " + "; ".join(parts)
+    if roles:
+        line += "; most of it: " + ", ".join(roles)
+    return line
 
 
 def parse_rows(text):
@@ -249,7 +305,7 @@ def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
 
 
-MISALIGNED = "the recordings differ at event"  # gpumem predict's words for recordings that do not align
+MISALIGNED = "the recordings differ"  # gpumem predict's words for recordings that do not align
 
 
 def _misalignment(text):
@@ -293,6 +349,17 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     batch searched from the scaled one. Returns a line saying what was
     recorded and what scaling had said where it differs."""
     differ = []
+    # The scaled answers are near the truth where the recordings align: a
+    # recording at each answer and one batch past it settles most searches,
+    # and these are made at once, as many together as there are workers.
+    first = [batch] if batch is not None else []
+    for r in rows:
+        if r.get("max_batch"):
+            first += [r["max_batch"], r["max_batch"] + 1]
+    try:
+        checker.prefetch(first)
+    except confirm.SearchBudget:
+        pass
     if batch is not None:
         try:
             peaks = checker.peaks(batch)
@@ -371,6 +438,7 @@ def table(script, sizes, mode, memory, context, context_source, rows, notes, bat
 
 
 def main(argv=None):
+    started = time.monotonic()
     p = _parser()
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -403,24 +471,28 @@ def main(argv=None):
         p.error("no script %s" % a.script)
     try:
         mode = "gpu" if not a.cpu and _gpu_available() else "cpu"
-        from . import profiles
+        from . import profiles, runs
 
-        profile = profiles.load(a.profile)  # names an unknown profile before anything runs
+        gpu_name, torch_version = _local_gpu()
+        try:
+            profile, profile_line = profiles.choose(a.profile, gpu_name, torch_version)
+        except ValueError as e:
+            p.error(str(e))
         keep = a.traces is not None
         try:
             root = _safefs.private_dir(a.traces) if keep else _safefs.fresh_private_dir("gpumem-predict-")
         except OSError as e:
             raise PredictError("--traces: %s" % e if keep else str(e)) from None
+        pool = RunPool(a, profile.path, root)
+
+        def record_points_(points, how, prefix):
+            try:
+                return record_points(pool, points, how, root, prefix)
+            except runs.RunError as e:
+                raise PredictError(str(e)) from None
 
         def record_sizes(how, prefix):
-            out = []
-            for b in sizes:
-                for length in seq_lens or [None]:
-                    sys.stderr.write("gpumem.predict: running %s at %s (%s)\n" % (a.script, _at(b, length), how))
-                    folder = prefix + "%d" % b + ("" if length is None else "_L%d" % length)
-                    out.append(record(a.script, a.args, b, os.path.join(root, folder), how, a.steps,
-                                      a.profile, a.timeout, length))  # fmt: skip
-            return out
+            return record_points_([(b, length) for b in sizes for length in seq_lens or [None]], how, prefix)
 
         notes = []
 
@@ -435,7 +507,7 @@ def main(argv=None):
         context = max(m["context_bytes"] for m in metas)
         if context >= memory:
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
-        checks = []
+        checks = [profile_line] if profile_line else []
         confirm_on = a.confirm
         if confirm_on is None:
             confirm_on, why_not = check_by_default(mode, metas[0].get("device"), profile)
@@ -455,9 +527,10 @@ def main(argv=None):
                         checks.append(c)
                     written.append(out)
                 paths = written
-            rows, check = run_predict(sizes, paths, memory - context, a.batch)
-            if check:
-                checks.append(check)
+            rows, check, aligned = run_predict(sizes, paths, memory - context, a.batch)
+            for line in (check, aligned):
+                if line:
+                    checks.append(line)
             return rows
 
         direct = False  # every figure from recordings at the batches themselves
@@ -495,19 +568,23 @@ def main(argv=None):
                                                           _misalignment(str(e))))  # fmt: skip
             rows = start_rows(sizes[-2:], [m["path"] for m in scaled_from[-2:]], memory - context)
         if confirm_on:
+            check_mode = "probe" if mode == "gpu" else "cpu"
+
             def record_at(b):
+                return record_many([b])[b]
+
+            def record_many(batches):
                 # (on a GPU machine the convolutions run there too, for their workspaces)
-                meta = record(a.script, a.args, b, os.path.join(root, "at_b%d" % b),
-                              "probe" if mode == "gpu" else "cpu", a.steps, a.profile, a.timeout,
-                              a.seq_len if seq_lens else None)  # fmt: skip
-                add_notes([meta])
-                return meta["path"]
+                ms = record_points_([(b, a.seq_len if seq_lens else None) for b in batches], check_mode, "at_b")
+                add_notes(ms)
+                return {b: m["path"] for b, m in zip(batches, ms)}
 
             scaled = [dict(r) for r in rows]
             try:
                 how = "on fake tensors, each convolution run on the GPU," if mode == "gpu" else "with the CPU recorder"
-                checks.append(check_at_batches(rows, confirm.Checker(record_at, memory - context, _binary(),
-                                                                     a.confirm_runs), a.batch, how))  # fmt: skip
+                checker = confirm.Checker(record_at, memory - context, _binary(), a.confirm_runs,
+                                          record_many=record_many)  # fmt: skip
+                checks.append(check_at_batches(rows, checker, a.batch, how))
             except (PredictError, RuntimeError) as e:
                 if direct:
                     raise PredictError("the check at the batches themselves failed: %s\nthe recordings are in %s"
@@ -521,11 +598,15 @@ def main(argv=None):
                                a.batch, "\n".join(checks) or None, seq_lens, a.seq_len))  # fmt: skip
         if keep:
             sys.stdout.write("recordings: %s\n" % root)
+        spent = pool.timing()
+        sys.stdout.write("time: %.0f s in all%s\n" % (time.monotonic() - started, ": " + spent if spent else ""))
         return 0
     except PredictError as e:
         sys.stderr.write("gpumem.predict: %s\n" % e)
         return 1
     finally:
+        if "pool" in locals():
+            pool.close()
         if "root" in locals() and not keep:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -85,6 +85,20 @@ def _conv_probe(profile_name):
     return conv
 
 
+def frames_role(frames):
+    """What made an allocation, from its frames (innermost first): the
+    innermost frame outside PyTorch's own files as name@file:line, and a
+    hash of all of them (tools/snapshot.c makes the same from a pickle)."""
+    if not frames:
+        return None
+    import zlib
+
+    shown = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
+    key = "|".join("%s:%s:%s" % (f.get("filename"), f.get("line"), f.get("name")) for f in frames[:64])
+    return "%s@%s:%s~%08x" % (shown.get("name") or "?", os.path.basename(shown.get("filename") or "?"),
+                               shown.get("line", 0), zlib.crc32(key.encode("utf-8", "replace")))
+
+
 def history_to_recording(entries, step_ends, workload, source):
     """PyTorch's allocation history (a snapshot's device_traces[0]) as a
     Recording: each alloc an allocation, each free_requested its free (the
@@ -102,7 +116,7 @@ def history_to_recording(entries, step_ends, workload, source):
             marks.pop(0)
             rec.step()
         if e.get("action") == "alloc":
-            ids[e["addr"]] = rec.alloc(e["size"], e.get("stream", 0))
+            ids[e["addr"]] = rec.alloc(e["size"], e.get("stream", 0), frames_role(e.get("frames")))
         elif e.get("action") == "free_requested" and e["addr"] in ids:
             rec.free(ids.pop(e["addr"]))
     for _ in marks:
@@ -116,7 +130,8 @@ def run_gpu(out_dir, steps, script, args):
     from . import gpu_context
 
     others = gpu_context.others()  # before this process's CUDA context exists
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=MAX_ENTRIES)
+    # (Python frames at each allocation: what made it, to align the runs at two batches by)
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=MAX_ENTRIES)
     done = {"steps": 0, "context_bytes": 0, "context_source": "measured", "step_ends": []}
 
     def entries():

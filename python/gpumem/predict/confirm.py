@@ -57,12 +57,29 @@ class Checker:
     under every allocator with `gpumem fit` at memory bytes; at most
     `budget` of them."""
 
-    def __init__(self, record_at, memory, binary, budget=12):
+    def __init__(self, record_at, memory, binary, budget=12, record_many=None):
         self.record_at = record_at
+        self.record_many = record_many  # [batches] -> {batch: trace}, made at once
         self.memory = memory
         self.binary = binary
         self.budget = budget
         self.rows = {}
+
+    def prefetch(self, batches):
+        """Records the batches not recorded yet together (record_many), as
+        many as the budget leaves, in the order given."""
+        todo = []
+        for b in batches:
+            if b >= 1 and b not in self.rows and b not in todo:
+                todo.append(b)
+        todo = todo[: max(0, self.budget - len(self.rows))]
+        if not todo:
+            return
+        paths = self.record_many(todo) if self.record_many else {b: self.record_at(b) for b in todo}
+        for b in todo:
+            rows = fit_rows(self.binary, paths[b], self.memory)
+            self.rows[b] = rows
+            self._grows(b, rows)
 
     def at(self, batch):
         if batch not in self.rows:

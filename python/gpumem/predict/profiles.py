@@ -6,7 +6,10 @@ JSON file per GPU and PyTorch version in profiles/ (NAME.json).
      "values": {KEY: {"value": V, "source": "measured|derived|estimate",
                       "why": "..."}, ...}}
 
-"measured": taken on the GPU by bench/torch/device_profile.py; "derived":
+Besides the shipped ones, `python -m gpumem.predict.measure` writes the
+user's own GPU's profile to user_dir() (the gpumem cache's profiles/).
+
+"measured": taken on the GPU by gpumem.predict.measure; "derived":
 worked out from PyTorch's source; "estimate": neither, until measured.
 The keys the recorder uses:
 
@@ -28,7 +31,7 @@ The keys the recorder uses:
 import json
 import os
 
-__all__ = ["Profile", "load", "available", "DIR"]
+__all__ = ["Profile", "load", "available", "choose", "user_dir", "DIR"]
 
 DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 SOURCES = ("measured", "derived", "estimate")
@@ -78,36 +81,109 @@ class Profile:
         return [head + ": " + "; ".join(parts)]
 
 
-def available():
-    """The names of the profiles shipped with the package."""
+def user_dir():
+    """Where gpumem.predict.measure puts the user's own profiles:
+    $GPUMEM_PROFILE_DIR, else profiles/ in the gpumem cache directory."""
+    env = os.environ.get("GPUMEM_PROFILE_DIR")
+    if env:
+        return env
+    from .. import _safefs
+
+    return os.path.join(_safefs.cache_dir(), "profiles")
+
+
+def _paths():
+    """{name: path} of every profile: the user's over the shipped ones."""
+    found = {}
+    dirs = [DIR]
     try:
-        return sorted(f[:-5] for f in os.listdir(DIR) if f.endswith(".json"))
+        dirs.append(user_dir())
     except OSError:
-        return []
+        pass
+    for d in dirs:
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for f in names:
+            if f.endswith(".json"):
+                found[f[:-5]] = os.path.join(d, f)
+    return found
+
+
+def available():
+    """The names of the profiles: the package's and the user's."""
+    return sorted(_paths())
 
 
 def load(name_or_path):
     """A Profile by name ("h200" finds the newest h200-*.json), or from a
-    path to a JSON file; None for None or "none"."""
+    path to a JSON file; None for None or "none". ValueError, in one line,
+    for a name no profile has or a file that is not one."""
     if name_or_path is None or name_or_path == "none":
         return None
     if os.path.sep in name_or_path or name_or_path.endswith(".json"):
         path = name_or_path
     else:
-        names = available()
+        paths = _paths()
+        names = sorted(paths)
         match = [n for n in names if n == name_or_path] or [n for n in names if n.startswith(name_or_path + "-")]
         if not match:
             raise ValueError(
-                "no device profile %r (shipped: %s; or give a path to a JSON file)"
-                % (name_or_path, ", ".join(names) or "none")
+                "no device profile %r (there are: %s; a path to a JSON file; or measure this machine's GPU with "
+                "python -m gpumem.predict.measure)" % (name_or_path, ", ".join(names) or "none")
             )
-        path = os.path.join(DIR, match[-1] + ".json")
-    with open(path) as f:
-        try:
+        path = paths[match[-1]]
+    try:
+        with open(path) as f:
             data = json.load(f)
-        except ValueError as e:
-            raise ValueError("device profile %s: not JSON: %s" % (path, e)) from None
+    except OSError as e:
+        raise ValueError("device profile %s: %s" % (path, e.strerror or e)) from None
+    except ValueError as e:
+        raise ValueError("device profile %s: not JSON: %s" % (path, e)) from None
+    if not isinstance(data, dict):
+        raise ValueError("device profile %s: not a JSON object" % path)
     return Profile(data, path)
+
+
+def _card(name):
+    """'NVIDIA H100 80GB HBM3' -> 'h100 80gb hbm3': a GPU's name to compare."""
+    name = name.strip().lower()
+    return name[len("nvidia "):] if name.startswith("nvidia ") else name
+
+
+def choose(requested, gpu=None, torch_version=None):
+    """(Profile, line or None) for --profile: a name or path as load()
+    takes it; "auto" (the default): the profile of this machine's GPU
+    (gpu: its name, None when there is none), the one of the same torch
+    version first, else the newest H200 one. The line says what the
+    profile stands for where it is not this machine's GPU and torch."""
+    mm = ".".join((torch_version or "").split("+")[0].split(".")[:2])
+    if requested != "auto":
+        prof = load(requested)
+    else:
+        prof = None
+        if gpu:
+            mine = [load(n) for n in available()]
+            mine = [p for p in mine if _card(p.gpu) == _card(gpu)]
+            mine.sort(key=lambda p: (p.torch == mm, p.name))
+            prof = mine[-1] if mine else None
+        if prof is None:
+            prof = load("h200")
+    if prof is None:
+        return None, None
+    differs = []
+    if gpu is None:
+        differs.append("this machine has no GPU")
+    elif _card(prof.gpu) != _card(gpu):
+        differs.append("this machine's GPU is %s" % gpu)
+    if mm and prof.torch != mm:
+        differs.append("its torch is %s" % mm)
+    if not differs:
+        return prof, None
+    line = "device profile %s stands for an %s with torch %s (%s): for another card, --profile NAME or a file from " \
+           "python -m gpumem.predict.measure run on it" % (prof.name, prof.gpu, prof.torch, "; ".join(differs))
+    return prof, line
 
 
 # PyTorch's SDPBackend numbering (torch.nn.attention.SDPBackend).

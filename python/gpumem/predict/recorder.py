@@ -61,6 +61,15 @@ def _torch():
     return torch
 
 
+def _role_text(role):
+    """A role as the trace's ROLE field takes it: printable ASCII without
+    blanks, at most 160 characters ('?' for anything else); None for none."""
+    if not role:
+        return None
+    text = "".join(c if "!" <= c <= "~" else "?" for c in str(role))[:160]
+    return text or None
+
+
 class Recording:
     """The allocation sequence of one recorded run.
 
@@ -85,13 +94,17 @@ class Recording:
         self._patches = []  # (object, attribute, value before) set while recording
         self._generate_patched = False
         self._compiled_patched = False
+        # what makes the allocations now: the operator running (set by the
+        # dispatch mode), written as each allocation's role so that the
+        # recordings at two batches are aligned by what made each request
+        self.role = None
 
     # -- building -------------------------------------------------------
-    def alloc(self, size, stream=0):
+    def alloc(self, size, stream=0, role=None):
         with self._lock:
             i = self._next_id
             self._next_id += 1
-            self.events.append(("a", i, int(size), stream))
+            self.events.append(("a", i, int(size), stream, _role_text(role or self.role)))
             self._live[i] = int(size)
             self._live_bytes += int(size)
             self.peak_live_bytes = max(self.peak_live_bytes, self._live_bytes)
@@ -151,7 +164,7 @@ class Recording:
         body = []
         for e in self.events:
             if e[0] == "a":
-                body.append("a %d %d %d" % (e[1], e[2], e[3]))
+                body.append("a %d %d %d %s" % e[1:] if e[4] else "a %d %d %d" % e[1:4])
             elif e[0] == "f":
                 body.append("f %d" % e[1])
             else:
@@ -562,7 +575,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 % (kind, str(x.dtype).replace("torch.", ""), x.numel())
             )
             return
-        taken = [recording.alloc(n) for n in sizes if n]
+        taken = [recording.alloc(n, role="%s_staging" % kind) for n in sizes if n]
         for i in reversed(taken):
             recording.free(i)
 
@@ -589,7 +602,14 @@ def _tracker(recording, fake_mode, profile, probe=None):
 
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-            kwargs = kwargs or {}
+            outer = recording.role
+            recording.role = func.__name__
+            try:
+                return self._dispatch(func, args, kwargs or {})
+            finally:
+                recording.role = outer
+
+        def _dispatch(self, func, args, kwargs):
             if _in_engine():
                 # Autograd's engine syncs streams of accelerator tensors,
                 # which a build without CUDA cannot: it is shown them as CPU
@@ -672,13 +692,13 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 where = "backward" if _engine.depth else "forward"
                 if where not in workspaces and profile is not None and profile.value("cublas_workspace_bytes"):
                     workspaces.add(where)
-                    recording.alloc(profile.value("cublas_workspace_bytes"))
+                    recording.alloc(profile.value("cublas_workspace_bytes"), role="cublas_workspace")
                 # a bias added in the GEMM's epilogue goes through cuBLASLt, which
                 # takes a workspace of its own the first time it runs on each thread
                 lt = profile.value("cublaslt_workspace_bytes") if profile is not None else None
                 if lt and where + " lt" not in workspaces and _lt_epilogue(func, args, kwargs):
                     workspaces.add(where + " lt")
-                    recording.alloc(lt)
+                    recording.alloc(lt, role="cublaslt_workspace")
             elif func.overloadpacket in sdpa_backward and profile is not None:
                 per = profile.value("sdpa_backward_scratch_bytes_per_q_element")
                 if per:

@@ -1,14 +1,16 @@
-"""Measures a GPU's device profile for gpumem.predict's CPU recorder (what
-a run on the CPU cannot see) and writes it as JSON:
+"""Measures this machine's GPU into a device profile for gpumem.predict's
+CPU recorder (what a run on the CPU cannot see) and writes it as JSON:
 
-    python bench/torch/device_profile.py [--out PATH] [--base NAME_OR_PATH]
+    python -m gpumem.predict.measure [--out PATH] [--base NAME_OR_PATH]
 
-Default --out: python/gpumem/predict/profiles/<gpu>-torch<major.minor>.json
-(h200-torch2.11.json on an H200 with PyTorch 2.11); --base: the shipped
-profile of that name, else h200. Each value measured replaces the base's
-("source": "measured"); the others are kept as they were. Takes a few
-seconds; the context is this process's own, as NVML lists it, where
-other processes use the GPU too (gpumem.predict.gpu_context).
+Default --out: <the user's gpumem cache>/profiles/<gpu>-torch<major.minor>.json
+(h100-80gb-hbm3-torch2.11.json on an H100 with PyTorch 2.11), where
+`python -m gpumem.predict` finds it: on a machine with that GPU it is
+picked by itself, elsewhere `--profile NAME` or `--profile PATH` takes it.
+--base: the shipped profile of that name, else h200. Each value measured
+replaces the base's ("source": "measured"); the others are kept as they
+were. Takes a few seconds; the context is this process's own, as NVML
+lists it, where other processes use the GPU too (gpumem.predict.gpu_context).
 
 Measured: the CUDA context (device memory used outside the allocator
 after initialisation and a first kernel), the multiprocessor count and
@@ -25,9 +27,7 @@ import os
 import re
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-PROFILES = os.path.join(ROOT, "python", "gpumem", "predict", "profiles")
+PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
 # ---- pure parts (tested on the CPU) --------------------------------------
@@ -66,7 +66,7 @@ def merge(base, measured, gpu, capability, total, torch_version):
     out["total_memory_bytes"] = int(total)
     values = out.setdefault("values", {})
     for key, value in measured.items():
-        entry = values.setdefault(key, {"why": "measured by bench/torch/device_profile.py"})
+        entry = values.setdefault(key, {"why": "measured by python -m gpumem.predict.measure"})
         entry["value"] = value
         entry["source"] = "measured"
     return out
@@ -99,7 +99,7 @@ def measure(torch, others=None):
     torch.empty(1, device=dev).add_(1)  # a first kernel: lazily loaded modules
     torch.cuda.synchronize()
     out["cuda_context_bytes"], how = gpu_context.measure(others)
-    print("device_profile: the CUDA context: %s" % how)
+    print("gpumem.predict.measure: the CUDA context: %s" % how)
     props = torch.cuda.get_device_properties(dev)
     out["multiprocessor_count"] = int(props.multi_processor_count)
     out["max_threads_per_multiprocessor"] = int(props.max_threads_per_multi_processor)
@@ -148,37 +148,36 @@ def measure(torch, others=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", help="where to write the profile (default: the package's profiles/)")
+    p = argparse.ArgumentParser(prog="python -m gpumem.predict.measure", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="where to write the profile (default: the user's profiles directory)")
     p.add_argument("--base", help="profile to start from (name or path; default: same name, else h200)")
     a = p.parse_args(argv)
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-    from gpumem.predict import gpu_context
+    from .. import _safefs
+    from . import gpu_context, profiles
 
     others = gpu_context.others()  # before this process's CUDA context exists
     import torch
 
     if not torch.cuda.is_available():
-        sys.stderr.write("device_profile: no GPU: run this on the GPU the profile is for\n")
+        sys.stderr.write("gpumem.predict.measure: no GPU: run this on the GPU the profile is for\n")
         return 2
     props = torch.cuda.get_device_properties(0)
     torch.cuda.memory._record_memory_history(max_entries=100000)
     measured = measure(torch, others)
     torch.cuda.memory._record_memory_history(enabled=None)
     name = profile_name(props.name, torch.__version__)
-    base_path = a.base or os.path.join(PROFILES, name + ".json")
-    if not os.path.exists(base_path) and not a.base:
-        base_path = os.path.join(PROFILES, "h200-torch2.11.json")
-    if os.path.sep not in base_path and not base_path.endswith(".json"):
-        base_path = os.path.join(PROFILES, base_path + ".json")
-    with open(base_path) as f:
-        base = json.load(f)
+    try:
+        base = profiles.load(a.base or (name if name in profiles.available() else "h200")).data
+    except ValueError as e:
+        p.error(str(e))
     prof = merge(base, measured, props.name, (props.major, props.minor), props.total_memory, torch.__version__)
-    out = a.out or os.path.join(PROFILES, name + ".json")
-    with open(out, "w") as f:
-        json.dump(prof, f, indent=2)
-        f.write("\n")
-    print("device_profile: %s -> %s" % (json.dumps(measured), out))
+    out = a.out or os.path.join(_safefs.private_dir(profiles.user_dir()), name + ".json")
+    try:
+        _safefs.write_file(out, json.dumps(prof, indent=2) + "\n")
+    except OSError as e:
+        sys.stderr.write("gpumem.predict.measure: %s\n" % e)
+        return 1
+    print("gpumem.predict.measure: %s -> %s" % (json.dumps(measured), out))
     return 0
 
 
