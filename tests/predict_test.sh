@@ -38,7 +38,7 @@ for b in 2 4 8 64; do $JOB $b >"$T/j$b.trace"; done
 
 run "$BIN" predict --help
 expect_rc 0 "predict --help"
-expect_in "usage: gpumem predict --sizes" "$out" "predict --help"
+expect_in "usage: gpumem predict --batch-sizes" "$out" "predict --help"
 run "$BIN" --help
 expect_in "predict   a job's memory at another batch size" "$out" "gpumem --help lists predict"
 
@@ -132,7 +132,7 @@ expect_rc 2 "one trace"
 expect_in "1 trace given: the model needs the job recorded at two batch sizes" "$err" "one trace"
 run "$BIN" predict --sizes 4,2 "$T/j2.trace" "$T/j4.trace" --batch 4
 expect_rc 1 "sizes not increasing"
-expect_in "bad --sizes '4,2': 4 then 2: the sizes must increase" "$err" "sizes not increasing"
+expect_in "bad --batch-sizes '4,2': 4 then 2: the sizes must increase" "$err" "sizes not increasing"
 run "$BIN" predict --sizes 2,2 "$T/j2.trace" "$T/j2.trace" --batch 4
 expect_rc 1 "equal sizes"
 run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" --batch 4

@@ -261,7 +261,8 @@ static const option_spec_t all_options[] = {
     {"snapshot", OPT_SNAPSHOT, 1},
     {"since-line", OPT_SINCE_LINE, 1},
     {"memory", OPT_MEMORY, 1},
-    {"sizes", OPT_SIZES, 1},
+    {"batch-sizes", OPT_SIZES, 1},
+    {"sizes", OPT_SIZES, 1}, /* the older name of --batch-sizes */
     {"batch", OPT_BATCH, 1},
     {"max-batch", OPT_MAX_BATCH, 1},
     {"write-trace", OPT_WRITE_TRACE, 1},
@@ -1518,7 +1519,7 @@ static int cmd_fit(int argc, char** argv) {
 /* ---- predict ---------------------------------------------------------- */
 
 static const char usage_predict[] =
-    "usage: gpumem predict --sizes B1,B2[,...] TRACE1 TRACE2 [...] [--batch N] [--memory SIZE]\n"
+    "usage: gpumem predict --batch-sizes B1,B2[,...] TRACE1 TRACE2 [...] [--batch N] [--memory SIZE]\n"
     "\n"
     "The same job recorded at two or more batch sizes B1 < B2 < ... (one TRACE\n"
     "each, in that order) predicts its allocations at any batch: each\n"
@@ -1533,7 +1534,7 @@ static const char usage_predict[] =
     "steps they have in common.\n"
     "\n"
     "options:\n"
-    "  --sizes B1,B2,...         the batch size of each TRACE, increasing\n"
+    "  --batch-sizes B1,B2,...   the batch size of each TRACE, increasing (--sizes: the same)\n"
     "  --batch N                 predict the job at batch N\n"
     "  --memory SIZE             find the largest batch that fits in SIZE (e.g. 80G)\n"
     "  --max-batch N             search no batch above N (with --memory)\n"
@@ -1551,7 +1552,7 @@ static const char usage_predict[] =
     "dimensions: predict each recorded length at the batch wanted with\n"
     "--write-trace, then predict those traces over the lengths (docs/predict.md).\n";
 
-/* --sizes "2,4,8" into batch[] (SCALE_MAX_RECORDINGS of room), one a trace.
+/* --batch-sizes "2,4,8" into batch[] (SCALE_MAX_RECORDINGS of room), one a trace.
  * 0, or the exit code after printing why. */
 static int parse_sizes(const char* text, int num_traces, long* batch) {
   int n = 0;
@@ -1560,17 +1561,17 @@ static int parse_sizes(const char* text, int num_traces, long* batch) {
     size_t len = strcspn(p, ",");
     char item[32];
     if (len == 0 || len >= sizeof item)
-      return error("bad --sizes '%s' (batch sizes separated by commas, e.g. 2,4,8)", text);
+      return error("bad --batch-sizes '%s' (batch sizes separated by commas, e.g. 2,4,8)", text);
     memcpy(item, p, len);
     item[len] = '\0';
     if (n == SCALE_MAX_RECORDINGS)
-      return error("bad --sizes '%s': at most %d recordings", text, SCALE_MAX_RECORDINGS);
+      return error("bad --batch-sizes '%s': at most %d recordings", text, SCALE_MAX_RECORDINGS);
     if (!parse_long(item, 1, SCALE_MAX_RECORDED_BATCH, &batch[n]))
-      return error("bad --sizes '%s': '%s' is not a batch size (1 to %ld)", text, item,
+      return error("bad --batch-sizes '%s': '%s' is not a batch size (1 to %ld)", text, item,
                    SCALE_MAX_RECORDED_BATCH);
     if (n && batch[n] <= batch[n - 1])
       return error(
-          "bad --sizes '%s': %ld then %ld: the sizes must increase (one recording a size, "
+          "bad --batch-sizes '%s': %ld then %ld: the sizes must increase (one recording a size, "
           "the traces in the same order)",
           text, batch[n - 1], batch[n]);
     n++;
@@ -1865,7 +1866,8 @@ static int cmd_predict(int argc, char** argv) {
     fputs(usage_predict, stdout);
   } else if (rc == 0 && !cli.sizes) {
     rc = usage_error(usage_predict,
-                     "--sizes B1,B2,... is needed (the batch size each trace was recorded at)");
+                     "--batch-sizes B1,B2,... is needed (the batch size each trace was recorded "
+                     "at)");
   } else if (rc == 0 && cli.num_traces < 2) {
     rc = usage_error(usage_predict,
                      "%d trace%s given: the model needs the job recorded at two batch sizes "

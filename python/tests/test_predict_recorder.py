@@ -1002,6 +1002,40 @@ def predict_script(d, script, options, script_args, memory="80G"):
 
 
 class CommandTest(unittest.TestCase):
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_hand_written_update_is_training(self):
+        # no optimizer: the parameters updated by hand under no_grad after each backward; the
+        # next pass ends the step, and the script is stopped after --steps of them
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()\n"
+            "for step in range(1000):\n"
+            "    loss = m(torch.randn(a.batch_size, 64, device='cuda')).square().mean()\n"
+            "    loss.backward()\n"
+            "    with torch.no_grad():\n"
+            "        for w in m.parameters():\n"
+            "            w -= 0.01 * w.grad\n"
+            "            w.grad = None\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            self.assertNotIn("inference", done.stdout.decode())
+            for b in ("b1", "b2"):
+                with open(os.path.join(out, b, "meta.json")) as f:
+                    meta = json.load(f)
+                self.assertEqual((meta["steps"], meta["ended"]), (2, False))
+                with open(os.path.join(out, b, "trace")) as f:
+                    self.assertEqual(sum(line.startswith("# step") for line in f), 2)
+
+    def test_equal_notes_are_folded(self):
+        note = "a sum of a bfloat16 tensor of %s elements: its staging buffers, if any, are not in the trace"
+        folded = command.fold_notes([note % "4,096", "something else at x.py:3", note % "1,048,576", note % "65536"])
+        self.assertEqual(folded, [note % "4,096 to 1,048,576" + " (3 of them; at most 0.004 GiB each)",
+                                  "something else at x.py:3"])  # fmt: skip
+        self.assertEqual(command.fold_notes(["one at a.py:1", "one at a.py:1"]), ["one at a.py:1 (2 of them)"])
+
     def test_sizes(self):
         self.assertEqual(command.parse_size("80G"), 80 << 30)
         self.assertEqual(command.parse_size("1.5GiB"), 3 << 29)

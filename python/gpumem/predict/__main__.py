@@ -220,7 +220,7 @@ def run_predict(sizes, paths, memory, batch=None, binary=None):
     """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed, and
     what its check of the largest recording said (check_line)."""
     binary = _binary(binary)
-    cmd = [binary, "predict", "--sizes", ",".join(str(s) for s in sizes)] + list(paths)
+    cmd = [binary, "predict", "--batch-sizes", ",".join(str(s) for s in sizes)] + list(paths)
     cmd += ["--memory", "%dB" % memory, "--json"]
     if batch is not None:
         cmd += ["--batch", str(batch)]
@@ -232,7 +232,7 @@ def write_at(batch, lengths, paths, seq_len, out, binary=None):
     the recordings at batch over the lengths, written at seq_len. Returns
     what its check of the longest recording said (check_line), or None."""
     binary = _binary(binary)
-    cmd = [binary, "predict", "--sizes", ",".join(str(s) for s in lengths)] + list(paths)
+    cmd = [binary, "predict", "--batch-sizes", ",".join(str(s) for s in lengths)] + list(paths)
     cmd += ["--batch", str(seq_len), "--write-trace", out, "--json"]
     return _predict_output(binary, cmd, "check at batch %d: length" % batch, "shorter")[1]
 
@@ -303,6 +303,39 @@ def check_line(text, prefix="check: batch", smaller="smaller"):
 
 def _gib(n):
     return "-" if n is None else "%.3f GiB" % (n / GIB)
+
+
+_NUMBER = re.compile(r"\d[\d,]*")
+
+
+def fold_notes(notes):
+    """Notes that say the same thing of different sizes (a reduction's
+    staging buffers, one note for each tensor) as one line each: the
+    numbers that differ as a range, how many, and for a reduction the
+    most its staging buffers could take (partial sums of at most 4 bytes
+    an element of its input)."""
+    groups = {}
+    for n in notes:
+        groups.setdefault(_NUMBER.sub("#", n), []).append(n)
+    out = []
+    for key, same in groups.items():
+        if len(same) == 1:
+            out.append(same[0])
+            continue
+        values = [[int(x.replace(",", "")) for x in _NUMBER.findall(n)] for n in same]
+        parts = key.split("#")
+        text = parts[0]
+        for k, rest in enumerate(parts[1:]):
+            column = sorted({v[k] for v in values if k < len(v)})
+            text += ("{:,}".format(column[0]) if len(column) == 1 else
+                     "{:,} to {:,}".format(column[0], column[-1])) + rest  # fmt: skip
+        text += " (%d of them" % len(same)
+        m = re.search(r"tensor of #\s*elements", key)
+        if m:
+            k = key[: m.start()].count("#")
+            text += "; at most %s each" % _gib(4 * max(v[k] for v in values))
+        out.append(text + ")")
+    return out
 
 
 MISALIGNED = "the recordings differ"  # gpumem predict's words for recordings that do not align
@@ -594,12 +627,21 @@ def main(argv=None):
                 keep = True
                 checks.append("the check at the batches themselves failed, so the table is the scaled "
                               "prediction: %s" % str(e).splitlines()[0])
-        sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows, notes,
-                               a.batch, "\n".join(checks) or None, seq_lens, a.seq_len))  # fmt: skip
+        sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows,
+                               fold_notes(notes), a.batch, "\n".join(checks) or None, seq_lens, a.seq_len))  # fmt: skip
         if keep:
             sys.stdout.write("recordings: %s\n" % root)
         spent = pool.timing()
         sys.stdout.write("time: %.0f s in all%s\n" % (time.monotonic() - started, ": " + spent if spent else ""))
+        unanswered = [r["allocator"] for r in rows if r.get("max_batch") is None or
+                      ("max_batch_below" in r and r["max_batch_below"] is None)]  # fmt: skip
+        if unanswered and memory:
+            sys.stderr.write(
+                "gpumem.predict: no largest batch for %s: the check ran out of recordings before it found a batch "
+                "that does not fit. Try --confirm-runs %d (more recordings), --batch-sizes %s (recordings at "
+                "larger batches), or --no-confirm (the scaled answer as it is)\n"
+                % (", ".join(unanswered), 2 * a.confirm_runs, ",".join(str(2 * b) for b in sizes)))  # fmt: skip
+            return 3
         return 0
     except PredictError as e:
         sys.stderr.write("gpumem.predict: %s\n" % e)

@@ -98,6 +98,8 @@ class Recording:
         # dispatch mode), written as each allocation's role so that the
         # recordings at two batches are aligned by what made each request
         self.role = None
+        self.in_optimizer = False  # inside an optimizer's step()
+        self.hand_step = lambda: None  # a step ended with no optimizer (set by recording())
 
     # -- building -------------------------------------------------------
     def alloc(self, size, stream=0, role=None):
@@ -600,14 +602,37 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 recording.free(ids.pop(step[1]))
         return new | track(out)
 
+    hand = types.SimpleNamespace(pending=False, backwards=0)  # a step written by hand (below)
+
+    def updates_a_parameter(func, args):
+        """An in-place write into a leaf tensor that requires grad, with grad
+        off and outside autograd and an optimizer: `p -= lr * p.grad`."""
+        if torch.is_grad_enabled() or _engine.depth or recording.in_optimizer or not args:
+            return False
+        t = args[0]
+        if not isinstance(t, torch.Tensor) or not t.is_leaf or not t.requires_grad:
+            return False
+        if func not in writes:
+            writes[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+                            if a.alias_info is not None and a.alias_info.is_write]  # fmt: skip
+        return any(i == 0 for i, _ in writes[func])
+
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            if hand.pending and torch.is_grad_enabled() and not _engine.depth:
+                # A training loop with no optimizer: the parameters were
+                # updated by hand after a backward, and the next pass begins
+                hand.pending = False
+                recording.hand_step()
             outer = recording.role
             recording.role = func.__name__
             try:
                 return self._dispatch(func, args, kwargs or {})
             finally:
                 recording.role = outer
+                if _engine.backwards > hand.backwards and updates_a_parameter(func, args):
+                    hand.pending = True
+                    hand.backwards = _engine.backwards
 
         def _dispatch(self, func, args, kwargs):
             if _in_engine():
@@ -916,7 +941,7 @@ def _sdpa_mode(recording, profile):
 # depth: backward calls under way; autocast: per CUDA autocast context
 # entered and not left, whether it enables autocast (the backward's worker
 # threads see both)
-_engine = types.SimpleNamespace(depth=0, autocast=[], applied=False, own_references=None)
+_engine = types.SimpleNamespace(depth=0, autocast=[], applied=False, own_references=None, backwards=0)
 
 
 def _in_engine():
@@ -992,6 +1017,8 @@ def _engine_wrapper(run):
         finally:
             _engine.depth -= 1
             _engine.applied = outer  # a backward inside a node's (reentrant checkpointing)
+            if not _engine.depth:
+                _engine.backwards += 1
             for h in handles:
                 h.remove()
 
@@ -1225,9 +1252,20 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
     _compiled_code_runs_eager(rec)
 
     def on_step(optimizer, args, kwargs):
+        rec.in_optimizer = False
         rec.step()
         if step_hook is not None:
             step_hook(rec)
+
+    def before_step(optimizer, args, kwargs):
+        rec.in_optimizer = True
+
+    def hand_step():
+        rec.step()
+        if step_hook is not None:
+            step_hook(rec)
+
+    rec.hand_step = hand_step
 
     class FakeMode(FakeTensorMode):
         # torch.cuda.is_available() says True from here on; the fake mode
@@ -1239,6 +1277,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
     from torch.optim import optimizer as optim_module
 
     handle = optim_module.register_optimizer_step_post_hook(on_step)
+    pre_handle = optim_module.register_optimizer_step_pre_hook(before_step)
     # Optimizers take their foreach implementation for CUDA parameters of
     # the types they know; the fake ones are counted among them.
     from torch._subclasses.fake_tensor import FakeTensor
@@ -1261,6 +1300,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
         rec.closed = True
         rec.unpatch()
         handle.remove()
+        pre_handle.remove()
         if added:
             native.remove(FakeTensor)
 
