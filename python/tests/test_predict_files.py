@@ -255,7 +255,7 @@ class PlantedByAnotherUser(unittest.TestCase):
 
         # the same folder cleaned: the run goes through, every file 0600 and the victim's
         os.unlink(os.path.join(b1, "trace"))
-        os.mkdir(b2, 0o700)
+        os.makedirs(b2, 0o700, exist_ok=True)  # (the refused run may have made it already)
         done = self.predict(d)
         self.assertEqual(done.returncode, 0, done.stderr)
         for b in (b1, b2):

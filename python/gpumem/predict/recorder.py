@@ -602,7 +602,8 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 recording.free(ids.pop(step[1]))
         return new | track(out)
 
-    hand = types.SimpleNamespace(pending=False, backwards=0)  # a step written by hand (below)
+    # a step written by hand (below); backwards counts those of this recording only
+    hand = types.SimpleNamespace(pending=False, backwards=_engine.backwards)
 
     def updates_a_parameter(func, args):
         """An in-place write into a leaf tensor that requires grad, with grad
