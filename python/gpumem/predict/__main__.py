@@ -105,6 +105,9 @@ def _parser():
                    help="report the scaled prediction as it is")
     p.add_argument("--confirm-runs", type=int, default=12,
                    help="recordings the check may make (default 12)")
+    p.add_argument("--gpus", help="a script for torchrun (DDP, FSDP2): record one rank of each of these world sizes "
+                   "on PyTorch's fake process group and predict per GPU (1,2,4,8); {B} is the batch per GPU")
+    p.add_argument("--global-batch", type=int, help="with --gpus: the fewest GPUs that fit this many samples a step")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments; {B} becomes the batch size")
     return p
@@ -130,10 +133,10 @@ def _at(batch_size, seq_len=None):
     return "batch %d" % batch_size + ("" if seq_len is None else " length %d" % seq_len)
 
 
-def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
-    """Runs script at batch_size (and seq_len, for {L}) in a child process;
-    returns its meta.json (with 'path': the recording) or raises
-    PredictError."""
+def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None, env=None):
+    """Runs script at batch_size (and seq_len, for {L}) in a child process
+    (with env: that environment); returns its meta.json (with 'path': the
+    recording) or raises PredictError."""
     os.makedirs(out_dir, mode=0o700, exist_ok=True)
     argv = [a.replace("{B}", str(batch_size)) for a in args]
     if seq_len is not None:
@@ -141,7 +144,7 @@ def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800
     at = _at(batch_size, seq_len)
     cmd = [sys.executable, "-m", "gpumem.predict._child", mode, out_dir, str(steps), profile, script] + argv
     try:
-        done = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        done = subprocess.run(cmd, env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
         raise PredictError("%s at %s ran past %g s" % (script, at, timeout)) from None
@@ -397,6 +400,10 @@ def main(argv=None):
         p.error("--confirm-runs must be at least 1")
     if not os.path.isfile(a.script):
         p.error("no script %s" % a.script)
+    if a.gpus is not None or a.global_batch is not None:
+        from . import distributed  # (several GPUs: docs/predict.md, "Several GPUs")
+
+        return distributed.command(a, p, sys.modules[__name__], memory, sizes)
     try:
         mode = "gpu" if not a.cpu and _gpu_available() else "cpu"
         from . import profiles
