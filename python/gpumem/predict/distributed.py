@@ -244,22 +244,18 @@ def _storage_patches(torch, rec, streams):
     return {(torch.UntypedStorage, "resize_"): resize, (torch.UntypedStorage, "data_ptr"): data_ptr}
 
 
-def _record_stream_mode(torch, rec):
+def _record_stream_patch(torch, rec):
     """Tensor.record_stream(s): the trace's 'r ID STREAM' line for the
-    allocation under the tensor."""
-    from torch.overrides import TorchFunctionMode
+    allocation under the tensor (the method itself: a fake stream is no
+    torch.Stream for the argument parser that a function mode would see)."""
 
-    class RecordStream(TorchFunctionMode):
-        def __torch_function__(self, func, types_, args=(), kwargs=None):
-            if func is torch.Tensor.record_stream:
-                t, s = args[0], args[1] if len(args) > 1 else (kwargs or {}).get("stream")
-                i = rec.storages.get(t.untyped_storage()._cdata) if t.device.type == "cuda" else None
-                if i is not None:
-                    rec.use(i, getattr(s, "stream_id", 0))
-                return None
-            return func(*args, **(kwargs or {}))
+    def record_stream(t, stream):
+        if t.device.type == "cuda":
+            i = rec.storages.get(t.untyped_storage()._cdata)
+            if i is not None:
+                rec.use(i, getattr(stream, "stream_id", 0))
 
-    return RecordStream()
+    return {(torch.Tensor, "record_stream"): record_stream}
 
 
 # ---- the process group ----------------------------------------------------------------
@@ -560,14 +556,29 @@ def _shard_patches(shards):
     return {(cls, "__init__"): noted}
 
 
-def _collectives_seen(torch, used):
+def _collectives_seen(torch, rec, streams, used):
     """A dispatch mode noting the process group of every collective (c10d's
     operators, from Python or from C++ as DDP's reducer calls them): NCCL
-    makes a communicator for a group at its first collective."""
+    makes a communicator for a group at its first collective. Where the
+    device profile says ProcessGroupNCCL calls record_stream on its
+    collectives' tensors (nccl_record_stream), each one's allocation is used
+    on the group's NCCL stream ('r' lines)."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import torch.distributed as dist
+    from torch.utils._pytree import tree_flatten
+
+    record_streams = bool(rec.profile is not None and rec.profile.value("nccl_record_stream"))
+    nccl_streams = {}  # group name -> its NCCL stream
+
+    def used_on(group, args):
+        s = nccl_streams.setdefault(group, _Stream(streams))
+        for t in tree_flatten(args)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                i = rec.storages.get(t.untyped_storage()._cdata)
+                if i is not None:
+                    rec.use(i, s.stream_id)
 
     class Collectives(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
@@ -578,6 +589,8 @@ def _collectives_seen(torch, used):
                     if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
                         g = dist.ProcessGroup.unbox(a)
                         used[g.group_name] = g.size()
+                        if record_streams:
+                            used_on(g.group_name, (args, kwargs))
                     elif isinstance(a, str) and func.namespace == "_c10d_functional":
                         with contextlib.suppress(Exception):  # functional collectives name their group
                             g = dist.distributed_c10d._resolve_process_group(a)
@@ -608,6 +621,7 @@ def session(rec, env=None):
     patches = {}
     patches.update(_stream_patches(torch, streams))
     patches.update(_storage_patches(torch, rec, streams))
+    patches.update(_record_stream_patch(torch, rec))
     patches.update(_group_patches(torch, rec, rank, world, local_world, groups, used))
     patches.update(_fsdp_patches())
     patches.update(_dtensor_patches(rec))
@@ -621,7 +635,7 @@ def session(rec, env=None):
     patches.update(_shard_patches(shards))
     rec.distributed = {"rank": rank, "world_size": world}
     try:
-        with recorder._patched(patches), _record_stream_mode(torch, rec), _collectives_seen(torch, used):
+        with recorder._patched(patches), _collectives_seen(torch, rec, streams, used):
             yield rec
     finally:
         rec.distributed["groups"] = [g.size() for g in groups]
