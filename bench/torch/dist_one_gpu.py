@@ -10,7 +10,7 @@ measure: each job in a torchrun of its own (--nproc-per-node 1), writing
 OUT_DIR/measured/NAME.json (fsdp_job.py --report: peak reserved and
 allocated, torch.cuda.max_memory_*); a job that fails leaves
 OUT_DIR/measured/NAME.log. predict: the same jobs recorded on fake
-tensors at batch 1 and 2 and predicted at the measured batch
+tensors at batch 2 and 4 and predicted at the measured batch
 (OUT_DIR/predicted/NAME.txt, the command's table). compare: one line a
 job, measured against predicted peak reserved under PyTorch's allocator,
 written to OUT_DIR/compare.txt too.
@@ -63,9 +63,12 @@ def measure(out, names, timeout):
         cmd += ["--batch-size", str(batch), "--report", report]
         t0 = time.time()
         with open(os.path.join(d, name + ".log"), "w") as log:
-            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-        print("%-26s exit %d in %.0f s%s" % (name, rc, time.time() - t0, "" if rc else ": " + _peak(report)),
-              flush=True)  # fmt: skip
+            try:
+                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timed out after %g s" % timeout
+        peak = ": " + _peak(report) if rc == 0 else ""
+        print("%-26s exit %s in %.0f s%s" % (name, rc, time.time() - t0, peak), flush=True)
 
 
 def _peak(path):
@@ -80,10 +83,14 @@ def predict(out, names, timeout):
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     for name in names:
         args, batch = JOBS[name]
-        cmd = [sys.executable, "-m", "gpumem.predict", "--gpus", "1", "--memory", "80G", "--batch-sizes", "1,2",
+        cmd = [sys.executable, "-m", "gpumem.predict", "--gpus", "1", "--memory", "80G", "--batch-sizes", "2,4",
                "--batch", str(batch), "--no-confirm", JOB] + args + ["--batch-size", "{B}"]  # fmt: skip
         t0 = time.time()
-        done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        try:
+            done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print("%-26s timed out after %g s" % (name, timeout), flush=True)
+            continue
         with open(os.path.join(d, name + ".txt"), "wb") as f:
             f.write(done.stdout + done.stderr)
         print("%-26s exit %d in %.0f s" % (name, done.returncode, time.time() - t0), flush=True)

@@ -438,10 +438,14 @@ class NcclFiguresTest(unittest.TestCase):
             "nccl_communicator_bytes_2ranks": {"value": 200, "source": "estimate", "why": "a report"},
         })  # fmt: skip
         total, lines = distributed.nccl_bytes(p, [1])
-        self.assertEqual((total, lines), (100, [("NCCL, 1 communicator of 1 rank", 100, "measured: measured on G")]))
+        self.assertEqual((total, lines), (100, [("NCCL, 1 communicator of 1 rank", 100,
+                                                  "measured (nccl_communicator_bytes_1rank)")]))  # fmt: skip
         total, lines = distributed.nccl_bytes(p, [2, 2])
         self.assertEqual(total, 400)
-        self.assertIn("assumed: a report", lines[0][2])
+        self.assertEqual(lines[0][2], "assumed (nccl_communicator_bytes_2ranks)")
+        notes = distributed.nccl_notes(p, [{"communicators": [2]}, {"communicators": [8]}])
+        self.assertEqual(notes[0], "nccl_communicator_bytes_2ranks, assumed: a report")
+        self.assertIn("nccl_communicator_bytes_nranks is not in the device profile", notes[1])
         total, lines = distributed.nccl_bytes(p, [8])
         self.assertEqual(total, 0)
         self.assertIn("not in the device profile (nccl_communicator_bytes_nranks): not counted", lines[0][2])
@@ -494,8 +498,9 @@ class CommandTest(unittest.TestCase):
             # at 4 ranks: ranks 0-2 hold full shards of every layer (the 8->6 layer's 2 rows each
             # for 0-2, none for 3)
             self.assertIn("4 GPUs: ranks 0-2 alike (rank 0 recorded); rank 3", out)
-            self.assertIn("NCCL, 1 communicator of 2 ranks: 0.531 GiB, assumed", out)
-            self.assertIn("NCCL, 1 communicator of 4 ranks: 0.672 GiB, assumed", out)
+            self.assertIn("NCCL, 1 communicator of 2 ranks: 0.531 GiB, assumed (nccl_communicator_bytes_2ranks)", out)
+            self.assertIn("NCCL, 1 communicator of 4 ranks: 0.672 GiB, assumed (nccl_communicator_bytes_nranks)", out)
+            self.assertIn("  - nccl_communicator_bytes_nranks, assumed: a third party's figure", out)
             self.assertIn("fewest GPUs for a global batch of 4096", out)
             # the table's figures are gpumem predict's on the recordings, the budget less the
             # context and NCCL

@@ -5,6 +5,8 @@
         train.py --batch-size {B} [script args]
     python -m gpumem.predict ... --seq-lens 128,256,512 --seq-len 2048
         train.py --batch-size {B} --max-length {L} [script args]
+    python -m gpumem.predict --gpus 1,2,4,8 --memory 80G [--global-batch N] ...
+        train.py --batch-size {B}          (a script for torchrun: distributed.py)
 
 Runs the training script briefly at each small batch size ({B} in its
 arguments becomes the batch size), each in a process of its own, until

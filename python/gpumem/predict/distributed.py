@@ -667,9 +667,10 @@ def nccl_key(size):
 
 def nccl_bytes(profile, communicators):
     """NCCL's device memory on one rank for the communicators (their sizes)
-    the job's collectives used: (total bytes counted, [line]) where each
-    line names a figure and says whether it is measured, derived or
-    assumed, or that the profile has none (not counted)."""
+    the job's collectives used: (total bytes counted, [(what, bytes or
+    None, source)]) where source says whether the figure is measured,
+    derived or assumed and names its profile key, or that the profile has
+    none (not counted)."""
     total, lines = 0, []
     by_key = {}
     for size in communicators:
@@ -683,14 +684,23 @@ def nccl_bytes(profile, communicators):
             lines.append((what, None, "not in the device profile (%s): not counted" % key))
             continue
         source = WORDS.get(profile.source(key), profile.source(key))
-        why = (profile.values.get(key) or {}).get("why", "")
         total += int(value) * len(sizes)
-        lines.append((what, int(value) * len(sizes), "%s%s" % (source, ": " + _first_sentence(why) if why else "")))
+        lines.append((what, int(value) * len(sizes), "%s (%s)" % (source, key)))
     return total, lines
 
 
-def _first_sentence(text):
-    return text.split("; ")[0].split(". ")[0]
+def nccl_notes(profile, results):
+    """What each NCCL figure the table used rests on: a line per profile key."""
+    keys = sorted({nccl_key(n) for res in results for n in res["communicators"]})
+    out = []
+    for key in keys:
+        entry = (profile.values.get(key) if profile is not None else None) or {}
+        if entry.get("value") is None:
+            out.append("%s is not in the device profile: NCCL's memory for those groups is not counted (measure "
+                       "it with bench/torch/nccl_profile.py)" % key)  # fmt: skip
+        else:
+            out.append("%s, %s: %s" % (key, WORDS.get(entry.get("source"), entry.get("source")), entry.get("why", "")))
+    return out
 
 
 # ---- which ranks to record ------------------------------------------------------------------
@@ -866,6 +876,7 @@ def _predict_world(a, cmd, confirm, profile, memory, sizes, world, root, notes, 
                               "the scaled prediction: %s" % (world, d.rank, str(e).splitlines()[0]))  # fmt: skip
         per_rank.append((d, rows))
     return {"world": world, "ranks": distinct, "per_rank": per_rank, "context": context,
+            "communicators": info.get("communicators") or [],
             "context_source": first.metas[0]["context_source"], "nccl": nccl, "nccl_lines": nccl_lines,
             "budget": budget, "batch": batch, "streams": info.get("streams", 0)}
 
@@ -948,6 +959,7 @@ def table(script, sizes, memory, profile, results, notes, checks, batch=None, gl
                    >= -(-global_batch // res["world"])]  # fmt: skip
             lines.append("  %-20s %s" % (name, "%d GPU%s" % (fit[0], "" if fit[0] == 1 else "s") if fit else
                                          "none of %s GPUs" % ", ".join(str(w) for w in worlds)))  # fmt: skip
+    notes = nccl_notes(profile, results) + notes
     if notes:
         lines += ["", "What the recordings could not see, or assumed:"]
         lines += ["  - %s" % n for n in notes]

@@ -65,8 +65,7 @@ class Recording:
     """The allocation sequence of one recorded run.
 
     events: ("a", id, size, stream), ("f", id), ("r", id, stream) and
-    ("s", step) tuples in
-    order; notes: what the recorder could not see or had to assume, one
+    ("s", step) tuples in order; notes: what the recorder could not see or had to assume, one
     line each (carried into the trace as '# note:' comments)."""
 
     def __init__(self, batch_size=None, profile=None, workload="job", source=None):
