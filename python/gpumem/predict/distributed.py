@@ -14,27 +14,37 @@ recorder (recorder.py) and this module's session() around it:
 - the CUDA streams the job makes are told apart, and every allocation is
   recorded on the stream current when it is made, as the caching allocator
   assigns a block to its stream (FSDP2 allocates its all-gather outputs on
-  its all-gather streams and its reduce-scatter buffers on its
-  reduce-scatter stream); record_stream() calls become the trace's 'r'
-  lines;
+  its copy-in stream and its reduce-scatter outputs on its reduce-scatter
+  stream); record_stream() calls become the trace's 'r' lines;
+- a DTensor's operators are recorded on the tensors inside it (the
+  recorder's dispatch mode lets DTensor unwrap them), so FSDP2's sharded
+  parameters, gradients and optimizer state are the rank's local shards;
 - a storage resized in place (FSDP2 frees the unsharded parameters after
   forward and backward by resizing their storages to 0, and allocates them
   again at the next all-gather) is a free and an allocation, as on the GPU;
 - what a fake group cannot answer is stood in for: the check that every
   rank has the same parameter shapes (an all-gather whose output a fake
-  group leaves unwritten) is skipped, device indices name the one fake
-  device, and the metadata DTensor works out by running an operator on
-  global-shape fake tensors is not taken for the job's memory.
+  group leaves unwritten) is skipped, DDP's built-in all-reduce hook (whose
+  future the fake group leaves empty) is PyTorch's Python one, device
+  indices name the one fake device, FSDP2's test of whether a shard is
+  still the tensor it padded (by type and address, which fake tensors lack)
+  is made by storage, and the tensors DTensor makes at the global shape to
+  work out an operator's output are not taken for the job's memory.
 
 What only a real GPU shows (the memory NCCL takes outside the caching
 allocator, per communicator and rank) comes from the device profile:
-nccl_bytes() and the profile keys named there."""
+nccl_bytes() and the profile keys named there. command() is `python -m
+gpumem.predict --gpus`: which ranks to record at each world size, their
+scaling, the table (docs/predict.md, "Several GPUs")."""
 
 import contextlib
 import functools
+import inspect
 import itertools
 import os
+import shutil
 import sys
+import tempfile
 import weakref
 
 from . import recorder
@@ -182,7 +192,23 @@ def _stream_patches(torch, streams):
     def set_stream(s):
         streams.current = s
 
+    def rng_state(device=None):
+        # DTensor's random operators on shards kept on the host (CPU offload)
+        # move the CUDA generator's Philox offset around each one: a seed and
+        # an offset, 8 bytes each, on the host, that no value of a fake tensor
+        # depends on. A fake one: the fake mode would run a real one's copy to
+        # the device for real, as a constant.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        state = torch.zeros(16, dtype=torch.uint8)
+        mode = next((m for m in _get_current_dispatch_mode_stack() if isinstance(m, FakeTensorMode)), None)
+        return state if mode is None else mode.from_tensor(state)
+
+    noop = lambda *a, **k: None  # noqa: E731
     return {
+        (c, "get_rng_state"): rng_state,
+        (c, "set_rng_state"): noop,
         (c, "Stream"): Stream,
         (c, "Event"): _Event,
         (c, "current_stream"): lambda device=None: streams.current,
@@ -195,7 +221,7 @@ def _stream_patches(torch, streams):
 # ---- storages: resized in place, used on other streams ----------------------------
 
 
-def _storage_patches(torch, rec, streams):
+def _storage_patches(torch, rec):
     """UntypedStorage.resize_ as the caching allocator sees it: resizing a
     CUDA storage to 0 frees its block; resizing it from 0 allocates one
     (on the current stream); resizing it from one size to another allocates
@@ -267,31 +293,39 @@ def _group_patches(torch, rec, rank, world, local_world, groups, used):
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     real_init, real_new_group = c10d.init_process_group, c10d.new_group
-    asked = []
 
-    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank_=-1, store=None,
-                           group_name="", pg_options=None, device_id=None, **kwargs):  # fmt: skip
-        r = kwargs.pop("rank", rank_)
-        if world_size not in (-1, world) or r not in (-1, rank):
+    signature = inspect.signature(real_init)
+
+    def init_process_group(*args, **kwargs):
+        try:
+            given = signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise recorder.RecorderError("init_process_group: %s" % e) from None
+        r, w = given.get("rank", -1), given.get("world_size", -1)
+        if w not in (-1, world) or r not in (-1, rank):
             raise recorder.RecorderError(
                 "init_process_group was given rank %s of world size %s, but this recording is rank %d of %d"
-                % (r, world_size, rank, world)
+                % (r, w, rank, world)
             )
-        asked.append(str(backend) if backend else "the default")
+        backend = given.get("backend")
         rec.note("the job's process group (backend %s) was PyTorch's fake group: collectives moved no data; "
-                 "what NCCL takes outside the caching allocator comes from the device profile" % asked[0])
-        extra = {} if timeout is None else {"timeout": timeout}
-        real_init("fake", store=FakeStore(), rank=rank, world_size=world, group_name=group_name, **extra)
+                 "what NCCL takes outside the caching allocator comes from the device profile"
+                 % (backend or "the default"))  # fmt: skip
+        extra = {k: given[k] for k in ("timeout", "group_name") if given.get(k) is not None}
+        real_init("fake", store=FakeStore(), rank=rank, world_size=world, **extra)
         g = c10d._get_default_group()
         groups.append(g)
-        if device_id is not None:
+        if given.get("device_id") is not None:
             # with a device, ProcessGroupNCCL makes its communicator at once
             used[g.group_name] = g.size()
 
     def new_group(ranks=None, timeout=None, backend=None, pg_options=None, *args, **kwargs):
+        device_id = kwargs.pop("device_id", None)
         g = real_new_group(ranks, timeout, None, None, *args, **kwargs)
         if g is not None and g is not c10d.GroupMember.NON_GROUP_MEMBER:
             groups.append(g)
+            if device_id is not None:
+                used[g.group_name] = g.size()
         return g
 
     patches = {
@@ -381,7 +415,7 @@ def _ddp_hook_patches(torch, dist, ddp):
         return _DoneWork(work, [tensor]) if async_op else work
 
     cls = ddp.DistributedDataParallel
-    pre_forward, builtin = cls._pre_forward, cls._register_builtin_comm_hook
+    pre_forward = cls._pre_forward
 
     @functools.wraps(pre_forward)
     def ddp_pre_forward(self, *inputs, **kwargs):
@@ -397,7 +431,6 @@ def _ddp_hook_patches(torch, dist, ddp):
             "(torch.distributed.algorithms.ddp_comm_hooks)" % comm_hook_type
         )
 
-    del builtin
     return {
         (c10d, "all_reduce"): all_reduce,
         (dist, "all_reduce"): all_reduce,
@@ -620,7 +653,7 @@ def session(rec, env=None):
     used = {}  # group name -> size, of the groups NCCL would make a communicator for
     patches = {}
     patches.update(_stream_patches(torch, streams))
-    patches.update(_storage_patches(torch, rec, streams))
+    patches.update(_storage_patches(torch, rec))
     patches.update(_record_stream_patch(torch, rec))
     patches.update(_group_patches(torch, rec, rank, world, local_world, groups, used))
     patches.update(_fsdp_patches())
@@ -640,7 +673,7 @@ def session(rec, env=None):
     finally:
         rec.distributed["groups"] = [g.size() for g in groups]
         rec.distributed["communicators"] = sorted(used.values())
-        rec.distributed["shards"] = shards
+        rec.distributed["shards"] = sorted(set(shards))  # (which ranks differ needs each pair once)
         rec.distributed["streams"] = next(streams.ids) - 1
         if "alloc" in rec.__dict__:
             del rec.alloc
@@ -781,9 +814,6 @@ def command(a, parser, cmd, memory, sizes):
     notes, checks = [], []
     if a.cpu:
         checks.append("--cpu: --gpus always records on fake CUDA tensors")
-    import shutil
-    import tempfile
-
     from . import confirm, profiles
 
     try:
