@@ -526,26 +526,29 @@ class CommandTest(unittest.TestCase):
 
 @unittest.skipIf(not have_fsdp2() or transformers is None, "needs PyTorch with FSDP2 and transformers")
 class LlamaTest(unittest.TestCase):
-    def test_meta_init_shards_each_layer(self):
+    WORLD = 4
+
+    def record(self, offload):
         """A tiny Llama built on the meta device, sharded per decoder layer,
-        materialised with to_empty: each rank's parameters are its shards,
-        and each layer's all-gather output is its parameters' bf16 bytes
-        (mixed precision)."""
+        materialised with to_empty (on the host with CPUOffloadPolicy) and
+        initialised, trained two steps with bf16 parameters for compute."""
         sys.path.insert(0, os.path.dirname(JOB))
         import fsdp_job
         from gpumem.predict.recorder import recording
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        world = 4
+        out = {}
         with recording(None, "h200", workload="llama") as rec:
-            with distributed.session(rec, distributed.child_env({}, 0, world)):
+            with distributed.session(rec, distributed.child_env({}, 0, self.WORLD)):
                 dist.init_process_group("nccl")
                 model = fsdp_job.build_llama(torch, "llama-tiny", False)
-                mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+                if offload:
+                    kw["offload_policy"] = CPUOffloadPolicy()
                 for layer in model.model.layers:
-                    fully_shard(layer, mp_policy=mp)
-                fully_shard(model, mp_policy=mp)
-                model.to_empty(device="cuda")
+                    fully_shard(layer, **kw)
+                fully_shard(model, **kw)
+                model.to_empty(device="cpu" if offload else "cuda")
                 fsdp_job.init_llama(torch, model)
                 opt = torch.optim.AdamW(model.parameters())
                 ids = torch.randint(0, 256, (2, 32)).cuda()
@@ -554,17 +557,37 @@ class LlamaTest(unittest.TestCase):
                     opt.step()
                     opt.zero_grad(set_to_none=True)
                 sizes = {e[1]: e[2] for e in rec.events if e[0] == "a"}
+                out["params"] = []
                 for p in model.parameters():
                     local = p.to_local()
-                    i = rec.storages[local.untyped_storage()._cdata]
-                    self.assertEqual(sizes[i], padded_rows(p.shape[0], world) * numel(p.shape[1:]) * F32)
-                copy_in = model.model.layers[0]._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream.stream_id
-                layer_bytes = sum(padded_rows(p.shape[0], world) * world * numel(p.shape[1:]) * 2
-                                  for p in model.model.layers[0].parameters())  # fmt: skip
+                    i = rec.storages.get(local.untyped_storage()._cdata)
+                    out["params"].append((local.device.type, None if i is None else sizes[i],
+                                          padded_rows(p.shape[0], self.WORLD) * numel(p.shape[1:]) * F32))  # fmt: skip
+                out["copy_in"] = model.model.layers[0]._get_fsdp_state()._comm_ctx.all_gather_copy_in_stream.stream_id
+                out["layer_bytes"] = sum(padded_rows(p.shape[0], self.WORLD) * self.WORLD * numel(p.shape[1:]) * 2
+                                         for p in model.model.layers[0].parameters())  # fmt: skip
         marks = [i for i, e in enumerate(rec.events) if e[0] == "s"]
         step2 = rec.events[marks[0] + 1:marks[1]]
-        gathered = [e[2] for e in step2 if e[0] == "a" and e[3] == copy_in]
-        self.assertEqual(gathered.count(layer_bytes), 2 * 2, "each of 2 layers, in forward and in backward")
+        out["gathered"] = [e[2] for e in step2 if e[0] == "a" and e[3] == out["copy_in"]]
+        return out
+
+    def test_meta_init_shards_each_layer(self):
+        """Each rank's parameters are its padded shards, and each layer's
+        all-gather output is its parameters' unsharded bf16 bytes, in the
+        forward and again in the backward."""
+        out = self.record(offload=False)
+        for device, nbytes, expect in out["params"]:
+            self.assertEqual((device, nbytes), ("cuda", expect))
+        self.assertEqual(out["gathered"].count(out["layer_bytes"]), 2 * 2, "each of 2 layers, forward and backward")
+
+    def test_meta_init_on_the_host(self):
+        """With CPUOffloadPolicy the shards stay on the host (no CUDA
+        allocation under them: DTensor's random initialisation of host shards
+        included) and the layers are all-gathered on the GPU as before."""
+        out = self.record(offload=True)
+        for device, nbytes, _ in out["params"]:
+            self.assertEqual((device, nbytes), ("cpu", None))
+        self.assertEqual(out["gathered"].count(out["layer_bytes"]), 2 * 2)
 
 
 if __name__ == "__main__":

@@ -960,7 +960,7 @@ def table(script, sizes, memory, profile, results, notes, checks, batch=None, gl
         lines.append("  left to the allocator: %s" % gib(res["budget"]))
         at = res["batch"]
         head = "peak reserved at batch %d" % at if at else "peak reserved"
-        cols = "  %-20s %-18s %-27s %-15s" % ("allocator", "largest batch/GPU", head, "with context+NCCL")
+        cols = "  %-20s %-18s %-27s %-18s" % ("allocator", "largest batch/GPU", head, "with context+NCCL")
         if global_batch:
             need = -(-global_batch // w)
             cols += " global batch %d (%d/GPU)" % (global_batch, need)
@@ -969,7 +969,7 @@ def table(script, sizes, memory, profile, results, notes, checks, batch=None, gl
         for name, (r, rank) in _worst(res["per_rank"]).items():
             peak = r.get("peak_reserved_bytes")
             who = "" if len(res["ranks"]) == 1 else " (rank %d)" % rank
-            row = "  %-20s %-18s %-27s %-15s" % (name, _cell(r) + who, gib(peak),
+            row = "  %-20s %-18s %-27s %-18s" % (name, _cell(r) + who, gib(peak),
                                                  gib(peak + res["context"] + res["nccl"]) if peak else "-")  # fmt: skip
             if global_batch:
                 mb = r.get("max_batch")
