@@ -238,11 +238,11 @@ def _storage_patches(torch, rec):
 
     def resize(storage, nbytes):
         key = storage._cdata
-        old = live.get(key)
+        old, before = live.get(key), storage.nbytes()
         out = real_resize(storage, nbytes)
-        if old is None and key not in emptied:
-            return out  # not a CUDA storage of the job's (a real CPU tensor's, a meta one's)
         nbytes = int(nbytes)
+        if (old is None and key not in emptied) or nbytes == before:
+            return out  # not a CUDA storage of the job's (a real CPU tensor's, a meta one's), or no change
         if nbytes > 0:
             new = rec.alloc(nbytes)
             live[key] = new
@@ -251,6 +251,7 @@ def _storage_patches(torch, rec):
         elif old is not None:
             live.pop(key, None)
             emptied.add(key)
+            weakref.finalize(storage, emptied.discard, key)  # (its address may be another storage's later)
         if old is not None:
             rec.free(old)
         return out
@@ -964,6 +965,7 @@ def table(script, sizes, memory, profile, results, notes, checks, batch=None, gl
         if global_batch:
             need = -(-global_batch // w)
             cols += " global batch %d (%d/GPU)" % (global_batch, need)
+        cols = cols.rstrip()
         lines.append(cols)
         lines.append("  " + "-" * (len(cols) - 2))
         for name, (r, rank) in _worst(res["per_rank"]).items():
