@@ -270,6 +270,37 @@ def llama_generate(batch):
     return generate_job(model, cfg.vocab_size, batch)
 
 
+def greedy_decode(family, hidden, layers, heads, prompt, new_tokens):
+    """A decoder loaded in bf16, then greedy generate() with HF's dynamic KV
+    cache: a prefill, then each new token concatenated onto every layer's
+    cache, each step a slightly larger block per layer, the previous freed."""
+
+    def make(batch):
+        import torch
+
+        if family == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, pad_token_id=0)
+            model = on_gpu(lambda: GPT2LMHeadModel(cfg), torch.bfloat16)
+        else:
+            from transformers import LlamaForCausalLM
+
+            cfg = llama_config(hidden, hidden * 11 // 4, layers, heads, max(1, heads // 4))
+            model = on_gpu(lambda: LlamaForCausalLM(cfg), torch.bfloat16)
+        model.eval()
+
+        def step(opt):
+            ids = torch.randint(1, cfg.vocab_size, (batch, prompt), device="cuda")
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
+
+        return model, step
+
+    return make
+
+
 # name -> (build(batch) -> (model, step(opt)), training?)
 JOBS = {
     "gpt2": (lambda b: gpt2(b), True),
@@ -287,6 +318,10 @@ JOBS = {
     "resnet_sgd": (resnet_sgd, False),
     "gpt2_generate": (gpt2_generate, False),
     "llama_generate": (llama_generate, False),
+    # greedy decoding at three sizes (traces/jobs/README.md): --batch-size is the requests' batch
+    "decode_gpt2": (greedy_decode("gpt2", 768, 12, 12, prompt=64, new_tokens=512), False),
+    "decode_gpt2_medium": (greedy_decode("gpt2", 1024, 24, 16, prompt=128, new_tokens=256), False),
+    "decode_llama": (greedy_decode("llama", 1536, 16, 16, prompt=256, new_tokens=192), False),
 }
 
 

@@ -5,6 +5,8 @@
         train.py --batch-size {B} [script args]
     python -m gpumem.predict ... --seq-lens 128,256,512 --seq-len 2048
         train.py --batch-size {B} --max-length {L} [script args]
+    python -m gpumem.predict --gpus 1,2,4,8 --memory 80G [--global-batch N] ...
+        train.py --batch-size {B}          (a script for torchrun: distributed.py)
 
 Runs the training script briefly at each small batch size ({B} in its
 arguments becomes the batch size), each in a process of its own, until
@@ -109,6 +111,9 @@ def _parser():
                    help="report the scaled prediction as it is")
     p.add_argument("--confirm-runs", type=int, default=12,
                    help="recordings the check may make (default 12)")
+    p.add_argument("--gpus", help="a script for torchrun (DDP, FSDP2): record one rank of each of these world sizes "
+                   "on PyTorch's fake process group and predict per GPU (1,2,4,8); {B} is the batch per GPU")
+    p.add_argument("--global-batch", type=int, help="with --gpus: the fewest GPUs that fit this many samples a step")
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments; {B} becomes the batch size")
     return p
@@ -187,19 +192,19 @@ def record_points(pool, points, how, root, prefix):
     return pool.get(how).record(points, how, root, prefix)
 
 
-def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None):
+def record(script, args, batch_size, out_dir, mode, steps, profile, timeout=1800, seq_len=None, env=None):
     """One run of script at batch_size (and seq_len, for {L}) into the
-    folder out_dir<batch_size>[_L<seq_len>]; its meta (with 'path': the
+    folder out_dir, in a recording process of its own (env: its
+    environment, default the command's); its meta (with 'path': the
     recording), or PredictError."""
     from . import runs
 
-    parent, prefix = os.path.split(os.path.abspath(out_dir))
+    out_dir = os.path.abspath(out_dir)
     try:
-        parent = _safefs.private_dir(parent)
-        r = runs.Runs(script, args, steps, profile, jobs=1, timeout=timeout, log_dir=parent, env=_env())
+        parent = _safefs.private_dir(os.path.dirname(out_dir))
+        r = runs.Runs(script, args, steps, profile, jobs=1, timeout=timeout, log_dir=parent, env=env or _env())
         try:
-            # (into out_dir followed by the batch, as the command names its folders)
-            return r.record([(batch_size, seq_len)], mode, parent, prefix)[0]
+            return r.record([(batch_size, seq_len)], mode, parent, folders=[os.path.basename(out_dir)])[0]
         finally:
             r.close()
     except (runs.RunError, OSError) as e:
@@ -502,6 +507,10 @@ def main(argv=None):
         p.error("--confirm-runs must be at least 1")
     if not os.path.isfile(a.script):
         p.error("no script %s" % a.script)
+    if a.gpus is not None or a.global_batch is not None:
+        from . import distributed  # (several GPUs: docs/predict.md, "Several GPUs")
+
+        return distributed.command(a, p, sys.modules[__name__], memory, sizes)
     try:
         mode = "gpu" if not a.cpu and _gpu_available() else "cpu"
         from . import profiles, runs

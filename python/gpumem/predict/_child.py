@@ -14,6 +14,7 @@ OUT_DIR/meta.json says how many steps ran, whether the script ended by
 itself (an inference script takes no optimizer step), what could not be seen
 (notes) and the memory the CUDA context takes outside the allocator."""
 
+import contextlib
 import json
 import os
 import runpy
@@ -55,14 +56,24 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
 
     name = os.path.splitext(os.path.basename(script))[0]
     with recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
-        stopped = _run_script(script, args)
+        with _one_rank(rec):
+            stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
     source = rec.profile.source("cuda_context_bytes") if rec.profile else None
     if source:  # (from the profile: where it was measured, not here)
         source = "%s on the %s, device profile %s" % (source, rec.profile.gpu, rec.profile.name)
     return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
-            "context_bytes": context, "context_source": source or "none", "file": "trace"}
+            "context_bytes": context, "context_source": source or "none", "file": "trace",
+            "distributed": getattr(rec, "distributed", None)}
+
+
+def _one_rank(rec):
+    """As one rank of a torchrun job on PyTorch's fake process group where
+    the command asks for it (distributed.py), else nothing."""
+    from . import distributed
+
+    return distributed.session(rec) if distributed.wanted() else contextlib.nullcontext()
 
 
 def _conv_probe(profile_name):

@@ -8,7 +8,7 @@ seconds to import, as long as a small job's recording).
 
 Reads requests from stdin, one JSON object a line:
     {"id": K, "mode": "cpu|probe|gpu", "out_dir": D, "steps": N,
-     "profile": P, "argv": [...]}
+     "profile": P, "argv": [...], "env": {NAME: VALUE, ...}}
 runs at most JOBS children at once, and writes one line to stdout for each
 when it ends: {"id": K, "rc": EXIT_STATUS}. The child runs
 gpumem.predict._child in place, its output going to D/log (a new file: D
@@ -72,6 +72,7 @@ def _run_child(request, script):
         os.close(fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
+        os.environ.update(request.get("env") or {})
         from gpumem.predict import _child as child
 
         argv = [request["mode"], out_dir, str(request["steps"]), request["profile"], script] + request["argv"]

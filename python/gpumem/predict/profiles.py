@@ -26,7 +26,13 @@ The keys the recorder uses:
   forward takes after its outputs and gives back within the call.
 - cuda_context_bytes: device memory the CUDA context and PyTorch's
   kernels take outside the allocator: it is not in a trace, but the
-  allocator has that much less to use."""
+  allocator has that much less to use.
+- nccl_communicator_bytes_1rank, _2ranks, _nranks: device memory one
+  NCCL communicator takes outside the allocator on each of its ranks, for
+  groups of 1, 2 and 3 or more ranks (distributed.py; measured by
+  bench/torch/nccl_profile.py).
+- nccl_record_stream: whether ProcessGroupNCCL calls record_stream on the
+  tensors of its collectives (else it holds them until the work is done)."""
 
 import json
 import os
@@ -35,6 +41,7 @@ __all__ = ["Profile", "load", "available", "choose", "user_dir", "DIR"]
 
 DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 SOURCES = ("measured", "derived", "estimate")
+SEVERAL_GPUS = "nccl_"  # keys only jobs on several GPUs use: said where they are used (distributed.py)
 
 
 class Profile:
@@ -69,7 +76,8 @@ class Profile:
         (measured_elsewhere: keys the recording measures itself), by where
         each value comes from instead."""
         head = "device profile %s (%s, torch %s)" % (self.name, self.gpu, self.torch)
-        rest = {s: sorted(k for k, e in self.values.items() if e.get("source") == s and k not in measured_elsewhere)
+        rest = {s: sorted(k for k, e in self.values.items() if e.get("source") == s and k not in measured_elsewhere
+                          and not k.startswith(SEVERAL_GPUS))
                 for s in ("derived", "estimate")}  # fmt: skip
         if not rest["derived"] and not rest["estimate"]:
             return [head + ": all values measured"]

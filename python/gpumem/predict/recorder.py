@@ -73,8 +73,8 @@ def _role_text(role):
 class Recording:
     """The allocation sequence of one recorded run.
 
-    events: ("a", id, size, stream), ("f", id) and ("s", step) tuples in
-    order; notes: what the recorder could not see or had to assume, one
+    events: ("a", id, size, stream), ("f", id), ("r", id, stream) and
+    ("s", step) tuples in order; notes: what the recorder could not see or had to assume, one
     line each (carried into the trace as '# note:' comments)."""
 
     def __init__(self, batch_size=None, profile=None, workload="job", source=None):
@@ -119,6 +119,12 @@ class Recording:
                 return
             self._live_bytes -= size
             self.events.append(("f", i))
+
+    def use(self, i, stream):
+        """The live allocation i is used on stream (record_stream)."""
+        with self._lock:
+            if i in self._live:
+                self.events.append(("r", i, stream))
 
     def step(self):
         with self._lock:
@@ -169,6 +175,8 @@ class Recording:
                 body.append("a %d %d %d %s" % e[1:] if e[4] else "a %d %d %d" % e[1:4])
             elif e[0] == "f":
                 body.append("f %d" % e[1])
+            elif e[0] == "r":
+                body.append("r %d %d" % (e[1], e[2]))
             else:
                 body.append("# step %d" % e[1])
         return head + body
@@ -501,6 +509,8 @@ def _tracker(recording, fake_mode, profile, probe=None):
             weakref.finalize(s, on_free, key, i)
         return new
 
+    recording.storages = live  # (for what frees or re-allocates a storage in place: distributed.py)
+
     def forget_written(func, args, kwargs):
         if func not in writes:
             writes[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
@@ -620,6 +630,11 @@ def _tracker(recording, fake_mode, profile, probe=None):
 
     class Tracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            if any(t is not FakeTensor and hasattr(t, "__tensor_flatten__") for t in types_):
+                # A tensor subclass that wraps others (DTensor): its own
+                # __torch_dispatch__ runs the operator on the tensors inside,
+                # with this mode still on, which records their storages.
+                return NotImplemented
             if hand.pending and torch.is_grad_enabled() and not _engine.depth:
                 # A training loop with no optimizer: the parameters were
                 # updated by hand after a backward, and the next pass begins

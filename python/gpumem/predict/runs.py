@@ -112,14 +112,15 @@ class Runs:
             if self.proc.poll() is not None:
                 return self.proc.stdout.readline()
 
-    def record(self, points, mode, root, prefix):
+    def record(self, points, mode, root, prefix="b", folders=None, env=None):
         """Runs the script at each (batch, seq_len) of points in mode (cpu,
-        probe or gpu), into root/<prefix><batch>[_L<len>]/; returns each
-        run's meta (with 'path': its trace), in order. RunError when one
-        fails."""
+        probe or gpu), into root/<prefix><batch>[_L<len>]/ (or root/ each of
+        folders), each child with env's variables set besides the
+        process's; returns each run's meta (with 'path': its trace), in
+        order. RunError when one fails."""
         requests = []
-        for b, length in points:
-            folder = prefix + "%d" % b + ("" if length is None else "_L%d" % length)
+        for k, (b, length) in enumerate(points):
+            folder = folders[k] if folders else prefix + "%d" % b + ("" if length is None else "_L%d" % length)
             try:
                 out_dir = _safefs.private_dir(os.path.join(root, folder))
             except OSError as e:
@@ -129,7 +130,7 @@ class Runs:
                 argv = [x.replace("{L}", str(length)) for x in argv]
             self._next += 1
             requests.append({"id": self._next, "mode": mode, "out_dir": out_dir, "steps": self.steps,
-                             "profile": self.profile, "argv": argv, "at": _at(b, length)})  # fmt: skip
+                             "profile": self.profile, "argv": argv, "env": env or {}, "at": _at(b, length)})  # fmt: skip
         where = "on the GPU" if mode == "gpu" else "on fake tensors"
         for r in requests:
             self.proc.stdin.write(json.dumps({k: v for k, v in r.items() if k != "at"}) + "\n")
