@@ -1030,10 +1030,12 @@ class CommandTest(unittest.TestCase):
                     self.assertEqual(sum(line.startswith("# step") for line in f), 2)
 
     def test_equal_notes_are_folded(self):
-        note = "a sum of a bfloat16 tensor of %s elements: its staging buffers, if any, are not in the trace"
-        folded = command.fold_notes([note % "4,096", "something else at x.py:3", note % "1,048,576", note % "65536"])
-        self.assertEqual(folded, [note % "4,096 to 1,048,576" + " (3 of them; at most 0.004 GiB each)",
-                                  "something else at x.py:3"])  # fmt: skip
+        note = "a sum of a bfloat16 tensor of %s elements: its staging buffers, if any (at most %s bytes, given " \
+               "back within the call), are not in the trace"
+        folded = command.fold_notes([note % ("4,096", "32768"), "something else at x.py:3",
+                                     note % ("1,048,576", "524280"), note % ("65536", "524280")])
+        self.assertEqual(folded, [note % ("4,096 to 1,048,576", "32,768 to 524,280") +
+                                  " (3 of them; at most 0.001 GiB together)", "something else at x.py:3"])
         self.assertEqual(command.fold_notes(["one at a.py:1", "one at a.py:1"]), ["one at a.py:1 (2 of them)"])
 
     def test_sizes(self):

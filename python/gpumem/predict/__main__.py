@@ -316,9 +316,8 @@ _NUMBER = re.compile(r"\d[\d,]*")
 def fold_notes(notes):
     """Notes that say the same thing of different sizes (a reduction's
     staging buffers, one note for each tensor) as one line each: the
-    numbers that differ as a range, how many, and for a reduction the
-    most its staging buffers could take (partial sums of at most 4 bytes
-    an element of its input)."""
+    numbers that differ as a range, how many, and where the notes bound
+    their bytes ("at most N bytes"), the sum of those bounds."""
     groups = {}
     for n in notes:
         groups.setdefault(_NUMBER.sub("#", n), []).append(n)
@@ -335,10 +334,10 @@ def fold_notes(notes):
             text += ("{:,}".format(column[0]) if len(column) == 1 else
                      "{:,} to {:,}".format(column[0], column[-1])) + rest  # fmt: skip
         text += " (%d of them" % len(same)
-        m = re.search(r"tensor of #\s*elements", key)
+        m = re.search(r"at most # bytes", key)
         if m:
             k = key[: m.start()].count("#")
-            text += "; at most %s each" % _gib(4 * max(v[k] for v in values))
+            text += "; at most %s together" % _gib(sum(v[k] for v in values if k < len(v)))
         out.append(text + ")")
     return out
 

@@ -582,9 +582,14 @@ def _tracker(recording, fake_mode, profile, probe=None):
             return
         sizes = reductions.scratch_of(kind, x, dims, out, mps, threads)
         if sizes is None:
+            # What is at stake: CUDA's reduction kernels stage one partial
+            # result (at most 8 bytes) per output and block, with at most
+            # 65535 blocks on an output (the grid's y dimension)
+            outputs = max(1, out.numel() if isinstance(out, torch.Tensor) else 1)
+            bound = outputs * min(max(1, x.numel() // outputs), 65535) * 8
             recording.note(
-                "a %s of a %s tensor of %d elements: its staging buffers, if any, are not in the trace"
-                % (kind, str(x.dtype).replace("torch.", ""), x.numel())
+                "a %s of a %s tensor of %d elements: its staging buffers, if any (at most %d bytes, given back "
+                "within the call), are not in the trace" % (kind, str(x.dtype).replace("torch.", ""), x.numel(), bound)
             )
             return
         taken = [recording.alloc(n, role="%s_staging" % kind) for n in sizes if n]
