@@ -246,6 +246,39 @@ expect_in '"events":3794,"allocations":1898' "$out" "the CPU recorder's GPT-2: a
 expect_in '"allocations":1898,"exact":1898,"unpredicted":0,"max_error_bytes":0' "$out" \
   "the CPU recorder's GPT-2: batch 8 from 2 and 4, every allocation to the byte"
 
+# ---- PyTorch snapshot pickles: roles from their frames ----
+# batch 4 makes a sort's buffer each step that batch 2 does not; the frames name what made
+# each allocation, so the buffer is matched with nothing and said, named by its frame, with a
+# file name whose blank shows as '?' (nothing from a pickle reaches a trace's text unclean)
+python3 - "$T" <<'PY'
+import pickle, sys
+def snap(b, extra):
+    ev, top = [], [0x100000]
+    def alloc(size, frames):
+        a = top[0]; top[0] += size + 4096
+        ev.append({"action": "alloc", "addr": a, "size": size, "stream": 0, "frames": frames})
+        return a
+    def free(a, size):
+        ev.append({"action": "free_requested", "addr": a, "size": size, "stream": 0, "frames": []})
+    fwd = [{"filename": "/u/my train.py", "line": 10, "name": "forward"},
+           {"filename": "/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"}]
+    alloc(4000000, [{"filename": "/u/my train.py", "line": 3, "name": "<module>"}])
+    for step in range(3):
+        if extra:
+            s = alloc(1000 * b, [{"filename": "/u/my train.py", "line": 20, "name": "sort"}])
+            free(s, 1000 * b)
+        x = alloc(1048576 * b, fwd); y = alloc(2048 * b, fwd); free(y, 2048 * b); free(x, 1048576 * b)
+    return {"segments": [], "device_traces": [ev]}
+for b, extra in ((2, False), (4, True)):
+    with open("%s/snap_b%d.pickle" % (sys.argv[1], b), "wb") as f:
+        pickle.dump(snap(b, extra), f, protocol=4)
+PY
+run "$BIN" predict --batch-sizes 2,4 "$T/snap_b2.pickle" "$T/snap_b4.pickle" --batch 16
+expect_rc 0 "snapshot pickles with frames"
+expect_in "matched by what made them, stream and size: 7 of the largest recording's allocations" "$out" \
+  "snapshot pickles: matched by role"
+expect_in "sort@my?train.py:20~" "$out" "snapshot pickles: the unmatched role named, its blank shown as ?"
+
 # ---- small allocations that follow no trend ----
 # 6, 96 and 24 bytes at batch 2, 4 and 8: a curve through them goes below
 # one byte further on; every allocator gives them a block of 512 anyway.
