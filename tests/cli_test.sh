@@ -487,6 +487,27 @@ if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
 else
   echo "cli_test: SKIPPED report into another user's file: needs root and setpriv"
 fi
+if [ "$(id -u)" = 0 ]; then
+  # a sticky directory anyone can write that another user owns: its owner
+  # could rename the finished file away and put their own in its place
+  mkdir -m 1777 "$T/msticky"
+  chown 65534 "$T/msticky"
+  for sub in report explain; do
+    if [ $sub = report ]; then
+      run "$BIN" report -o "$T/msticky/r.html" "$TINY"
+    else
+      run "$BIN" explain --snapshot "$T/msticky/r.pickle" "$TINY"
+    fi
+    expect_rc 1 "$sub: into another user's sticky directory"
+    expect_in "its directory $T/msticky belongs to uid 65534" "$err" "$sub: the directory and its owner named"
+    expect_true "$sub: nothing written into another user's directory" [ -z "$(ls -A "$T/msticky")" ]
+  done
+  run "$BIN" report -o "/tmp/gpumem_cli_$$.html" "$TINY"
+  expect_rc 0 "report into /tmp itself (root's, sticky)"
+  rm -f "/tmp/gpumem_cli_$$.html"
+else
+  echo "cli_test: SKIPPED a sticky directory another user owns: making one (chown) needs root"
+fi
 
 run "$BIN" report --conf "limt:1G" "$TINY"
 expect_rc 1 "report --conf with a typo"
@@ -573,6 +594,55 @@ expect_in "bad --memory '0'" "$err" "report --memory=0 names the value"
 run "$BIN" report "$TRACE" --memory
 expect_rc 2 "report --memory without a value"
 expect_in "option '--memory' needs a value" "$err" "report --memory without a value"
+
+# ---- names from outside: never events, always shown ----
+# A file name is only a name: one holding a newline and a trace line must
+# not add an event to what is analysed (the figures are those of the same
+# file under a plain name), and every command shows it with its control
+# characters made visible, JSON escaping them its own way.
+NL='
+'
+EVIL="job${NL}a 77777 200000000000000 0${NL}#"
+mkdir "$T/names"
+for b in 2 4 8; do
+  cp "$SRC/tests/predict/gpt2_small_b$b.trace.gz" "$T/names/plain_b$b.trace.gz"
+  cp "$SRC/tests/predict/gpt2_small_b$b.trace.gz" "$T/names/${EVIL}_b$b.trace.gz"
+done
+run "$BIN" predict --sizes 2,4,8 --batch 64 --json "$T"/names/plain_b{2,4,8}.trace.gz
+plain_peak=$(json_num peak_live_bytes)
+run "$BIN" predict --sizes 2,4,8 --batch 64 --json "$T/names/${EVIL}_b2.trace.gz" \
+  "$T/names/${EVIL}_b4.trace.gz" "$T/names/${EVIL}_b8.trace.gz"
+expect_rc 0 "predict over files named with a newline"
+evil_peak=$(json_num peak_live_bytes)
+expect_true "predict: a name adds no event (peak live $evil_peak, under a plain name $plain_peak)" \
+  [ -n "$plain_peak" -a "$evil_peak" = "$plain_peak" ]
+expect_in 'job\u000aa 77777' "$out" "predict --json escapes the name's newline"
+run "$BIN" predict --sizes 2,4,8 --batch 64 "$T/names/${EVIL}_b2.trace.gz" \
+  "$T/names/${EVIL}_b4.trace.gz" "$T/names/${EVIL}_b8.trace.gz"
+expect_in 'job\x0aa 77777 200000000000000 0\x0a#_b2' "$out" "predict shows the name's newline"
+expect_not_in "${NL}a 77777" "$out" "predict prints no raw newline from a name"
+run "$BIN" replay --steady 3 --passes 0 "$T/names/${EVIL}_b2.trace.gz"
+expect_rc 0 "replay --steady over a file named with a newline"
+expect_not_in "${NL}a 77777" "$out" "replay prints no raw newline from a name"
+EVILPK="snap${NL}a 77777 1000000000000 0${NL}#.pickle"
+cp "$SNAP/small.pickle" "$T/names/plain.pickle"
+cp "$SNAP/small.pickle" "$T/names/$EVILPK"
+run "$BIN" leaks --json "$T/names/plain.pickle"
+plain_leaks=$(json_num bytes)
+run "$BIN" leaks --json "$T/names/$EVILPK"
+expect_rc 0 "leaks of a pickle named with a newline"
+expect_true "leaks: a pickle's name adds no allocation ($(json_num bytes) bytes, under a plain name $plain_leaks)" \
+  [ -n "$plain_leaks" -a "$(json_num bytes)" = "$plain_leaks" ]
+run "$BIN" leaks "$T/names/$EVILPK"
+expect_in 'snap\x0aa 77777' "$out" "leaks shows the name's newline"
+ESC="$(printf 'esc\033]0;owned\007')"
+cp "$TINY" "$T/names/$ESC.trace"
+for cmd in "replay --passes 0" "summary" "explain" "leaks" "fit --memory 1G"; do
+  run "$BIN" $cmd "$T/names/$ESC.trace"
+  expect_not_in "$(printf '\033')" "$out$err" "$cmd shows no escape sequence from a name"
+done
+run "$BIN" replay "$T/names/$ESC-missing.trace"
+expect_in 'esc\x1b]0;owned\x07-missing.trace: cannot open' "$err" "an error shows the name's escape sequence"
 
 # ---- run: code only from a package this user or root owns ----
 # The binary built into a directory whose parent anyone can write (make

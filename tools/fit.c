@@ -4,8 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "cliconf.h"
-
 #define GIB 1073741824.0
 
 const fit_row_t fit_rows[] = {
@@ -26,20 +24,6 @@ const char fit_note[] =
     "replays\n(x: over peak live). pytorch and the gpumem rows replay gpumem's engine; the "
     "expandable\nand cudaMallocAsync rows are models (docs/whatif.md: within 0.7% and 3.2% of "
     "the H200's figures).\n";
-
-gpumem_status_t fit_parse_memory(const char* text, size_t* out) {
-  size_t bytes = 0;
-  /* 0 would ask whether the job fits in nothing: a mistake, not a question */
-  if (gpumem_parse_size(text, &bytes) != GPUMEM_OK || bytes == 0) {
-    gpumem_set_last_error("bad --memory '%s' (bytes with an optional K/M/G/T suffix, e.g. 80G)",
-                          text);
-    return GPUMEM_ERR_INVALID_ARGUMENT;
-  }
-  /* "80" parses as 80 bytes: refused with a hint rather than answered */
-  if (cli_parse_size("--memory", text, &bytes) != GPUMEM_OK) return GPUMEM_ERR_INVALID_ARGUMENT;
-  *out = bytes;
-  return GPUMEM_OK;
-}
 
 /* The row's replay settings over base: its policy and conf, no limit, one
  * cold pass. */

@@ -33,10 +33,6 @@ typedef struct fit_result {
   uint64_t needed;        /* smallest limit; 0: none found */
 } fit_result_t;
 
-/* Reads a --memory value: a size with its unit (80G; 4096B for bytes), above 0.
- * GPUMEM_ERR_INVALID_ARGUMENT with gpumem_last_error() naming the value. */
-gpumem_status_t fit_parse_memory(const char* text, size_t* out);
-
 /* One row for trace t: peak reserved, the smallest limit (bisected to
  * base->min_limit_tolerance) and, when memory is not 0, whether it fits
  * in memory. base gives the replay settings the engine's rows start from

@@ -714,3 +714,19 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
   r->min_limit_ratio = peak ? (double)hi / (double)peak : 0;
   return GPUMEM_OK;
 }
+
+size_t replay_tagged_peak(gpumem_t* gm, const trace_t* t, size_t start, size_t stop, void** slots) {
+  int64_t best = -1;
+  size_t best_event = 0;
+  for (size_t i = start; i < stop; i++) {
+    if (replay_event_tagged(gm, t, i, slots) != GPUMEM_OK) return SIZE_MAX;
+    if (t->events[i].op != TRACE_ALLOC) continue;
+    gpumem_stats_t st;
+    gpumem_get_stats(gm, &st);
+    if (st.reserved_bytes[GPUMEM_POOL_ALL].current > best) {
+      best = st.reserved_bytes[GPUMEM_POOL_ALL].current;
+      best_event = i;
+    }
+  }
+  return best_event;
+}

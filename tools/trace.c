@@ -12,10 +12,8 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#include <zlib.h>
 
-#include "pickle.h"
-#include "snapshot.h"
+#include "show.h"
 
 /* ---- a small hash map: 64-bit key -> 32-bit value -------------------- */
 
@@ -199,10 +197,14 @@ static num_result_t parse_u64(token_t t, int hex, uint64_t* out) {
   return NUM_OK;
 }
 
-/* ---- the parser ------------------------------------------------------- */
+/* ---- building a trace ------------------------------------------------- */
 
-typedef struct parser {
-  const char* path;
+/* One builder for every trace: the text parser feeds it the events of a
+ * file's lines, and the snapshot reader and the trace transformations feed
+ * it events directly, so every fact and check is the usual one and no text
+ * from outside (a path, a file's contents) is ever read back as events. */
+struct trace_builder {
+  const char* path; /* t->path: messages name it */
   size_t line;
   trace_t* t;
   size_t events_cap;
@@ -213,7 +215,8 @@ typedef struct parser {
   u64map_t streams; /* distinct streams (value unused) */
   uint64_t live_bytes;
   size_t live_allocs;
-} parser_t;
+};
+typedef struct trace_builder parser_t;
 
 static gpumem_status_t fail_line(parser_t* p, const char* fmt, ...)
     __attribute__((format(printf, 2, 3)));
@@ -309,98 +312,217 @@ static gpumem_status_t live_slot(parser_t* p, uint64_t id, const char* verb, uin
   return GPUMEM_OK;
 }
 
-static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
+static gpumem_status_t push_event(parser_t* p, const trace_event_t* ev) {
   trace_t* t = p->t;
-  trace_event_t ev = {0};
+  if (grow((void**)&t->events, &p->events_cap, t->num_events + 1, sizeof *t->events) != 0)
+    return no_memory(p);
+  t->events[t->num_events] = *ev;
+  t->events[t->num_events].line = p->line > UINT32_MAX ? UINT32_MAX : (uint32_t)p->line;
+  t->num_events++;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t add_alloc(parser_t* p, uint64_t id, uint64_t size, uint64_t stream) {
+  trace_t* t = p->t;
+  gpumem_status_t st;
+  if (size > TRACE_MAX_SIZE) {
+    return fail_line(p, "SIZE %llu is larger than the readers' limit of 2^48 bytes (256 TiB)",
+                     (unsigned long long)size);
+  }
+#if UINTPTR_MAX < UINT64_MAX
+  if (stream > UINTPTR_MAX) return fail_line(p, "STREAM does not fit in a pointer");
+#endif
+  uint32_t old = map_get(&p->ids, id);
+  if (old != MAP_EMPTY && p->slot_live[old]) {
+    return fail_line(p, "alloc of id %llu which is already allocated (at line %u)",
+                     (unsigned long long)id, (unsigned)t->events[t->slot_event[old]].line);
+  }
+  if (t->num_allocs >= MAP_EMPTY) return fail_line(p, "too many allocations");
+  if (p->live_bytes + size < p->live_bytes) return fail_line(p, "live bytes overflow 64 bits");
+  if (size > TRACE_MAX_TOTAL - t->total_alloc_bytes)
+    return fail_line(p, "the total of allocated bytes passes the readers' limit of 2^62");
+  size_t slot = t->num_allocs;
+  if (slot >= p->slots_cap && grow_slots(p) != 0) return no_memory(p);
+  if (map_put(&p->ids, id, (uint32_t)slot) < 0) return no_memory(p);
+  if ((st = add_stream(p, (uintptr_t)stream)) != GPUMEM_OK) return st;
+
+  trace_event_t ev = {.op = TRACE_ALLOC, .id = (uint32_t)slot, .size = size};
+  ev.stream = (uintptr_t)stream;
+  if ((st = push_event(p, &ev)) != GPUMEM_OK) return st;
+  t->slot_trace_id[slot] = id;
+  t->slot_event[slot] = t->num_events - 1;
+  p->slot_live[slot] = 1;
+  t->num_allocs++;
+  p->live_bytes += size;
+  p->live_allocs++;
+  t->total_alloc_bytes += size;
+  if (size > t->max_alloc_size) t->max_alloc_size = size;
+  if (p->live_bytes > t->peak_live_bytes) {
+    t->peak_live_bytes = p->live_bytes;
+    t->peak_event = t->num_events - 1;
+    t->peak_live_allocs = p->live_allocs;
+  }
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t add_free(parser_t* p, uint64_t id) {
+  trace_t* t = p->t;
+  uint32_t slot = 0;
+  gpumem_status_t st = live_slot(p, id, "free", &slot);
+  if (st != GPUMEM_OK) return st;
+  const trace_event_t* a = &t->events[t->slot_event[slot]];
+  trace_event_t ev = {.op = TRACE_FREE, .id = slot, .size = a->size, .stream = a->stream};
+  if ((st = push_event(p, &ev)) != GPUMEM_OK) return st;
+  p->slot_live[slot] = 0;
+  t->num_frees++;
+  p->live_bytes -= ev.size;
+  p->live_allocs--;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t add_record_stream(parser_t* p, uint64_t id, uint64_t stream) {
+  trace_t* t = p->t;
+  uint32_t slot = 0;
+  gpumem_status_t st;
+#if UINTPTR_MAX < UINT64_MAX
+  if (stream > UINTPTR_MAX) return fail_line(p, "STREAM does not fit in a pointer");
+#endif
+  if ((st = live_slot(p, id, "record_stream", &slot)) != GPUMEM_OK) return st;
+  if ((st = add_stream(p, (uintptr_t)stream)) != GPUMEM_OK) return st;
+  trace_event_t ev = {.op = TRACE_RECORD_STREAM, .id = slot};
+  ev.size = t->events[t->slot_event[slot]].size;
+  ev.stream = (uintptr_t)stream;
+  if ((st = push_event(p, &ev)) != GPUMEM_OK) return st;
+  t->num_record_streams++;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t add_step(parser_t* p) {
+  trace_t* t = p->t;
+  if (grow((void**)&t->step_end, &p->steps_cap, t->num_steps + 1, sizeof *t->step_end) != 0)
+    return no_memory(p);
+  t->step_end[t->num_steps++] = t->num_events;
+  return GPUMEM_OK;
+}
+
+/* "dir/gpt2_train.trace.gz" -> "gpt2_train", with every byte a terminal
+ * could act on made visible (show.h): the name is only ever shown. */
+static char* trace_name(const char* path) {
+  const char* base = strrchr(path, '/');
+  base = base ? base + 1 : path;
+  size_t len = strlen(base);
+  static const char* const suffixes[] = {".gz", ".trace", ".txt", ".pickle", ".pkl"};
+  for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
+    size_t sl = strlen(suffixes[i]);
+    if (len > sl && memcmp(base + len - sl, suffixes[i], sl) == 0) len -= sl;
+  }
+  char* raw = strndup(base, len);
+  char* name = raw ? show_dup(raw) : NULL;
+  free(raw);
+  return name;
+}
+
+gpumem_status_t trace_builder_new(const char* path, size_t expected_events, trace_builder_t** out) {
+  *out = NULL;
+  parser_t* p = calloc(1, sizeof *p);
+  trace_t* t = calloc(1, sizeof *t);
+  if (p) p->t = t;
+  /* start the ID map near its final size (about two events an
+   * allocation) to skip most regrowth */
+  if (!p || !t || map_init(&p->ids, expected_events / 2 + 16) != 0 ||
+      map_init(&p->streams, 16) != 0 || !(t->path = strdup(path)) ||
+      !(t->name = trace_name(path))) {
+    if (p)
+      trace_builder_discard(p);
+    else
+      free(t);
+    gpumem_set_last_error("%s: out of host memory", path);
+    return GPUMEM_ERR_HOST_MEMORY;
+  }
+  p->path = t->path;
+  *out = p;
+  return GPUMEM_OK;
+}
+
+void trace_builder_discard(trace_builder_t* b) {
+  if (!b) return;
+  map_destroy(&b->ids);
+  map_destroy(&b->streams);
+  free(b->slot_live);
+  trace_free(b->t);
+  free(b);
+}
+
+void trace_builder_set_line(trace_builder_t* b, size_t line) {
+  b->line = line ? line - 1 : 0;
+}
+
+gpumem_status_t trace_builder_alloc(trace_builder_t* b, uint64_t id, uint64_t size,
+                                    uint64_t stream) {
+  b->line++;
+  return add_alloc(b, id, size, stream);
+}
+
+gpumem_status_t trace_builder_free(trace_builder_t* b, uint64_t id) {
+  b->line++;
+  return add_free(b, id);
+}
+
+gpumem_status_t trace_builder_record_stream(trace_builder_t* b, uint64_t id, uint64_t stream) {
+  b->line++;
+  return add_record_stream(b, id, stream);
+}
+
+gpumem_status_t trace_builder_step(trace_builder_t* b) {
+  b->line++;
+  return add_step(b);
+}
+
+gpumem_status_t trace_builder_finish(trace_builder_t* b, trace_t** out) {
+  *out = NULL;
+  trace_t* t = b->t;
+  if (t->num_events == 0) {
+    gpumem_set_last_error("%s: no events (expected lines 'a ID SIZE STREAM' and 'f ID')", b->path);
+    trace_builder_discard(b);
+    return GPUMEM_ERR_IO;
+  }
+  t->num_streams = b->streams.count;
+  t->end_live_bytes = b->live_bytes;
+  t->end_live_allocs = b->live_allocs;
+  b->t = NULL;
+  trace_builder_discard(b);
+  *out = t;
+  return GPUMEM_OK;
+}
+
+/* ---- the text format -------------------------------------------------- */
+
+static gpumem_status_t parse_event(parser_t* p, const token_t* tok, size_t n) {
   uint64_t id = 0, size = 0, stream = 0;
   gpumem_status_t st;
   char c = tok[0].len == 1 ? tok[0].s[0] : '\0';
-
-  ev.line = p->line > UINT32_MAX ? UINT32_MAX : (uint32_t)p->line;
   if (c == 'a') {
     if ((st = field_count(p, n, 3, tok, "a ID SIZE STREAM")) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[2], "SIZE", 0, &size)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[3], "STREAM", 1, &stream)) != GPUMEM_OK) return st;
-    if (size > TRACE_MAX_SIZE) {
-      return fail_line(p, "SIZE %llu is larger than the readers' limit of 2^48 bytes (256 TiB)",
-                       (unsigned long long)size);
-    }
-#if UINTPTR_MAX < UINT64_MAX
-    if (stream > UINTPTR_MAX) return fail_line(p, "STREAM does not fit in a pointer");
-#endif
-    uint32_t old = map_get(&p->ids, id);
-    if (old != MAP_EMPTY && p->slot_live[old]) {
-      return fail_line(p, "alloc of id %llu which is already allocated (at line %u)",
-                       (unsigned long long)id, (unsigned)t->events[t->slot_event[old]].line);
-    }
-    if (t->num_allocs >= MAP_EMPTY) return fail_line(p, "too many allocations");
-    if (p->live_bytes + size < p->live_bytes) return fail_line(p, "live bytes overflow 64 bits");
-    if (size > TRACE_MAX_TOTAL - t->total_alloc_bytes)
-      return fail_line(p, "the total of allocated bytes passes the readers' limit of 2^62");
-    size_t slot = t->num_allocs;
-    if (slot >= p->slots_cap && grow_slots(p) != 0) return no_memory(p);
-    if (map_put(&p->ids, id, (uint32_t)slot) < 0) return no_memory(p);
-    if ((st = add_stream(p, (uintptr_t)stream)) != GPUMEM_OK) return st;
-
-    t->slot_trace_id[slot] = id;
-    t->slot_event[slot] = t->num_events;
-    p->slot_live[slot] = 1;
-    t->num_allocs++;
-    ev.op = TRACE_ALLOC;
-    ev.id = (uint32_t)slot;
-    ev.size = size;
-    ev.stream = (uintptr_t)stream;
-    p->live_bytes += size;
-    p->live_allocs++;
-    t->total_alloc_bytes += size;
-    if (size > t->max_alloc_size) t->max_alloc_size = size;
-    if (p->live_bytes > t->peak_live_bytes) {
-      t->peak_live_bytes = p->live_bytes;
-      t->peak_event = t->num_events;
-      t->peak_live_allocs = p->live_allocs;
-    }
-  } else if (c == 'f') {
-    uint32_t slot = 0;
+    return add_alloc(p, id, size, stream);
+  }
+  if (c == 'f') {
     if ((st = field_count(p, n, 1, tok, "f ID")) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
-    if ((st = live_slot(p, id, "free", &slot)) != GPUMEM_OK) return st;
-    const trace_event_t* a = &t->events[t->slot_event[slot]];
-    p->slot_live[slot] = 0;
-    t->num_frees++;
-    ev.op = TRACE_FREE;
-    ev.id = slot;
-    ev.size = a->size;
-    ev.stream = a->stream;
-    p->live_bytes -= a->size;
-    p->live_allocs--;
-  } else if (c == 'r') {
-    uint32_t slot = 0;
+    return add_free(p, id);
+  }
+  if (c == 'r') {
     if ((st = field_count(p, n, 2, tok, "r ID STREAM")) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[1], "ID", 0, &id)) != GPUMEM_OK) return st;
     if ((st = field_u64(p, tok[2], "STREAM", 1, &stream)) != GPUMEM_OK) return st;
-#if UINTPTR_MAX < UINT64_MAX
-    if (stream > UINTPTR_MAX) return fail_line(p, "STREAM does not fit in a pointer");
-#endif
-    if ((st = live_slot(p, id, "record_stream", &slot)) != GPUMEM_OK) return st;
-    if ((st = add_stream(p, (uintptr_t)stream)) != GPUMEM_OK) return st;
-    t->num_record_streams++;
-    ev.op = TRACE_RECORD_STREAM;
-    ev.id = slot;
-    ev.size = t->events[t->slot_event[slot]].size;
-    ev.stream = (uintptr_t)stream;
-  } else {
-    char buf[64];
-    return fail_line(
-        p, "unknown operation '%s' (expected 'a ID SIZE STREAM', 'f ID' or 'r ID STREAM')",
-        show(tok[0], buf, sizeof buf));
+    return add_record_stream(p, id, stream);
   }
-
-  if (grow((void**)&t->events, &p->events_cap, t->num_events + 1, sizeof *t->events) != 0) {
-    return no_memory(p);
-  }
-  t->events[t->num_events++] = ev;
-  return GPUMEM_OK;
+  char buf[64];
+  return fail_line(p,
+                   "unknown operation '%s' (expected 'a ID SIZE STREAM', 'f ID' or 'r ID STREAM')",
+                   show(tok[0], buf, sizeof buf));
 }
 
 /* Whether a line is the recorder's step marker, "# step N" (src/record.c),
@@ -421,187 +543,30 @@ static int is_step_marker(const char* s, size_t len) {
   return i == len;
 }
 
-static gpumem_status_t add_step(parser_t* p) {
-  trace_t* t = p->t;
-  if (grow((void**)&t->step_end, &p->steps_cap, t->num_steps + 1, sizeof *t->step_end) != 0)
-    return no_memory(p);
-  t->step_end[t->num_steps++] = t->num_events;
-  return GPUMEM_OK;
-}
-
-/* "dir/gpt2_train.trace.gz" -> "gpt2_train". */
-static char* trace_name(const char* path) {
-  const char* base = strrchr(path, '/');
-  base = base ? base + 1 : path;
-  size_t len = strlen(base);
-  static const char* const suffixes[] = {".gz", ".trace", ".txt", ".pickle", ".pkl"};
-  for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
-    size_t sl = strlen(suffixes[i]);
-    if (len > sl && memcmp(base + len - sl, suffixes[i], sl) == 0) len -= sl;
-  }
-  char* name = malloc(len + 1);
-  if (!name) return NULL;
-  memcpy(name, base, len);
-  name[len] = '\0';
-  return name;
-}
-
 gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trace_t** out) {
-  gpumem_status_t st = GPUMEM_OK;
-  parser_t p;
-  memset(&p, 0, sizeof p);
-  p.path = path;
   *out = NULL;
-
-  trace_t* t = calloc(1, sizeof *t);
-  p.t = t;
-  /* About two events per allocation and 13 bytes a line in real traces:
-   * start the ID map near its final size to skip most regrowth. */
-  if (!t || map_init(&p.ids, len / 32 + 16) != 0 || map_init(&p.streams, 16) != 0) {
-    st = no_memory(&p);
-    goto done;
-  }
-  t->path = strdup(path);
-  t->name = trace_name(path);
-  if (!t->path || !t->name) {
-    st = no_memory(&p);
-    goto done;
-  }
-
+  parser_t* p = NULL;
+  /* about 13 bytes a line in real traces */
+  gpumem_status_t st = trace_builder_new(path, len / 16, &p);
+  if (st != GPUMEM_OK) return st;
   size_t pos = 0;
   while (pos < len) {
     const char* line = text + pos;
     const char* nl = memchr(line, '\n', len - pos);
     size_t line_len = nl ? (size_t)(nl - line) : len - pos;
     pos += line_len + (nl ? 1 : 0);
-    p.line++;
+    p->line++;
 
     token_t tok[5];
     size_t n = split_line(line, line_len, tok, 4);
-    if (n == 0 && is_step_marker(line, line_len)) st = add_step(&p);
-    if (st != GPUMEM_OK) goto done;
-    if (n == 0) continue; /* blank or comment */
-    st = parse_event(&p, tok, n);
-    if (st != GPUMEM_OK) goto done;
-  }
-  if (t->num_events == 0) {
-    gpumem_set_last_error("%s: no events (expected lines 'a ID SIZE STREAM' and 'f ID')", path);
-    st = GPUMEM_ERR_IO;
-    goto done;
-  }
-  t->num_streams = p.streams.count;
-  t->end_live_bytes = p.live_bytes;
-  t->end_live_allocs = p.live_allocs;
-
-done:
-  map_destroy(&p.ids);
-  map_destroy(&p.streams);
-  free(p.slot_live);
-  if (st != GPUMEM_OK) {
-    trace_free(t);
-    return st;
-  }
-  *out = t;
-  return GPUMEM_OK;
-}
-
-static int has_suffix(const char* s, const char* suffix) {
-  size_t n = strlen(s), k = strlen(suffix);
-  return n >= k && strcmp(s + n - k, suffix) == 0;
-}
-
-size_t trace_max_bytes = TRACE_MAX_BYTES_DEFAULT;
-
-gpumem_status_t trace_load(const char* path, trace_t** out) {
-  *out = NULL;
-  errno = 0;
-  gzFile f = gzopen(path, "rb");
-  if (!f) {
-    gpumem_set_last_error("%s: cannot open: %s", path,
-                          errno ? strerror(errno) : "out of host memory");
-    return GPUMEM_ERR_IO;
-  }
-  gzbuffer(f, 1 << 17);
-
-  /* Read it all, then parse: traces are a few MB of text, and a parser over
-   * one buffer is simpler and faster than one over a stream. */
-  size_t cap = 1 << 20, len = 0;
-  char* buf = malloc(cap);
-  gpumem_status_t st = GPUMEM_OK;
-  if (!buf) {
-    gpumem_set_last_error("%s: out of host memory", path);
-    st = GPUMEM_ERR_HOST_MEMORY;
-    goto done;
-  }
-  for (;;) {
-    if (cap - len < (1 << 16)) {
-      char* bigger = realloc(buf, cap * 2);
-      if (!bigger) {
-        gpumem_set_last_error("%s: out of host memory", path);
-        st = GPUMEM_ERR_HOST_MEMORY;
-        goto done;
-      }
-      buf = bigger;
-      cap *= 2;
-    }
-    /* never more than one byte past the cap: that byte says it was passed */
-    size_t room = trace_max_bytes + 1 - len;
-    if (room > cap - len) room = cap - len;
-    unsigned want = (unsigned)(room > (1u << 30) ? (1u << 30) : room);
-    errno = 0;
-    int got = gzread(f, buf + len, want);
-    if (got < 0) {
-      int zerr = 0;
-      const char* msg = gzerror(f, &zerr);
-      if (zerr == Z_ERRNO) msg = strerror(errno);
-      gpumem_set_last_error("%s: cannot read: %s", path, msg);
-      st = GPUMEM_ERR_IO;
-      goto done;
-    }
-    if (got == 0) break;
-    len += (size_t)got;
-    /* Past the cap by even a byte: refused before the buffer grows again,
-     * so a gzip bomb costs at most the cap in memory and its time. */
-    if (len > trace_max_bytes) {
-      gpumem_set_last_error(
-          "%s: more than %zu bytes once inflated: larger than the readers' limit for a trace or "
-          "snapshot",
-          path, trace_max_bytes);
-      st = GPUMEM_ERR_IO;
-      goto done;
+    if (n == 0 && is_step_marker(line, line_len)) st = add_step(p);
+    if (st == GPUMEM_OK && n > 0) st = parse_event(p, tok, n);
+    if (st != GPUMEM_OK) {
+      trace_builder_discard(p);
+      return st;
     }
   }
-  /* gzread stops quietly at a truncated gzip stream; gzerror tells. */
-  {
-    int zerr = 0;
-    const char* msg = gzerror(f, &zerr);
-    if (zerr != Z_OK && zerr != Z_BUF_ERROR) {
-      gpumem_set_last_error("%s: cannot read: %s", path, msg);
-      st = GPUMEM_ERR_IO;
-      goto done;
-    }
-    if (zerr == Z_BUF_ERROR) {
-      gpumem_set_last_error("%s: cannot read: truncated gzip file", path);
-      st = GPUMEM_ERR_IO;
-      goto done;
-    }
-  }
-  if (pickle_looks_like((const unsigned char*)buf, len)) {
-    st = snapshot_to_trace(path, (const unsigned char*)buf, len, out);
-  } else if (has_suffix(path, ".pickle") || has_suffix(path, ".pkl")) {
-    gpumem_set_last_error(
-        "%s: not a pickle (a PyTorch snapshot pickle starts with byte 0x80 and a protocol "
-        "number 2 to 5)",
-        path);
-    st = GPUMEM_ERR_IO;
-  } else {
-    st = trace_parse(path, buf, len, out);
-  }
-
-done:
-  free(buf);
-  gzclose(f);
-  return st;
+  return trace_builder_finish(p, out);
 }
 
 void trace_free(trace_t* t) {
@@ -655,6 +620,13 @@ static int emit_event(char** buf, size_t* len, size_t* cap, const trace_event_t*
   if (e->op == TRACE_ALLOC) return emit(buf, len, cap, "a %llu %llu 0x%llx\n", i, size, stream);
   if (e->op == TRACE_FREE) return emit(buf, len, cap, "f %llu\n", i);
   return emit(buf, len, cap, "r %llu 0x%llx\n", i, stream);
+}
+
+/* Adds event e to b, naming allocation id. */
+static gpumem_status_t build_event(trace_builder_t* b, const trace_event_t* e, uint64_t id) {
+  if (e->op == TRACE_ALLOC) return trace_builder_alloc(b, id, e->size, e->stream);
+  if (e->op == TRACE_FREE) return trace_builder_free(b, id);
+  return trace_builder_record_stream(b, id, e->stream);
 }
 
 /* Whether allocations a and b request the same size on the same stream. */
@@ -799,29 +771,28 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
         t->path);
     return GPUMEM_ERR_INVALID_ARGUMENT;
   }
-  /* The extended trace as text, with slot numbers as IDs (unique), parsed
-   * by the one parser so every count and check is the usual one. */
-  size_t cap = 0, len = 0;
-  char* buf = NULL;
-  int ok = emit(&buf, &len, &cap, "# %s and %d more repetitions of its last %zu allocations\n",
-                t->path, reps, period);
-  for (size_t i = 0; i < t->num_events && ok; i++)
-    ok = emit_event(&buf, &len, &cap, &t->events[i], t->events[i].id);
+  /* The extended trace, with slot numbers as IDs (unique), built by the
+   * one builder so that every count and check is the usual one; events
+   * are numbered as lines from 2, after a line saying what the trace is. */
   size_t first = t->slot_event[n - period];
-  for (int r = 1; r <= reps && ok; r++) {
+  trace_builder_t* b = NULL;
+  gpumem_status_t st =
+      trace_builder_new(t->path, t->num_events + (size_t)reps * (t->num_events - first), &b);
+  if (st != GPUMEM_OK) return st;
+  trace_builder_set_line(b, 2);
+  for (size_t i = 0; i < t->num_events && st == GPUMEM_OK; i++)
+    st = build_event(b, &t->events[i], t->events[i].id);
+  for (int r = 1; r <= reps && st == GPUMEM_OK; r++) {
     /* each event names the allocation r periods on */
-    for (size_t i = first; i < t->num_events && ok; i++)
-      ok = emit_event(&buf, &len, &cap, &t->events[i],
-                      (uint64_t)t->events[i].id + (uint64_t)r * period);
+    for (size_t i = first; i < t->num_events && st == GPUMEM_OK; i++)
+      st = build_event(b, &t->events[i], (uint64_t)t->events[i].id + (uint64_t)r * period);
   }
-  if (!ok) {
-    free(buf);
-    return repeat_no_memory(t);
+  if (st != GPUMEM_OK) {
+    trace_builder_discard(b);
+    return st;
   }
   trace_t* ext = NULL;
-  gpumem_status_t st = trace_parse(t->path, buf, len, &ext);
-  free(buf);
-  if (st != GPUMEM_OK) return st;
+  if ((st = trace_builder_finish(b, &ext)) != GPUMEM_OK) return st;
   ext->steady_from_event = t->num_events;
   ext->steady_period = period;
   ext->steady_reps = reps;
@@ -876,40 +847,55 @@ gpumem_status_t trace_text(const trace_t* t, const char* comment, char** text, s
   return GPUMEM_OK;
 }
 
+/* Events [0, num_events) into b, each naming its allocation by id, with a
+ * step marker before event step_end[k] for each k (and those at the end);
+ * slot_size, when given, replaces each allocation's size. line, when
+ * given, numbers each event as the line it came from (else they count on). */
+static gpumem_status_t build_events(trace_builder_t* b, const trace_event_t* events,
+                                    size_t num_events, const size_t* step_end, size_t num_steps,
+                                    const uint64_t* slot_size, int keep_lines) {
+  gpumem_status_t st = GPUMEM_OK;
+  size_t step = 0;
+  for (size_t i = 0; i < num_events && st == GPUMEM_OK; i++) {
+    for (; step < num_steps && step_end[step] == i && st == GPUMEM_OK; step++)
+      st = trace_builder_step(b);
+    trace_event_t e = events[i];
+    if (slot_size) e.size = slot_size[e.id];
+    if (keep_lines) trace_builder_set_line(b, e.line);
+    if (st == GPUMEM_OK) st = build_event(b, &e, e.id);
+  }
+  for (; step < num_steps && step_end[step] == num_events && st == GPUMEM_OK; step++)
+    st = trace_builder_step(b);
+  return st;
+}
+
 gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_t* slot_size,
                               const char* path, trace_t** out) {
   *out = NULL;
   if (num_events > t->num_events) num_events = t->num_events;
-  size_t cap = 0, len = 0;
-  char* buf = NULL;
-  int ok = emit(&buf, &len, &cap, "# %s with its allocations resized\n", t->path);
-  if (ok)
-    ok = emit_events(&buf, &len, &cap, t->events, num_events, t->step_end, t->num_steps, slot_size);
-  if (!ok) {
-    free(buf);
-    return repeat_no_memory(t);
+  trace_builder_t* b = NULL;
+  gpumem_status_t st = trace_builder_new(path, num_events, &b);
+  if (st != GPUMEM_OK) return st;
+  trace_builder_set_line(b, 2); /* as in a file, after a line saying what it is */
+  st = build_events(b, t->events, num_events, t->step_end, t->num_steps, slot_size, 0);
+  if (st != GPUMEM_OK) {
+    trace_builder_discard(b);
+    return st;
   }
-  gpumem_status_t st = trace_parse(path, buf, len, out);
-  free(buf);
-  return st;
+  return trace_builder_finish(b, out);
 }
 
 gpumem_status_t trace_from_events(const char* path, const trace_event_t* events, size_t num_events,
                                   const size_t* step_end, size_t num_steps, trace_t** out) {
   *out = NULL;
-  size_t cap = 0, len = 0;
-  char* buf = NULL;
-  int ok = emit(&buf, &len, &cap, "# %s\n", path);
-  if (ok) ok = emit_events(&buf, &len, &cap, events, num_events, step_end, num_steps, NULL);
-  if (!ok) {
-    free(buf);
-    gpumem_set_last_error("%s: out of host memory writing a copy of the trace", path);
-    return GPUMEM_ERR_HOST_MEMORY;
-  }
-  gpumem_status_t st = trace_parse(path, buf, len, out);
-  free(buf);
+  trace_builder_t* b = NULL;
+  gpumem_status_t st = trace_builder_new(path, num_events, &b);
+  if (st != GPUMEM_OK) return st;
   /* messages name the lines of the file the events came from */
-  for (size_t i = 0; st == GPUMEM_OK && i < num_events; i++)
-    (*out)->events[i].line = events[i].line;
-  return st;
+  st = build_events(b, events, num_events, step_end, num_steps, NULL, 1);
+  if (st != GPUMEM_OK) {
+    trace_builder_discard(b);
+    return st;
+  }
+  return trace_builder_finish(b, out);
 }
