@@ -269,10 +269,19 @@ fi
 
 run "$BIN" replay --compare --passes 1 "$TINY"
 expect_rc 0 "replay --compare"
-expect_in "pytorch" "$out" "replay --compare"
-expect_in "default" "$out" "replay --compare"
-expect_in "BENCHMARKS.md" "$out" "replay --compare"
+expect_in "reserved / live" "$out" "replay --compare"
+expect_in "memory needed" "$out" "replay --compare"
 expect_in "tiny" "$out" "replay --compare"
+expect_not_in "OOM" "$out" "replay --compare with no limit explains no OOM"
+run "$BIN" replay --compare --detail --passes 1 "$TINY"
+expect_rc 0 "replay --compare --detail"
+expect_in "pytorch" "$out" "replay --compare --detail"
+expect_in "default" "$out" "replay --compare --detail"
+expect_in "BENCHMARKS.md" "$out" "replay --compare --detail"
+expect_in "tiny" "$out" "replay --compare --detail"
+expect_not_in "OOM" "$out" "replay --compare --detail with no limit explains no OOM"
+run "$BIN" replay --detail "$TINY"
+expect_rc 2 "--detail without --compare"
 
 run "$BIN" replay --compare --policy pytorch "$TINY"
 expect_rc 2 "replay --compare with --policy"
@@ -821,10 +830,13 @@ expect_rc 0 "replay --compare takes the default policy's keys"
 # --compare: the header says the limit the figures were made under; the
 # help and the JSON name the third column as the table does.
 run "$BIN" replay --compare --passes 0 --conf limit:30M "$TINY"
-expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare under --conf limit"
+expect_in "(simulated device, limit 0.029 GiB" "$out" "replay --compare under --conf limit"
+expect_in "OOM: ran out of memory under the limit 0.029 GiB" "$out" "replay --compare explains its OOM"
+run "$BIN" replay --compare --detail --passes 0 --conf limit:30M "$TINY"
+expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare --detail under --conf limit"
 expect_not_in "no limit" "$out" "replay --compare under --conf limit"
 run env GPUMEM_CONF=limit:30M "$BIN" replay --compare --passes 0 "$TINY"
-expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare under GPUMEM_CONF"
+expect_in "(simulated device, limit 0.029 GiB" "$out" "replay --compare under GPUMEM_CONF"
 run "$BIN" replay --help
 compare_help=$(printf '%s\n' "$out" | sed -n '/--compare/,/-h, --help/p')
 expect_in "hold" "$compare_help" "replay --help names --compare's hold column"

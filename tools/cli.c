@@ -66,17 +66,6 @@ int cli_error(const char* fmt, ...) {
   return EXIT_FAILURE;
 }
 
-/* The library's messages may begin with "gpumem: " (or "gpumem config: ")
- * for programs that print them bare; ours already start with "gpumem: ". */
-const char* cli_detail(const char* msg) {
-  static const char* const prefixes[] = {"gpumem: ", "gpumem config: "};
-  for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++) {
-    size_t n = strlen(prefixes[i]);
-    if (strncmp(msg, prefixes[i], n) == 0) return msg + n;
-  }
-  return msg;
-}
-
 typedef struct option_spec {
   const char* name;
   int id;
@@ -98,6 +87,7 @@ static const option_spec_t all_options[] = {
     {"steps", OPT_STEPS, 1},
     {"json", OPT_JSON, 0},
     {"compare", OPT_COMPARE, 0},
+    {"detail", OPT_DETAIL, 0},
     {"snapshot", OPT_SNAPSHOT, 1},
     {"since-line", OPT_SINCE_LINE, 1},
     {"memory", OPT_MEMORY, 1},
@@ -182,7 +172,7 @@ static int resolve_model(cli_t* cli, int limit_flag) {
   gpumem_options_t o;
   gpumem_options_init(&o);
   if (cli->config.conf && gpumem_options_parse(&o, cli->config.conf) != GPUMEM_OK)
-    return cli_error("bad --conf '%s': %s", cli->conf_rest, cli_detail(gpumem_last_error()));
+    return cli_error("bad --conf '%s': %s", cli->conf_rest, show_detail(gpumem_last_error()));
   gpumem_policy_t policy = cli->config.policy_set ? cli->config.policy : o.policy;
   if (cli->expandable >= 0) {
     const char* v = cli->expandable ? "True" : "False";
@@ -305,7 +295,7 @@ int cli_parse_args(int argc, char** argv, unsigned allowed, const char* usage, c
         /* PyTorch's own key selects the model of its expandable segments */
         if (peer_take_expandable(value, cli->conf_rest, sizeof cli->conf_rest, &cli->expandable) !=
             GPUMEM_OK)
-          return cli_error("bad --conf '%s': %s", value, cli_detail(gpumem_last_error()));
+          return cli_error("bad --conf '%s': %s", value, show_detail(gpumem_last_error()));
         if (cli->expandable >= 0 && !((allowed >> OPT_PEER_MODELS) & 1))
           return cli_error(
               "--conf expandable_segments is PyTorch's setting, modelled only by gpumem replay "
@@ -397,6 +387,9 @@ int cli_parse_args(int argc, char** argv, unsigned allowed, const char* usage, c
       case OPT_COMPARE:
         cli->compare = 1;
         break;
+      case OPT_DETAIL:
+        cli->detail = 1;
+        break;
       case OPT_SNAPSHOT:
         cli->snapshot = value;
         break;
@@ -451,7 +444,7 @@ int cli_parse_args(int argc, char** argv, unsigned allowed, const char* usage, c
   }
   /* A bad --conf is reported before any trace is read. */
   if (replay_check_config(&cli->config) != GPUMEM_OK) {
-    return cli_error("bad --conf '%s': %s", cli->conf_rest, cli_detail(gpumem_last_error()));
+    return cli_error("bad --conf '%s': %s", cli->conf_rest, show_detail(gpumem_last_error()));
   }
   /* fit's rows run at their own settings: nothing of GPUMEM_CONF records */
   if (((allowed >> OPT_CONF) & 1) && cli_refuse_record(cli->conf_rest)) return EXIT_FAILURE;
@@ -491,53 +484,6 @@ void progress_clear(progress_t* p) {
   p->shown = 0;
 }
 
-/* 1234567 -> "1,234,567" (buf of at least 32 bytes). */
-const char* cli_fmt_count(uint64_t v, char* buf) {
-  char tmp[32];
-  int n = snprintf(tmp, sizeof tmp, "%llu", (unsigned long long)v);
-  int o = 0;
-  for (int i = 0; i < n; i++) {
-    if (i > 0 && (n - i) % 3 == 0) buf[o++] = ',';
-    buf[o++] = tmp[i];
-  }
-  buf[o] = '\0';
-  return buf;
-}
-
-/* The first line of a message, for one-line reports; long ones are cut
- * with "..." (the JSON output carries the whole text). */
-const char* cli_first_line(const char* msg, char* buf, size_t cap) {
-  size_t n = strcspn(msg, "\n");
-  int cut = 0;
-  if (n > 300) n = 300;
-  if (n >= cap - 4) n = cap - 4;
-  if (msg[n] != '\0' && msg[n] != '\n') cut = 1;
-  memcpy(buf, msg, n);
-  if (cut) memcpy(buf + n, "...", 3);
-  buf[n + (cut ? 3 : 0)] = '\0';
-  return buf;
-}
-
-void cli_json_string(FILE* f, const char* s) {
-  gm_emitter e = {gpumem_write_to_file, f, 0};
-  gm_emit_json_string(&e, s);
-}
-
-/* The cap a replay of t (NULL: before any trace, so no --limit-ratio)
- * runs under: the limit from the flags or the configuration, or the
- * configuration's fraction of the simulated device, the smaller; 0: none.
- * (On a GPU the fraction's bytes are known only once it is open.) */
-uint64_t cli_effective_cap(const replay_config_t* c, const trace_t* t) {
-  gpumem_options_t o;
-  if (replay_options(c, t, &o) != GPUMEM_OK) return 0;
-  uint64_t cap = o.limit_bytes;
-  if (o.limit_fraction > 0 && c->device == REPLAY_DEVICE_SIM) {
-    uint64_t f = (uint64_t)(o.limit_fraction * (double)c->sim_capacity);
-    if (!cap || f < cap) cap = f;
-  }
-  return cap;
-}
-
 /* Loads every trace before replaying any, so that a typo in the last file
  * name fails at once, not after minutes of replay. */
 int cli_load_all(const cli_t* cli, trace_t*** out) {
@@ -545,7 +491,7 @@ int cli_load_all(const cli_t* cli, trace_t*** out) {
   if (!traces) return cli_error("out of host memory");
   for (int i = 0; i < cli->num_traces; i++) {
     if (trace_load(cli->traces[i], &traces[i]) != GPUMEM_OK) {
-      int rc = cli_error("%s", cli_detail(gpumem_last_error()));
+      int rc = cli_error("%s", show_detail(gpumem_last_error()));
       for (int j = 0; j < i; j++) trace_free(traces[j]);
       free(traces);
       return rc;
@@ -557,9 +503,9 @@ int cli_load_all(const cli_t* cli, trace_t*** out) {
       trace_free(traces[i]);
       traces[i] = longer;
     } else if (st == GPUMEM_ERR_INVALID_ARGUMENT) {
-      fprintf(stderr, "gpumem: note: %s; replayed as it is\n", cli_detail(gpumem_last_error()));
+      fprintf(stderr, "gpumem: note: %s; replayed as it is\n", show_detail(gpumem_last_error()));
     } else {
-      int rc = cli_error("%s", cli_detail(gpumem_last_error()));
+      int rc = cli_error("%s", show_detail(gpumem_last_error()));
       for (int j = 0; j <= i; j++) trace_free(traces[j]);
       free(traces);
       return rc;
@@ -577,7 +523,7 @@ int cli_check_device(const replay_config_t* config) {
   gpumem_t* gm = NULL;
   if (replay_options(config, NULL, &opts) != GPUMEM_OK ||
       replay_open(config, &opts, &gm) != GPUMEM_OK) {
-    return cli_error("%s", cli_detail(gpumem_last_error()));
+    return cli_error("%s", show_detail(gpumem_last_error()));
   }
   gpumem_destroy(gm);
   return 0;
@@ -587,7 +533,7 @@ int cli_check_device(const replay_config_t* config) {
  * returns 0 or prints the error and returns 1. */
 /* The library's error about trace t, named by its path, exit 1. */
 int cli_trace_error(const trace_t* t) {
-  const char* msg = cli_detail(gpumem_last_error());
+  const char* msg = show_detail(gpumem_last_error());
   /* Trace-level messages already start with the path. */
   if (strncmp(msg, t->path, strlen(t->path)) == 0) return cli_error("%s", msg);
   return cli_error("%s: %s", t->path, msg);
@@ -641,7 +587,7 @@ int cli_parse_one_trace(int argc, char** argv, unsigned allowed, const char* usa
 /* The trace of a one-trace command, and a slot per allocation for it. */
 int cli_load_with_slots(const cli_t* cli, trace_t** t, void*** slots) {
   if (trace_load(cli->traces[0], t) != GPUMEM_OK)
-    return cli_error("%s", cli_detail(gpumem_last_error()));
+    return cli_error("%s", show_detail(gpumem_last_error()));
   *slots = calloc((*t)->num_allocs ? (*t)->num_allocs : 1, sizeof **slots);
   return *slots ? 0 : cli_error("out of host memory");
 }

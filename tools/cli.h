@@ -11,6 +11,7 @@
 #include "gpumem.h"
 #include "peer_models.h"
 #include "replay.h"
+#include "show.h"
 #include "trace.h"
 
 #define EXIT_USAGE 2
@@ -33,6 +34,7 @@ enum {
   OPT_STEPS,
   OPT_JSON,
   OPT_COMPARE,
+  OPT_DETAIL,
   OPT_SNAPSHOT,
   OPT_SINCE_LINE,
   OPT_MEMORY,
@@ -48,6 +50,7 @@ typedef struct cli {
   replay_config_t config;
   int json;
   int compare;
+  int detail; /* replay --compare --detail: the full table */
   int min_limit;
   int steady; /* repetitions to append (0: none) */
   int help;
@@ -97,8 +100,6 @@ int cli_parse_long(const char* value, long min, long max, long* out);
 int cli_usage_error(const char* usage, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 /* Errors: "gpumem: <message>"; returns EXIT_FAILURE. */
 int cli_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-/* A library message without its own "gpumem: " prefix. */
-const char* cli_detail(const char* msg);
 /* The library's error about trace t, named by its path; EXIT_FAILURE. */
 int cli_trace_error(const trace_t* t);
 
@@ -110,13 +111,6 @@ void progress_show(void* arg, const char* what, size_t done, size_t total);
 void progress_clear(progress_t* p);
 
 /* ---- output ------------------------------------------------------------ */
-
-/* 1234567 -> "1,234,567" (buf of at least 32 bytes). */
-const char* cli_fmt_count(uint64_t v, char* buf);
-/* The first line of a message, cut with "..." past 300 characters. */
-const char* cli_first_line(const char* msg, char* buf, size_t cap);
-/* s as a JSON string, every control character escaped. */
-void cli_json_string(FILE* f, const char* s);
 
 /* A growing, NUL-terminated text buffer that the library's writers
  * (gpumem_write_fn) fill: start it {NULL, 0, 0}, free(s) when done. */
@@ -136,8 +130,6 @@ int cli_load_with_slots(const cli_t* cli, trace_t** t, void*** slots);
 /* A real GPU opened once up front, so that a machine without one says so
  * before any trace is read (nothing for the simulated device). */
 int cli_check_device(const replay_config_t* config);
-/* The cap a replay of t runs under (t NULL: before any trace); 0: none. */
-uint64_t cli_effective_cap(const replay_config_t* c, const trace_t* t);
 /* One replay with the progress line (and the min-limit bisection when
  * asked); 0, or 1 after printing the error. */
 int cli_run_one(const trace_t* t, const replay_config_t* config, int min_limit,

@@ -2,6 +2,7 @@
  * pytorch and default policies side by side, first in a few plain
  * columns, with --detail the full table beside the figures measured on an
  * H200. */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,6 +44,11 @@ static void cell_anchor(char* buf, size_t cap, double v, const char* who) {
   }
 }
 
+/* Whether the replays run under a cap (where OOM can mark a cell). */
+static int limited(const cli_t* cli) {
+  return replay_effective_cap(&cli->config, NULL) || cli->config.limit_ratio > 0;
+}
+
 /* A table row built piece by piece, printed without trailing blanks. */
 typedef struct row {
   char text[1024];
@@ -69,11 +75,11 @@ static void row_print(row_t* r) {
   r->len = 0;
 }
 
-/* One table for every trace under both policies: what BENCHMARKS.md reports
- * for the peers, computed here for gpumem, with the measured H200 figures
- * beside it, and what the default's mapping calls would cost on a GPU.
- * Rows are printed as each trace finishes. */
-int replay_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
+/* --detail (and --json): one table for every trace under three columns:
+ * what BENCHMARKS.md reports for the peers, computed here for gpumem, with
+ * the measured H200 figures beside it, and what the mapping calls would
+ * cost on a GPU. Rows are printed as each trace finishes. */
+static int compare_detail(const cli_t* cli, trace_t** traces, progress_t* progress) {
   /* pytorch; default; default holding memory at the high-water mark
    * whatever the moves cost (planned placement, no move budget) */
   enum { NCOL = 3 };
@@ -98,7 +104,7 @@ int replay_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
   if (!cli->json) {
     const char* limit_note = "no limit";
     char limit_buf[96];
-    uint64_t cap = cli_effective_cap(&cli->config, NULL);
+    uint64_t cap = replay_effective_cap(&cli->config, NULL);
     if (cap) {
       snprintf(limit_buf, sizeof limit_buf, "limit %.3f GiB", (double)cap / GIB);
       limit_note = limit_buf;
@@ -174,9 +180,9 @@ int replay_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
   }
 
   if (!cli->json) {
+    printf("\nreplayed here: peak reserved in the first pass / peak live%s.\n",
+           limited(cli) ? " (OOM: ran out of memory under the limit)" : "");
     printf(
-        "\nreplayed here: peak reserved in the first pass / peak live (OOM: ran out of memory"
-        " under the limit).\n"
         "H200 columns: measured on an NVIDIA H200 with PyTorch 2.11 (BENCHMARKS.md), not computed"
         " by this run;\n"
         "  PyTorch = its native caching allocator; best peer = the better of expandable"
@@ -197,4 +203,111 @@ int replay_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
   }
   free(r);
   return failed ? EXIT_FAILURE : 0;
+}
+
+/* The largest gap, as a fraction, between the pytorch policy's peak reserved
+ * here and PyTorch's own on an H200 (BENCHMARKS.md) over the traces that
+ * have such a measurement; -1 when none has. torch[i * stride] is trace
+ * i's pytorch replay, ok[i * stride] whether it ran. */
+static double worst_gap(trace_t** traces, int n, const replay_result_t* torch, const int* ok,
+                        int stride) {
+  double worst = -1;
+  for (int i = 0; i < n; i++) {
+    const anchor_t* a = replay_anchor(traces[i]->name);
+    const replay_result_t* x = &torch[i * stride];
+    if (!a || !ok[i * stride] || x->oom) continue;
+    double gap = fabs(x->reserved_ratio / a->torch_reserved - 1);
+    if (gap > worst) worst = gap;
+  }
+  return worst;
+}
+
+/* A memory cell: "12.711 GiB", or why there is no figure. */
+static void cell_needed(char* buf, size_t cap, const replay_result_t* r, int ok) {
+  if (!ok || !r->min_limit_done) {
+    snprintf(buf, cap, "error");
+  } else if (!r->min_limit_found) {
+    snprintf(buf, cap, "none");
+  } else {
+    snprintf(buf, cap, "%.3f GiB", (double)r->min_limit_bytes / GIB);
+  }
+}
+
+/* The plain view (make demo): PyTorch's rules and gpumem's default side by
+ * side in a few columns a newcomer reads without the docs, each explained
+ * under the table; the figures need one pass and the bisection of the
+ * memory needed, nothing the columns do not show. */
+static int compare_plain(const cli_t* cli, trace_t** traces, progress_t* progress) {
+  static const gpumem_policy_t policies[2] = {GPUMEM_POLICY_PYTORCH, GPUMEM_POLICY_DEFAULT};
+  int n = cli->num_traces, failed = 0, any_oom = 0, name_w = 5; /* "trace" */
+  replay_result_t* r = malloc(2 * (size_t)n * sizeof *r);
+  int* ok = calloc(2 * (size_t)n, sizeof *ok);
+  if (!r || !ok) {
+    free(r);
+    free(ok);
+    return cli_error("out of host memory");
+  }
+  for (int i = 0; i < n; i++) {
+    int w = (int)strlen(traces[i]->name);
+    if (w > name_w) name_w = w > 40 ? 40 : w;
+  }
+  char limit[96] = "no limit";
+  uint64_t cap = replay_effective_cap(&cli->config, NULL);
+  if (cap)
+    snprintf(limit, sizeof limit, "limit %.3f GiB", (double)cap / GIB);
+  else if (cli->config.limit_ratio > 0)
+    snprintf(limit, sizeof limit, "limit %.4f x peak live", cli->config.limit_ratio);
+  printf("%d recorded job%s replayed under PyTorch's own allocator rules and under gpumem\n"
+         "(%s device, %s%s):\n\n",
+         n, n == 1 ? "" : "s", cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated",
+         limit, cli->config.device == REPLAY_DEVICE_CUDA ? "" : "; no GPU is used");
+  printf("%-*s  %10s    %-17s    %s\n", name_w, "", "", "reserved / live", "memory needed");
+  printf("%-*s  %10s    %7s  %7s    %10s  %10s\n", name_w, "trace", "peak live", "PyTorch",
+         "gpumem", "PyTorch", "gpumem");
+  for (int k = 0; k < name_w + 2 + 10 + 4 + 16 + 4 + 22; k++) putchar('-');
+  putchar('\n');
+  for (int i = 0; i < n; i++) {
+    const trace_t* t = traces[i];
+    char ratio[2][16], needed[2][32];
+    for (int p = 0; p < 2; p++) {
+      replay_config_t c = cli->config;
+      c.policy = policies[p];
+      c.policy_set = 1;
+      c.warm_passes = 0; /* no column shows a warm pass */
+      replay_result_t* x = &r[2 * i + p];
+      ok[2 * i + p] = cli_run_one(t, &c, 1, progress, x) == 0;
+      if (!ok[2 * i + p]) failed = 1;
+      if (ok[2 * i + p] && x->oom) any_oom = 1;
+      cell_ratio(ratio[p], sizeof ratio[p], x, ok[2 * i + p]);
+      cell_needed(needed[p], sizeof needed[p], x, ok[2 * i + p]);
+    }
+    printf("%-*.*s  %6.3f GiB    %7s  %7s    %10s  %10s\n", name_w, name_w, t->name,
+           (double)t->peak_live_bytes / GIB, ratio[0], ratio[1], needed[0], needed[1]);
+    fflush(stdout);
+  }
+  printf(
+      "\npeak live: the most memory the job's tensors take at once.\n"
+      "reserved / live: the most memory the allocator holds from the device while the job runs,\n"
+      "  over peak live (1.0000 would hold nothing beyond the tensors).\n"
+      "memory needed: the smallest memory cap under which the job still runs to its end.\n");
+  if (any_oom) printf("OOM: ran out of memory under the %s.\n", limit);
+  double gap = limited(cli) ? -1 : worst_gap(traces, n, r, ok, 2);
+  if (gap >= 0)
+    printf(
+        "PyTorch: its caching allocator's rules, replayed here rule for rule; on the traces above\n"
+        "  that were also run on an NVIDIA H200, they reserve what PyTorch itself reserved there "
+        "to\n"
+        "  within %.2f%% (BENCHMARKS.md).\n",
+        ceil(100 * gap * 100 - 1e-9) / 100);
+  printf(
+      "More columns (the figures measured on an H200, the cost of mapping calls):\n"
+      "  gpumem replay --compare --detail TRACE...\n");
+  free(r);
+  free(ok);
+  return failed ? EXIT_FAILURE : 0;
+}
+
+int replay_compare(const cli_t* cli, trace_t** traces, progress_t* progress) {
+  return cli->json || cli->detail ? compare_detail(cli, traces, progress)
+                                  : compare_plain(cli, traces, progress);
 }

@@ -75,7 +75,7 @@ static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
   if (fclose(f) != 0) failed = 1;
   if (failed) {
     gm_outfile_abandon(&out);
-    return cli_error("writing %s failed: %s", path, cli_detail(gpumem_last_error()));
+    return cli_error("writing %s failed: %s", path, show_detail(gpumem_last_error()));
   }
   if (!gm_outfile_commit(&out, why, sizeof why)) return cli_error("%s", why);
   char shown[512];
@@ -102,7 +102,7 @@ int cmd_explain(int argc, char** argv) {
   for (int run = 0; run < 2; run++) {
     if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
         replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
-      rc = cli_error("%s", cli_detail(gpumem_last_error()));
+      rc = cli_error("%s", show_detail(gpumem_last_error()));
       goto done;
     }
     memset(slots, 0, t->num_allocs * sizeof *slots);
@@ -110,13 +110,13 @@ int cmd_explain(int argc, char** argv) {
     /* the second run records every event up to the peak for the snapshot
      * (a free is two: requested and completed) */
     if (run == 1 && cli.snapshot && gpumem_record_history(gm, 2 * stop + 64) != GPUMEM_OK) {
-      rc = cli_error("%s", cli_detail(gpumem_last_error()));
+      rc = cli_error("%s", show_detail(gpumem_last_error()));
       goto done;
     }
     size_t found = replay_tagged_peak(gm, t, 0, stop, slots);
     if (found == SIZE_MAX) {
       rc = cli_error("%s: the replay failed before the peak: %s", t->name,
-                     cli_detail(gpumem_last_error()));
+                     show_detail(gpumem_last_error()));
       goto done;
     }
     if (run == 0) {

@@ -55,6 +55,8 @@ int cmd_fit(int argc, char** argv) {
             "settings\n");
   progress_t progress = {0};
   progress.enabled = isatty(STDERR_FILENO);
+  fit_result_t* results = calloc(fit_num_rows, sizeof *results);
+  if (!results) rc = cli_error("out of host memory");
   for (int i = 0; i < cli.num_traces && rc == 0; i++) {
     const trace_t* t = traces[i];
     if (!cli.json) {
@@ -74,9 +76,10 @@ int cmd_fit(int argc, char** argv) {
         break;
       }
       if (fit_rows[k].gpumem_default) default_needed = f.needed;
+      results[k] = f;
       if (cli.json) {
         printf("{\"trace\":");
-        cli_json_string(stdout, t->path);
+        show_json(stdout, t->path);
         printf(",\"allocator\":\"%s\",\"model\":%s,\"memory_bytes\":%zu,\"fits\":%s",
                fit_rows[k].name, fit_rows[k].peer != PEER_NONE ? "true" : "false", cli.memory,
                f.fits ? "true" : "false");
@@ -91,7 +94,9 @@ int cmd_fit(int argc, char** argv) {
              fit_rows[k].how);
     }
     if (!cli.json && rc == 0) {
-      printf("\n%s", fit_note);
+      printf("\n");
+      fit_explain(stdout, results, cli.memory);
+      printf("%s", fit_note);
       if (default_needed)
         printf("gpumem's default needs %.3f GiB.\n", (double)default_needed / GIB);
       if (t->recorded_peak_reserved)
@@ -100,6 +105,7 @@ int cmd_fit(int argc, char** argv) {
       if (i + 1 < cli.num_traces) printf("\n");
     }
   }
+  free(results);
   for (int i = 0; i < cli.num_traces; i++) trace_free(traces[i]);
   free(traces);
   free(cli.traces);

@@ -42,7 +42,7 @@ int cmd_leaks(int argc, char** argv) {
   if ((rc = cli_load_with_slots(&cli, &t, &slots)) != 0) goto done;
   if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
       replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
-    rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    rc = cli_error("%s", show_detail(gpumem_last_error()));
     goto done;
   }
   /* A line past the last event would count nothing and say so as if the
@@ -58,12 +58,12 @@ int cmd_leaks(int argc, char** argv) {
   size_t first = 0;
   while (first < t->num_events && (int64_t)t->events[first].line < cli.since_line) first++;
   if (replay_tagged_peak(gm, t, 0, first, slots) == SIZE_MAX) {
-    rc = cli_error("%s: %s", t->name, cli_detail(gpumem_last_error()));
+    rc = cli_error("%s: %s", t->name, show_detail(gpumem_last_error()));
     goto done;
   }
   uint64_t mark = gpumem_leak_mark(gm);
   if (replay_tagged_peak(gm, t, first, t->num_events, slots) == SIZE_MAX) {
-    rc = cli_error("%s: %s", t->name, cli_detail(gpumem_last_error()));
+    rc = cli_error("%s: %s", t->name, show_detail(gpumem_last_error()));
     goto done;
   }
   if (!cli.json) {
@@ -74,7 +74,7 @@ int cmd_leaks(int argc, char** argv) {
   }
   int out = cli.json ? gpumem_print_leaks_json(gm, mark, gpumem_write_to_file, stdout)
                      : gpumem_print_leaks(gm, mark, gpumem_write_to_file, stdout);
-  if (out != 0) rc = cli_error("writing the report failed: %s", cli_detail(gpumem_last_error()));
+  if (out != 0) rc = cli_error("writing the report failed: %s", show_detail(gpumem_last_error()));
 done:
   gpumem_destroy(gm);
   free(slots);

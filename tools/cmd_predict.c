@@ -126,7 +126,7 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const reconci
   for (size_t i = 0; i < m->num_recordings; i++) {
     const trace_t* t = m->traces[i];
     printf("%s{\"trace\":", i ? "," : "");
-    cli_json_string(stdout, t->path);
+    show_json(stdout, t->path);
     printf(",\"batch\":%ld,\"events\":%zu,\"steps\":%zu,\"peak_live_bytes\":%llu}", m->batch[i],
            t->num_events, t->num_steps, (unsigned long long)t->peak_live_bytes);
   }
@@ -203,8 +203,8 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const reconc
   printf("%s: the job recorded at batch", m->traces[0]->name);
   for (size_t i = 0; i < m->num_recordings; i++)
     printf("%s %ld", i == 0 ? "" : i + 1 == m->num_recordings ? " and" : ",", m->batch[i]);
-  printf("\naligned: %s events, %s allocations", cli_fmt_count(m->num_events, a),
-         cli_fmt_count(m->num_allocs, b));
+  printf("\naligned: %s events, %s allocations", show_count(m->num_events, a),
+         show_count(m->num_allocs, b));
   if (m->truncated) {
     printf(" (the first %zu steps of each recording: the steps they have in common)",
            m->steps_used);
@@ -284,6 +284,12 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const reconc
     printf(" %s\n", fit_rows[k].how);
   }
   printf("\n");
+  if (at && cli->memory) {
+    fit_result_t* at_rows = calloc(fit_num_rows, sizeof *at_rows);
+    for (size_t k = 0; at_rows && k < fit_num_rows; k++) at_rows[k] = rows[k].at;
+    if (at_rows) fit_explain(stdout, at_rows, cli->memory);
+    free(at_rows);
+  }
   if (at) printf("%s", fit_note);
   if (cli->memory)
     printf(
@@ -302,7 +308,7 @@ static int write_predicted_trace(const trace_t* at, const cli_t* cli, const long
   char* text = NULL;
   size_t len = 0;
   if (trace_text(at, comment, &text, &len) != GPUMEM_OK)
-    return cli_error("%s", cli_detail(gpumem_last_error()));
+    return cli_error("%s", show_detail(gpumem_last_error()));
   gm_outfile out;
   char why[1400];
   int fd = gm_outfile_open(&out, cli->write_trace, 0600, why, sizeof why);
@@ -367,7 +373,7 @@ int cmd_predict(int argc, char** argv) {
     for (int i = 0; i < cli.num_traces; i++) trace_free(traces[i]);
     free(traces);
     free(cli.traces);
-    return cli_error("%s", cli_detail(gpumem_last_error()));
+    return cli_error("%s", show_detail(gpumem_last_error()));
   }
   for (int i = 0; i < cli.num_traces; i++) scale_canonical_frees(traces[i]);
   if (cli_env_conf())
@@ -382,9 +388,9 @@ int cmd_predict(int argc, char** argv) {
     rc = cli_error("out of host memory");
   } else if (scale_fit((const trace_t* const*)traces, batch, (size_t)cli.num_traces, &m) !=
              GPUMEM_OK) {
-    rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    rc = cli_error("%s", show_detail(gpumem_last_error()));
   } else if (cli.batch && scale_trace_at(m, cli.batch, &at, &info) != GPUMEM_OK) {
-    rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    rc = cli_error("%s", show_detail(gpumem_last_error()));
   } else if (cli.write_trace) {
     rc = write_predicted_trace(at, &cli, batch);
   }
@@ -400,7 +406,7 @@ int cmd_predict(int argc, char** argv) {
     gpumem_status_t st =
         scale_largest_batch(m, &fit_rows[k], cli.memory, cli.max_batch, &base, &rows[k].largest);
     progress_clear(&progress);
-    if (st != GPUMEM_OK) rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    if (st != GPUMEM_OK) rc = cli_error("%s", show_detail(gpumem_last_error()));
   }
   if (rc == 0 && cli.json) predict_json(&cli, m, &reconciled, at, &info, rows);
   if (rc == 0 && !cli.json) predict_human(&cli, m, &reconciled, at, &info, rows);

@@ -46,12 +46,14 @@ static const char usage_replay[] =
     "                            H100's costs is also given as a share of the steps' time\n"
     "  --steps N                 how many steps the trace holds (with --step-ms)\n"
     "  --json                    one JSON object per trace (and policy) per line\n"
-    "  --compare                 three columns side by side, beside measured H200 figures:\n"
-    "                            pytorch, default, and hold (the default holding reserved\n"
-    "                            memory at the high-water mark: placement:planned,\n"
-    "                            move_budget:unlimited,headroom:0.002); --conf, --limit and\n"
-    "                            GPUMEM_CONF apply to all three, each column taking the keys\n"
-    "                            its policy has\n"
+    "  --compare                 the pytorch and default policies side by side, a trace a\n"
+    "                            row: peak live, reserved / live, the memory each needs\n"
+    "                            (what make demo prints); --conf, --limit and GPUMEM_CONF\n"
+    "                            apply to every column, each taking the keys its policy has\n"
+    "  --detail                  with --compare: a third column, hold (the default holding\n"
+    "                            reserved memory at the high-water mark: placement:planned,\n"
+    "                            move_budget:unlimited,headroom:0.002), the figures measured\n"
+    "                            on an H200 beside them and the mapping work priced per call\n"
     "  -h, --help                this text\n";
 
 /* replay through a peer model: peak reserved, out of memory under the
@@ -70,13 +72,13 @@ static int run_peer(const trace_t* t, const cli_t* cli) {
   if (peer_run(t, cli->peer, bound, 0, &r) != GPUMEM_OK ||
       (cli->min_limit &&
        peer_min_limit(t, cli->peer, cli->config.min_limit_tolerance, 0, &min) != GPUMEM_OK))
-    return cli_error("%s", cli_detail(gpumem_last_error()));
+    return cli_error("%s", show_detail(gpumem_last_error()));
   double live = t->peak_live_bytes ? (double)t->peak_live_bytes : 1;
   if (cli->json) {
     printf("{\"trace\":");
-    cli_json_string(stdout, t->path);
+    show_json(stdout, t->path);
     printf(",\"name\":");
-    cli_json_string(stdout, t->name);
+    show_json(stdout, t->name);
     printf(",\"policy\":\"%s\",\"model\":true,\"events\":%zu,\"allocations\":%zu",
            peer_model_name(cli->peer), t->num_events, t->num_allocs);
     printf(",\"peak_live_bytes\":%llu,\"peak_reserved_bytes\":%llu,\"reserved_ratio\":%.4f",
@@ -151,13 +153,15 @@ int cmd_replay(int argc, char** argv) {
                      (1u << OPT_CONF) | (1u << OPT_PASSES) | (1u << OPT_DEVICE) |
                      (1u << OPT_CAPACITY) | (1u << OPT_MIN_LIMIT) |
                      (1u << OPT_MIN_LIMIT_TOLERANCE) | (1u << OPT_STEADY) | (1u << OPT_STEP_MS) |
-                     (1u << OPT_STEPS) | (1u << OPT_JSON) | (1u << OPT_COMPARE) | (1u << OPT_HELP) |
-                     (1u << OPT_PEER_MODELS);
+                     (1u << OPT_STEPS) | (1u << OPT_JSON) | (1u << OPT_COMPARE) |
+                     (1u << OPT_DETAIL) | (1u << OPT_HELP) | (1u << OPT_PEER_MODELS);
   int rc = cli_parse_args(argc, argv, allowed, usage_replay, &cli);
   if (rc == 0 && cli.help) {
     fputs(usage_replay, stdout);
   } else if (rc == 0 && cli.num_traces == 0) {
     rc = cli_usage_error(usage_replay, "no trace given");
+  } else if (rc == 0 && cli.detail && !cli.compare) {
+    rc = cli_usage_error(usage_replay, "--detail widens --compare's table: give --compare too");
   } else if (rc == 0 && cli.compare && (cli.config.policy_set || cli.peer)) {
     rc = cli_usage_error(usage_replay, "--compare replays both policies: drop --policy");
   } else if (rc == 0 && cli.config.step_ms > 0 && (cli.compare || cli.peer)) {

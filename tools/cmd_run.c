@@ -189,7 +189,7 @@ int cmd_run(int argc, char** argv) {
     gpumem_options_init(&opts);
     if (cli_check_conf_units("--conf", conf) != GPUMEM_OK ||
         gpumem_options_parse(&opts, conf) != GPUMEM_OK) {
-      cli_error("--conf: %s", cli_detail(gpumem_last_error()));
+      cli_error("--conf: %s", show_detail(gpumem_last_error()));
       return EXIT_USAGE;
     }
     /* GPUMEM_CONF first, then --conf, as every command reads them */

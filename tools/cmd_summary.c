@@ -45,12 +45,12 @@ int cmd_summary(int argc, char** argv) {
   progress.enabled = isatty(STDERR_FILENO);
 
   if (trace_load(cli.traces[0], &t) != GPUMEM_OK) {
-    rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    rc = cli_error("%s", show_detail(gpumem_last_error()));
     goto done;
   }
   if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
       replay_session_open(&cli.config, &opts, t, &session) != GPUMEM_OK) {
-    rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    rc = cli_error("%s", show_detail(gpumem_last_error()));
     goto done;
   }
   gm = replay_session_allocator(session);
@@ -67,7 +67,7 @@ int cmd_summary(int argc, char** argv) {
   gpumem_status_t st = replay_pass_keep(gm, replay_session_trace(session), r);
   progress_clear(&progress);
   if (st != GPUMEM_OK) {
-    rc = cli_error("%s", cli_detail(gpumem_last_error()));
+    rc = cli_error("%s", show_detail(gpumem_last_error()));
     goto done;
   }
   if (r->oom) {
@@ -76,7 +76,7 @@ int cmd_summary(int argc, char** argv) {
             "gpumem: note: out of memory at event %zu (line %u, %zu bytes): %s\n"
             "gpumem: the summary shows the state at that failure\n",
             r->oom_event, r->oom_line, r->oom_size,
-            cli_first_line(cli_detail(r->oom_message), msg, sizeof msg));
+            show_first_line(show_detail(r->oom_message), msg, sizeof msg));
   }
   if (cli.json) {
     gpumem_print_stats_json(gm, gpumem_write_to_file, stdout);
@@ -84,7 +84,7 @@ int cmd_summary(int argc, char** argv) {
   } else {
     printf("%s: allocator state at the end of the trace (policy %s, %s device, ", t->name,
            replay_policy_name(opts.policy), replay_device_name(cli.config.device));
-    uint64_t cap = cli_effective_cap(&cli.config, t);
+    uint64_t cap = replay_effective_cap(&cli.config, t);
     if (cap) {
       printf("limit %llu bytes)\n", (unsigned long long)cap);
     } else {

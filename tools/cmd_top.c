@@ -256,7 +256,7 @@ int cmd_top(int argc, char** argv) {
   for (;;) {
     r.count = r.dropped = r.next_exited = 0;
     if (gpumem_published_scan(shown_dir, collect, &r) < 0) {
-      cli_error("%s", cli_detail(gpumem_last_error()));
+      cli_error("%s", show_detail(gpumem_last_error()));
       rc = 1;
       break;
     }

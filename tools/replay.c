@@ -730,3 +730,18 @@ size_t replay_tagged_peak(gpumem_t* gm, const trace_t* t, size_t start, size_t s
   }
   return best_event;
 }
+
+/* The cap a replay of t (NULL: before any trace, so no --limit-ratio)
+ * runs under: the limit from the flags or the configuration, or the
+ * configuration's fraction of the simulated device, the smaller; 0: none.
+ * (On a GPU the fraction's bytes are known only once it is open.) */
+uint64_t replay_effective_cap(const replay_config_t* c, const trace_t* t) {
+  gpumem_options_t o;
+  if (replay_options(c, t, &o) != GPUMEM_OK) return 0;
+  uint64_t cap = o.limit_bytes;
+  if (o.limit_fraction > 0 && c->device == REPLAY_DEVICE_SIM) {
+    uint64_t f = (uint64_t)(o.limit_fraction * (double)c->sim_capacity);
+    if (!cap || f < cap) cap = f;
+  }
+  return cap;
+}

@@ -199,6 +199,12 @@ gpumem_status_t replay_event_tagged(gpumem_t* gm, const trace_t* trace, size_t i
  * event failed (gpumem_last_error() says why). */
 size_t replay_tagged_peak(gpumem_t* gm, const trace_t* t, size_t start, size_t stop, void** slots);
 
+/* The cap a replay of t (NULL: before any trace, so no --limit-ratio)
+ * runs under: the limit from the flags or the configuration, or the
+ * configuration's fraction of the simulated device, the smaller; 0: none.
+ * (On a GPU the fraction's bytes are known only once it is open.) */
+uint64_t replay_effective_cap(const replay_config_t* c, const trace_t* t);
+
 const char* replay_policy_name(gpumem_policy_t policy);
 const char* replay_device_name(replay_device_t device);
 

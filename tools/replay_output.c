@@ -4,11 +4,13 @@
  * replayed ones. */
 #include "replay_output.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "cli.h"
 #include "show.h"
+
+#define GIB 1073741824.0
 
 /* Keyed by trace name. */
 static const anchor_t anchors[] = {
@@ -97,15 +99,15 @@ double replay_half_share(const replay_result_t* r) {
 void replay_print_json(FILE* f, const trace_t* t, const replay_config_t* c,
                        const replay_result_t* r, const anchor_t* anchor, const char* column) {
   fputs("{\"trace\":", f);
-  cli_json_string(f, t->path);
+  show_json(f, t->path);
   fputs(",\"name\":", f);
-  cli_json_string(f, t->name);
+  show_json(f, t->name);
   fprintf(f, ",\"policy\":\"%s\",\"device\":\"%s\"", replay_policy_name(r->policy),
           replay_device_name(c->device));
   if (column) fprintf(f, ",\"column\":\"%s\"", column);
   fputs(",\"conf\":", f);
   if (c->conf && c->conf[0]) {
-    cli_json_string(f, c->conf);
+    show_json(f, c->conf);
   } else {
     fputs("null", f);
   }
@@ -130,11 +132,11 @@ void replay_print_json(FILE* f, const trace_t* t, const replay_config_t* c,
     fprintf(f, ",\"oom\":true,\"oom_pass\":%d,\"oom_event\":%zu,\"oom_line\":%u,\"oom_size\":%zu",
             r->oom_pass, r->oom_event, r->oom_line, r->oom_size);
     fprintf(f, ",\"oom_status\":\"%s\",\"oom_message\":", gpumem_strerror(r->oom_status));
-    cli_json_string(f, r->oom_message);
+    show_json(f, r->oom_message);
   } else {
     fputs(",\"oom\":false,\"oom_event\":null", f);
   }
-  uint64_t cap = cli_effective_cap(c, t);
+  uint64_t cap = replay_effective_cap(c, t);
   if (cap) {
     fprintf(f, ",\"limit_bytes\":%llu", (unsigned long long)cap);
   } else {
@@ -191,7 +193,7 @@ void replay_print_json(FILE* f, const trace_t* t, const replay_config_t* c,
               r->min_limit_ratio);
     } else {
       fputs(",\"min_limit_bytes\":null,\"min_limit_ratio\":null,\"min_limit_message\":", f);
-      cli_json_string(f, r->min_limit_message);
+      show_json(f, r->min_limit_message);
     }
     fprintf(f, ",\"min_limit_probes\":%d", r->min_limit_probes);
   }
@@ -237,14 +239,14 @@ void replay_print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   fprintf(f, "%s (%s)\n", t->name, show_text(t->path, path, sizeof path));
   fprintf(f, "  %-16s%s on the %s device, ", "policy", replay_policy_name(r->policy),
           c->device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated");
-  uint64_t cap = cli_effective_cap(c, t);
+  uint64_t cap = replay_effective_cap(c, t);
   if (cap) {
     fprintf(f, "limit %.3f GiB (%llu bytes)\n", (double)cap / GIB, (unsigned long long)cap);
   } else {
     fputs("no limit\n", f);
   }
-  fprintf(f, "  %-16s%s (%s allocations, %s frees", "events", cli_fmt_count(t->num_events, a),
-          cli_fmt_count(t->num_allocs, b), cli_fmt_count(t->num_frees, d));
+  fprintf(f, "  %-16s%s (%s allocations, %s frees", "events", show_count(t->num_events, a),
+          show_count(t->num_allocs, b), show_count(t->num_frees, d));
   if (t->num_record_streams) fprintf(f, ", %zu record_stream", t->num_record_streams);
   fprintf(f, "), %zu stream%s\n", t->num_streams, t->num_streams == 1 ? "" : "s");
   fprintf(f, "  %-16s%.3f GiB (%llu bytes) at event %zu\n", "peak live",
@@ -264,6 +266,16 @@ void replay_print_human(FILE* f, const trace_t* t, const replay_config_t* c,
     fprintf(f, "  %-16s%.3f GiB, %.4f x peak live\n", "reserved (warm)",
             (double)r->warm_peak_reserved_bytes / GIB,
             (double)r->warm_peak_reserved_bytes / (double)t->peak_live_bytes);
+    /* Two peaks of one job that differ read as a contradiction unless
+     * each says what it is. */
+    double cold = (double)r->peak_reserved_bytes, warm = (double)r->warm_peak_reserved_bytes;
+    if (fabs(warm - cold) > 0.001 * cold)
+      fprintf(f,
+              "  %-16speak reserved is the first pass's, from an empty allocator; reserved (warm)\n"
+              "  %-16sis the most the passes after it held, each replaying the trace again on the\n"
+              "  %-16scache the one before left (nothing given back in between), whose layout\n"
+              "  %-16sfits the new pass %s\n",
+              "", "", "", "", warm > cold ? "less well" : "better");
   }
   if (r->stats_final.num_plans) {
     fprintf(f, "  %-16s%lld built, %lld dropped, %lld allocations placed by a plan\n", "plans",
@@ -302,8 +314,8 @@ void replay_print_human(FILE* f, const trace_t* t, const replay_config_t* c,
   if (r->oom) {
     fprintf(f, "  %-16syes: %s pass, event %zu (line %u), %zu bytes: %s\n", "oom",
             r->oom_pass ? "warm" : "cold", r->oom_event, r->oom_line, r->oom_size,
-            cli_first_line(
-                r->oom_message[0] ? cli_detail(r->oom_message) : gpumem_strerror(r->oom_status),
+            show_first_line(
+                r->oom_message[0] ? show_detail(r->oom_message) : gpumem_strerror(r->oom_status),
                 msg, sizeof msg));
   } else {
     fprintf(f, "  %-16sno\n", "oom");
@@ -343,7 +355,7 @@ void replay_print_human(FILE* f, const trace_t* t, const replay_config_t* c,
               r->min_limit_probes);
     } else {
       fprintf(f, "  %-16snot found: %s\n", "min limit",
-              cli_first_line(r->min_limit_message, msg, sizeof msg));
+              show_first_line(r->min_limit_message, msg, sizeof msg));
     }
   }
   fputc('\n', f);

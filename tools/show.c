@@ -3,9 +3,12 @@
  * is written as \xNN. */
 #include "show.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "internal.h" /* gm_emit_json_string */
 
 /* Bytes in the well-formed UTF-8 sequence at s that is printable (not a C1
  * control, U+0080-U+009F), or 0. */
@@ -73,4 +76,47 @@ char* show_dup(const char* s) {
   shown(s, out, n, &cut);
   out[n] = '\0';
   return out;
+}
+
+/* The library's messages may begin with "gpumem: " (or "gpumem config: ")
+ * for programs that print them bare; ours already start with "gpumem: ". */
+const char* show_detail(const char* msg) {
+  static const char* const prefixes[] = {"gpumem: ", "gpumem config: "};
+  for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++) {
+    size_t n = strlen(prefixes[i]);
+    if (strncmp(msg, prefixes[i], n) == 0) return msg + n;
+  }
+  return msg;
+}
+
+/* 1234567 -> "1,234,567" (buf of at least 32 bytes). */
+const char* show_count(uint64_t v, char* buf) {
+  char tmp[32];
+  int n = snprintf(tmp, sizeof tmp, "%llu", (unsigned long long)v);
+  int o = 0;
+  for (int i = 0; i < n; i++) {
+    if (i > 0 && (n - i) % 3 == 0) buf[o++] = ',';
+    buf[o++] = tmp[i];
+  }
+  buf[o] = '\0';
+  return buf;
+}
+
+/* The first line of a message, for one-line reports; long ones are cut
+ * with "..." (the JSON output carries the whole text). */
+const char* show_first_line(const char* msg, char* buf, size_t cap) {
+  size_t n = strcspn(msg, "\n");
+  int cut = 0;
+  if (n > 300) n = 300;
+  if (n >= cap - 4) n = cap - 4;
+  if (msg[n] != '\0' && msg[n] != '\n') cut = 1;
+  memcpy(buf, msg, n);
+  if (cut) memcpy(buf + n, "...", 3);
+  buf[n + (cut ? 3 : 0)] = '\0';
+  return buf;
+}
+
+void show_json(FILE* f, const char* s) {
+  gm_emitter e = {gpumem_write_to_file, f, 0};
+  gm_emit_json_string(&e, s);
 }

@@ -8,6 +8,8 @@
 #define GPUMEM_TOOLS_SHOW_H
 
 #include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
 
 /* s into buf (cap bytes, NUL-terminated, cut with "..." when it does not
  * fit) with control characters (C0, DEL, and C1 as UTF-8 encodes them)
@@ -17,5 +19,16 @@
 const char* show_text(const char* s, char* buf, size_t cap);
 /* The same, malloc'ed and never cut; NULL when out of host memory. */
 char* show_dup(const char* s);
+
+/* A library message without its own "gpumem: " (or "gpumem config: ")
+ * prefix, for a line that starts with one already. */
+const char* show_detail(const char* msg);
+/* 1234567 -> "1,234,567" (buf of at least 32 bytes). */
+const char* show_count(uint64_t v, char* buf);
+/* The first line of a message, cut with "..." past 300 characters (the
+ * JSON output carries the whole text). */
+const char* show_first_line(const char* msg, char* buf, size_t cap);
+/* s as a JSON string, every control character escaped. */
+void show_json(FILE* f, const char* s);
 
 #endif
