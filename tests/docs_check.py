@@ -223,7 +223,7 @@ for where, text, fields in (
                     expect(where, cell.split()[0], row[key] / 2**30, f"{n}: peak live GiB")
                 else:
                     expect(where, cell, row[key], f"{n}: {column} {key}")
-m = find("BENCHMARKS.md", bench, r"\(`make demo`\) it is ([\d.]+) \(gpt2\), ([\d.]+) \(llama\), ([\d.]+) \(resnet\)\s+and ([\d.]+) \(t5\) against gpumem's ([\d.]+), ([\d.]+), ([\d.]+) and ([\d.]+)")
+m = find("BENCHMARKS.md", bench, r"\(`replay --compare --detail`\) it is ([\d.]+) \(gpt2\), ([\d.]+) \(llama\), ([\d.]+) \(resnet\)\s+and ([\d.]+) \(t5\) against gpumem's ([\d.]+), ([\d.]+), ([\d.]+) and ([\d.]+)")
 if m:
     for i, n in enumerate(bundled):
         expect("BENCHMARKS.md", m.group(1 + i), compare[(n, "pytorch")]["est_h100_map_us_per_op_cold"], f"{n}: pytorch us/op")

@@ -257,10 +257,11 @@ static int compare_plain(const cli_t* cli, trace_t** traces, progress_t* progres
     snprintf(limit, sizeof limit, "limit %.3f GiB", (double)cap / GIB);
   else if (cli->config.limit_ratio > 0)
     snprintf(limit, sizeof limit, "limit %.4f x peak live", cli->config.limit_ratio);
-  printf("%d recorded job%s replayed under PyTorch's own allocator rules and under gpumem\n"
-         "(%s device, %s%s):\n\n",
-         n, n == 1 ? "" : "s", cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated",
-         limit, cli->config.device == REPLAY_DEVICE_CUDA ? "" : "; no GPU is used");
+  printf(
+      "%d recorded job%s replayed under PyTorch's own allocator rules and under gpumem\n"
+      "(%s device, %s%s):\n\n",
+      n, n == 1 ? "" : "s", cli->config.device == REPLAY_DEVICE_CUDA ? "CUDA" : "simulated", limit,
+      cli->config.device == REPLAY_DEVICE_CUDA ? "" : "; no GPU is used");
   printf("%-*s  %10s    %-17s    %s\n", name_w, "", "", "reserved / live", "memory needed");
   printf("%-*s  %10s    %7s  %7s    %10s  %10s\n", name_w, "trace", "peak live", "PyTorch",
          "gpumem", "PyTorch", "gpumem");

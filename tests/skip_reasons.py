@@ -1,0 +1,33 @@
+"""After a ctest run: every skip, with its reason, as the tests printed it.
+
+CTest shows only the output of failed tests, so a test skipped whole (exit
+77), or one that skipped a part of itself where the machine lacks what it
+needs (no GPU, not root, no PyTorch), would say nothing of it. Each test
+prints its skips with the reason; this finds those lines in the run's log.
+
+usage: python3 skip_reasons.py BUILD_DIR
+"""
+import re
+import sys
+
+log_path = sys.argv[1] + "/Testing/Temporary/LastTest.log"
+try:
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+except OSError as e:
+    print(f"skip_reasons: cannot read {log_path}: {e.strerror}")
+    sys.exit(0)
+
+said = 0
+pattern = re.compile(r"\bskip(ped|s)?\b", re.I)
+for m in re.finditer(r"^\d+/\d+ Test: (\S+)\n.*?^Output:\n-+\n(.*?)^<end of output>", log, re.S | re.M):
+    name, output = m.groups()
+    for line in output.splitlines():
+        # "N passed, N failed, N skipped" tallies say how many, not why
+        if pattern.search(line) and not re.search(r"\d+ passed, \d+ failed", line):
+            if not said:
+                print("Skipped, and why:")
+            said += 1
+            print(f"  {name}: {line.strip()[:300]}")
+if not said:
+    print("Skipped: nothing.")
