@@ -42,9 +42,12 @@ def run(kind, body, workdir):
         # `python` in the README is the interpreter the package is installed in
         shim = os.path.join(SHIMS, "bin")
         os.makedirs(shim, exist_ok=True)
-        link = os.path.join(shim, "python")
-        if not os.path.exists(link):
-            os.symlink(PYTHON, link)
+        wrapper = os.path.join(shim, "python")
+        if not os.path.exists(wrapper):
+            # a script, not a link: a virtual environment's python knows itself by its path
+            with open(wrapper, "w") as f:
+                f.write('#!/bin/sh\nexec "%s" "$@"\n' % PYTHON)
+            os.chmod(wrapper, 0o755)
         env["PATH"] = shim + os.pathsep + env["PATH"]
         cmd = ["bash", "-c", body]
     p = subprocess.run(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

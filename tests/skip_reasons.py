@@ -22,12 +22,25 @@ said = 0
 pattern = re.compile(r"\bskip(ped|s)?\b", re.I)
 for m in re.finditer(r"^\d+/\d+ Test: (\S+)\n.*?^Output:\n-+\n(.*?)^<end of output>", log, re.S | re.M):
     name, output = m.groups()
+    reasons = {}  # reason: how many times, in the order first seen
     for line in output.splitlines():
-        # "N passed, N failed, N skipped" tallies say how many, not why
-        if pattern.search(line) and not re.search(r"\d+ passed, \d+ failed", line):
-            if not said:
-                print("Skipped, and why:")
-            said += 1
-            print(f"  {name}: {line.strip()[:300]}")
+        # tallies ("N passed, N failed, N skipped", unittest's "OK (skipped=N)") say how many
+        if not pattern.search(line) or re.search(r"\d+ passed, \d+ failed|\(skipped=\d+\)", line):
+            continue
+        # unittest: "test_x (module.Class.test_x) ... skipped 'why'"
+        # and a runner's summary of them, "skipped: Class.test_x: why": said once
+        u = re.search(r"\.\.\. skipped '(.*)'$", line)
+        if u:
+            reason = f"skipped: {u.group(1)}"
+        elif re.match(r"skipped: [\w.]+: ", line):
+            continue
+        else:
+            reason = line.strip()[:300]
+        reasons[reason] = reasons.get(reason, 0) + 1
+    for reason, n in reasons.items():
+        if not said:
+            print("Skipped, and why:")
+        said += 1
+        print(f"  {name}: {reason}" + (f" ({n} tests)" if n > 1 else ""))
 if not said:
     print("Skipped: nothing.")
