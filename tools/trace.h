@@ -1,5 +1,5 @@
-/* Allocation traces: reading a trace file (gzip or plain text) into memory
- * and the facts about it that the replay reports (peak live bytes, streams).
+/* Allocation traces in memory, and the facts about them that the replay
+ * reports (peak live bytes, streams); reader.h reads them from files.
  *
  * Format (traces/README.md): '#' comments and blank lines, then one event a
  * line: `a ID SIZE STREAM` (allocate), `f ID` (free), and the project's
