@@ -310,6 +310,19 @@ static void fit_section(page_t* p) {
     fputs("</td></tr>\n", f);
   }
   fputs("</table>\n<p>", f);
+  /* the rows whose figures could read as a contradiction, said as fit says it */
+  char* why = NULL;
+  size_t why_len = 0;
+  FILE* said = p->memory ? open_memstream(&why, &why_len) : NULL;
+  if (said) {
+    fit_explain(said, p->fit, p->memory);
+    fclose(said);
+    if (why_len) {
+      put_escaped(f, why);
+      fputs("</p>\n<p>", f);
+    }
+  }
+  free(why);
   put_escaped(f, fit_note);
   if (default_needed) fprintf(f, "gpumem's default needs %.3f GiB. ", (double)default_needed / GIB);
   if (t->recorded_peak_reserved)
