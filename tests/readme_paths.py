@@ -4,12 +4,14 @@ PATH, and every line of the ```text block after it must be a line of what it
 printed (blanks at the ends of lines aside). A path the machine cannot run
 (no PyTorch for path 1) is skipped with the reason printed.
 
-usage: python3 readme_paths.py README CHECKOUT BIN_DIR PYTHON [--installed]
+usage: python3 readme_paths.py README CHECKOUT BIN_DIR PYTHON [--installed] [--no-python]
 
 BIN_DIR holds the `gpumem` to run; PYTHON runs the python blocks and
 `python` in the sh blocks. --installed: the package is installed already,
 by the README's own `pip install .` (the caller ran it), so that line is
-taken as done; without it a pip line fails the path.
+taken as done; without it a pip line fails the path. --no-python: the
+package cannot be loaded here (a sanitizer build's library): the paths that
+import it are skipped, saying so.
 """
 import os
 import re
@@ -19,6 +21,7 @@ import tempfile
 
 README, CHECKOUT, BIN_DIR, PYTHON = sys.argv[1:5]
 INSTALLED = "--installed" in sys.argv[5:]
+NO_PYTHON = "--no-python" in sys.argv[5:]
 passed = failed = skipped = 0
 
 
@@ -94,6 +97,11 @@ def main():
         return 1
     with tempfile.TemporaryDirectory(prefix="gpumem-readme-") as tmp:
         for number in (1, 2, 3):
+            if NO_PYTHON and number in (1, 3):
+                skipped += 1
+                print(f"readme_paths: SKIPPED path {number}: it imports the package, whose library "
+                      "this build cannot load into a plain python (a sanitizer build)")
+                continue
             # the paths name files of the checkout (recordings) from its root; path 1 runs a
             # train.py of its own, made here
             work = tmp if number == 1 else CHECKOUT
