@@ -24,11 +24,14 @@ static void cell_ratio(char* buf, size_t cap, const replay_result_t* r, int ok) 
   }
 }
 
-static void cell_min(char* buf, size_t cap, const replay_result_t* r, int ok) {
+/* The smallest limit: over peak live ("1.0041"), or in GiB ("12.711 GiB"). */
+static void cell_min(char* buf, size_t cap, const replay_result_t* r, int ok, int in_gib) {
   if (!ok || !r->min_limit_done) {
     snprintf(buf, cap, "error");
   } else if (!r->min_limit_found) {
     snprintf(buf, cap, "none");
+  } else if (in_gib) {
+    snprintf(buf, cap, "%.3f GiB", (double)r->min_limit_bytes / GIB);
   } else {
     snprintf(buf, cap, "%.4f", r->min_limit_ratio);
   }
@@ -170,7 +173,7 @@ static int compare_detail(const cli_t* cli, trace_t** traces, progress_t* progre
             name_w, t->name, live, c[0], c[1], c[2], a0, a1, w[0], w[1], w[2], h[1], h[2]);
     if (mins) {
       char m[NCOL][16], x0[32], x1[32];
-      for (int p = 0; p < NCOL; p++) cell_min(m[p], sizeof m[p], &r[p], ok[p]);
+      for (int p = 0; p < NCOL; p++) cell_min(m[p], sizeof m[p], &r[p], ok[p], 0);
       cell_anchor(x0, sizeof x0, anchor ? anchor->torch_min_cap : 0, NULL);
       cell_anchor(x1, sizeof x1, anchor ? anchor->best_min_cap : 0,
                   anchor ? anchor->best_cap_peer : NULL);
@@ -222,17 +225,6 @@ static double worst_gap(trace_t** traces, int n, const replay_result_t* torch, c
   return worst;
 }
 
-/* A memory cell: "12.711 GiB", or why there is no figure. */
-static void cell_needed(char* buf, size_t cap, const replay_result_t* r, int ok) {
-  if (!ok || !r->min_limit_done) {
-    snprintf(buf, cap, "error");
-  } else if (!r->min_limit_found) {
-    snprintf(buf, cap, "none");
-  } else {
-    snprintf(buf, cap, "%.3f GiB", (double)r->min_limit_bytes / GIB);
-  }
-}
-
 /* The plain view (make demo): PyTorch's rules and gpumem's default side by
  * side in a few columns a newcomer reads without the docs, each explained
  * under the table; the figures need one pass and the bisection of the
@@ -280,7 +272,7 @@ static int compare_plain(const cli_t* cli, trace_t** traces, progress_t* progres
       if (!ok[2 * i + p]) failed = 1;
       if (ok[2 * i + p] && x->oom) any_oom = 1;
       cell_ratio(ratio[p], sizeof ratio[p], x, ok[2 * i + p]);
-      cell_needed(needed[p], sizeof needed[p], x, ok[2 * i + p]);
+      cell_min(needed[p], sizeof needed[p], x, ok[2 * i + p], 1);
     }
     printf("%-*.*s  %6.3f GiB    %7s  %7s    %10s  %10s\n", name_w, name_w, t->name,
            (double)t->peak_live_bytes / GIB, ratio[0], ratio[1], needed[0], needed[1]);
