@@ -14,20 +14,24 @@ build:
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS) --target gpumem gpumem_static gpumem_cli
 
+# CTest shows only failed tests' output: the skips, and why, are printed after.
+SKIP_REASONS = if command -v python3 >/dev/null; then python3 $(CURDIR)/tests/skip_reasons.py .; fi
+
 test:
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
-	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@cd $(BUILD) && { ctest --output-on-failure -j $(JOBS); rc=$$?; $(SKIP_REASONS); exit $$rc; }
 
 # The same suite under AddressSanitizer and UndefinedBehaviorSanitizer.
 sanitize:
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DGPUMEM_SANITIZE=ON >/dev/null
 	@cmake --build build-asan -j $(JOBS)
-	@cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ctest --output-on-failure -j $(JOBS)
+	@cd build-asan && { ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j $(JOBS); rc=$$?; $(SKIP_REASONS); exit $$rc; }
 
-# The main job: replay the bundled traces under both policies on the
-# simulated device and print one comparison table. The build is quiet: one
+# The main job: replay the bundled traces under PyTorch's rules and gpumem
+# on the simulated device and print one plain table (the full one:
+# gpumem replay --compare --detail). The build is quiet: one
 # line when the command line must be (re)built, the build's log only if it fails.
 demo:
 	@if [ ! -x $(BUILD)/gpumem ] || [ -n "$$(find src include tools CMakeLists.txt -newer $(BUILD)/gpumem 2>/dev/null | head -n 1)" ]; then \
@@ -43,7 +47,7 @@ demo:
 	@$(BUILD)/gpumem replay --compare traces/*.trace.gz
 
 bench: build
-	@$(BUILD)/gpumem replay --compare --passes 5 traces/*.trace.gz
+	@$(BUILD)/gpumem replay --compare --detail --passes 5 traces/*.trace.gz
 
 build-all:
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
@@ -52,7 +56,7 @@ build-all:
 # Synthetic workloads (bench/bench_synth.c) beyond the bundled traces.
 synth: build-all
 	@mkdir -p $(BUILD)/synth && $(BUILD)/bench/bench_synth $(BUILD)/synth >/dev/null
-	@$(BUILD)/gpumem replay --compare --min-limit $(BUILD)/synth/*.trace
+	@$(BUILD)/gpumem replay --compare --detail --min-limit $(BUILD)/synth/*.trace
 
 python-test: build
 	bash tests/test_python.sh $(BUILD)

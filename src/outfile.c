@@ -13,11 +13,15 @@
  * at the target is checked and refused with the reason: a link, something
  * not a regular file, another user's file, a file other users can write, a
  * file with another name (a hard link: it would keep the old contents
- * under that name, or be a file of someone else's planted there). A
- * directory every user can write without the sticky bit is refused too:
- * anybody could swap the file after it is written. docs/security.md. */
+ * under that name, or be a file of someone else's planted there). So is a
+ * directory where someone else could swap the file after it is written:
+ * one every user can write without the sticky bit, and one others can
+ * write (sticky or not) that belongs to neither this user nor root, since
+ * the sticky bit leaves a directory's owner free to rename any name in it.
+ * docs/security.md. */
 #include <errno.h>
 #include <fcntl.h>
+#include <pwd.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -58,6 +62,45 @@ static const char* target_refused(int dir_fd, const char* name, char* why, size_
   return NULL;
 }
 
+/* "65534 (nobody)", or the uid alone when it has no name. */
+static const char* owner_name(uid_t uid, char* buf, size_t cap) {
+  struct passwd pw, *found = NULL;
+  char records[1024];
+  if (getpwuid_r(uid, &pw, records, sizeof records, &found) == 0 && found && found->pw_name)
+    snprintf(buf, cap, "%u (%s)", (unsigned)uid, found->pw_name);
+  else
+    snprintf(buf, cap, "%u", (unsigned)uid);
+  return buf;
+}
+
+/* Why a file in the directory described by st could be swapped by someone
+ * else after it is written, or NULL. dir names it in the reason. */
+static const char* directory_refused(const struct stat* st, const char* dir, char* why,
+                                     size_t cap) {
+  unsigned mode = (unsigned)(st->st_mode & 07777);
+  if ((st->st_mode & S_IWOTH) && !(st->st_mode & S_ISVTX)) {
+    snprintf(why, cap,
+             "its directory %s can be written by every user and is not sticky (mode %04o): "
+             "anyone could replace the file",
+             dir, mode);
+    return why;
+  }
+  /* The sticky bit keeps other users from renaming this user's file, but
+   * not the directory's owner: one who is neither this user nor root, in
+   * a directory others can write (so this user could make a file there),
+   * could rename the finished file away and put their own in its place. */
+  if ((st->st_mode & (S_IWGRP | S_IWOTH)) && st->st_uid != geteuid() && st->st_uid != 0) {
+    char owner[160];
+    snprintf(why, cap,
+             "its directory %s belongs to uid %s, not to this user (uid %u) or root, and others "
+             "can write it (mode %04o): its owner could replace the file after it is written; "
+             "choose a path in a directory of your own",
+             dir, owner_name(st->st_uid, owner, sizeof owner), (unsigned)geteuid(), mode);
+    return why;
+  }
+  return NULL;
+}
+
 int gm_outfile_open(gm_outfile* o, const char* path, mode_t mode, char* why, size_t cap) {
   memset(o, 0, sizeof *o);
   o->dir_fd = -1;
@@ -92,19 +135,14 @@ int gm_outfile_open(gm_outfile* o, const char* path, mode_t mode, char* why, siz
     return -1;
   }
   struct stat st;
-  char reason[300];
+  char reason[1400]; /* names the directory, up to a path's length */
   const char* bad = NULL;
   if (fstat(o->dir_fd, &st) != 0) {
     snprintf(reason, sizeof reason, "cannot look at its directory: %s", strerror(errno));
     bad = reason;
-  } else if ((st.st_mode & S_IWOTH) && !(st.st_mode & S_ISVTX)) {
-    snprintf(reason, sizeof reason,
-             "its directory can be written by every user and is not sticky (mode %04o): "
-             "anyone could replace the file",
-             (unsigned)(st.st_mode & 07777));
-    bad = reason;
   } else {
-    bad = target_refused(o->dir_fd, o->name, reason, sizeof reason);
+    bad = directory_refused(&st, dir, reason, sizeof reason);
+    if (!bad) bad = target_refused(o->dir_fd, o->name, reason, sizeof reason);
   }
   if (bad) {
     snprintf(why, cap, "refusing to write %s: %s", path, bad);

@@ -269,10 +269,19 @@ fi
 
 run "$BIN" replay --compare --passes 1 "$TINY"
 expect_rc 0 "replay --compare"
-expect_in "pytorch" "$out" "replay --compare"
-expect_in "default" "$out" "replay --compare"
-expect_in "BENCHMARKS.md" "$out" "replay --compare"
+expect_in "reserved / live" "$out" "replay --compare"
+expect_in "memory needed" "$out" "replay --compare"
 expect_in "tiny" "$out" "replay --compare"
+expect_not_in "OOM" "$out" "replay --compare with no limit explains no OOM"
+run "$BIN" replay --compare --detail --passes 1 "$TINY"
+expect_rc 0 "replay --compare --detail"
+expect_in "pytorch" "$out" "replay --compare --detail"
+expect_in "default" "$out" "replay --compare --detail"
+expect_in "BENCHMARKS.md" "$out" "replay --compare --detail"
+expect_in "tiny" "$out" "replay --compare --detail"
+expect_not_in "OOM" "$out" "replay --compare --detail with no limit explains no OOM"
+run "$BIN" replay --detail "$TINY"
+expect_rc 2 "--detail without --compare"
 
 run "$BIN" replay --compare --policy pytorch "$TINY"
 expect_rc 2 "replay --compare with --policy"
@@ -487,6 +496,27 @@ if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null; then
 else
   echo "cli_test: SKIPPED report into another user's file: needs root and setpriv"
 fi
+if [ "$(id -u)" = 0 ]; then
+  # a sticky directory anyone can write that another user owns: its owner
+  # could rename the finished file away and put their own in its place
+  mkdir -m 1777 "$T/msticky"
+  chown 65534 "$T/msticky"
+  for sub in report explain; do
+    if [ $sub = report ]; then
+      run "$BIN" report -o "$T/msticky/r.html" "$TINY"
+    else
+      run "$BIN" explain --snapshot "$T/msticky/r.pickle" "$TINY"
+    fi
+    expect_rc 1 "$sub: into another user's sticky directory"
+    expect_in "its directory $T/msticky belongs to uid 65534" "$err" "$sub: the directory and its owner named"
+    expect_true "$sub: nothing written into another user's directory" [ -z "$(ls -A "$T/msticky")" ]
+  done
+  run "$BIN" report -o "/tmp/gpumem_cli_$$.html" "$TINY"
+  expect_rc 0 "report into /tmp itself (root's, sticky)"
+  rm -f "/tmp/gpumem_cli_$$.html"
+else
+  echo "cli_test: SKIPPED a sticky directory another user owns: making one (chown) needs root"
+fi
 
 run "$BIN" report --conf "limt:1G" "$TINY"
 expect_rc 1 "report --conf with a typo"
@@ -573,6 +603,55 @@ expect_in "bad --memory '0'" "$err" "report --memory=0 names the value"
 run "$BIN" report "$TRACE" --memory
 expect_rc 2 "report --memory without a value"
 expect_in "option '--memory' needs a value" "$err" "report --memory without a value"
+
+# ---- names from outside: never events, always shown ----
+# A file name is only a name: one holding a newline and a trace line must
+# not add an event to what is analysed (the figures are those of the same
+# file under a plain name), and every command shows it with its control
+# characters made visible, JSON escaping them its own way.
+NL='
+'
+EVIL="job${NL}a 77777 200000000000000 0${NL}#"
+mkdir "$T/names"
+for b in 2 4 8; do
+  cp "$SRC/tests/predict/gpt2_small_b$b.trace.gz" "$T/names/plain_b$b.trace.gz"
+  cp "$SRC/tests/predict/gpt2_small_b$b.trace.gz" "$T/names/${EVIL}_b$b.trace.gz"
+done
+run "$BIN" predict --sizes 2,4,8 --batch 64 --json "$T"/names/plain_b{2,4,8}.trace.gz
+plain_peak=$(json_num peak_live_bytes)
+run "$BIN" predict --sizes 2,4,8 --batch 64 --json "$T/names/${EVIL}_b2.trace.gz" \
+  "$T/names/${EVIL}_b4.trace.gz" "$T/names/${EVIL}_b8.trace.gz"
+expect_rc 0 "predict over files named with a newline"
+evil_peak=$(json_num peak_live_bytes)
+expect_true "predict: a name adds no event (peak live $evil_peak, under a plain name $plain_peak)" \
+  [ -n "$plain_peak" -a "$evil_peak" = "$plain_peak" ]
+expect_in 'job\u000aa 77777' "$out" "predict --json escapes the name's newline"
+run "$BIN" predict --sizes 2,4,8 --batch 64 "$T/names/${EVIL}_b2.trace.gz" \
+  "$T/names/${EVIL}_b4.trace.gz" "$T/names/${EVIL}_b8.trace.gz"
+expect_in 'job\x0aa 77777 200000000000000 0\x0a#_b2' "$out" "predict shows the name's newline"
+expect_not_in "${NL}a 77777" "$out" "predict prints no raw newline from a name"
+run "$BIN" replay --steady 3 --passes 0 "$T/names/${EVIL}_b2.trace.gz"
+expect_rc 0 "replay --steady over a file named with a newline"
+expect_not_in "${NL}a 77777" "$out" "replay prints no raw newline from a name"
+EVILPK="snap${NL}a 77777 1000000000000 0${NL}#.pickle"
+cp "$SNAP/small.pickle" "$T/names/plain.pickle"
+cp "$SNAP/small.pickle" "$T/names/$EVILPK"
+run "$BIN" leaks --json "$T/names/plain.pickle"
+plain_leaks=$(json_num bytes)
+run "$BIN" leaks --json "$T/names/$EVILPK"
+expect_rc 0 "leaks of a pickle named with a newline"
+expect_true "leaks: a pickle's name adds no allocation ($(json_num bytes) bytes, under a plain name $plain_leaks)" \
+  [ -n "$plain_leaks" -a "$(json_num bytes)" = "$plain_leaks" ]
+run "$BIN" leaks "$T/names/$EVILPK"
+expect_in 'snap\x0aa 77777' "$out" "leaks shows the name's newline"
+ESC="$(printf 'esc\033]0;owned\007')"
+cp "$TINY" "$T/names/$ESC.trace"
+for cmd in "replay --passes 0" "summary" "explain" "leaks" "fit --memory 1G"; do
+  run "$BIN" $cmd "$T/names/$ESC.trace"
+  expect_not_in "$(printf '\033')" "$out$err" "$cmd shows no escape sequence from a name"
+done
+run "$BIN" replay "$T/names/$ESC-missing.trace"
+expect_in 'esc\x1b]0;owned\x07-missing.trace: cannot open' "$err" "an error shows the name's escape sequence"
 
 # ---- run: code only from a package this user or root owns ----
 # The binary built into a directory whose parent anyone can write (make
@@ -751,10 +830,13 @@ expect_rc 0 "replay --compare takes the default policy's keys"
 # --compare: the header says the limit the figures were made under; the
 # help and the JSON name the third column as the table does.
 run "$BIN" replay --compare --passes 0 --conf limit:30M "$TINY"
-expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare under --conf limit"
+expect_in "(simulated device, limit 0.029 GiB" "$out" "replay --compare under --conf limit"
+expect_in "OOM: ran out of memory under the limit 0.029 GiB" "$out" "replay --compare explains its OOM"
+run "$BIN" replay --compare --detail --passes 0 --conf limit:30M "$TINY"
+expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare --detail under --conf limit"
 expect_not_in "no limit" "$out" "replay --compare under --conf limit"
 run env GPUMEM_CONF=limit:30M "$BIN" replay --compare --passes 0 "$TINY"
-expect_in "(simulated device, limit 0.029 GiB)" "$out" "replay --compare under GPUMEM_CONF"
+expect_in "(simulated device, limit 0.029 GiB" "$out" "replay --compare under GPUMEM_CONF"
 run "$BIN" replay --help
 compare_help=$(printf '%s\n' "$out" | sed -n '/--compare/,/-h, --help/p')
 expect_in "hold" "$compare_help" "replay --help names --compare's hold column"

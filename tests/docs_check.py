@@ -113,30 +113,34 @@ m = find(W, readme, r"fits a job in\s+([\d.]+)-([\d.]+)% over its\s+live bytes")
 if m:
     expect(W, m.group(1), 100 * (min(default_min) - 1), "the default's min limit over live, %")
     expect(W, m.group(2), 100 * (max(default_min) - 1), "the default's min limit over live, %")
-expect_range(W, readme, r"the address space the job walks,\s+([\d.]+)-([\d.]+) x peak live on the bundled traces",
+# The default policy's figures: docs/configuration.md.
+config = read("docs/configuration.md")
+C = "docs/configuration.md"
+expect_range(C, config, r"the address space the job walks,\s+([\d.]+)-([\d.]+) x peak live on the bundled traces",
              default_reserved, "the default's reserved / peak live")
-expect_range(W, readme, r"jobs fit in ([\d.]+)-([\d.]+) x their live bytes", default_min, "the default's min limit")
-m = find(W, readme, r"`([^`]+)` holds reserved memory at the\s+high-water mark whatever the moves cost \(([\d.]+)-([\d.]+) x, at ([\d.]+)-([\d.]+) us")
+expect_range(C, config, r"jobs fit in ([\d.]+)-([\d.]+) x their live bytes", default_min, "the default's min limit")
+m = find(C, config, r"`([^`]+)` holds reserved memory at the\s+high-water mark whatever the moves cost \(([\d.]+)-([\d.]+) x, at ([\d.]+)-([\d.]+) us")
 if m:
     hold_conf = compare[(bundled[0], "hold")]["conf"]
     if m.group(1) != hold_conf:
-        fail(W, f"names the hold setting `{m.group(1)}`; the program's hold column is `{hold_conf}`")
-    expect(W, m.group(2), min(hold_reserved), "hold's reserved (lowest)")
-    expect(W, m.group(3), max(hold_reserved), "hold's reserved (highest)")
-    expect(W, m.group(4), min(hold_us), "hold's first-pass us/op (lowest)")
-    expect(W, m.group(5), max(hold_us), "hold's first-pass us/op (highest)")
-m = find(W, readme, r"than PyTorch spends in cudaMalloc growth, on every bundled trace but (\w+)")
+        fail(C, f"names the hold setting `{m.group(1)}`; the program's hold column is `{hold_conf}`")
+    expect(C, m.group(2), min(hold_reserved), "hold's reserved (lowest)")
+    expect(C, m.group(3), max(hold_reserved), "hold's reserved (highest)")
+    expect(C, m.group(4), min(hold_us), "hold's first-pass us/op (lowest)")
+    expect(C, m.group(5), max(hold_us), "hold's first-pass us/op (highest)")
+m = find(C, config, r"than PyTorch spends in cudaMalloc growth, on every bundled trace but (\w+)")
 for name in bundled:
     checked += 1
     d, p = compare[(name, "default")], compare[(name, "pytorch")]
     cheaper = d["est_h100_map_us_per_op_cold"] < p["est_h100_map_us_per_op_cold"]
     if m and name == m.group(1):
         if cheaper:
-            fail(W, f"says the default's first pass costs more than PyTorch's growth on {name}; it costs less")
+            fail(C, f"says the default's first pass costs more than PyTorch's growth on {name}; it costs less")
     elif not cheaper:
-        fail(W, f"says the default's first pass costs less than PyTorch's growth on every bundled trace but "
+        fail(C, f"says the default's first pass costs less than PyTorch's growth on every bundled trace but "
                 f"{m.group(1) if m else '?'}; not on {name}")
 for where, text, pattern in ((W, readme, r"to within ([\d.]+)% \(`make demo`\)"),
+                             (C, config, r"to within ([\d.]+)% \(`make demo`\)"),
                              ("docs/whatif.md", read("docs/whatif.md"), r"its rules exactly; ([\d.]+)% of the H200's peaks"),
                              ("BENCHMARKS.md", read("BENCHMARKS.md"), r"on an H200 \(next section\) to within ([\d.]+)% on every trace")):
     m = find(where, text, pattern)
@@ -219,7 +223,7 @@ for where, text, fields in (
                     expect(where, cell.split()[0], row[key] / 2**30, f"{n}: peak live GiB")
                 else:
                     expect(where, cell, row[key], f"{n}: {column} {key}")
-m = find("BENCHMARKS.md", bench, r"\(`make demo`\) it is ([\d.]+) \(gpt2\), ([\d.]+) \(llama\), ([\d.]+) \(resnet\)\s+and ([\d.]+) \(t5\) against gpumem's ([\d.]+), ([\d.]+), ([\d.]+) and ([\d.]+)")
+m = find("BENCHMARKS.md", bench, r"\(`replay --compare --detail`\) it is ([\d.]+) \(gpt2\), ([\d.]+) \(llama\), ([\d.]+) \(resnet\)\s+and ([\d.]+) \(t5\) against gpumem's ([\d.]+), ([\d.]+), ([\d.]+) and ([\d.]+)")
 if m:
     for i, n in enumerate(bundled):
         expect("BENCHMARKS.md", m.group(1 + i), compare[(n, "pytorch")]["est_h100_map_us_per_op_cold"], f"{n}: pytorch us/op")
@@ -236,7 +240,7 @@ for n in bundled:
     row = compare[(n, "pytorch")]
     checked += 2
     if row["h200_pytorch_reserved_ratio"] != torch_r or row["h200_best_peer_reserved_ratio"] != min(exp_r, async_r):
-        fail("tools/main.c", f"{n}: the H200 figures replay --compare prints differ from BENCHMARKS.md's Peers table")
+        fail("tools/replay_output.c", f"{n}: the H200 figures replay --compare prints differ from BENCHMARKS.md's Peers table")
 
 # GPU figures quoted from the Peers table elsewhere must be the table's.
 peer_cols = {"torch": [], "torch_exp": [], "async": []}
@@ -261,7 +265,13 @@ fit_out = open(FIT).read()
 if len(example) < 2:
     fail("docs/whatif.md", "has no 'Example, gpt2_train in 13.5 GiB:'")
 else:
-    for line in example[1].strip("\n").split("\n\n", 1)[0].splitlines():
+    # the indented lines after the marker, blank ones between them included
+    shown = []
+    for line in example[1].strip("\n").splitlines():
+        if line.strip() and not line.startswith("    "):
+            break
+        shown.append(line)
+    for line in shown:
         checked += 1
         if line.strip() and line.strip() not in [l.strip() for l in fit_out.splitlines()]:
             fail("docs/whatif.md", f"fit example line not in the program's output: {line.strip()}")
@@ -285,9 +295,10 @@ if SYNTH:
                                   (cells[5], d["min_limit_ratio"], "min limit"),
                                   (cells[6], p["est_h100_map_us_per_op_cold"], "pytorch us/op")):
             expect("BENCHMARKS.md", cell, value, f"{n}: {what}")
-    m = find("README.md", readme, r"\(synth_random ([\d.]+) x peak live on the simulated device\)")
+    m = find("docs/limitations.md", read("docs/limitations.md"),
+             r"\(synth_random ([\d.]+) x peak live on the simulated device\)")
     if m:
-        expect("README.md", m.group(1), synth[("synth_random", "default")]["reserved_ratio"], "synth_random reserved")
+        expect("docs/limitations.md", m.group(1), synth[("synth_random", "default")]["reserved_ratio"], "synth_random reserved")
     m = find("docs/design.md", design, r"at most ([\d.]+) on the synthetic workloads")
     if m:
         expect("docs/design.md", m.group(1),

@@ -73,4 +73,13 @@ if [ -n "$SYNTH" ]; then
     if [ -s "$T/missing.txt" ]; then die "$(cat "$T/missing.txt")"; fi
   done
 fi
-GPUMEM_BUILD=$(dirname "$BIN") python3 "$SRC/tests/docs_check.py" "$@"
+GPUMEM_BUILD=$(dirname "$BIN") python3 "$SRC/tests/docs_check.py" "$@" || exit 1
+# The README's three paths, from the build (as "From a checkout without
+# installing" says): what they print holds the lines the README shows.
+# GPUMEM_DOCS_LIBRARY: the shared library for the Python paths; set empty
+# (a sanitizer build's, which a plain python cannot load) they are skipped.
+mkdir "$T/bin" && ln -s "$BIN" "$T/bin/gpumem"
+lib=${GPUMEM_DOCS_LIBRARY-"$(dirname "$BIN")/libgpumem.so"}
+PYTHONPATH="$SRC/python" GPUMEM_LIBRARY="$lib" \
+  python3 "$SRC/tests/readme_paths.py" "$SRC/README.md" "$SRC" "$T/bin" "$(command -v python3)" --installed \
+  $([ -n "$lib" ] || echo --no-python)

@@ -137,7 +137,7 @@ run "$BIN" predict --sizes 2,2 "$T/j2.trace" "$T/j2.trace" --batch 4
 expect_rc 1 "equal sizes"
 run "$BIN" predict --sizes 2,4,8 "$T/j2.trace" "$T/j4.trace" --batch 4
 expect_rc 2 "wrong count"
-expect_in "--sizes gives 3 batch sizes for 2 traces" "$err" "wrong count"
+expect_in "--batch-sizes gives 3 batch sizes for 2 traces" "$err" "wrong count"
 run "$BIN" predict --sizes 2,x "$T/j2.trace" "$T/j4.trace" --batch 4
 expect_rc 1 "bad size"
 expect_in "'x' is not a batch size" "$err" "bad size"

@@ -633,8 +633,9 @@ static void test_top(void) {
   char c = 0;
   CHECK(read(ready[0], &c, 1) == 1 && c == 'y');
   run_top("--once", out, sizeof out);
-  CHECK_MSG(strchr(out, '\033') == NULL && strchr(out, '\a') == NULL && strstr(out, "?[2J?]0;pwn?"),
-            "escape sequences reached the terminal: %s", out);
+  CHECK_MSG(
+      strchr(out, '\033') == NULL && strchr(out, '\a') == NULL && strstr(out, "\\x1b[2J\\x1b]0;pw"),
+      "escape sequences reached the terminal: %s", out);
   /* two pages with INT64_MAX figures, copies of the live one */
   seen_t s = scan();
   char page[192];
@@ -681,7 +682,7 @@ static void test_top(void) {
   }
   run_top("--once", out, sizeof out);
   char live[64];
-  snprintf(live, sizeof live, "%8d  ?[2J?]0;pwn?", (int)child);
+  snprintf(live, sizeof live, "%8d  \\x1b[2J\\x1b]0;pw", (int)child);
   CHECK_MSG(strstr(out, "5001 allocators published") && strstr(out, live), "%.400s", out);
   run_top("--clean --once", out, sizeof out);
   CHECK_MSG(strstr(out, "removed 5000 files") && strstr(out, "1 allocator published"), "%.400s",

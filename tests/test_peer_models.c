@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "peer_models.h"
+#include "reader.h"
 #include "test_util.h"
 #include "trace.h"
 

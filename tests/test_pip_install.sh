@@ -12,6 +12,10 @@
 #   v/bin/gpumem replay traces/gpt2_train.trace.gz
 #   v/bin/python -c "import gpumem; a = gpumem.Allocator(); a.free(a.malloc(1 << 20))"
 #
+# and the README's three paths as written, with the installed gpumem and
+# python (tests/readme_paths.py: what they print must hold the lines the
+# README shows).
+#
 #   bash tests/test_pip_install.sh [SOURCE_DIR]      (default: this checkout)
 #
 # Exits 77 (CTest: skipped), saying why, where python3's venv or pip is
@@ -91,4 +95,10 @@ echo "test_pip_install: the package carries csrc/shim.cpp and csrc/allocator.cpp
   >"$work/run.out" 2>&1 || fail "gpumem run failed: $(cat "$work/run.out")"
 grep -q "^$site/__init__.py\$" "$work/run.out" || fail "gpumem run loaded $(cat "$work/run.out")"
 echo "test_pip_install: v/bin/gpumem run -- python: ok"
+
+# The README's three paths, from this installation.
+"${bare[@]}" "HOME=$work/home" "TMPDIR=$work" "$py" "$root/tests/readme_paths.py" \
+  "$work/src/README.md" "$work/src" "$work/v/bin" "$work/v/bin/python" --installed \
+  >"$work/paths.out" 2>&1 || fail "the README's paths: $(cat "$work/paths.out")"
+sed 's/^/  /' "$work/paths.out"
 echo "test_pip_install: PASS"

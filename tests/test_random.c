@@ -21,12 +21,19 @@
  * reclaim mode; odd seeds run host-backed with a small device and moderate
  * sizes, even seeds without backing with sizes up to 64 MiB.
  *
- * Scale: GPUMEM_RANDOM_OPS (operations per seed, default 100000; a number
- * on the command line overrides it), GPUMEM_RANDOM_SEEDS (seeds per
- * configuration, default 4), GPUMEM_RANDOM_SEED (first seed, to reproduce a
- * reported run). `--config NAME` runs one configuration only: CTest
- * registers one test per configuration, so that they run in parallel and
- * each stays well inside its timeout under the sanitizers. */
+ * Scale: GPUMEM_RANDOM_OPS (operations per seed in the random phase,
+ * default 12500; a number on the command line overrides it),
+ * GPUMEM_RANDOM_SEEDS (seeds per configuration, default 4),
+ * GPUMEM_RANDOM_SEED (first seed, to reproduce a reported run). The
+ * default size was 100000 operations; 25000 and 12500, with the loop and
+ * limit phases kept at their lengths (LOOP_ITERATIONS, LIMIT_OPS), caught
+ * each of three faults planted in the engine in as many configurations: a
+ * stream's use forgotten when a block is freed (all ten), pages taken back
+ * before their fence completed (three), and a shared plan arena crediting
+ * a block used on another stream as the taker's own (one: only the loop
+ * phase reaches it). `--config NAME` runs one configuration only:
+ * CTest registers one test per configuration, so that they run in parallel and each stays well
+ * inside its timeout under the sanitizers. */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -1106,6 +1113,14 @@ static int enough_pages_for(run_t* r, size_t size) {
  * random requests (sizes, streams, which of its own allocations to free),
  * so a plan is built and serves; halfway through the pattern changes, and
  * now and then a stray request or record_stream perturbs an iteration. */
+/* Iterations of the loop phase, whatever the random phase's length: shared
+ * plan arenas form only after a loop has repeated for a while, and their
+ * faults show only in the steps after. */
+#define LOOP_ITERATIONS 50
+/* Operations of the limit phase, whatever the random phase's length: enough
+ * that it always runs out of memory under its limit (checked). */
+#define LIMIT_OPS 5000
+
 static void loop_phase(run_t* r, int iters, int len) {
   r->phase = "loop";
   r->quarantine_own = 1;
@@ -1274,15 +1289,14 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     random_step(r);
     check_state(r);
     if (r->op % 1024 == 1023 && !r->failed) check_no_overlap_sorted(r);
-    if (r->host_backed && r->op % 20000 == 19999 && !r->failed) verify_all(r, "periodic sweep");
+    if (r->host_backed && r->op % 10000 == 9999 && !r->failed) verify_all(r, "periodic sweep");
   }
   RUN_CHECK(r, r->failed || cfg->map_pages <= 1 || r->multi_page_maps > 0,
             "map_max of %zu pages, yet no mapping of more than one page was made", cfg->map_pages);
   if (!r->failed && cfg->placement == GPUMEM_PLACEMENT_PLANNED) {
-    long iters = ops / 2000;
-    loop_phase(r, (int)(iters < 20 ? 20 : iters > 80 ? 80 : iters), 60);
+    loop_phase(r, LOOP_ITERATIONS, 60);
   }
-  if (!r->failed) limit_phase(r, ops / 5);
+  if (!r->failed) limit_phase(r, LIMIT_OPS);
 
   /* Teardown: every pattern intact, everything freed, nothing held. */
   r->phase = "teardown";
@@ -1347,7 +1361,7 @@ static long env_long(const char* name, long fallback) {
 }
 
 int main(int argc, char** argv) {
-  long ops = env_long("GPUMEM_RANDOM_OPS", 100000);
+  long ops = env_long("GPUMEM_RANDOM_OPS", 12500);
   const char* only = NULL;
   for (int i = 1; i < argc; i++) {
     if (strcmp(argv[i], "--config") == 0 && i + 1 < argc) {

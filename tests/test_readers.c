@@ -20,6 +20,7 @@
 #include <zlib.h>
 
 #include "gpumem.h"
+#include "reader.h"
 #include "gpumem_backend.h"
 #include "peer_models.h"
 #include "pickle.h"

@@ -12,6 +12,7 @@
 #include <zlib.h>
 
 #include "replay.h"
+#include "reader.h"
 #include "test_util.h"
 #include "trace.h"
 

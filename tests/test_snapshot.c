@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "pickle.h"
+#include "reader.h"
 #include "snapshot.h"
 #include "test_util.h"
 #include "trace.h"

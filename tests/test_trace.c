@@ -12,6 +12,7 @@
 #include <zlib.h>
 
 #include "gpumem.h"
+#include "reader.h"
 #include "replay.h"
 #include "test_util.h"
 #include "trace.h"

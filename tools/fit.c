@@ -3,8 +3,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
-
-#include "cliconf.h"
+#include <string.h>
 
 #define GIB 1073741824.0
 
@@ -26,20 +25,6 @@ const char fit_note[] =
     "replays\n(x: over peak live). pytorch and the gpumem rows replay gpumem's engine; the "
     "expandable\nand cudaMallocAsync rows are models (docs/whatif.md: within 0.7% and 3.2% of "
     "the H200's figures).\n";
-
-gpumem_status_t fit_parse_memory(const char* text, size_t* out) {
-  size_t bytes = 0;
-  /* 0 would ask whether the job fits in nothing: a mistake, not a question */
-  if (gpumem_parse_size(text, &bytes) != GPUMEM_OK || bytes == 0) {
-    gpumem_set_last_error("bad --memory '%s' (bytes with an optional K/M/G/T suffix, e.g. 80G)",
-                          text);
-    return GPUMEM_ERR_INVALID_ARGUMENT;
-  }
-  /* "80" parses as 80 bytes: refused with a hint rather than answered */
-  if (cli_parse_size("--memory", text, &bytes) != GPUMEM_OK) return GPUMEM_ERR_INVALID_ARGUMENT;
-  *out = bytes;
-  return GPUMEM_OK;
-}
 
 /* The row's replay settings over base: its policy and conf, no limit, one
  * cold pass. */
@@ -117,4 +102,78 @@ void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, 
   } else {
     snprintf(need, cap, "-");
   }
+}
+
+/* The names of the rows whose result passes test, as "a, b and c"; the
+ * number of them. */
+static int row_names(const fit_result_t* results, size_t memory,
+                     int (*test)(const fit_result_t*, size_t), char* buf, size_t cap) {
+  int n = 0, total = 0;
+  for (size_t k = 0; k < fit_num_rows; k++) total += test(&results[k], memory);
+  size_t len = 0;
+  buf[0] = '\0';
+  for (size_t k = 0; k < fit_num_rows && len < cap; k++) {
+    if (!test(&results[k], memory)) continue;
+    n++;
+    int w = snprintf(buf + len, cap - len, "%s%s",
+                     n == 1       ? ""
+                     : n == total ? " and "
+                                  : ", ",
+                     fit_rows[k].name);
+    if (w > 0) len += (size_t)w;
+  }
+  return total;
+}
+
+static int fits_above_peak(const fit_result_t* r, size_t memory) {
+  return r->fits && r->peak_reserved > memory;
+}
+
+static int misses_below_needed(const fit_result_t* r, size_t memory) {
+  return !r->fits && r->needed && r->needed <= memory;
+}
+
+/* text on lines of at most 100 characters, broken at blanks. */
+static void print_wrapped(FILE* f, const char* text) {
+  while (*text) {
+    size_t len = strlen(text), cut = len;
+    if (len > 100) {
+      cut = 100;
+      while (cut > 0 && text[cut] != ' ') cut--;
+      if (cut == 0) cut = 100;
+    }
+    fprintf(f, "%.*s\n", (int)cut, text);
+    text += cut;
+    while (*text == ' ') text++;
+  }
+}
+
+int fit_explain(FILE* f, const fit_result_t* results, size_t memory) {
+  if (!memory) return 0;
+  char names[512], text[1024];
+  double mem = (double)memory / GIB;
+  int said = 0;
+  int n = row_names(results, memory, fits_above_peak, names, sizeof names);
+  int one = n == 1;
+  if (n) {
+    snprintf(text, sizeof text,
+             "%s fit%s in %.3f GiB although %s peak reserved is above it: that peak is the one "
+             "with no limit; under a limit %s reuse%s or give%s back cached memory instead of "
+             "growing, and need%s only the memory needed in %s row.",
+             names, one ? "s" : "", mem, one ? "its" : "their", one ? "it" : "they", one ? "s" : "",
+             one ? "s" : "", one ? "s" : "", one ? "its" : "their");
+    print_wrapped(f, text);
+    said++;
+  }
+  n = row_names(results, memory, misses_below_needed, names, sizeof names);
+  one = n == 1;
+  if (n) {
+    snprintf(text, sizeof text,
+             "%s do%s not fit in %.3f GiB although %s memory needed is below it: a limit above "
+             "the smallest one that fits does not always fit.",
+             names, one ? "es" : "", mem, one ? "its" : "their");
+    print_wrapped(f, text);
+    said++;
+  }
+  return said;
 }

@@ -8,6 +8,7 @@
 #define GPUMEM_TOOLS_FIT_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 
 #include "gpumem.h"
@@ -33,10 +34,6 @@ typedef struct fit_result {
   uint64_t needed;        /* smallest limit; 0: none found */
 } fit_result_t;
 
-/* Reads a --memory value: a size with its unit (80G; 4096B for bytes), above 0.
- * GPUMEM_ERR_INVALID_ARGUMENT with gpumem_last_error() naming the value. */
-gpumem_status_t fit_parse_memory(const char* text, size_t* out);
-
 /* One row for trace t: peak reserved, the smallest limit (bisected to
  * base->min_limit_tolerance) and, when memory is not 0, whether it fits
  * in memory. base gives the replay settings the engine's rows start from
@@ -55,6 +52,13 @@ gpumem_status_t fit_fits(const trace_t* t, const fit_row_t* row, size_t memory,
 /* The table's two figures as text, "5.660 GiB (1.003x)" (x: over peak
  * live), or "-" for a smallest limit not found. */
 void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, size_t cap);
+
+/* Says on lines of their own (into f) why figures of the table that could
+ * be read as contradicting each other do not: rows that fit in memory with
+ * a peak above it (the peak is the one with no limit), or rows that do not
+ * fit although their smallest limit is below memory. results: one per row
+ * of fit_rows. The number of sentences said. */
+int fit_explain(FILE* f, const fit_result_t* results, size_t memory);
 
 /* What the table's figures mean and where the models come from. */
 extern const char fit_note[];

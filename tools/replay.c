@@ -714,3 +714,34 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
   r->min_limit_ratio = peak ? (double)hi / (double)peak : 0;
   return GPUMEM_OK;
 }
+
+size_t replay_tagged_peak(gpumem_t* gm, const trace_t* t, size_t start, size_t stop, void** slots) {
+  int64_t best = -1;
+  size_t best_event = 0;
+  for (size_t i = start; i < stop; i++) {
+    if (replay_event_tagged(gm, t, i, slots) != GPUMEM_OK) return SIZE_MAX;
+    if (t->events[i].op != TRACE_ALLOC) continue;
+    gpumem_stats_t st;
+    gpumem_get_stats(gm, &st);
+    if (st.reserved_bytes[GPUMEM_POOL_ALL].current > best) {
+      best = st.reserved_bytes[GPUMEM_POOL_ALL].current;
+      best_event = i;
+    }
+  }
+  return best_event;
+}
+
+/* The cap a replay of t (NULL: before any trace, so no --limit-ratio)
+ * runs under: the limit from the flags or the configuration, or the
+ * configuration's fraction of the simulated device, the smaller; 0: none.
+ * (On a GPU the fraction's bytes are known only once it is open.) */
+uint64_t replay_effective_cap(const replay_config_t* c, const trace_t* t) {
+  gpumem_options_t o;
+  if (replay_options(c, t, &o) != GPUMEM_OK) return 0;
+  uint64_t cap = o.limit_bytes;
+  if (o.limit_fraction > 0 && c->device == REPLAY_DEVICE_SIM) {
+    uint64_t f = (uint64_t)(o.limit_fraction * (double)c->sim_capacity);
+    if (!cap || f < cap) cap = f;
+  }
+  return cap;
+}

@@ -193,6 +193,17 @@ gpumem_status_t replay_min_limit(const trace_t* trace, const replay_config_t* co
  * nothing). For the tools that look at the allocator between events
  * (explain, leaks, report). */
 gpumem_status_t replay_event_tagged(gpumem_t* gm, const trace_t* trace, size_t i, void** slots);
+/* Events [start, stop) of t on gm, each tagged with its trace line (as
+ * replay_event_tagged); the index of the event after which reserved
+ * memory first reached its highest value in them, or SIZE_MAX when an
+ * event failed (gpumem_last_error() says why). */
+size_t replay_tagged_peak(gpumem_t* gm, const trace_t* t, size_t start, size_t stop, void** slots);
+
+/* The cap a replay of t (NULL: before any trace, so no --limit-ratio)
+ * runs under: the limit from the flags or the configuration, or the
+ * configuration's fraction of the simulated device, the smaller; 0: none.
+ * (On a GPU the fraction's bytes are known only once it is open.) */
+uint64_t replay_effective_cap(const replay_config_t* c, const trace_t* t);
 
 const char* replay_policy_name(gpumem_policy_t policy);
 const char* replay_device_name(replay_device_t device);

@@ -1,7 +1,7 @@
 /* PyTorch memory snapshots as traces: the dict that
  * torch.cuda.memory._dump_snapshot() pickles ("segments" and
- * "device_traces") becomes the lines of a trace (traces/README.md), so every
- * command that reads a trace reads a snapshot. The events of one device are
+ * "device_traces") becomes the events of a trace (trace.h's builder), so
+ * every command that reads a trace reads a snapshot. The events of one device are
  * used: alloc (the size the program asked for), free_requested (the trace's
  * free time, as in the bundled traces); free_completed and oom are not
  * needed; segment_alloc/free/map/unmap give the peak reserved memory the
@@ -20,39 +20,125 @@
 #include <time.h>
 
 #include "pickle.h"
+#include "show.h"
 #include "snapshot.h"
 
 #define GIB 1073741824.0
 
-typedef struct text {
-  char* buf;
+/* The trace's events as they are found, kept apart until the allocations
+ * made before the first recorded event (found after it) can go first. */
+typedef struct event_list {
+  trace_event_t* ev; /* id: the trace ID; size and stream as read */
+  uint32_t* role;    /* per event: its role's index in the role table + 1, 0 for none */
   size_t len, cap;
   int failed;
-} text_t;
+} event_list_t;
 
-static void put(text_t* t, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The roles of a snapshot's allocations, each text kept once: a pickle
+ * may name one frame list for every event (two bytes of file each). */
+typedef struct role_table {
+  char** names;
+  size_t n, cap;
+  uint64_t* keys; /* open addressing on the text's hash: index + 1, 0 empty */
+  uint32_t* slots;
+  size_t mask;
+  int failed;
+} role_table_t;
 
-static void put(text_t* t, const char* fmt, ...) {
-  if (t->failed) return;
-  /* twice at most: the second time with room for what the first measured */
-  for (int pass = 0; pass < 2; pass++) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = t->buf ? vsnprintf(t->buf + t->len, t->cap - t->len, fmt, ap) : vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (n < 0) break;
-    if (t->buf && (size_t)n < t->cap - t->len) {
-      t->len += (size_t)n;
+/* The index + 1 of text in the table, added when new; 0 when out of memory. */
+static uint32_t role_intern(role_table_t* r, const char* text) {
+  if (r->failed) return 0;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const char* c = text; *c; c++) h = (h ^ (unsigned char)*c) * 0x100000001b3ull;
+  if (r->n * 2 >= r->mask) {
+    size_t cap = r->mask ? (r->mask + 1) * 2 : 256;
+    uint64_t* keys = calloc(cap, sizeof *keys);
+    uint32_t* slots = calloc(cap, sizeof *slots);
+    if (!keys || !slots) {
+      free(keys);
+      free(slots);
+      r->failed = 1;
+      return 0;
+    }
+    for (size_t i = 0; r->mask && i <= r->mask; i++) {
+      if (!r->slots[i]) continue;
+      size_t j = r->keys[i] & (cap - 1);
+      while (slots[j]) j = (j + 1) & (cap - 1);
+      keys[j] = r->keys[i];
+      slots[j] = r->slots[i];
+    }
+    free(r->keys);
+    free(r->slots);
+    r->keys = keys;
+    r->slots = slots;
+    r->mask = cap - 1;
+  }
+  size_t j = h & r->mask;
+  for (; r->slots[j]; j = (j + 1) & r->mask)
+    if (r->keys[j] == h && strcmp(r->names[r->slots[j] - 1], text) == 0) return r->slots[j];
+  if (r->n == r->cap) {
+    size_t cap = r->cap ? r->cap * 2 : 256;
+    char** names = realloc(r->names, cap * sizeof *names);
+    if (!names) {
+      r->failed = 1;
+      return 0;
+    }
+    r->names = names;
+    r->cap = cap;
+  }
+  if (!(r->names[r->n] = strdup(text))) {
+    r->failed = 1;
+    return 0;
+  }
+  r->keys[j] = h;
+  r->slots[j] = (uint32_t)++r->n;
+  return r->slots[j];
+}
+
+static void role_table_free(role_table_t* r) {
+  for (size_t i = 0; i < r->n; i++) free(r->names[i]);
+  free(r->names);
+  free(r->keys);
+  free(r->slots);
+}
+
+static void put_role(event_list_t* l, trace_op_t op, uint64_t id, uint64_t size, uint64_t stream,
+                     uint32_t role) {
+  if (l->failed) return;
+  if (l->len == l->cap) {
+    size_t n = l->cap ? l->cap * 2 : 4096;
+    trace_event_t* bigger = realloc(l->ev, n * sizeof *bigger);
+    if (bigger) l->ev = bigger;
+    uint32_t* roles = bigger ? realloc(l->role, n * sizeof *roles) : NULL;
+    if (!roles) {
+      l->failed = 1;
       return;
     }
-    size_t want = t->cap ? t->cap * 2 : 1 << 16;
-    while (want - t->len <= (size_t)n) want *= 2;
-    char* b = realloc(t->buf, want);
-    if (!b) break;
-    t->buf = b;
-    t->cap = want;
+    l->role = roles;
+    l->cap = n;
   }
-  t->failed = 1;
+  /* IDs are counted here from 1, far below 2^32 events */
+  trace_event_t e = {.size = size, .stream = (uintptr_t)stream, .id = (uint32_t)id, .op = op};
+  l->role[l->len] = role;
+  l->ev[l->len++] = e;
+}
+
+static void put(event_list_t* l, trace_op_t op, uint64_t id, uint64_t size, uint64_t stream) {
+  put_role(l, op, id, size, stream, 0);
+}
+
+/* The events of l into b. */
+static gpumem_status_t build(trace_builder_t* b, const event_list_t* l, const role_table_t* roles) {
+  gpumem_status_t st = GPUMEM_OK;
+  for (size_t i = 0; i < l->len && st == GPUMEM_OK; i++) {
+    const trace_event_t* e = &l->ev[i];
+    if (e->op == TRACE_ALLOC)
+      st = trace_builder_alloc_role(b, e->id, e->size, e->stream,
+                                    l->role[i] ? roles->names[l->role[i] - 1] : NULL);
+    else
+      st = trace_builder_free(b, e->id);
+  }
+  return st;
 }
 
 /* An integer field of an event or block; 0 when absent or not an int. */
@@ -218,9 +304,10 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
   const pickle_value_t* root = &doc.values[doc.root];
   const pickle_value_t* traces = pickle_get(&doc, root, "device_traces");
   const pickle_value_t* segments = pickle_get(&doc, root, "segments");
-  text_t text = {0};
-  text_t body = {0}; /* the trace's events */
-  text_t pre = {0};  /* allocations made before the first recorded event */
+  event_list_t body = {0}; /* the trace's events */
+  event_list_t pre = {0};  /* allocations made before the first recorded event */
+  role_table_t roles = {0};
+  trace_builder_t* builder = NULL;
   live_map_t live = {0};
   unsigned char* seen = calloc(doc.num_values / 8 + 1, 1);
   if (!seen) goto no_memory;
@@ -260,10 +347,11 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
     }
     device = d;
   } else if (with_events > 1) {
+    char shown[512];
     fprintf(stderr,
             "gpumem: note: %s holds events of %zu devices; replaying device %ld, the busiest "
             "(GPUMEM_SNAPSHOT_DEVICE=N picks another)\n",
-            path, with_events, device);
+            show_text(path, shown, sizeof shown), with_events, device);
   }
   if (total_events == 0 || device < 0) {
     gpumem_set_last_error(
@@ -361,25 +449,21 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
       live.id[c] = next_id;
       live.count++;
       char role[TRACE_MAX_ROLE];
-      if (frames_role(&doc, e, role, sizeof role))
-        put(&body, "a %llu %lld 0x%llx %s\n", (unsigned long long)next_id++, (long long)size,
-            (unsigned long long)stream, role);
-      else
-        put(&body, "a %llu %lld 0x%llx\n", (unsigned long long)next_id++, (long long)size,
-            (unsigned long long)stream);
+      uint32_t r = frames_role(&doc, e, role, sizeof role) ? role_intern(&roles, role) : 0;
+      if (roles.failed) goto no_memory;
+      put_role(&body, TRACE_ALLOC, next_id++, (uint64_t)size, stream, r);
       allocs++;
     } else if (is_free) {
       size_t c = live_cell(&live, addr);
       if (live.id[c]) {
-        put(&body, "f %llu\n", (unsigned long long)live.id[c]);
+        put(&body, TRACE_FREE, live.id[c], 0, 0);
         live_remove(&live, c);
       } else {
         /* allocated before the first recorded event */
         lost_frees++;
         lost_free_bytes += (uint64_t)size;
-        put(&pre, "a %llu %lld 0x%llx\n", (unsigned long long)next_id, (long long)size,
-            (unsigned long long)stream);
-        put(&body, "f %llu\n", (unsigned long long)next_id++);
+        put(&pre, TRACE_ALLOC, next_id, (uint64_t)size, stream);
+        put(&body, TRACE_FREE, next_id++, 0, 0);
       }
     } else if (seg_up || seg_down) {
       segment_events++;
@@ -426,8 +510,7 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
         if (!rok || req <= 0) req = int_field(&doc, blk, "size", NULL);
         lost_blocks++;
         lost_block_bytes += (uint64_t)req;
-        put(&pre, "a %llu %lld 0x%llx\n", (unsigned long long)next_id++, (long long)req,
-            (unsigned long long)stream);
+        put(&pre, TRACE_ALLOC, next_id++, (uint64_t)req, stream);
       }
     }
   }
@@ -458,26 +541,17 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
     goto done;
   }
 
-  put(&text, "# PyTorch memory snapshot %s, device %ld: %zu events, %zu allocations\n", path,
-      device, events->len, allocs);
-  if (lost_frees || lost_blocks)
-    put(&text, "# partial: %zu allocations made before the first recorded event come first\n",
-        lost_frees + lost_blocks);
-  if (text.failed) goto no_memory;
-  {
-    size_t need = text.len + pre.len + body.len + 1;
-    if (text.cap < need) {
-      char* b = realloc(text.buf, need);
-      if (!b) goto no_memory;
-      text.buf = b;
-      text.cap = need;
-    }
-    if (pre.len) memcpy(text.buf + text.len, pre.buf, pre.len);
-    text.len += pre.len;
-    memcpy(text.buf + text.len, body.buf, body.len);
-    text.len += body.len;
+  /* Built as a file would read: a line saying what it is (and one saying
+   * it is partial), then the allocations made before the first recorded
+   * event, then the history. */
+  if ((st = trace_builder_new(path, pre.len + body.len, &builder)) != GPUMEM_OK) goto done;
+  trace_builder_set_line(builder, lost_frees || lost_blocks ? 3 : 2);
+  st = build(builder, &pre, &roles);
+  if (st == GPUMEM_OK) st = build(builder, &body, &roles);
+  if (st == GPUMEM_OK) {
+    st = trace_builder_finish(builder, out);
+    builder = NULL;
   }
-  st = trace_parse(path, text.buf, text.len, out);
   if (st == GPUMEM_OK) {
     trace_t* t = *out;
     t->from_snapshot = 1;
@@ -502,11 +576,14 @@ no_memory:
   gpumem_set_last_error("%s: out of host memory converting the snapshot", path);
   st = GPUMEM_ERR_HOST_MEMORY;
 done:
-  free(body.buf);
-  free(pre.buf);
+  trace_builder_discard(builder);
+  free(body.ev);
+  free(body.role);
+  free(pre.ev);
+  free(pre.role);
+  role_table_free(&roles);
   free(live.addr);
   free(live.id);
-  free(text.buf);
   free(seen);
   pickle_free(&doc);
   return st;

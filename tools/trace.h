@@ -1,5 +1,5 @@
-/* Allocation traces: reading a trace file (gzip or plain text) into memory
- * and the facts about it that the replay reports (peak live bytes, streams).
+/* Allocation traces in memory, and the facts about them that the replay
+ * reports (peak live bytes, streams); reader.h reads them from files.
  *
  * Format (traces/README.md): '#' comments and blank lines, then one event a
  * line: `a ID SIZE STREAM [ROLE]` (allocate; ROLE, optional, names what made
@@ -31,8 +31,8 @@ typedef struct trace_event {
 } trace_event_t;
 
 typedef struct trace {
-  char* path; /* as given to trace_load */
-  char* name; /* basename without .gz and .trace: "gpt2_train" */
+  char* path; /* as given to trace_load; show.h's show_text to print it */
+  char* name; /* basename without .gz and .trace: "gpt2_train", shown (show.h) */
   trace_event_t* events;
   size_t num_events;
   size_t num_allocs; /* also the number of slots */
@@ -91,9 +91,7 @@ typedef struct trace {
  * - TRACE_MAX_SIZE: bytes one allocation may request (2^48, 256 TiB, far
  *   above any device): sizes near 2^64 wrap to 0 when a model rounds them
  *   up, and would then "fit" in nothing.
- * - trace_max_bytes: the bytes a file (trace text or snapshot pickle) may
- *   hold once inflated (a gzip file inflates up to 1032 times its size, so
- *   the cap is on the output). */
+ * - trace_max_bytes (reader.h): the bytes a file may hold once inflated. */
 #define TRACE_MAX_STREAMS 64
 /* Characters in a ROLE field (printable ASCII, no blanks). */
 #define TRACE_MAX_ROLE 160
@@ -101,18 +99,37 @@ typedef struct trace {
 /* The sum of all sizes requested (2^62): what sums sizes, rounded up to
  * pages and segments, stays below 2^63 and fits the signed statistics. */
 #define TRACE_MAX_TOTAL ((uint64_t)1 << 62)
-#define TRACE_MAX_BYTES_DEFAULT ((size_t)256 << 20)
-/* TRACE_MAX_BYTES_DEFAULT unless changed (tests lower it). */
-extern size_t trace_max_bytes;
 
-/* Reads path (gzip or plain) and validates every line. On failure returns
- * GPUMEM_ERR_IO (unreadable file, malformed line, inconsistent IDs) or
- * GPUMEM_ERR_HOST_MEMORY, with a message naming the file and the line in
- * gpumem_last_error(), and *out is NULL. */
-gpumem_status_t trace_load(const char* path, trace_t** out);
-/* Same from text already in memory; path is used for messages and name. */
+/* The text of a trace file already in memory (reader.h reads files);
+ * path is used for messages and name. Errors as trace_load's. */
 gpumem_status_t trace_parse(const char* path, const char* text, size_t len, trace_t** out);
 void trace_free(trace_t* trace);
+
+/* A trace built event by event, with the checks and facts of a parsed file
+ * (an unknown or reused ID, the readers' limits, peak live bytes): what
+ * readers of other formats and the transformations below make traces
+ * with, so that nothing is written as text and read back. Each event is
+ * numbered as the next line, from 1 (trace_builder_set_line changes
+ * where the count is); errors name path and that line. On an error the
+ * builder stays valid for trace_builder_discard. */
+typedef struct trace_builder trace_builder_t;
+/* expected_events: a hint for the first table sizes. */
+gpumem_status_t trace_builder_new(const char* path, size_t expected_events, trace_builder_t** out);
+void trace_builder_set_line(trace_builder_t* b, size_t line); /* the next event's line */
+gpumem_status_t trace_builder_alloc(trace_builder_t* b, uint64_t id, uint64_t size,
+                                    uint64_t stream);
+/* The same, the allocation made by `role` (printable ASCII but blanks, at
+ * most TRACE_MAX_ROLE characters; NULL for none): align.h matches
+ * recordings by it. */
+gpumem_status_t trace_builder_alloc_role(trace_builder_t* b, uint64_t id, uint64_t size,
+                                         uint64_t stream, const char* role);
+gpumem_status_t trace_builder_free(trace_builder_t* b, uint64_t id);
+gpumem_status_t trace_builder_record_stream(trace_builder_t* b, uint64_t id, uint64_t stream);
+/* A step marker (`# step N`) before the next event. */
+gpumem_status_t trace_builder_step(trace_builder_t* b);
+/* The trace (GPUMEM_ERR_IO when it holds no event); b is freed either way. */
+gpumem_status_t trace_builder_finish(trace_builder_t* b, trace_t** out);
+void trace_builder_discard(trace_builder_t* b);
 
 /* A longer run of the same loop: the trace followed by reps repetitions of
  * its last period, the smallest P for which the last P allocations request
@@ -125,16 +142,16 @@ gpumem_status_t trace_repeat_tail(const trace_t* t, int reps, trace_t** out, siz
 
 /* The first num_events events of t (all of them at t->num_events) with
  * every allocation's size replaced by slot_size[its slot], as a trace of
- * their own, read back by the one parser so that every fact and check is
+ * their own, made by the one builder so that every fact and check is
  * the usual one: IDs become slot numbers, the step markers up to there are
  * kept, and path names it in messages. slot_size holds an entry for every
- * slot. A size above TRACE_MAX_SIZE is refused by the parser as in a file. */
+ * slot. A size above TRACE_MAX_SIZE is refused by the builder as in a file. */
 gpumem_status_t trace_resized(const trace_t* t, size_t num_events, const uint64_t* slot_size,
                               const char* path, trace_t** out);
 
 /* A trace of the events given, in order (each naming its allocation by
  * id: an allocation's id is free for reuse once freed), with a step marker
- * before event step_end[k] for each k, read back by the one parser; the
+ * before event step_end[k] for each k, made by the one builder; the
  * events keep the line numbers they carry, for messages. */
 gpumem_status_t trace_from_events(const char* path, const trace_event_t* events, size_t num_events,
                                   const size_t* step_end, size_t num_steps, trace_t** out);

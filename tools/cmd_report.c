@@ -6,7 +6,7 @@
  * live at its end, each with the trace lines that made them, and with
  * --memory (or --min-limit) the allocator table of `gpumem fit`.
  * Everything in it comes from replays made here; nothing is estimated. */
-#include "report.h"
+#include "commands.h"
 
 #include <errno.h>
 #include <stdbool.h>
@@ -16,7 +16,9 @@
 #include <unistd.h>
 
 #include "gpumem.h"
-#include "cliconf.h"
+#include "cli.h"
+#include "reader.h"
+#include "show.h"
 #include "fit.h"
 #include "internal.h" /* gm_format_bytes, gm_print_leak_table */
 #include "replay.h"
@@ -47,9 +49,6 @@ static const char usage_report[] =
     "                            settings: --conf does not change these rows)\n"
     "  -h, --help                this text\n";
 
-/* After a usage mistake: the one line that says what, then where to look. */
-#define HINT "try 'gpumem report --help'\n"
-
 enum { BUCKETS = 800, TOP_GROUPS = 12 };
 
 /* One policy's replay: the chart's series and its figures. */
@@ -79,21 +78,6 @@ typedef struct page {
 
 static size_t bucket_of(const trace_t* t, size_t event) {
   return t->num_events ? event * BUCKETS / t->num_events : 0;
-}
-
-int gm_text_write(const char* s, size_t len, void* arg) {
-  gm_text_t* t = arg;
-  if (t->len + len + 1 > t->cap) {
-    size_t cap = (t->len + len + 1) * 2;
-    char* grown = realloc(t->s, cap);
-    if (!grown) return 1;
-    t->s = grown;
-    t->cap = cap;
-  }
-  memcpy(t->s + t->len, s, len);
-  t->len += len;
-  t->s[t->len] = '\0';
-  return 0;
 }
 
 /* The largest groups of gm's live allocations (tags: trace lines): a
@@ -326,6 +310,19 @@ static void fit_section(page_t* p) {
     fputs("</td></tr>\n", f);
   }
   fputs("</table>\n<p>", f);
+  /* the rows whose figures could read as a contradiction, said as fit says it */
+  char* why = NULL;
+  size_t why_len = 0;
+  FILE* said = p->memory ? open_memstream(&why, &why_len) : NULL;
+  if (said) {
+    fit_explain(said, p->fit, p->memory);
+    fclose(said);
+    if (why_len) {
+      put_escaped(f, why);
+      fputs("</p>\n<p>", f);
+    }
+  }
+  free(why);
   put_escaped(f, fit_note);
   if (default_needed) fprintf(f, "gpumem's default needs %.3f GiB. ", (double)default_needed / GIB);
   if (t->recorded_peak_reserved)
@@ -416,7 +413,7 @@ static bool option_is(const char* a, size_t len, const char* name) {
   return strlen(name) == len && strncmp(a, name, len) == 0;
 }
 
-int gm_cli_report(int argc, char** argv) {
+int cmd_report(int argc, char** argv) {
   const char* out_path = NULL;
   const char* conf = NULL;
   const char* memory_text = NULL;
@@ -433,51 +430,43 @@ int gm_cli_report(int argc, char** argv) {
                                                          : NULL;
     if (value) {
       if (!eq && i + 1 >= argc) {
-        fprintf(stderr, "gpumem: option '%s' needs a value\n%s", a, HINT);
-        return 2;
+        return cli_usage_error(usage_report, "option '%s' needs a value", a);
       }
       *value = eq ? eq + 1 : argv[++i];
     } else if (eq && (option_is(a, len, "--help") || option_is(a, len, "--min-limit"))) {
-      fprintf(stderr, "gpumem: option '%.*s' takes no value\n%s", (int)len, a, HINT);
-      return 2;
+      return cli_usage_error(usage_report, "option '%.*s' takes no value", (int)len, a);
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
       fputs(usage_report, stdout);
       return 0;
     } else if (strcmp(a, "--min-limit") == 0) {
       min_limit = 1;
     } else if (a[0] == '-' && a[1]) {
-      fprintf(stderr, "gpumem: unknown option '%s'\n%s", a, HINT);
-      return 2;
+      return cli_usage_error(usage_report, "unknown option '%s'", a);
     } else if (trace_path) {
-      fprintf(stderr, "gpumem: one trace at a time\n%s", HINT);
-      return 2;
+      return cli_usage_error(usage_report, "one trace at a time");
     } else {
       trace_path = a;
     }
   }
   if (!trace_path) {
-    fprintf(stderr, "gpumem: no trace given\n%s", HINT);
-    return 2;
+    return cli_usage_error(usage_report, "no trace given");
   }
   /* Bad values are reported before any trace is read, as gpumem fit does. */
   size_t memory = 0;
-  if (memory_text && fit_parse_memory(memory_text, &memory) != GPUMEM_OK) {
-    fprintf(stderr, "gpumem: %s\n", gpumem_last_error());
-    return 1;
+  if (memory_text && cli_parse_memory(memory_text, &memory) != GPUMEM_OK) {
+    return cli_error("%s", gpumem_last_error());
   }
   gpumem_options_t check;
   gpumem_options_init(&check);
   if (conf && (cli_check_conf_units("--conf", conf) != GPUMEM_OK ||
                gpumem_options_parse(&check, conf) != GPUMEM_OK)) {
-    fprintf(stderr, "gpumem: %s\n", gpumem_last_error());
-    return 1;
+    return cli_error("%s", gpumem_last_error());
   }
   if (cli_refuse_record(conf)) return 1;
   /* GPUMEM_CONF first, then --conf, as every command reads them */
   static char joined[4096];
   if (cli_join_conf(conf, joined, sizeof joined) != 0) {
-    fprintf(stderr, "gpumem: GPUMEM_CONF and --conf together are too long\n");
-    return 1;
+    return cli_error("GPUMEM_CONF and --conf together are too long");
   }
   conf = joined[0] ? joined : NULL;
   page_t* p = calloc(1, sizeof *p);
@@ -485,22 +474,21 @@ int gm_cli_report(int argc, char** argv) {
   void** slots = NULL;
   int rc = 1;
   if (!p) {
-    fprintf(stderr, "gpumem: out of host memory\n");
-    return 1;
+    return cli_error("out of host memory");
   }
   if (trace_load(trace_path, &t) != GPUMEM_OK) {
-    fprintf(stderr, "gpumem: %s\n", gpumem_last_error());
+    cli_error("%s", gpumem_last_error());
     goto done;
   }
   p->t = t;
   slots = calloc(t->num_allocs ? t->num_allocs : 1, sizeof *slots);
   if (!slots) {
-    fprintf(stderr, "gpumem: out of host memory\n");
+    cli_error("out of host memory");
     goto done;
   }
   for (int k = 0; k < 2; k++) {
     if (replay_policy(p, k, conf, min_limit, slots) != 0) {
-      fprintf(stderr, "gpumem: %s: %s\n", t->name, gpumem_last_error());
+      cli_error("%s: %s", t->name, gpumem_last_error());
       goto done;
     }
   }
@@ -509,14 +497,14 @@ int gm_cli_report(int argc, char** argv) {
     p->memory = memory;
     p->fit = calloc(fit_num_rows, sizeof *p->fit);
     if (!p->fit) {
-      fprintf(stderr, "gpumem: out of host memory\n");
+      cli_error("out of host memory");
       goto done;
     }
     replay_config_t base;
     replay_config_init(&base);
     for (size_t k = 0; k < fit_num_rows; k++) {
       if (fit_one(t, &fit_rows[k], memory, &base, &p->fit[k]) != GPUMEM_OK) {
-        fprintf(stderr, "gpumem: %s: %s\n", t->name, gpumem_last_error());
+        cli_error("%s: %s", t->name, gpumem_last_error());
         goto done;
       }
     }
@@ -526,12 +514,12 @@ int gm_cli_report(int argc, char** argv) {
   char why[1400];
   int fd = out_path ? gm_outfile_open(&out, out_path, 0600, why, sizeof why) : -1;
   if (out_path && fd < 0) {
-    fprintf(stderr, "gpumem: %s\n", why);
+    cli_error("%s", why);
     goto done;
   }
   p->out = out_path ? fdopen(fd, "w") : stdout;
   if (!p->out) {
-    fprintf(stderr, "gpumem: cannot write %s: %s\n", out_path, strerror(errno));
+    cli_error("cannot write %s: %s", out_path, strerror(errno));
     close(fd);
     gm_outfile_abandon(&out);
     goto done;
@@ -539,13 +527,15 @@ int gm_cli_report(int argc, char** argv) {
   write_page(p);
   rc = ferror(p->out) ? 1 : 0;
   if (out_path && fclose(p->out) != 0) rc = 1;
-  if (rc) fprintf(stderr, "gpumem: writing %s failed\n", out_path ? out_path : "the page");
+  if (rc) cli_error("writing %s failed", out_path ? out_path : "the page");
   if (out_path && rc) gm_outfile_abandon(&out);
   if (out_path && !rc && !gm_outfile_commit(&out, why, sizeof why)) {
-    fprintf(stderr, "gpumem: %s\n", why);
+    cli_error("%s", why);
     rc = 1;
   }
-  if (!rc && out_path) printf("%s: report written to %s\n", t->name, out_path);
+  char shown[512];
+  if (!rc && out_path)
+    printf("%s: report written to %s\n", t->name, show_text(out_path, shown, sizeof shown));
 done:
   if (p) {
     free(p->peak_groups);

@@ -9,7 +9,8 @@
  * broken pages): names are printed with control bytes replaced, figures
  * are summed without overflow, and records beyond what it holds are
  * counted and said, live processes kept before exited ones. */
-#include "top.h"
+#include "commands.h"
+#include "show.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -74,19 +75,6 @@ static int collect(const gpumem_published_t* p, void* arg) {
   return 0;
 }
 
-/* s with every byte a terminal could act on (controls, DEL, non-ASCII)
- * shown as '?': a process names itself (/proc/self/comm), and its name
- * must not clear the screen or retitle the window. */
-static const char* printable(const char* s, char* out, size_t cap) {
-  size_t n = 0;
-  for (; *s && n + 1 < cap; s++) {
-    unsigned char c = (unsigned char)*s;
-    out[n++] = c >= 0x20 && c < 0x7f ? (char)c : '?';
-  }
-  out[n] = '\0';
-  return out;
-}
-
 /* Sums of published figures, which another process wrote: negative ones
  * count as 0, and the sum stops at INT64_MAX rather than overflow. */
 static int64_t add_figure(int64_t sum, int64_t figure) {
@@ -143,8 +131,10 @@ static void print_table(const rows_t* r, const char* dir) {
   time_t t = time(NULL);
   struct tm tm;
   localtime_r(&t, &tm);
+  char shown_dir[512];
   printf("gpumem top: %zu allocator%s published in %s, %02d:%02d:%02d\n\n", r->count,
-         r->count == 1 ? "" : "s", dir, tm.tm_hour, tm.tm_min, tm.tm_sec);
+         r->count == 1 ? "" : "s", show_text(dir, shown_dir, sizeof shown_dir), tm.tm_hour,
+         tm.tm_min, tm.tm_sec);
   printf("%8s  %-16s %4s  %-8s %12s %12s %14s %12s %5s  %s\n", "PID", "PROCESS", "DEV", "POLICY",
          "ALLOCATED", "RESERVED", "PEAK RESERVED", "LIMIT", "OOMS", "UPDATED");
   uint64_t now = now_unix_ms();
@@ -164,8 +154,8 @@ static void print_table(const rows_t* r, const char* dir) {
     else
       snprintf(dev, sizeof dev, "-");
     printf("%8d  %-16.16s %4s  %-8s %12s %12s %14s %12s %5lld  %s\n", p->pid,
-           printable(p->process, name, sizeof name), dev,
-           printable(p->policy, policy, sizeof policy),
+           show_text(p->process, name, sizeof name), dev,
+           show_text(p->policy, policy, sizeof policy),
            gm_format_bytes((uint64_t)p->allocated_bytes, b1, sizeof b1),
            gm_format_bytes((uint64_t)p->reserved_bytes, b2, sizeof b2),
            gm_format_bytes((uint64_t)p->reserved_peak, b3, sizeof b3),
@@ -211,13 +201,13 @@ static int remove_exited(const rows_t* r) {
     } else {
       char path[sizeof r->items[i].path];
       fprintf(stderr, "gpumem top: cannot remove %s: %s\n",
-              printable(r->items[i].path, path, sizeof path), strerror(errno));
+              show_text(r->items[i].path, path, sizeof path), strerror(errno));
     }
   }
   return removed;
 }
 
-int gm_cli_top(int argc, char** argv) {
+int cmd_top(int argc, char** argv) {
   int once = 0, json = 0, clean = 0;
   double interval = 1.0;
   long max_rows = MAX_ROWS;
@@ -236,14 +226,14 @@ int gm_cli_top(int argc, char** argv) {
       char* end;
       interval = strtod(argv[++i], &end);
       if (*end || !(interval >= 0.1 && interval <= 3600)) {
-        fprintf(stderr, "gpumem top: bad --interval '%s' (seconds, 0.1 to 3600)\n", argv[i]);
+        cli_usage_error(usage_top, "bad --interval '%s' (seconds, 0.1 to 3600)", argv[i]);
         return 2;
       }
     } else if (strcmp(a, "--max-rows") == 0 && i + 1 < argc) {
       char* end;
       max_rows = strtol(argv[++i], &end, 10);
       if (*end || max_rows < 1 || max_rows > 1000000) {
-        fprintf(stderr, "gpumem top: bad --max-rows '%s' (1 to 1000000)\n", argv[i]);
+        cli_usage_error(usage_top, "bad --max-rows '%s' (1 to 1000000)", argv[i]);
         return 2;
       }
     } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
@@ -253,9 +243,9 @@ int gm_cli_top(int argc, char** argv) {
       /* the reason and where the usage is, as every command says it */
       if (strncmp(a, "--", 2) == 0 && i + 1 >= argc &&
           (!strcmp(a, "--dir") || !strcmp(a, "--interval") || !strcmp(a, "--max-rows")))
-        fprintf(stderr, "gpumem top: option '%s' needs a value\ntry 'gpumem top --help'\n", a);
+        cli_usage_error(usage_top, "option '%s' needs a value", a);
       else
-        fprintf(stderr, "gpumem top: unknown option '%s'\ntry 'gpumem top --help'\n", a);
+        cli_usage_error(usage_top, "unknown option '%s'", a);
       return 2;
     }
   }
@@ -266,7 +256,7 @@ int gm_cli_top(int argc, char** argv) {
   for (;;) {
     r.count = r.dropped = r.next_exited = 0;
     if (gpumem_published_scan(shown_dir, collect, &r) < 0) {
-      fprintf(stderr, "gpumem top: %s\n", gpumem_last_error());
+      cli_error("%s", show_detail(gpumem_last_error()));
       rc = 1;
       break;
     }

@@ -4,7 +4,7 @@
  * of the package): this command checks the configuration, points
  * PYTHONPATH at that hook, switches it on and replaces itself with the
  * command, whose children (torchrun's workers) inherit all of it. */
-#include "run.h"
+#include "commands.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -14,7 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cliconf.h"
+#include "cli.h"
 #include "gpumem.h"
 
 #define EXIT_USAGE 2
@@ -43,9 +43,8 @@ static const char usage_run[] =
     "torch is imported, then runs the sitecustomize it shadows, if any.\n";
 
 static int run_usage_error(const char* what, const char* arg) {
-  fprintf(stderr, "gpumem run: %s%s%s%s\ntry 'gpumem run --help'\n", what, arg ? " '" : "",
-          arg ? arg : "", arg ? "'" : "");
-  return EXIT_USAGE;
+  return cli_usage_error(usage_run, "%s%s%s%s", what, arg ? " '" : "", arg ? arg : "",
+                         arg ? "'" : "");
 }
 
 /* Whether dir holds the package's start-up hook (and is a package). */
@@ -155,7 +154,7 @@ static int find_package(char* pkg, char* exe_dir, size_t cap, char* why, size_t 
   return -1;
 }
 
-int gm_cli_run(int argc, char** argv) {
+int cmd_run(int argc, char** argv) {
   const char* conf = NULL;
   int verbose = 0, i = 0;
   for (; i < argc; i++) {
@@ -190,25 +189,24 @@ int gm_cli_run(int argc, char** argv) {
     gpumem_options_init(&opts);
     if (cli_check_conf_units("--conf", conf) != GPUMEM_OK ||
         gpumem_options_parse(&opts, conf) != GPUMEM_OK) {
-      fprintf(stderr, "gpumem run: --conf: %s\n", gpumem_last_error());
+      cli_error("--conf: %s", show_detail(gpumem_last_error()));
       return EXIT_USAGE;
     }
     /* GPUMEM_CONF first, then --conf, as every command reads them */
     if (cli_join_conf(conf, joined, sizeof joined) != 0) {
-      fprintf(stderr, "gpumem run: GPUMEM_CONF and --conf together are too long\n");
+      cli_error("GPUMEM_CONF and --conf together are too long");
       return EXIT_USAGE;
     }
     conf = joined;
   }
   char pkg[PATH_MAX], exe_dir[PATH_MAX], why[2 * PATH_MAX + 1100];
   if (find_package(pkg, exe_dir, sizeof exe_dir, why, sizeof why) != 0) {
-    fprintf(stderr,
-            "gpumem run: cannot find the gpumem Python package that belongs with this program "
-            "(looked for gpumem" HOOK
-            " beside it and in python/gpumem of its checkout%s%s); "
-            "install it with pip install <gpumem checkout>\n",
-            why[0] ? "; " : "", why);
-    return EXIT_FAILURE;
+    return cli_error(
+        "cannot find the gpumem Python package that belongs with this program (looked for "
+        "gpumem" HOOK
+        " beside it and in python/gpumem of its checkout%s%s); install it with pip "
+        "install <gpumem checkout>",
+        why[0] ? "; " : "", why);
   }
 
   char path[2 * PATH_MAX + 32];
@@ -226,11 +224,10 @@ int gm_cli_run(int argc, char** argv) {
       (conf && setenv("GPUMEM_CONF", conf, 1) != 0) ||
       (verbose && setenv("GPUMEM_TORCH_VERBOSE", "1", 1) != 0) ||
       (use_library && setenv("GPUMEM_LIBRARY", library, 1) != 0)) {
-    fprintf(stderr, "gpumem run: cannot set the environment: %s\n", strerror(errno));
-    return EXIT_FAILURE;
+    return cli_error("cannot set the environment: %s", strerror(errno));
   }
   execvp(argv[i], argv + i);
   int err = errno;
-  fprintf(stderr, "gpumem run: cannot run '%s': %s\n", argv[i], strerror(err));
+  cli_error("cannot run '%s': %s", argv[i], strerror(err));
   return err == ENOENT ? 127 : 126; /* as env(1) and the shells */
 }
