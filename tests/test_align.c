@@ -169,10 +169,12 @@ static void test_roles_keep_apart_what_sizes_confuse(void) {
    * sort runs. By size alone the sort would be matched first */
   trace_t* t[2] = {
       parse("b2.trace", "a 0 1000 0 weight\na 1 200 0 embedding_backward\nf 1\n"),
-      parse("b4.trace", "a 0 1000 0 weight\na 1 400 0 sort\na 2 400 0 embedding_backward\nf 1\nf 2\n"),
+      parse("b4.trace",
+            "a 0 1000 0 weight\na 1 400 0 sort\na 2 400 0 embedding_backward\nf 1\nf 2\n"),
   };
   if (!t[0] || !t[1]) return;
-  CHECK(t[1]->num_roles == 4 && t[1]->slot_role && strcmp(t[1]->roles[t[1]->slot_role[1]], "sort") == 0);
+  CHECK(t[1]->num_roles == 4 && t[1]->slot_role &&
+        strcmp(t[1]->roles[t[1]->slot_role[1]], "sort") == 0);
   align_report_t rep;
   scale_model_t* m = fit_pair(t, 2, 4, &rep);
   CHECK(m != NULL);
@@ -185,7 +187,8 @@ static void test_roles_keep_apart_what_sizes_confuse(void) {
 
 static void test_cut_to_the_steps_in_common(void) {
   trace_t* t[2] = {
-      parse("b2.trace", "a 0 100 0\nf 0\n# step 1\na 1 100 0\nf 1\n# step 2\na 2 100 0\nf 2\n# step 3\n"),
+      parse("b2.trace",
+            "a 0 100 0\nf 0\n# step 1\na 1 100 0\nf 1\n# step 2\na 2 100 0\nf 2\n# step 3\n"),
       parse("b4.trace", "a 0 200 0\nf 0\n# step 1\na 9 4096 0\na 1 200 0\nf 9\nf 1\n# step 2\n"),
   };
   if (!t[0] || !t[1]) return;
@@ -225,7 +228,8 @@ static void test_requests_per_item_refused(void) {
   for (int v = 0; v < 2; v++) {
     int b = v ? 4 : 2, len = sprintf(text[v], "a 0 67108864 0\n");
     for (int i = 0; i < 8 * b; i++)
-      len += sprintf(text[v] + len, "a %d 1048576 0\na %d 4096 0\nf %d\n", 10 + i, 1000 + i, 10 + i);
+      len +=
+          sprintf(text[v] + len, "a %d 1048576 0\na %d 4096 0\nf %d\n", 10 + i, 1000 + i, 10 + i);
     len += sprintf(text[v] + len, "a 5 2097152 0\na 6 2097152 0\na 7 2097152 0\na 8 2097152 0\n");
   }
   t[0] = parse("b2.trace", text[0]);
@@ -298,7 +302,7 @@ static void test_random_edits(void) {
       base[i] = kind == 3 ? 4 + rnd(200) : 1024 * (1 + rnd(64));
       in2[i] = in4[i] = 1;
       unsigned e = rnd(40);
-      if (e == 0) in2[i] = 0; /* only at batch 4 */
+      if (e == 0) in2[i] = 0;          /* only at batch 4 */
       if (e == 1 && i > 0) in4[i] = 0; /* only at batch 2 */
     }
     char* text[2];
@@ -349,7 +353,8 @@ static void test_random_edits(void) {
      * makes can look like one request (2048 bytes at 2, 4096 at 4): the
      * counts may differ by such pairs, never more */
     if (roles) CHECK(rep.inserted == only4 && rep.dropped == only2 && rep.matched == both);
-    CHECK(rep.matched >= both && rep.matched - both <= only2 && rep.inserted + rep.matched == both + only4);
+    CHECK(rep.matched >= both && rep.matched - both <= only2 &&
+          rep.inserted + rep.matched == both + only4);
     if (m) {
       /* each allocation of batch 4 at batch 8: those both make exactly */
       trace_t* at = NULL;
@@ -363,11 +368,6 @@ static void test_random_edits(void) {
           int ok = at->events[at->slot_event[slot]].size == want ||
                    (!roles && want <= 512 && at->events[at->slot_event[slot]].size <= 512);
           exact += ok;
-          if (!ok && getenv("ALIGN_DEBUG"))
-            fprintf(stderr, "i=%d base=%llu scales=%d want=%llu got=%llu prev(in2=%d in4=%d) next(in2=%d in4=%d)\n", i,
-                    (unsigned long long)base[i], scales[i], (unsigned long long)want,
-                    (unsigned long long)at->events[at->slot_event[slot]].size, i ? in2[i-1] : -1, i ? in4[i-1] : -1,
-                    i + 1 < N ? in2[i+1] : -1, i + 1 < N ? in4[i+1] : -1);
         }
         slot++;
       }
@@ -377,7 +377,8 @@ static void test_random_edits(void) {
      * of a neighbour that looks the same (65536 bytes constant against
      * 32768 at batch 2, 65536 at 4): at most one miss for each */
     CHECK(roles ? exact == both : exact + only2 + only4 >= both);
-    if (roles && exact != both) fprintf(stderr, "round %d: %zu of %zu predicted exactly\n", round, exact, both);
+    if (roles && exact != both)
+      fprintf(stderr, "round %d: %zu of %zu predicted exactly\n", round, exact, both);
     scale_free(m);
     trace_free(t[0]);
     trace_free(t[1]);

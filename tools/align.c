@@ -158,7 +158,7 @@ static int myers(const ctx_t* c, pair_fn pair, size_t r0, size_t r1, size_t o0, 
   for (long d = 0; d <= maxd && found < 0; d++) {
     for (long k = -d; k <= d; k += 2) {
       long x = (k == -d || (k != d && V[off + k - 1] < V[off + k + 1])) ? V[off + k + 1]
-                                                                          : V[off + k - 1] + 1;
+                                                                        : V[off + k - 1] + 1;
       long y = x - k;
       while (x < N && y < M && pair(c, r0 + (size_t)x, o0 + (size_t)y)) {
         x++;
@@ -176,7 +176,8 @@ static int myers(const ctx_t* c, pair_fn pair, size_t r0, size_t r1, size_t o0, 
       hist = h;
       hist_cap = cap;
     }
-    for (long k = -d; k <= d; k++) hist[(size_t)d * (size_t)d + (size_t)(k + d)] = (int32_t)V[off + k];
+    for (long k = -d; k <= d; k++)
+      hist[(size_t)d * (size_t)d + (size_t)(k + d)] = (int32_t)V[off + k];
   }
   if (found < 0) {
     rc = 1;
@@ -314,7 +315,8 @@ static int match(const ctx_t* c, size_t* match_of) {
   size_t nR = c->R->n, nO = c->O->n;
   size_t head = 0, tail = 0;
   while (head < nR && head < nO && exact_pair(c, head, head)) head++;
-  while (tail < nR - head && tail < nO - head && exact_pair(c, nR - 1 - tail, nO - 1 - tail)) tail++;
+  while (tail < nR - head && tail < nO - head && exact_pair(c, nR - 1 - tail, nO - 1 - tail))
+    tail++;
   pair_list_t exact = {0}, all = {0};
   int rc = 0;
   for (size_t i = 0; i < head && rc == 0; i++) rc = pairs_push(&exact, i, i);
@@ -324,7 +326,8 @@ static int match(const ctx_t* c, size_t* match_of) {
     exact.n = head;
     rc = myers(c, grown_pair, head, nR - tail, head, nO - tail, &exact);
   }
-  for (size_t i = 0; i < tail && rc == 0; i++) rc = pairs_push(&exact, nR - tail + i, nO - tail + i);
+  for (size_t i = 0; i < tail && rc == 0; i++)
+    rc = pairs_push(&exact, nR - tail + i, nO - tail + i);
   /* the gaps between exact matches */
   size_t pr = 0, po = 0;
   for (size_t k = 0; k <= exact.n && rc == 0; k++) {

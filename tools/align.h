@@ -48,11 +48,11 @@ typedef struct align_role_bytes {
 } align_role_bytes_t;
 
 typedef struct align_report {
-  int edited;            /* some recording was rewritten */
-  int by_role;           /* every recording named roles, and they were used */
-  size_t steps;          /* whole steps aligned (0: recordings without step markers) */
-  size_t matched;        /* allocations of the largest recording matched in every other */
-  size_t inserted;       /* allocations only the largest makes, added to smaller ones */
+  int edited;              /* some recording was rewritten */
+  int by_role;             /* every recording named roles, and they were used */
+  size_t steps;            /* whole steps aligned (0: recordings without step markers) */
+  size_t matched;          /* allocations of the largest recording matched in every other */
+  size_t inserted;         /* allocations only the largest makes, added to smaller ones */
   uint64_t inserted_bytes; /* their sizes in the largest recording */
   size_t dropped;          /* allocations of smaller recordings the largest does not make */
   uint64_t dropped_bytes;  /* their sizes as recorded */

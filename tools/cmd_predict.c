@@ -18,7 +18,8 @@
 #include "trace.h"
 
 static const char usage_predict[] =
-    "usage: gpumem predict --batch-sizes B1,B2[,...] TRACE1 TRACE2 [...] [--batch N] [--memory SIZE]\n"
+    "usage: gpumem predict --batch-sizes B1,B2[,...] TRACE1 TRACE2 [...] [--batch N] [--memory "
+    "SIZE]\n"
     "\n"
     "The same job recorded at two or more batch sizes B1 < B2 < ... (one TRACE\n"
     "each, in that order) predicts its allocations at any batch: each\n"
@@ -60,7 +61,8 @@ static int parse_sizes(const char* text, int num_traces, long* batch) {
     size_t len = strcspn(p, ",");
     char item[32];
     if (len == 0 || len >= sizeof item)
-      return cli_error("bad --batch-sizes '%s' (batch sizes separated by commas, e.g. 2,4,8)", text);
+      return cli_error("bad --batch-sizes '%s' (batch sizes separated by commas, e.g. 2,4,8)",
+                       text);
     memcpy(item, p, len);
     item[len] = '\0';
     if (n == SCALE_MAX_RECORDINGS)
@@ -79,15 +81,17 @@ static int parse_sizes(const char* text, int num_traces, long* batch) {
     p++;
   }
   if (n < 2)
-    return cli_usage_error(usage_predict,
-                           "--batch-sizes '%s' gives one batch size: the model needs the job recorded "
-                           "at two sizes or more",
-                           text);
+    return cli_usage_error(
+        usage_predict,
+        "--batch-sizes '%s' gives one batch size: the model needs the job recorded "
+        "at two sizes or more",
+        text);
   if (n != num_traces)
-    return cli_usage_error(usage_predict,
-                           "--batch-sizes gives %d batch sizes for %d traces (one a trace, in the same "
-                           "order)",
-                           n, num_traces);
+    return cli_usage_error(
+        usage_predict,
+        "--batch-sizes gives %d batch sizes for %d traces (one a trace, in the same "
+        "order)",
+        n, num_traces);
   return 0;
 }
 
@@ -241,9 +245,9 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
     for (size_t k = 0; k < ALIGN_TOP_ROLES && al->top[k].count; k++) {
       /* (a role is printable ASCII: the reader refuses anything else) */
       printf("\n  %s: %zu allocation%s, %.3f MiB, only at the %s batch",
-             al->top[k].role[0] ? al->top[k].role : "(no role)",
-             al->top[k].count, al->top[k].count == 1 ? "" : "s",
-             (double)al->top[k].bytes / (1 << 20), al->top[k].inserted ? "largest" : "smaller");
+             al->top[k].role[0] ? al->top[k].role : "(no role)", al->top[k].count,
+             al->top[k].count == 1 ? "" : "s", (double)al->top[k].bytes / (1 << 20),
+             al->top[k].inserted ? "largest" : "smaller");
     }
   }
   printf("\nsizes in the batch: %zu constant, %zu affine, %zu quadratic\n",
@@ -370,8 +374,9 @@ int cmd_predict(int argc, char** argv) {
   if (rc == 0 && cli.help) {
     fputs(usage_predict, stdout);
   } else if (rc == 0 && !cli.sizes) {
-    rc = cli_usage_error(usage_predict,
-                         "--batch-sizes B1,B2,... is needed (the batch size each trace was recorded at)");
+    rc = cli_usage_error(
+        usage_predict,
+        "--batch-sizes B1,B2,... is needed (the batch size each trace was recorded at)");
   } else if (rc == 0 && cli.num_traces < 2) {
     rc = cli_usage_error(usage_predict,
                          "%d trace%s given: the model needs the job recorded at two batch sizes "
