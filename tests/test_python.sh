@@ -2,7 +2,11 @@
 # The Python package's tests (python/tests: standard-library unittest, no
 # GPU) against a build's libgpumem.so.
 #
-#   bash tests/test_python.sh [BUILD_DIR]      (default: build)
+#   bash tests/test_python.sh [BUILD_DIR] [GROUP]     (default: build, all)
+#
+# GROUP splits the suite so that make test runs its halves side by side:
+# "only:GLOB,..." runs the test files matching one of the globs, and
+# "except:GLOB,..." the others.
 #
 # Same as `GPUMEM_LIBRARY=BUILD_DIR/libgpumem.so python3 -m unittest
 # discover -s python/tests -v`, through a small runner so that the last
@@ -27,12 +31,24 @@ if ! command -v "$py" >/dev/null 2>&1; then
 fi
 
 cd "$root"
-GPUMEM_LIBRARY="$lib" PYTHONDONTWRITEBYTECODE=1 "$py" - "$root/python/tests" <<'PY'
+GPUMEM_LIBRARY="$lib" PYTHONDONTWRITEBYTECODE=1 "$py" - "$root/python/tests" "${2:-except:}" <<'PY'
+import fnmatch
+import os
 import sys
 import unittest
 
-start = sys.argv[1]
-suite = unittest.defaultTestLoader.discover(start, top_level_dir=start)
+start, group = sys.argv[1], sys.argv[2]
+how, _, globs = group.partition(":")
+globs = [g for g in globs.split(",") if g]
+if how not in ("only", "except"):
+    sys.exit("test_python: bad GROUP %r (only:GLOB,... or except:GLOB,...)" % group)
+suite = unittest.TestSuite()
+for name in sorted(os.listdir(start)):
+    if not fnmatch.fnmatch(name, "test*.py"):
+        continue
+    hit = any(fnmatch.fnmatch(name, g) for g in globs)
+    if hit == (how == "only"):
+        suite.addTests(unittest.defaultTestLoader.discover(start, pattern=name, top_level_dir=start))
 result = unittest.TextTestRunner(verbosity=2).run(suite)
 failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
 skipped = len(result.skipped)
