@@ -44,21 +44,13 @@ for _ in range(3):
 
 
 def as_attacker(fn):
-    """Runs fn() as uid 65534 in a forked child; raises when it fails."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)
-            fn()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError("the attacker's step failed")
+    """Runs fn() as uid 65534 in a forked child; raises when it fails
+    (test_safefs's, beside this file)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    from test_safefs import _as_attacker
+
+    _as_attacker(fn)
 
 
 @unittest.skipUnless(ROOT, "needs root to act as a second user (uid 65534)")
