@@ -948,9 +948,15 @@ class ProfileTest(unittest.TestCase):
         base["values"]["sdpa_backend"]["source"] = "derived"  # (as a profile not yet measured has it)
         measured = {"cublas_workspace_bytes": 33554432, "cuda_context_bytes": 600 << 20}
         out = device_profile.merge(base, measured, gpu="NVIDIA H200", capability=(9, 0), total=141 << 30,
-                                   torch_version="2.11.0+cu130")  # fmt: skip
-        self.assertEqual(out["values"]["cuda_context_bytes"], dict(base["values"]["cuda_context_bytes"],
-                                                                   value=600 << 20, source="measured"))  # fmt: skip
+                                   torch_version="2.11.0+cu130", where="an NVIDIA H200 (PyTorch 2.11), 2026-12-06")  # fmt: skip
+        ctx = out["values"]["cuda_context_bytes"]
+        self.assertEqual((ctx["value"], ctx["source"]), (600 << 20, "measured"))
+        # the why is this measurement's, not the base's account of another one
+        self.assertEqual(ctx["why"], "measured by python -m gpumem.predict.measure on an NVIDIA H200 (PyTorch 2.11), "
+                                     "2026-12-06: " + device_profile.MEANINGS["cuda_context_bytes"])  # fmt: skip
+        self.assertNotIn("device_profile.py", out["values"]["cublas_workspace_bytes"]["why"])
+        kept = out["values"]["sdpa_cudnn_forward_scratch_bytes"]  # not measured by this command: the base's
+        self.assertEqual(kept, base["values"]["sdpa_cudnn_forward_scratch_bytes"])
         self.assertEqual(out["values"]["sdpa_backend"]["source"], "derived")  # not measured: kept
         self.assertEqual(out["name"], "h200-torch2.11")
         profiles.Profile(out)  # loads

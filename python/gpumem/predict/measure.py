@@ -26,6 +26,7 @@ import json
 import os
 import re
 import sys
+import time
 
 PROFILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -56,8 +57,24 @@ def sdpa_backend_of(op_names):
     return "math"
 
 
-def merge(base, measured, gpu, capability, total, torch_version):
-    """base profile (dict) with the measured values in, marked so."""
+# What each measured value is, for its "why" (the profile says where every
+# figure comes from; a value measured here must not keep the base's account
+# of another card's measurement).
+MEANINGS = {
+    "cuda_context_bytes": "device memory in use outside the allocator after initialisation and a first kernel",
+    "multiprocessor_count": "torch.cuda.get_device_properties: sizes reductions' staging buffers",
+    "max_threads_per_multiprocessor": "torch.cuda.get_device_properties: sizes reductions' staging buffers",
+    "cublas_workspace_bytes": "the largest allocation a first matmul leaves that is no tensor's storage",
+    "cublas_workspaces_in_backward": "the workspaces a first backward (autograd's own thread) adds",
+    "cublaslt_workspace_bytes": "what a first addmm with bias (cuBLASLt) leaves that is no tensor's storage",
+    "sdpa_backend": "the backend scaled_dot_product_attention runs for bf16 inputs without a mask",
+    "sdpa_backward_scratch_bytes_per_q_element": "the backward's peak beyond its gradients, per element of q",
+}
+
+
+def merge(base, measured, gpu, capability, total, torch_version, where=None):
+    """base profile (dict) with the measured values in, marked so; where
+    (the card, software and date, in words) goes into each one's "why"."""
     out = json.loads(json.dumps(base))
     out["name"] = profile_name(gpu, torch_version)
     out["gpu"] = gpu
@@ -66,9 +83,11 @@ def merge(base, measured, gpu, capability, total, torch_version):
     out["total_memory_bytes"] = int(total)
     values = out.setdefault("values", {})
     for key, value in measured.items():
-        entry = values.setdefault(key, {"why": "measured by python -m gpumem.predict.measure"})
+        entry = values.setdefault(key, {})
         entry["value"] = value
         entry["source"] = "measured"
+        entry["why"] = "measured by python -m gpumem.predict.measure%s%s" % (
+            " on " + where if where else "", ": " + MEANINGS[key] if key in MEANINGS else "")
     return out
 
 
@@ -170,7 +189,10 @@ def main(argv=None):
         base = profiles.load(a.base or (name if name in profiles.available() else "h200")).data
     except ValueError as e:
         p.error(str(e))
-    prof = merge(base, measured, props.name, (props.major, props.minor), props.total_memory, torch.__version__)
+    where = "an %s (PyTorch %s, CUDA %s), %s" % (props.name, torch.__version__, torch.version.cuda,
+                                                 time.strftime("%Y-%m-%d", time.gmtime()))
+    prof = merge(base, measured, props.name, (props.major, props.minor), props.total_memory, torch.__version__,
+                 where)  # fmt: skip
     out = a.out or os.path.join(_safefs.private_dir(profiles.user_dir()), name + ".json")
     try:
         _safefs.write_file(out, json.dumps(prof, indent=2) + "\n")
