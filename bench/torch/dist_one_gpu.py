@@ -3,7 +3,7 @@
 `python -m gpumem.predict --gpus 1` predicts for them with no GPU:
 
     python bench/torch/dist_one_gpu.py measure OUT_DIR [--jobs NAME,...]   (on the GPU)
-    python bench/torch/dist_one_gpu.py predict OUT_DIR [--jobs NAME,...]   (anywhere; needs `make build`)
+    python bench/torch/dist_one_gpu.py predict OUT_DIR [--jobs NAME,...] [--profile h100]   (anywhere; needs `make build`)
     python bench/torch/dist_one_gpu.py compare OUT_DIR
 
 measure: each job in a torchrun of its own (--nproc-per-node 1), writing
@@ -77,14 +77,14 @@ def _peak(path):
     return "peak reserved %.3f GiB, allocated %.3f GiB" % (r["peak_reserved"] / GIB, r["peak_allocated"] / GIB)
 
 
-def predict(out, names, timeout):
+def predict(out, names, timeout, profile="auto"):
     d = os.path.join(out, "predicted")
     os.makedirs(d, mode=0o700, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     for name in names:
         args, batch = JOBS[name]
         cmd = [sys.executable, "-m", "gpumem.predict", "--gpus", "1", "--memory", "80G", "--batch-sizes", "2,4",
-               "--batch", str(batch), "--no-confirm", JOB] + args + ["--batch-size", "{B}"]  # fmt: skip
+               "--batch", str(batch), "--no-confirm", "--profile", profile, JOB] + args + ["--batch-size", "{B}"]  # fmt: skip
         t0 = time.time()
         try:
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout)
@@ -128,12 +128,14 @@ def main(argv=None):
     ap.add_argument("out", help="the directory the results go to")
     ap.add_argument("--jobs", help="comma-separated job names (default: all)")
     ap.add_argument("--timeout", type=float, default=280, help="seconds a job may take (default 280)")
+    ap.add_argument("--profile", default="auto",
+                    help="predict: the device profile of the card the jobs were measured on (default auto)")
     a = ap.parse_args(argv)
     names = jobs_of(a.jobs)
     if a.phase == "measure":
         measure(a.out, names, a.timeout)
     elif a.phase == "predict":
-        predict(a.out, names, a.timeout)
+        predict(a.out, names, a.timeout, a.profile)
     else:
         compare(a.out)
     return 0
