@@ -241,6 +241,41 @@ static void test_requests_per_item_refused(void) {
   trace_free(t[1]);
 }
 
+static void test_skipped_step_named(void) {
+  /* three iterations, each with an optimizer step but the first at batch 2
+   * (a GradScaler skipping a step whose gradients overflowed): batch 2's
+   * optimizer state comes one iteration later, and each step's update
+   * requests appear once less. Refused, and the refusal names the step
+   * counts the `# step` marks give */
+  static char text[2][65536];
+  long batch[] = {2, 4};
+  align_report_t rep;
+  for (int v = 0; v < 2; v++) {
+    int b = v ? 4 : 2, len = 0, id = 100;
+    for (int it = 0; it < 3; it++) {
+      for (int i = 0; i < 200; i++)
+        len += sprintf(text[v] + len, "a %d %d 0 act\n", id + i, 4096 * b);
+      for (int i = 0; i < 200; i++) len += sprintf(text[v] + len, "f %d\n", id + i);
+      id += 200;
+      if (v == 0 && it == 0) continue; /* batch 2 skipped its first step */
+      if (it == (v == 0 ? 1 : 0))
+        for (int i = 0; i < 24; i++)
+          len += sprintf(text[v] + len, "a %d 65536 0 state\n", 1000 + i);
+      for (int i = 0; i < 100; i++)
+        len += sprintf(text[v] + len, "a %d 512 0 upd\nf %d\n", id + i, id + i);
+      id += 100;
+      len += sprintf(text[v] + len, "# step %d\n", it + 1);
+    }
+  }
+  trace_t* t[2] = {parse("b2.trace", text[0]), parse("b4.trace", text[1])};
+  if (!t[0] || !t[1]) return;
+  CHECK_STATUS(align_recordings(t, batch, 2, &rep), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(), "b2.trace marks 2 optimizer steps and b4.trace 3") != NULL);
+  CHECK(strstr(gpumem_last_error(), "GradScaler") != NULL);
+  trace_free(t[0]);
+  trace_free(t[1]);
+}
+
 static void test_bad_role_refused(void) {
   const char* text = "a 0 100 0 ro\x01le\n";
   trace_t* t = NULL;
@@ -397,6 +432,7 @@ int main(void) {
   test_requests_per_item_refused();
   test_bad_role_refused();
   test_different_jobs_refused();
+  test_skipped_step_named();
   test_random_edits();
   return test_finish("test_align");
 }

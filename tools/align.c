@@ -475,6 +475,23 @@ static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const
   return GPUMEM_OK;
 }
 
+/* A sentence for a refusal where both recordings mark their optimizer
+ * steps (`# step N`) and the counts differ: a step the job skipped in one
+ * run (a GradScaler skips the step whose scaled gradients overflow, at
+ * steps that depend on the data) leaves a whole step's requests in one
+ * recording only, which no alignment of one job at two batches bridges.
+ * "" where the counts agree or either has no marks. */
+static const char* skipped_steps_note(const ctx_t* c, char* buf, size_t len) {
+  const trace_t *r = c->R->t, *o = c->O->t;
+  if (!r->num_steps || !o->num_steps || r->num_steps == o->num_steps) return "";
+  snprintf(buf, len,
+           "; %s marks %zu optimizer steps and %s %zu: runs of different lengths (record each "
+           "for the same steps) or a step skipped in one run (a GradScaler skips a step whose "
+           "gradients overflow; on fake tensors, python -m gpumem.predict --cpu, none do)",
+           o->path, o->num_steps, r->path, r->num_steps);
+  return buf;
+}
+
 /* Whether the matching says the two are not recordings of one job, or
  * not of one whose requests only change in size, with the error set: one
  * that ends early (a run cut short: what one has after its last match is
@@ -485,6 +502,8 @@ static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const
  * the ones added in proportion to the batch would be no bound). */
 static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR) {
   const seq_t *R = c->R, *O = c->O;
+  char note_buf[1024];
+  const char* note = skipped_steps_note(c, note_buf, sizeof note_buf);
   size_t matched = 0, last_r = 0, last_o = 0;
   for (size_t i = 0; i < R->n; i++) {
     if (!match_of[i]) continue;
@@ -509,16 +528,16 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
     gpumem_set_last_error(
         "the recordings differ: %s ends there (its allocations match those of %s up to line %u) "
         "where %s goes on with %zu more allocations: a recording cut short (record each batch for "
-        "the same steps), or requests that grow in number with the batch",
+        "the same steps), or requests that grow in number with the batch%s",
         shorter->t->path, l->path, at ? l->events[l->slot_event[at - 1]].line : 0, l->path,
-        longer->n - at);
+        longer->n - at, note);
     return 1;
   }
   if (matched * 2 < R->n || matched * 2 < O->n) {
     gpumem_set_last_error(
         "the recordings differ: %zu of the %zu allocations of %s (batch %ld) and of the %zu of "
-        "%s (batch %ld) match: they must be one job, its requests changing with the batch",
-        matched, O->n, O->t->path, bO, R->n, R->t->path, bR);
+        "%s (batch %ld) match: they must be one job, its requests changing with the batch%s",
+        matched, O->n, O->t->path, bO, R->n, R->t->path, bR, note);
     return 1;
   }
   size_t unmatched = (R->n - matched) + (O->n - matched);
@@ -526,8 +545,8 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
     gpumem_set_last_error(
         "the recordings differ in %zu of their %zu and %zu allocations (%s at batch %ld, %s at "
         "batch %ld): the number of requests changes with the batch (a loop over the items of a "
-        "batch?), which no size model captures",
-        unmatched, O->n, R->n, O->t->path, bO, R->t->path, bR);
+        "batch?), which no size model captures%s",
+        unmatched, O->n, R->n, O->t->path, bO, R->t->path, bR, note);
     return 1;
   }
   return 0;
