@@ -114,9 +114,10 @@ def main():
         fails = [judge[t].fails(results[(t, s)]) for t in args.traces]
         held = [judge[t].name for t, f in zip(args.traces, fails) if f[1] is not None and not any(f)]
         failed = [judge[t].name for t, f in zip(args.traces, fails) if any(f)]
+        # (out of the traces with a verdict: one not judged on bound 2 has one where it fails another)
         print("| %s | %d | %d | %d | %d | %d of %d%s |" % (
             label(s), sum(f[0] for f in fails), sum(bool(f[1]) for f in fails), sum(f[2] for f in fails),
-            sum(f[3] for f in fails), len(held), len(args.traces) - len(unjudged),
+            sum(f[3] for f in fails), len(held), len(held) + len(failed),
             " (not on %s)" % ", ".join(failed) if 0 < len(failed) <= 6 else ""))
     print()
     s = settings[0]

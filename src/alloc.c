@@ -487,7 +487,8 @@ static inline gm_block* arena_tail(gm_pool* pool) {
  * with this bound, where the expandable-segments model reserves 1.1091.
  * The holes the rule was made for are a job's largest tensors' (llama's
  * 1000 MB logits, graphsage's 737 MiB and 1.44 GiB blocks: 1.5690 x with
- * the rule off, 1.0420 with it), which small requests would split. The
+ * the rule off, 1.0420 with it, before the rule for huge blocks' ahead),
+ * which small requests would split. The
  * bound is fitted to the traces at hand, and the layout that follows is
  * sensitive to it (simulated, bench/bounds_by_setting.py, with the rule
  * for huge blocks' ahead below): at 160 and 256 MiB the same traces hold
