@@ -1,23 +1,34 @@
-"""Which of gpumem's settings meet the memory and mapping-work bounds on
+"""Which of gpumem's settings hold the memory and mapping-work bounds on
 which traces, replayed on the simulated device.
 
     python3 bench/bounds_by_setting.py [--gpumem build/gpumem] [--setting CONF]... TRACE...
 
-The bounds are those bench/memory_vs_peers.py reports against: peak reserved
-at most the better of the expandable-segments and cudaMallocAsync models
-(the pytorch policy's is above both on every bundled trace), and the first
-pass's priced mapping work at most 0.5 us per operation, its second half's
-at most 0.05. Each setting (--setting, repeatable; by default the settings
-that move memory against mapping work: mapping ahead, the small pool,
-lending, the mapping size) is replayed on every trace with no limit; so is
-the pytorch policy, whose mapping work is its cudaMalloc calls priced the
-same way, to show where native's own growth passes the bounds.
+The bounds, each judged on the trace's first pass from an empty allocator
+with no limit:
 
-Prints two markdown tables: per setting, on how many traces each bound is
-passed and on which all three hold; per trace, the settings under which all
-three hold and the lowest peak reserved any of them gave. A trace that no
-setting serves within all three says that the bounds conflict there for
-every rule tried, not only for the default.
+1. Never above PyTorch: peak reserved at most the `pytorch` policy's
+   (PyTorch's caching allocator, rule for rule).
+2. Within a point of the best peer: peak reserved at most the better of the
+   expandable-segments and cudaMallocAsync models plus 0.010 x peak live.
+   A job whose blocks move between streams is judged instead against what
+   cudaMallocAsync reserved on the GPU (MEASURED_ASYNC): the model reuses a
+   block on another stream the moment its free is done, a device that keeps
+   up with the host, which the GPU's host running ahead does not give. Such
+   a job with no measurement is counted apart, neither passed nor failed.
+3. Mapping work, priced at an H100's measured cost per call: at most 0.5 us
+   per operation over the first pass; over its second half (a long job's
+   steady state) at most the larger of 0.05 us and what the `pytorch`
+   policy's own growth (its cudaMalloc calls) costs in that half, priced the
+   same way: where native grows late, its own growth says the job needs it.
+
+Each setting (--setting, repeatable; by default the settings that move
+memory against mapping work: mapping ahead, the small pool, lending, the
+mapping size) is replayed on every trace, and so is the `pytorch` policy,
+whose own bounds 1 and 3 hold by definition.
+
+Prints two markdown tables: per setting, on how many traces each bound fails
+and on which all three hold; per trace, the default's figures beside each
+bound and the bounds it fails.
 """
 
 import argparse
@@ -28,13 +39,27 @@ from memory_vs_peers import fit_rows, run_json
 
 DEFAULT_SETTINGS = ["", "map_ahead:off", "small_pool:off", "small_pool:off,map_ahead:off", "lend:on",
                     "lend:on,map_ahead:off", "map_max:128M", "map_max:2M"]
-FIRST_PASS_US, SECOND_HALF_US = 0.5, 0.05
 NATIVE = "pytorch policy"
+PEER_SLACK = 0.010  # bound 2: x peak live over the better peer
+FIRST_PASS_US, SECOND_HALF_US = 0.5, 0.05  # bound 3
+GIB = 1 << 30
+# Jobs whose blocks move between streams, by trace name: the lowest peak
+# reserved that cudaMallocAsync gave the same job on the GPU, in bytes, and
+# where it was measured; None where it has not been measured.
+MEASURED_ASYNC = {
+    # traces/jobs/README.md: 4.250 and 4.281 GiB in two runs of record_jobs.sh,
+    # 4.531 in a third (BENCHMARKS.md, "Lending ordered on the device")
+    "distill_side_stream": int(4.250 * GIB),
+    # bench_synth's three streams; no GPU measurement of cudaMallocAsync yet
+    "synth_streams": None,
+}
 
 
-def better_peer(gpumem, trace):
+def peers(gpumem, trace):
     rows = fit_rows(gpumem, trace)
-    return min(rows["pytorch expandable"]["peak_reserved_bytes"], rows["cudaMallocAsync"]["peak_reserved_bytes"])
+    return {"pytorch": rows["pytorch"]["peak_reserved_bytes"],
+            "model": min(rows["pytorch expandable"]["peak_reserved_bytes"],
+                         rows["cudaMallocAsync"]["peak_reserved_bytes"])}
 
 
 def replay(gpumem, trace, setting):
@@ -48,6 +73,25 @@ def label(setting):
     return setting or "default"
 
 
+class Judge:
+    """The three bounds of one trace: the peers' figures and native's growth."""
+
+    def __init__(self, name, peer, native):
+        self.name, self.live = name, native["live"]
+        self.pytorch = peer["pytorch"]
+        self.measured = name in MEASURED_ASYNC
+        best = MEASURED_ASYNC.get(name) if self.measured else peer["model"]
+        self.best = best
+        self.peer_bound = None if best is None else best + PEER_SLACK * self.live
+        self.second_allowance = max(SECOND_HALF_US, native["second"])
+
+    def fails(self, r):
+        """(bound 1, bound 2, bound 3 first pass, bound 3 second half):
+        True where failed; bound 2 is None where it cannot be judged."""
+        two = None if self.peer_bound is None else r["reserved"] > self.peer_bound
+        return (r["reserved"] > self.pytorch, two, r["first"] > FIRST_PASS_US, r["second"] > self.second_allowance)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpumem", default=os.path.join("build", "gpumem"))
@@ -57,37 +101,44 @@ def main():
     settings = (args.setting if args.setting else DEFAULT_SETTINGS) + [NATIVE]
     jobs = [(t, s) for t in args.traces for s in settings]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
-        peers = dict(zip(args.traces, ex.map(lambda t: better_peer(args.gpumem, t), args.traces)))
+        peer = dict(zip(args.traces, ex.map(lambda t: peers(args.gpumem, t), args.traces)))
         results = dict(zip(jobs, ex.map(lambda j: replay(args.gpumem, *j), jobs)))
-    names = {t: results[(t, settings[0])]["name"] for t in args.traces}
+    judge = {t: Judge(results[(t, NATIVE)]["name"], peer[t], results[(t, NATIVE)]) for t in args.traces}
+    unjudged = [judge[t].name for t in args.traces if judge[t].peer_bound is None]
 
-    def bounds(t, s):
-        r = results[(t, s)]
-        return r["reserved"] > peers[t], r["first"] > FIRST_PASS_US, r["second"] > SECOND_HALF_US
-
-    print("| setting | above the better peer | first pass over %.1f us/op | second half over %.2f "
-          "| all three bounds met |" % (FIRST_PASS_US, SECOND_HALF_US))
-    print("|---|---|---|---|---|")
-    for s in settings:
-        over = [bounds(t, s) for t in args.traces]
-        met = [names[t] for t, o in zip(args.traces, over) if not any(o)]
-        print("| %s | %d | %d | %d | %d%s |" % (
-            label(s), sum(o[0] for o in over), sum(o[1] for o in over), sum(o[2] for o in over),
-            len(met), " (%s)" % ", ".join(met) if 0 < len(met) <= 4 else ""))
+    print("| setting | above pytorch | over the best peer + %.3f | first pass over %.1f us/op "
+          "| second half over max(%.2f, native's) | all three bounds held |" % (PEER_SLACK, FIRST_PASS_US,
+                                                                             SECOND_HALF_US))
+    print("|---|---|---|---|---|---|")
+    for s in settings[:-1]:
+        fails = [judge[t].fails(results[(t, s)]) for t in args.traces]
+        held = [judge[t].name for t, f in zip(args.traces, fails) if f[1] is not None and not any(f)]
+        failed = [judge[t].name for t, f in zip(args.traces, fails) if any(f)]
+        # (out of the traces with a verdict: one not judged on bound 2 has one where it fails another)
+        print("| %s | %d | %d | %d | %d | %d of %d%s |" % (
+            label(s), sum(f[0] for f in fails), sum(bool(f[1]) for f in fails), sum(f[2] for f in fails),
+            sum(f[3] for f in fails), len(held), len(held) + len(failed),
+            " (not on %s)" % ", ".join(failed) if 0 < len(failed) <= 6 else ""))
     print()
-    print("| trace | settings meeting all three bounds | lowest peak reserved / peak live, setting "
-          "| its first pass, second half (us/op) |")
-    print("|---|---|---|---|")
-    none = 0
+    s = settings[0]
+    print("| trace | %s: peak reserved / peak live | pytorch | best peer + %.3f | us/op 1st pass "
+          "| 2nd half | allowed (native's) | bounds failed |" % (label(s), PEER_SLACK))
+    print("|---|---|---|---|---|---|---|---|")
     for t in args.traces:
-        met = [label(s) for s in settings if not any(bounds(t, s))]
-        none += not met
-        low = min(settings, key=lambda s: (results[(t, s)]["reserved"], settings.index(s)))
-        r = results[(t, low)]
-        print("| %s | %s | %.4f (better peer %.4f), %s | %.3f, %.3f |" % (
-            names[t], ", ".join(met) or "**none**", r["reserved"] / r["live"], peers[t] / r["live"], label(low),
-            r["first"], r["second"]))
-    print("\n%d of %d traces have no setting that meets all three bounds" % (none, len(args.traces)))
+        j, r = judge[t], results[(t, s)]
+        f = j.fails(r)
+        failed = [n for n, x in zip(("1", "2", "3 first pass", "3 second half"), f) if x]
+        if f[1] is None:
+            failed.append("2 not judged: no GPU measurement")
+        peer_text = "-" if j.best is None else "%.4f%s" % (j.peer_bound / j.live, " (GPU)" if j.measured else "")
+        print("| %s | %.4f | %.4f | %s | %.3f | %.3f | %.3f (%.3f) | %s |" % (
+            j.name, r["reserved"] / j.live, j.pytorch / j.live, peer_text, r["first"], r["second"],
+            j.second_allowance, results[(t, NATIVE)]["second"], ", ".join(failed) or "none"))
+    fails = [any(judge[t].fails(results[(t, s)])) for t in args.traces]
+    print("\n%s fails a bound on %d of %d traces%s" % (
+        label(s), sum(fails), len(args.traces),
+        "; bound 2 not judged on %s (blocks move between streams, no GPU measurement of cudaMallocAsync)"
+        % ", ".join(unjudged) if unjudged else ""))
 
 
 if __name__ == "__main__":

@@ -474,8 +474,31 @@ static inline gm_block* arena_tail(gm_pool* pool) {
  * other bundled traces moved by under 0.0005 (synth_kvcache rose from
  * 1.0573 to 1.0764). Under a limit pages move, and the holes'
  * pages are better taken first (min limits unchanged). b is best fit's
- * choice, a block with a successor (not a tail) larger than rsize. */
+ * choice, a block with a successor (not a tail) larger than rsize.
+ *
+ * Only for a hole larger than GM_WALKED_TAIL_MIN_HOLE. A hole of a few
+ * tens of MiB is what one step's tensor leaves for the next step's: in
+ * greedy decoding with a dynamic KV cache each layer's cache block of the
+ * last token is freed as the one a token longer is made. Passed over for
+ * the tail's room, those holes stay empty while the live cache moves up
+ * the arena, and it walks further each time the tail's room runs out:
+ * GPT-2 small decoding batch 32 for 1024 tokens (CPU recording,
+ * traces/jobs/decode_gpt2_b32_long) reserved 1.2090 x peak live, 1.1078
+ * with this bound, where the expandable-segments model reserves 1.1091.
+ * The holes the rule was made for are a job's largest tensors' (llama's
+ * 1000 MB logits, graphsage's 737 MiB and 1.44 GiB blocks: 1.5690 x with
+ * the rule off, 1.0420 with it, before the rule for huge blocks' ahead),
+ * which small requests would split. The
+ * bound is fitted to the traces at hand, and the layout that follows is
+ * sensitive to it (simulated, bench/bounds_by_setting.py, with the rule
+ * for huge blocks' ahead below): at 160 and 256 MiB the same traces hold
+ * the bounds; at 128 MiB synth_random reserves 1.2342 x, at 192 1.1935
+ * (1.1418 here); 64 MiB put beam search at 1.0830 (1.0541 here), 96 MiB
+ * the decode at 1.1253. */
+#define GM_WALKED_TAIL_MIN_HOLE ((size_t)256 << 20)
+
 static gm_block* prefer_walked_tail(const gpumem_t* gm, gm_pool* pool, gm_block* b, size_t rsize) {
+  if (b->size <= GM_WALKED_TAIL_MIN_HOLE) return b;
   gm_block* tail = arena_tail(pool);
   if (!tail || tail == b) return b;
   uintptr_t walked = tail->seg->addr + tail->seg->mapped_end * gm->page_size;
@@ -535,12 +558,28 @@ static inline bool follows_tail_run(const gm_pool* pool) {
  * 1.0006 with map_ahead:0; BENCHMARKS.md). */
 #define GM_TAIL_RUN_AHEAD_FACTOR 2
 
+/* A block of GM_AHEAD_HUGE_BLOCK or more maps at most GM_AHEAD_HUGE_MAX
+ * ahead of itself. A run's blocks are alike, and the cap's room cannot
+ * hold a next block that large, so what such a block maps ahead serves only
+ * the smaller blocks after it; where it ends the job's live peak it is all
+ * above the peak: gpt2_generate's fp32 weights end in a 245 MiB block,
+ * whose 128 MiB ahead put the job at 1.0406 x peak live, 1.0031 with 8 MiB
+ * (the better peer model: 1.0006). 8 MiB rather than none, for the small
+ * blocks that follow a huge one: graphsage_varlen's first pass costs 0.443
+ * us/op so, 0.563 with none. The threshold is fitted to the traces at hand
+ * (simulated, bench/bounds_by_setting.py): synth_streams' blocks of up to
+ * 160 MiB need their ahead (with 128 MiB here its first pass costs 0.521
+ * us/op), gpt2_generate's 245 MiB block is above it. */
+#define GM_AHEAD_HUGE_BLOCK ((size_t)160 << 20)
+#define GM_AHEAD_HUGE_MAX ((size_t)8 << 20)
+
 static inline size_t tail_run_ahead(const gpumem_t* gm, const gm_pool* pool, size_t rsize) {
   /* (the run first: on a warm path blocks come from holes, and that one
    * test is all it costs) */
   if (GM_LIKELY(!follows_tail_run(pool)) || pool->is_small) return 0;
   size_t ahead = GM_TAIL_RUN_AHEAD_FACTOR * rsize, cap = gm->opts.map_ahead_bytes;
-  return ahead < cap ? ahead : cap;
+  if (ahead > cap) ahead = cap;
+  return rsize >= GM_AHEAD_HUGE_BLOCK && ahead > GM_AHEAD_HUGE_MAX ? GM_AHEAD_HUGE_MAX : ahead;
 }
 
 static inline void note_tail_run(gm_pool* pool, bool at_tail_for_want_of_hole) {

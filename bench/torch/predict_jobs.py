@@ -321,6 +321,8 @@ JOBS = {
     # greedy decoding at three sizes (traces/jobs/README.md): --batch-size is the requests' batch
     "decode_gpt2": (greedy_decode("gpt2", 768, 12, 12, prompt=64, new_tokens=512), False),
     "decode_gpt2_medium": (greedy_decode("gpt2", 1024, 24, 16, prompt=128, new_tokens=256), False),
+    "decode_gpt2_large": (greedy_decode("gpt2", 1280, 36, 20, prompt=96, new_tokens=320), False),
+    "decode_gpt2_long": (greedy_decode("gpt2", 768, 12, 12, prompt=64, new_tokens=960), False),
     "decode_llama": (greedy_decode("llama", 1536, 16, 16, prompt=256, new_tokens=192), False),
 }
 

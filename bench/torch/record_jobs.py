@@ -40,6 +40,8 @@ STEPS = {
     "distill_side_stream": 8,
     "decode_gpt2_b1": 2,
     "decode_gpt2m_b8": 2,
+    "decode_gpt2l_b2": 2,
+    "decode_gpt2_b32_long": 2,
     "decode_llama_b16": 2,
 }
 MAX_ENTRIES = 20_000_000

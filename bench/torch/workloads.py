@@ -646,9 +646,11 @@ WORKLOADS = {
     "graphsage_varlen": graphsage_varlen,
     "resnet_multiscale": resnet_multiscale,
     "distill_side_stream": distill_side_stream,
-    # greedy decoding with a dynamic KV cache at three sizes (traces/jobs/README.md)
+    # greedy decoding with a dynamic KV cache at four sizes (traces/jobs/README.md)
     "decode_gpt2_b1": greedy_decode(768, 12, 12, batch=1, prompt=64, new_tokens=512),
     "decode_gpt2m_b8": greedy_decode(1024, 24, 16, batch=8, prompt=128, new_tokens=256),
+    "decode_gpt2l_b2": greedy_decode(1280, 36, 20, batch=2, prompt=96, new_tokens=320),
+    "decode_gpt2_b32_long": greedy_decode(768, 12, 12, batch=32, prompt=64, new_tokens=960),
     "decode_llama_b16": greedy_decode(1536, 16, 16, batch=16, prompt=256, new_tokens=192, family="llama"),
 }
 
