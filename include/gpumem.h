@@ -646,6 +646,9 @@ typedef struct gpumem_published {
   int64_t num_allocations, num_ooms, num_alloc_retries;
   char path[256]; /* the file it was read from */
   unsigned uid;   /* the file's owner (a reader trusts its own files; root all) */
+  /* The overflow tier (option overflow:host): bytes on host pages now, and
+   * blocks moved to host and back so far. */
+  int64_t host_bytes, num_moves_to_host, num_moves_to_device;
 } gpumem_published_t;
 
 /* Returns nonzero to stop the scan. */

@@ -798,6 +798,8 @@ static gpumem_status_t free_cached_memory(gpumem_t* gm) {
    * cached, unused memory too (PyTorch's release_cached_blocks frees such
    * pools as well). */
   if (GM_UNLIKELY(gm->graph_pools != NULL)) gm_graph_pools_release_idle(gm);
+  /* freed overflow-tier blocks waiting for their stream (overflow.c) */
+  if (GM_UNLIKELY(gm->tier_retiring != NULL)) gm_overflow_retire(gm, true);
   if (gm->virtual_memory) {
     size_t pages = 0;
     st = gm_reclaim(gm, 0, &pages);
@@ -843,19 +845,23 @@ void gm_note_allocated(gpumem_t* gm, gm_block* b, size_t size, bool small, gpume
  * failed: cold tier blocks move to host and the device is tried again,
  * else the request gets host pages. On failure the message keeps the
  * device's cause and adds the host's. */
-static GM_COLD gpumem_status_t overflow_alloc(gpumem_t* gm, gm_stream* s, gm_pool* pool,
-                                              size_t rsize, gm_block** out) {
+static GM_COLD gpumem_status_t overflow_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize,
+                                              gm_block** out) {
   char cause[512];
   snprintf(cause, sizeof cause, "%s", gpumem_last_error());
   bool retry = false;
   gpumem_status_t st = gm_overflow_make_room(gm, rsize, &retry);
   if (st == GPUMEM_OK) st = retry ? try_alloc(gm, pool, rsize, out) : GPUMEM_ERR_OUT_OF_MEMORY;
   if (st == GPUMEM_OK) return st;
-  st = gm_overflow_alloc(gm, &s->pools[GM_POOL_LARGE], rsize, out);
+  st = gm_overflow_alloc(gm, pool, rsize, out);
   if (st != GPUMEM_OK) {
     char host[512];
     snprintf(host, sizeof host, "%s", gpumem_last_error());
     gpumem_set_last_error("%s; overflow:host: %s", cause, host);
+    /* The device had no room and the tier could not take it: out of
+     * memory, whatever stopped the tier (named in the message), so that
+     * the caller's out-of-memory handling (PyTorch's, microbatch's) acts. */
+    if (st != GPUMEM_ERR_HOST_MEMORY) st = GPUMEM_ERR_OUT_OF_MEMORY;
   }
   return st;
 }
@@ -918,7 +924,7 @@ static gpumem_status_t malloc_locked(gpumem_t* gm, size_t size, gpumem_stream_t 
      * on host pages goes on (overflow.c). */
     if (GM_UNLIKELY(st == GPUMEM_ERR_OUT_OF_MEMORY && gm->opts.overflow) && !b && !private_pool) {
       gm_release_spare_pages(gm, spare_before);
-      st = overflow_alloc(gm, s, pool, rsize, &b);
+      st = overflow_alloc(gm, pool, rsize, &b);
     }
     if (st == GPUMEM_ERR_OUT_OF_MEMORY && *want_callbacks) {
       if (gm->virtual_memory) gm_release_spare_pages(gm, spare_before);
@@ -1053,6 +1059,7 @@ static GM_COLD gpumem_status_t free_tier_block(gpumem_t* gm, gm_block* b) {
   gm_stat_pool_shrink(gm->stats.allocation, small, 1);
   gm_stat_pool_shrink(gm->stats.allocated_bytes, small, (int64_t)size);
   gm_stat_pool_shrink(gm->stats.requested_bytes, small, (int64_t)requested);
+  gm_overflow_after_free(gm);
   gm_publish_after_op(gm);
   return GPUMEM_OK;
 }

@@ -447,8 +447,7 @@ size_t gpumem_check(gpumem_t* gm) {
     s.active_bytes[p] += tier.bytes[p];
     s.requested_bytes[p] += tier.requested[p];
   }
-  s.reserved[GPUMEM_POOL_ALL] += tier.device;
-  s.reserved[GPUMEM_POOL_LARGE] += tier.device;
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) s.reserved[p] += tier.device[p];
   const gpumem_stats_t* st = &gm->stats;
   compare(&c, "host_bytes", st->host_bytes, tier.host);
   compare(&c, "allocation", st->allocation, s.allocated);
@@ -473,10 +472,13 @@ size_t gpumem_check(gpumem_t* gm) {
     violation(&c, "%s", plan_msg);
     c.errors += plan_errors - 1;
   }
-  if (gm->slab.live != s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL]) {
-    /* (tier blocks were added to active above) */
-    violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live,
-              s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL]);
+  /* (live tier blocks were added to active above; retiring ones are
+   * active no more, but their structs stay until the range goes) */
+  size_t structs = s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL] +
+                   (size_t)tier.pending[GPUMEM_POOL_ALL];
+  if (gm->slab.live != structs) {
+    violation(&c, "%zu block structs live, %zu blocks in segments and the overflow tier",
+              gm->slab.live, structs);
   }
   gm_lock_release(&gm->lock);
   return c.errors;

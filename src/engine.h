@@ -505,6 +505,7 @@ struct gpumem {
   /* The overflow tier (overflow.c): its blocks, newest first; bytes held
    * on each side; the event its idleness questions are asked with. */
   struct gm_tier_block* tier;
+  struct gm_tier_block* tier_retiring; /* freed, waiting for their stream's work */
   size_t tier_count;
   size_t tier_host_bytes;   /* host pages mapped under tier blocks */
   size_t tier_device_bytes; /* device pages mapped under tier blocks (in reserved) */
@@ -848,6 +849,10 @@ typedef struct gm_tier_block {
    * until empty_cache (overflow.c says why). */
   uint32_t pressure_moves;
   uint64_t last_touch; /* gm->num_mallocs when made, moved or handed to a stream */
+  /* Freed, retiring (its block PENDING): the event recorded on its stream
+   * at the free, after which the range may go (overflow.c). */
+  gpumem_event_t retire_event;
+  bool retire_event_made;
   struct gm_tier_block* prev;
   struct gm_tier_block* next;
 } gm_tier_block;
@@ -855,23 +860,30 @@ typedef struct gm_tier_block {
 static inline bool gm_block_in_tier(const gm_block* b) {
   return b->seg->tier != NULL;
 }
-/* The request of rsize bytes on pool's stream that the device path could
- * not serve: first cold tier blocks on device pages move to host (the
- * caller then tries the device again: *retry), else a new tier block on
- * host pages (*out, ALLOCATED, not yet in the pointer map).
+/* The request of rsize bytes that the device path could not serve: first
+ * cold tier blocks on device pages move to host (gm_overflow_make_room;
+ * the caller then tries the device again: *retry), else a new tier block
+ * on host pages (gm_overflow_alloc: *out, ALLOCATED, not yet in the
+ * pointer map, counted in pool's statistics as the request would have
+ * been).
  * GPUMEM_ERR_OUT_OF_MEMORY with a message naming the host budget when
  * the host cannot take it either. */
 gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry);
 gpumem_status_t gm_overflow_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out);
-/* Frees tier block b (out of the pointer map already): its streams are
- * synchronized, its range unmapped and given back. On failure b stays
- * allocated (the caller puts it back in the pointer map). */
+/* Frees tier block b (out of the pointer map already): it turns PENDING,
+ * retiring until its stream's work is done, then its range is unmapped
+ * and given back (gm_overflow_retire). On failure b stays allocated (the
+ * caller puts it back in the pointer map). */
 gpumem_status_t gm_overflow_free(gpumem_t* gm, gm_block* b);
 /* Moves tier blocks on host pages back to device pages where there is
  * room and their streams are idle; after_empty_cache: every such block,
  * those that bounced included. */
 void gm_overflow_bring_back(gpumem_t* gm, bool after_empty_cache);
+/* Gives back the ranges of freed tier blocks whose stream's work is done
+ * (events queried; with wait, waited for). */
+void gm_overflow_retire(gpumem_t* gm, bool wait);
 static inline void gm_overflow_after_free(gpumem_t* gm) {
+  if (GM_UNLIKELY(gm->tier_retiring != NULL)) gm_overflow_retire(gm, false);
   if (GM_UNLIKELY(gm->tier_on_host != 0) &&
       (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current < gm->tier_retry_below)
     gm_overflow_bring_back(gm, false);
@@ -883,8 +895,9 @@ static inline void gm_overflow_touch(gpumem_t* gm, gm_block* b) {
 /* gpumem_check's part: tier blocks counted into the sums, violations. */
 typedef struct gm_tier_sums {
   int64_t blocks[GPUMEM_POOL_COUNT], bytes[GPUMEM_POOL_COUNT], requested[GPUMEM_POOL_COUNT];
+  int64_t pending[GPUMEM_POOL_COUNT], pending_bytes[GPUMEM_POOL_COUNT]; /* retiring */
   int64_t host[GPUMEM_POOL_COUNT];
-  int64_t device;
+  int64_t device[GPUMEM_POOL_COUNT]; /* device pages under tier blocks (reserved) */
 } gm_tier_sums;
 size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* sums, char* msg, size_t len);
 /* Releases every tier block (allocator teardown). */

@@ -32,9 +32,11 @@
  * waits for that stream, so the copy follows the work queued there; every
  * other stream the block was handed to (record_stream) must be idle first.
  * Under pressure (the retry ladder's end, where PyTorch synchronizes every
- * stream too) the allocator waits for them; a move back at a free never
- * waits: an event recorded on each stream must already be complete, else
- * the block stays where it is until a later free or empty_cache.
+ * stream too) and at empty_cache (which waits for pending frees in
+ * PyTorch as here) the allocator waits for them; a move back at a free
+ * never waits: an event recorded on each of the block's streams, its own
+ * included, must be complete at once, else the block stays where it is
+ * until a later free or empty_cache.
  *
  * Every step of a move can fail (the fault-injection test fails each in
  * turn): a failure undoes what was done, in reverse, so the block stays
@@ -108,6 +110,9 @@ static void tier_account(gpumem_t* gm, const gm_tier_block* t, bool on_host, int
 static gpumem_status_t create_host_pages(gpumem_t* gm, size_t bytes, gpumem_phys_t* out) {
   char want[32], held[32], budget[32];
   size_t cap = gm->opts.overflow_host_bytes;
+  /* Freed blocks still retiring hold host pages: waited for before the
+   * budget refuses. */
+  if (cap && gm->tier_host_bytes + bytes > cap && gm->tier_retiring) gm_overflow_retire(gm, true);
   if (cap && gm->tier_host_bytes + bytes > cap) {
     return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
                    "the host budget is spent too: %s more host pages would pass overflow:host:%s "
@@ -230,28 +235,25 @@ static void tier_release(gpumem_t* gm, gm_tier_block* t, bool count) {
   GM_CALL(gm, release_range, be->release_range(be->ctx, t->seg.addr, t->bytes));
 }
 
-gpumem_status_t gm_overflow_free(gpumem_t* gm, gm_block* b) {
-  gm_tier_block* t = b->seg->tier;
+/* Frees a retiring block's range now (its stream is done with it): the
+ * address unmapped, pages and range back, the record gone. On a failed
+ * unmap it stays retiring, to be tried again. */
+static gpumem_status_t retire_now(gpumem_t* gm, gm_tier_block* t) {
   const gpumem_backend_t* be = gm->backend;
-  /* The range goes back at once, so no stream may still touch it: its
-   * other streams are waited for (the owner's own work is ordered before
-   * any later use of the address, which no one else can get until the
-   * range is reserved again). */
-  gpumem_status_t st = sync_other_uses(gm, b);
-  if (st == GPUMEM_OK && be->stream_sync) {
-    st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, b->pool->stream->handle));
-    if (st == GPUMEM_OK) gm->stats.num_syncs++;
-  }
-  if (st != GPUMEM_OK) return st;
-  st = GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
+  gm_block* b = t->seg.first;
+  gpumem_status_t st = GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
   if (st != GPUMEM_OK) return st;
   gm->stats.num_pages_unmapped++;
-  bool small = gm_block_stat_small(b);
-  gm_stat_pool_shrink(gm->stats.active, small, 1);
-  gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)b->size);
-  /* Past the unmap the free has happened: a failed release below leaves
-   * memory with the device, not a half-freed block. */
-  tier_unlink(gm, t);
+  /* unlinked from the retiring list */
+  if (t->prev)
+    t->prev->next = t->next;
+  else
+    gm->tier_retiring = t->next;
+  if (t->next) t->next->prev = t->prev;
+  if (t->retire_event_made)
+    GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+  /* Past the unmap the free has happened: a failed release leaves memory
+   * with the device, not a half-freed block. */
   tier_account(gm, t, t->on_host, -1);
   tier_release(gm, t, false);
   gm_block_delete(gm, b);
@@ -259,8 +261,90 @@ gpumem_status_t gm_overflow_free(gpumem_t* gm, gm_block* b) {
   return GPUMEM_OK;
 }
 
+/* A freed tier block waits, retiring, for the work its stream had queued
+ * when it was freed: a training step frees tensors while its kernels still
+ * run, and the host must not wait for them at every free. An event
+ * recorded on its stream says when the range may go; a later operation
+ * that finds the event complete gives it back (gm_overflow_retire).
+ * Other streams it was handed to (record_stream, rare for a tier block)
+ * are waited for at the free. Without events, the free waits. */
+gpumem_status_t gm_overflow_free(gpumem_t* gm, gm_block* b) {
+  gm_tier_block* t = b->seg->tier;
+  const gpumem_backend_t* be = gm->backend;
+  gpumem_status_t st = sync_other_uses(gm, b);
+  if (st != GPUMEM_OK) return st;
+  bool has_events = be->event_create && be->event_record && be->event_query && be->event_sync;
+  bool capturing = gm_capture_possible(gm) && gm_capture_underway(gm);
+  if (has_events && !capturing) {
+    st = GM_CALL(gm, event_create, be->event_create(be->ctx, &t->retire_event));
+    if (st != GPUMEM_OK) return st;
+    st = GM_CALL(gm, event_record,
+                 be->event_record(be->ctx, t->retire_event, b->pool->stream->handle));
+    if (st != GPUMEM_OK) {
+      GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+      return st;
+    }
+    t->retire_event_made = true;
+  } else if (!capturing && be->stream_sync) {
+    st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, b->pool->stream->handle));
+    if (st != GPUMEM_OK) return st;
+    gm->stats.num_syncs++;
+  }
+  /* (during a capture: no event and no wait; retired once it ends) */
+  tier_unlink(gm, t);
+  /* No longer active: a retiring block holds no memory anyone could
+   * reuse, only its own range, which goes back as a whole. */
+  bool small = gm_block_stat_small(b);
+  gm_stat_pool_shrink(gm->stats.active, small, 1);
+  gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)b->size);
+  t->prev = NULL;
+  t->next = gm->tier_retiring;
+  if (gm->tier_retiring) gm->tier_retiring->prev = t;
+  gm->tier_retiring = t;
+  b->state = GM_PENDING;
+  if (!has_events && !capturing) retire_now(gm, t);
+  return GPUMEM_OK;
+}
+
+void gm_overflow_retire(gpumem_t* gm, bool wait) {
+  const gpumem_backend_t* be = gm->backend;
+  if (gm_capture_possible(gm) && gm_capture_underway(gm)) return;
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+  gm_tier_block* next;
+  for (gm_tier_block* t = gm->tier_retiring; t; t = next) {
+    next = t->next;
+    gpumem_status_t st = GPUMEM_OK;
+    gpumem_stream_t stream = t->seg.first->pool->stream->handle;
+    if (!t->retire_event_made) {
+      /* freed during a capture: its stream is waited for now */
+      if (be->stream_sync) st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, stream));
+    } else if (wait) {
+      st = GM_CALL(gm, event_sync, be->event_sync(be->ctx, t->retire_event));
+      if (st == GPUMEM_OK) gm->stats.num_syncs++;
+    } else {
+      st = GM_CALL(gm, event_query, be->event_query(be->ctx, t->retire_event));
+    }
+    if (st == GPUMEM_OK) retire_now(gm, t);
+  }
+  gpumem_set_last_error("%s", cause);
+}
+
 void gm_overflow_destroy(gpumem_t* gm) {
   const gpumem_backend_t* be = gm->backend;
+  gm_overflow_retire(gm, true);
+  /* What could not be retired (a device that failed) goes regardless. */
+  while (gm->tier_retiring) {
+    gm_tier_block* t = gm->tier_retiring;
+    gm->tier_retiring = t->next;
+    GM_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
+    if (t->retire_event_made)
+      GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+    tier_account(gm, t, t->on_host, -1);
+    tier_release(gm, t, false);
+    gm_block_delete(gm, t->seg.first);
+    free(t);
+  }
   while (gm->tier) {
     gm_tier_block* t = gm->tier;
     GM_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
@@ -389,6 +473,12 @@ static gm_tier_block* coldest_on_device(gpumem_t* gm) {
 
 gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
   *retry = false;
+  if (gm->tier_retiring) {
+    /* device pages of freed tier blocks: room once their stream is done */
+    size_t before = gm->tier_device_bytes;
+    gm_overflow_retire(gm, true);
+    *retry = gm->tier_device_bytes < before;
+  }
   if (!tier_has_host_pages(gm) || gm->tier_count == gm->tier_on_host) return GPUMEM_OK;
   if (gm_capture_possible(gm) && gm_capture_underway(gm)) return GPUMEM_OK;
   size_t freed = 0;
@@ -405,7 +495,7 @@ gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
     freed += t->bytes;
   }
   gpumem_set_last_error("%s", cause); /* the report names the first cause */
-  *retry = freed > 0;
+  *retry = *retry || freed > 0;
   return GPUMEM_OK;
 }
 
@@ -424,7 +514,13 @@ void gm_overflow_bring_back(gpumem_t* gm, bool after_empty_cache) {
     if (gm->limit && reserved + t->bytes > gm->limit) continue;
     if (gm->budget && !gm_budget_has_room(gm, t->bytes)) continue;
     any_room = true;
-    if (!streams_idle(gm, t->seg.first)) continue;
+    /* At empty_cache the caller gives the allocator leave to wait, as
+     * PyTorch's empty_cache waits for pending frees: the block's other
+     * streams are waited for (its own stream orders the copy). At a free
+     * nothing waits: every stream must be idle already. */
+    if (after_empty_cache ? sync_other_uses(gm, t->seg.first) != GPUMEM_OK
+                          : !streams_idle(gm, t->seg.first))
+      continue;
     gpumem_status_t st = tier_move(gm, t, false);
     if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
       any_room = false;
@@ -469,61 +565,84 @@ gpumem_status_t gpumem_prefer_host(gpumem_t* gm, void* ptr) {
 
 /* ---- checks and reports ---- */
 
-size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* s, char* msg, size_t len) {
-  size_t errors = 0;
-  size_t host = 0, device = 0, count = 0, on_host = 0;
-#define TIER_FAIL(...)                              \
-  do {                                              \
-    if (!errors++) snprintf(msg, len, __VA_ARGS__); \
+/* One tier record's part of gpumem_check: its block against its range,
+ * its bytes into the sums. */
+static void check_tier_block(gpumem_t* gm, gm_tier_block* t, bool retiring, gm_tier_sums* s,
+                             size_t* host, size_t* device, size_t* errors, char* msg, size_t len) {
+#define TIER_FAIL(...)                               \
+  do {                                               \
+    if (!(*errors)++) snprintf(msg, len, __VA_ARGS__); \
   } while (0)
-  for (gm_tier_block* t = gm->tier; t; t = t->next) {
-    gm_block* b = t->seg.first;
-    count++;
-    if (t->next && t->next->prev != t) TIER_FAIL("overflow tier: list broken");
-    if (!b || b->seg != &t->seg || t->seg.tier != t) {
-      TIER_FAIL("overflow tier: a block and its range do not point at each other");
-      continue;
-    }
-    if (b->state != GM_ALLOCATED || gm_ptr_map_find(&gm->ptrs, b->addr) != b)
-      TIER_FAIL("overflow tier: block 0x%lx is not allocated and in the pointer map",
+  gm_block* b = t->seg.first;
+  if (t->next && t->next->prev != t) TIER_FAIL("overflow tier: list broken");
+  if (!b || b->seg != &t->seg || t->seg.tier != t) {
+    TIER_FAIL("overflow tier: a block and its range do not point at each other");
+    return;
+  }
+  if (retiring) {
+    if (b->state != GM_PENDING || gm_ptr_map_find(&gm->ptrs, b->addr) == b)
+      TIER_FAIL("overflow tier: retiring block 0x%lx is not pending, or still in the pointer map",
                 (unsigned long)b->addr);
-    if (b->addr != t->seg.addr || b->size > t->bytes || t->bytes != t->seg.size ||
-        t->bytes % gm->page_size || b->prev || b->next)
-      TIER_FAIL("overflow tier: block 0x%lx (%zu bytes) does not fill its range of %zu",
-                (unsigned long)b->addr, b->size, t->bytes);
-    if (!t->handle) TIER_FAIL("overflow tier: block 0x%lx has no pages", (unsigned long)b->addr);
-    bool small = gm_block_stat_small(b);
-    for (int p = 0; p < 2; p++) {
-      int pool = p == 0 ? GPUMEM_POOL_ALL : small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE;
+  } else if (b->state != GM_ALLOCATED || gm_ptr_map_find(&gm->ptrs, b->addr) != b) {
+    TIER_FAIL("overflow tier: block 0x%lx is not allocated and in the pointer map",
+              (unsigned long)b->addr);
+  }
+  if (b->addr != t->seg.addr || b->size > t->bytes || t->bytes != t->seg.size ||
+      t->bytes % gm->page_size || b->prev || b->next)
+    TIER_FAIL("overflow tier: block 0x%lx (%zu bytes) does not fill its range of %zu",
+              (unsigned long)b->addr, b->size, t->bytes);
+  if (!t->handle) TIER_FAIL("overflow tier: block 0x%lx has no pages", (unsigned long)b->addr);
+  bool small = gm_block_stat_small(b);
+  for (int p = 0; p < 2; p++) {
+    int pool = p == 0 ? GPUMEM_POOL_ALL : small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE;
+    if (retiring) {
+      s->pending[pool]++;
+      s->pending_bytes[pool] += (int64_t)b->size;
+    } else {
       s->blocks[pool]++;
       s->bytes[pool] += (int64_t)b->size;
       s->requested[pool] += (int64_t)b->requested;
-      if (t->on_host) s->host[pool] += (int64_t)t->bytes;
     }
-    if (t->on_host) {
-      host += t->bytes;
-      on_host++;
-    } else {
-      device += t->bytes;
-    }
+    if (t->on_host)
+      s->host[pool] += (int64_t)t->bytes;
+    else
+      s->device[pool] += (int64_t)t->bytes;
   }
+  if (t->on_host)
+    *host += t->bytes;
+  else
+    *device += t->bytes;
 #undef TIER_FAIL
-  s->device = (int64_t)device;
-  if (count != gm->tier_count || on_host != gm->tier_on_host || host != gm->tier_host_bytes ||
-      device != gm->tier_device_bytes) {
+}
+
+size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* s, char* msg, size_t len) {
+  size_t errors = 0;
+  size_t host = 0, device = 0, count = 0, on_host = 0;
+  for (gm_tier_block* t = gm->tier; t; t = t->next) {
+    count++;
+    on_host += t->on_host;
+    check_tier_block(gm, t, false, s, &host, &device, &errors, msg, len);
+  }
+  size_t retiring_host = 0;
+  for (gm_tier_block* t = gm->tier_retiring; t; t = t->next) {
+    retiring_host += t->on_host;
+    check_tier_block(gm, t, true, s, &host, &device, &errors, msg, len);
+  }
+  if (count != gm->tier_count || on_host + retiring_host != gm->tier_on_host ||
+      host != gm->tier_host_bytes || device != gm->tier_device_bytes) {
     if (!errors++)
       snprintf(msg, len,
                "overflow tier: %zu blocks (%zu on host), %zu host and %zu device bytes; counted "
                "%zu (%zu), %zu and %zu",
-               count, on_host, host, device, gm->tier_count, gm->tier_on_host, gm->tier_host_bytes,
-               gm->tier_device_bytes);
+               count, on_host + retiring_host, host, device, gm->tier_count, gm->tier_on_host,
+               gm->tier_host_bytes, gm->tier_device_bytes);
   }
   if (gm->opts.overflow_host_bytes && host > gm->opts.overflow_host_bytes) {
     if (!errors++)
       snprintf(msg, len, "overflow tier: %zu host bytes pass the budget of %zu", host,
                gm->opts.overflow_host_bytes);
   }
-  if (count && gm->opts.overflow != GPUMEM_OVERFLOW_HOST) {
+  if ((count || gm->tier_retiring) && gm->opts.overflow != GPUMEM_OVERFLOW_HOST) {
     if (!errors++) snprintf(msg, len, "overflow tier: %zu blocks with the tier off", count);
   }
   return errors;
