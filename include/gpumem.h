@@ -378,7 +378,7 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(reserved_bytes, "GPU reserved memory", 1)         \
   X(active_bytes, "Active memory", 1)                 \
   X(inactive_split_bytes, "Non-releasable memory", 1) \
-  X(requested_bytes, "Requested memory", 1)         \
+  X(requested_bytes, "Requested memory", 1)           \
   X(host_bytes, "Host-backed memory", 1)
 
 /* Plain counters: PyTorch's and gpumem's own. */
@@ -405,14 +405,14 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_pages_fenced, "Free pages taken back behind a fence")          \
   X(num_blocks_lent, "Blocks lent to another stream")                  \
   X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
-  X(mapping_time_ns, "Time in mapping calls (ns, measured)")          \
-  X(num_host_allocs, "Allocations served from host pages")            \
-  X(num_moves_to_host, "Blocks moved to host pages")                  \
-  X(bytes_moved_to_host, "Bytes moved to host pages")                 \
-  X(move_to_host_ns, "Time moving blocks to host (ns, measured)")     \
-  X(num_moves_to_device, "Blocks moved back to device pages")         \
-  X(bytes_moved_to_device, "Bytes moved back to device pages")        \
-  X(move_to_device_ns, "Time moving blocks to device (ns, measured)") \
+  X(mapping_time_ns, "Time in mapping calls (ns, measured)")           \
+  X(num_host_allocs, "Allocations served from host pages")             \
+  X(num_moves_to_host, "Blocks moved to host pages")                   \
+  X(bytes_moved_to_host, "Bytes moved to host pages")                  \
+  X(move_to_host_ns, "Time moving blocks to host (ns, measured)")      \
+  X(num_moves_to_device, "Blocks moved back to device pages")          \
+  X(bytes_moved_to_device, "Bytes moved back to device pages")         \
+  X(move_to_device_ns, "Time moving blocks to device (ns, measured)")  \
   X(host_link_model_us, "Host link traffic at the model's rate (us)")
 
 /* Backend primitives, each use counted by the allocator. */

@@ -146,8 +146,7 @@ gpumem_t* gpumem_create(gpumem_backend_t* backend, const gpumem_options_t* opts,
                    "virtual memory (host pages are mapped under the allocator's own address "
                    "ranges); here the policy is %s and backend \"%s\" %s",
                    o.policy == GPUMEM_POLICY_PYTORCH ? "pytorch" : "default",
-                   backend->name ? backend->name : "?",
-                   has_vm ? "has virtual memory" : "has none");
+                   backend->name ? backend->name : "?", has_vm ? "has virtual memory" : "has none");
     return NULL;
   }
   if (!use_vm && !has_plain) {

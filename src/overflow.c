@@ -121,8 +121,8 @@ static gpumem_status_t create_host_pages(gpumem_t* gm, size_t bytes, gpumem_phys
                    gm_format_bytes(cap, budget, sizeof budget),
                    gm_format_bytes(gm->tier_host_bytes, held, sizeof held));
   }
-  gpumem_status_t st =
-      GM_MAP_CALL(gm, create_host_page, gm->backend->create_host_page(gm->backend->ctx, bytes, out));
+  gpumem_status_t st = GM_MAP_CALL(gm, create_host_page,
+                                   gm->backend->create_host_page(gm->backend->ctx, bytes, out));
   if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
     char cause[300];
     snprintf(cause, sizeof cause, "%s", gpumem_last_error());
@@ -250,8 +250,7 @@ static gpumem_status_t retire_now(gpumem_t* gm, gm_tier_block* t) {
   else
     gm->tier_retiring = t->next;
   if (t->next) t->next->prev = t->prev;
-  if (t->retire_event_made)
-    GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+  if (t->retire_event_made) GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
   /* Past the unmap the free has happened: a failed release leaves memory
    * with the device, not a half-freed block. */
   tier_account(gm, t, t->on_host, -1);
@@ -390,8 +389,8 @@ static gpumem_status_t tier_move(gpumem_t* gm, gm_tier_block* t, bool to_host) {
   size_t bytes = t->bytes;
   gpumem_phys_t fresh = 0;
   uint64_t t0 = gm_now_ns();
-  gpumem_status_t st = to_host ? create_host_pages(gm, bytes, &fresh)
-                               : create_device_pages(gm, bytes, &fresh);
+  gpumem_status_t st =
+      to_host ? create_host_pages(gm, bytes, &fresh) : create_device_pages(gm, bytes, &fresh);
   if (st != GPUMEM_OK) return st;
   /* The new pages at a scratch range first: the copy needs both mapped. */
   st = GM_CALL(gm, reserve, be->reserve(be->ctx, bytes, &scratch));
@@ -569,8 +568,8 @@ gpumem_status_t gpumem_prefer_host(gpumem_t* gm, void* ptr) {
  * its bytes into the sums. */
 static void check_tier_block(gpumem_t* gm, gm_tier_block* t, bool retiring, gm_tier_sums* s,
                              size_t* host, size_t* device, size_t* errors, char* msg, size_t len) {
-#define TIER_FAIL(...)                               \
-  do {                                               \
+#define TIER_FAIL(...)                                 \
+  do {                                                 \
     if (!(*errors)++) snprintf(msg, len, __VA_ARGS__); \
   } while (0)
   gm_block* b = t->seg.first;

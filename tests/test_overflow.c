@@ -47,8 +47,8 @@ static void ofx_done(ofx_t* f) {
   /* Everything the allocator held went back to the device and the host. */
   CHECK_MSG(c.pages_live == 0 && c.pages_mapped == 0 && c.ranges_reserved == 0 &&
                 c.host_bytes_in_use == 0,
-            "after destroy: %" PRIu64 " pages, %" PRIu64 " mappings, %" PRIu64
-            " ranges, %" PRIu64 " host bytes",
+            "after destroy: %" PRIu64 " pages, %" PRIu64 " mappings, %" PRIu64 " ranges, %" PRIu64
+            " host bytes",
             c.pages_live, c.pages_mapped, c.ranges_reserved, c.host_bytes_in_use);
   gpumem_sim_destroy(f->sim);
 }
@@ -209,8 +209,7 @@ static void test_backend_without_host_pages(void) {
   void* b = NULL;
   CHECK_STATUS(gpumem_malloc(gm, 16 * MIB, 0, &a), GPUMEM_OK);
   CHECK_STATUS(gpumem_malloc(gm, 2 * MIB, 0, &b), GPUMEM_ERR_OUT_OF_MEMORY);
-  CHECK_MSG(strstr(gpumem_last_error(), "offers no host pages") != NULL, "%s",
-            gpumem_last_error());
+  CHECK_MSG(strstr(gpumem_last_error(), "offers no host pages") != NULL, "%s", gpumem_last_error());
   check_ok(gm, "a refusal without host pages");
   gpumem_destroy(gm);
   gpumem_sim_destroy(sim);
@@ -263,9 +262,9 @@ static void test_moves_and_hint(void) {
   CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
   check_ok(f.gm, "empty_cache with a block that prefers host pages");
   st = stats(f.gm);
-  CHECK_MSG(st.num_moves_to_device == 1 && st.host_bytes[GPUMEM_POOL_ALL].current ==
-                                               (int64_t)(8 * MIB),
-            "a block that prefers host pages came back");
+  CHECK_MSG(
+      st.num_moves_to_device == 1 && st.host_bytes[GPUMEM_POOL_ALL].current == (int64_t)(8 * MIB),
+      "a block that prefers host pages came back");
   CHECK(intact(f.sim, tier, 8 * MIB, 11));
   for (int i = 2; i < n; i++) CHECK_STATUS(gpumem_free(f.gm, dev[i]), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(f.gm, tier), GPUMEM_OK);
@@ -397,19 +396,18 @@ static bool fault_run(long skip, int kind, int* failures_seen) {
     ofx_done(&f);
     return false;
   }
-  gpumem_sim_fail(f.sim, kind, skip, 1, kind == GPUMEM_CALL_create_host_page || kind == -1
-                                            ? GPUMEM_ERR_OUT_OF_MEMORY
-                                            : GPUMEM_ERR_BACKEND);
+  gpumem_sim_fail(f.sim, kind, skip, 1,
+                  kind == GPUMEM_CALL_create_host_page || kind == -1 ? GPUMEM_ERR_OUT_OF_MEMORY
+                                                                     : GPUMEM_ERR_BACKEND);
   enum { N = 10 };
   void* p[N] = {0};
   size_t sz = 6 * MIB;
-#define OP_DONE(what)                                                                    \
-  do {                                                                                   \
-    check_ok(f.gm, what);                                                                \
-    for (int j = 0; j < N; j++)                                                          \
-      if (p[j])                                                                          \
-        CHECK_MSG(intact(f.sim, p[j], sz, (uint32_t)j), "block %d lost bytes after %s", \
-                  j, what);                                                              \
+#define OP_DONE(what)                                                                             \
+  do {                                                                                            \
+    check_ok(f.gm, what);                                                                         \
+    for (int j = 0; j < N; j++)                                                                   \
+      if (p[j])                                                                                   \
+        CHECK_MSG(intact(f.sim, p[j], sz, (uint32_t)j), "block %d lost bytes after %s", j, what); \
   } while (0)
   for (int i = 0; i < 7; i++) {
     gpumem_status_t st = gpumem_malloc(f.gm, sz, 0, &p[i]);

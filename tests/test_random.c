@@ -98,8 +98,7 @@ static const config_t configs[] = {
     /* The overflow tier: past the device or the limit, host pages under
      * ranges of their own, moved back and out at frees, empty_cache and
      * pressure, with a host budget that the limit phase spends. */
-    {"default/overflow", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512,
-     4},
+    {"default/overflow", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 4},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
@@ -428,8 +427,9 @@ static void check_state(run_t* r) {
             (long long)s.allocated_bytes[A].current);
   /* (blocks of the overflow tier on host pages are active, not reserved) */
   RUN_CHECK(r, s.reserved_bytes[A].current + s.host_bytes[A].current >= s.active_bytes[A].current,
-            "reserved %lld + host-backed %lld < active %lld", (long long)s.reserved_bytes[A].current,
-            (long long)s.host_bytes[A].current, (long long)s.active_bytes[A].current);
+            "reserved %lld + host-backed %lld < active %lld",
+            (long long)s.reserved_bytes[A].current, (long long)s.host_bytes[A].current,
+            (long long)s.active_bytes[A].current);
   gpumem_sim_counters_t c = sim_counters(r->sim);
   RUN_CHECK(r, (uint64_t)s.reserved_bytes[A].current == c.bytes_in_use,
             "reserved %lld, the device holds %llu", (long long)s.reserved_bytes[A].current,
@@ -1316,10 +1316,11 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
               "the overflow tier served %lld requests and moved %lld blocks back, %lld out",
               (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
               (long long)s.num_moves_to_host);
-    printf("default/overflow seed %llu: %lld requests on host pages, %lld blocks moved back, %lld "
-           "out\n",
-           (unsigned long long)seed, (long long)s.num_host_allocs,
-           (long long)s.num_moves_to_device, (long long)s.num_moves_to_host);
+    printf(
+        "default/overflow seed %llu: %lld requests on host pages, %lld blocks moved back, %lld "
+        "out\n",
+        (unsigned long long)seed, (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
+        (long long)s.num_moves_to_host);
   }
 
   /* Teardown: every pattern intact, everything freed, nothing held. */

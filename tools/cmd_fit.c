@@ -109,14 +109,15 @@ int cmd_fit(int argc, char** argv) {
     if (said_overflow && cli.json) {
       printf("{\"trace\":");
       show_json(stdout, t->path);
-      printf(",\"allocator\":\"gpumem overflow:host\",\"model\":false,\"memory_bytes\":%zu,"
-             "\"fits\":%s,\"host_peak_bytes\":%llu,\"host_allocations\":%llu,"
-             "\"moves_to_host\":%llu,\"moves_to_device\":%llu,\"host_link_bytes\":%llu,"
-             "\"host_link_model_us\":%.0f}\n",
-             cli.memory, over.fits ? "true" : "false", (unsigned long long)over.host_peak,
-             (unsigned long long)over.host_allocs, (unsigned long long)over.moves_to_host,
-             (unsigned long long)over.moves_to_device, (unsigned long long)over.link_bytes,
-             over.link_us);
+      printf(
+          ",\"allocator\":\"gpumem overflow:host\",\"model\":false,\"memory_bytes\":%zu,"
+          "\"fits\":%s,\"host_peak_bytes\":%llu,\"host_allocations\":%llu,"
+          "\"moves_to_host\":%llu,\"moves_to_device\":%llu,\"host_link_bytes\":%llu,"
+          "\"host_link_model_us\":%.0f}\n",
+          cli.memory, over.fits ? "true" : "false", (unsigned long long)over.host_peak,
+          (unsigned long long)over.host_allocs, (unsigned long long)over.moves_to_host,
+          (unsigned long long)over.moves_to_device, (unsigned long long)over.link_bytes,
+          over.link_us);
     }
     if (!cli.json && rc == 0) {
       printf("\n");

@@ -213,13 +213,14 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const align_r
   printf("]");
   /* The overflow tier at --batch, where gpumem's default does not fit. */
   if (over)
-    printf(",\"overflow\":{\"fits\":%s,\"host_peak_bytes\":%llu,\"host_allocations\":%llu,"
-           "\"moves_to_host\":%llu,\"moves_to_device\":%llu,\"host_link_bytes\":%llu,"
-           "\"host_link_model_us\":%.0f}",
-           over->fits ? "true" : "false", (unsigned long long)over->host_peak,
-           (unsigned long long)over->host_allocs, (unsigned long long)over->moves_to_host,
-           (unsigned long long)over->moves_to_device, (unsigned long long)over->link_bytes,
-           over->link_us);
+    printf(
+        ",\"overflow\":{\"fits\":%s,\"host_peak_bytes\":%llu,\"host_allocations\":%llu,"
+        "\"moves_to_host\":%llu,\"moves_to_device\":%llu,\"host_link_bytes\":%llu,"
+        "\"host_link_model_us\":%.0f}",
+        over->fits ? "true" : "false", (unsigned long long)over->host_peak,
+        (unsigned long long)over->host_allocs, (unsigned long long)over->moves_to_host,
+        (unsigned long long)over->moves_to_device, (unsigned long long)over->link_bytes,
+        over->link_us);
   else
     printf(",\"overflow\":null");
   printf("}\n");

@@ -170,8 +170,8 @@ static void print_table(const rows_t* r, const char* dir) {
     const gpumem_published_t* p = &r->items[i];
     if (!p->host_bytes && !p->num_moves_to_host && !p->num_moves_to_device) continue;
     printf("%8d  overflow tier: %s on host pages; %lld blocks moved to host, %lld back\n", p->pid,
-           gm_format_bytes((uint64_t)p->host_bytes, b1, sizeof b1),
-           (long long)p->num_moves_to_host, (long long)p->num_moves_to_device);
+           gm_format_bytes((uint64_t)p->host_bytes, b1, sizeof b1), (long long)p->num_moves_to_host,
+           (long long)p->num_moves_to_device);
   }
   /* Totals per device, of the processes still running. */
   for (size_t i = 0; i < r->count;) {

@@ -100,8 +100,12 @@ gpumem_status_t fit_overflow(const trace_t* t, size_t memory, const replay_confi
   memset(out, 0, sizeof *out);
   replay_result_t* r = new_result();
   if (!r) return GPUMEM_ERR_HOST_MEMORY;
-  const fit_row_t row = {"gpumem overflow:host", "enable(\"overflow:host\")", PEER_NONE,
-                         GPUMEM_POLICY_DEFAULT, "overflow:host", 0};
+  const fit_row_t row = {"gpumem overflow:host",
+                         "enable(\"overflow:host\")",
+                         PEER_NONE,
+                         GPUMEM_POLICY_DEFAULT,
+                         "overflow:host",
+                         0};
   replay_config_t c = row_config(&row, base);
   c.limit_bytes = memory;
   gpumem_status_t st = replay_trace(t, &c, r);
@@ -141,10 +145,10 @@ void fit_overflow_say(FILE* f, const trace_t* t, const fit_overflow_t* o, size_t
              "host link in the whole trace, about %.1f ms at %.0f GB/s%s (a model figure, "
              "pending a measurement on the GPU; a lower bound: each block crossing once, "
              "kernels' repeated reads not counted).",
-             (double)memory / GIB, (double)o->host_peak / GIB,
-             (unsigned long long)o->host_allocs, (unsigned long long)o->moves_to_host,
-             (unsigned long long)o->moves_to_device, (double)o->link_bytes / GIB,
-             o->link_us / 1e3, GPUMEM_SIM_HOST_LINK_BYTES_PER_S / 1e9, per_step);
+             (double)memory / GIB, (double)o->host_peak / GIB, (unsigned long long)o->host_allocs,
+             (unsigned long long)o->moves_to_host, (unsigned long long)o->moves_to_device,
+             (double)o->link_bytes / GIB, o->link_us / 1e3, GPUMEM_SIM_HOST_LINK_BYTES_PER_S / 1e9,
+             per_step);
   }
   print_wrapped(f, text);
 }

@@ -65,12 +65,12 @@ int fit_explain(FILE* f, const fit_result_t* results, size_t memory);
  * hard limit of memory with gpumem's default and overflow:host (no host
  * budget), on the simulated device. */
 typedef struct fit_overflow {
-  int fits;                   /* replays to its end that way */
-  uint64_t host_peak;         /* the most bytes on host pages at once */
-  uint64_t host_allocs;       /* requests served from host pages */
+  int fits;             /* replays to its end that way */
+  uint64_t host_peak;   /* the most bytes on host pages at once */
+  uint64_t host_allocs; /* requests served from host pages */
   uint64_t moves_to_host, moves_to_device;
-  uint64_t link_bytes;        /* requests on host pages plus both ways of every move */
-  double link_us;             /* link_bytes at the model's host-link rate */
+  uint64_t link_bytes; /* requests on host pages plus both ways of every move */
+  double link_us;      /* link_bytes at the model's host-link rate */
 } fit_overflow_t;
 gpumem_status_t fit_overflow(const trace_t* t, size_t memory, const replay_config_t* base,
                              fit_overflow_t* out);

@@ -146,7 +146,8 @@ static void test_tier(gpumem_backend_t* be) {
   double t_back = now_s() - t0;
   CHECK(gpumem_check(gm) == 0);
   gpumem_stats_t s2st = stats(gm);
-  printf("empty_cache: %" PRId64 " blocks moved to device pages in %.3f ms (%.3f ms measured in "
+  printf("empty_cache: %" PRId64
+         " blocks moved to device pages in %.3f ms (%.3f ms measured in "
          "moves, %.1f GB/s)\n",
          s2st.num_moves_to_device - s.num_moves_to_device, t_back * 1e3,
          (double)(s2st.move_to_device_ns - s.move_to_device_ns) * 1e-6,
