@@ -11,6 +11,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "test_util.h"
 
@@ -506,6 +508,49 @@ static void test_faults(void) {
   }
 }
 
+/* ---- gpumem top's figures ---- */
+
+static int find_own(const gpumem_published_t* p, void* arg) {
+  if (p->pid == (int)getpid()) *(gpumem_published_t*)arg = *p;
+  return 0;
+}
+
+/* The tier's figures reach other processes: host bytes and moves both
+ * ways in the published record that gpumem top reads. */
+static void test_published(void) {
+  char dir[] = "/tmp/gpumem-overflow-XXXXXX";
+  if (!mkdtemp(dir)) {
+    CHECK_MSG(0, "mkdtemp failed");
+    return;
+  }
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+  ofx_t f = ofx_new("overflow:host,limit:16M,publish:on", 1024 * MIB);
+  if (!f.gm) return ofx_done(&f);
+  void* dev[8];
+  void* tier = NULL;
+  int n = fill_device(&f, 8 * MIB, dev, 8, &tier);
+  CHECK(n == 2 && tier != NULL);
+  CHECK_STATUS(gpumem_publish(f.gm), GPUMEM_OK);
+  gpumem_published_t seen;
+  memset(&seen, 0, sizeof seen);
+  CHECK(gpumem_published_scan(dir, find_own, &seen) >= 1);
+  CHECK_MSG(seen.host_bytes == (int64_t)(8 * MIB) && seen.num_moves_to_host == 0,
+            "published host bytes %" PRId64, seen.host_bytes);
+  for (int i = 0; i < n; i++) CHECK_STATUS(gpumem_free(f.gm, dev[i]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK_STATUS(gpumem_publish(f.gm), GPUMEM_OK);
+  CHECK(gpumem_published_scan(dir, find_own, &seen) >= 1);
+  CHECK_MSG(seen.host_bytes == 0 && seen.num_moves_to_device == 1,
+            "after a move back: host bytes %" PRId64 ", moves back %" PRId64, seen.host_bytes,
+            seen.num_moves_to_device);
+  CHECK_STATUS(gpumem_free(f.gm, tier), GPUMEM_OK);
+  ofx_done(&f);
+  unsetenv("GPUMEM_PUBLISH_DIR");
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  CHECK(system(cmd) == 0);
+}
+
 int main(void) {
   test_setting();
   test_host_pages_and_budget();
@@ -513,6 +558,7 @@ int main(void) {
   test_moves_and_hint();
   test_no_ping_pong();
   test_checksums_two_streams();
+  test_published();
   test_faults();
   return test_finish("test_overflow");
 }

@@ -28,8 +28,9 @@ def value(bits):
 
 def loss_cell(run, ref):
     a, b = run.get("losses") or [], ref.get("losses") or []
-    if not a or len(a) != len(b):
+    if not a:
         return "-"
+    b = b[: len(a)]  # a shorter run (fsdp) against the uncapped run's first steps
     if a == b:
         return "bit-equal"
     diff = max(abs(value(x) - value(y)) for x, y in zip(a, b))
@@ -66,6 +67,8 @@ def main(out):
             note = ""
             if r.get("microbatches"):
                 note = "k = %d at the end" % r["microbatches"][-1]
+            if r.get("steps") != ref.get("steps"):
+                note = (note + "; " if note else "") + "%d steps" % r["steps"]
             lines.append("| /%s | %s | %s | %.1f | %.2f | %s | %s | %s/%s | %s |" % (
                 div, mode, gib(cap), t * 1e3, t / base, loss_cell(r, ref), gib(r.get("host_bytes.all.peak") or 0),
                 r.get("num_moves_to_host") or 0, r.get("num_moves_to_device") or 0, note))  # fmt: skip
