@@ -245,6 +245,19 @@ static gpumem_status_t cu_create_page(void* ctx, size_t size, gpumem_phys_t* out
  * (older drivers, some virtual machines), CU_MEM_LOCATION_TYPE_HOST. The
  * message names both refusals, so that a user learns why the tier cannot
  * serve on this machine. */
+#if CUDA_VERSION >= 12020
+/* Host memory may come in larger units than the device's pages: a size
+ * that is not a multiple of its granularity is refused here, by name
+ * (CUDA_ERROR_INVALID_VALUE), rather than by cuMemCreate's bare error. */
+static CUresult host_granularity_fits(const gm_cu_backend_t* b, const CUmemAllocationProp* prop,
+                                      size_t size) {
+  size_t gran = 0;
+  CUresult r = b->api.cuMemGetAllocationGranularity(&gran, prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS) return r;
+  return gran && size % gran == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+#endif
+
 static gpumem_status_t cu_create_host_page(void* ctx, size_t size, gpumem_phys_t* out) {
   const gm_cu_backend_t* b = ctx;
 #if CUDA_VERSION >= 12020
@@ -256,13 +269,15 @@ static gpumem_status_t cu_create_host_page(void* ctx, size_t size, gpumem_phys_t
   if (b->host_numa_id >= 0) {
     prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
     prop.location.id = b->host_numa_id;
-    numa = b->api.cuMemCreate(&h, size, &prop, 0);
+    numa = host_granularity_fits(b, &prop, size);
+    if (numa == CUDA_SUCCESS) numa = b->api.cuMemCreate(&h, size, &prop, 0);
   }
   r = numa;
   if (numa != CUDA_SUCCESS && numa != CUDA_ERROR_OUT_OF_MEMORY) {
     prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
     prop.location.id = 0;
-    r = b->api.cuMemCreate(&h, size, &prop, 0);
+    r = host_granularity_fits(b, &prop, size);
+    if (r == CUDA_SUCCESS) r = b->api.cuMemCreate(&h, size, &prop, 0);
   }
   cu_leave(b, pushed);
   if (r == CUDA_SUCCESS) {
