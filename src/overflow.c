@@ -38,6 +38,11 @@
  * included, must be complete at once, else the block stays where it is
  * until a later free or empty_cache.
  *
+ * A move assumes that no other host thread queues work touching the block
+ * while it runs (the allocator's lock is held, but kernels are queued
+ * without it): the address is unmapped for the few calls between the old
+ * pages going and the new ones coming.
+ *
  * Every step of a move can fail (the fault-injection test fails each in
  * turn): a failure undoes what was done, in reverse, so the block stays
  * where it was, with its bytes, and the allocator consistent. */
