@@ -163,6 +163,13 @@ static void test_host_pages_and_budget(void) {
   CHECK(intact(f.sim, tier, 8 * MIB, 7));
   CHECK(gpumem_allocation_size(f.gm, tier) == 8 * MIB);
 
+  /* Leak reports count it like any live allocation. */
+  gpumem_leaks_t lk;
+  memset(&lk, 0, sizeof lk);
+  lk.struct_size = sizeof lk;
+  CHECK_STATUS(gpumem_find_leaks(f.gm, 0, &lk), GPUMEM_OK);
+  CHECK_MSG(lk.count == (uint64_t)n + 1 && lk.bytes == (uint64_t)(n + 1) * 8 * MIB,
+            "leaks: %" PRIu64 " allocations, %" PRIu64 " bytes", lk.count, lk.bytes);
   /* 4 MiB more would be 12: within the budget; then it is spent. */
   void* small = NULL;
   CHECK_STATUS(gpumem_malloc(f.gm, 4 * MIB, 0, &small), GPUMEM_OK);
