@@ -154,10 +154,13 @@ static gpumem_status_t create_device_pages(gpumem_t* gm, size_t bytes, gpumem_ph
   return st;
 }
 
-static void release_pages(gpumem_t* gm, gpumem_phys_t h, size_t bytes, bool on_host) {
+/* Gives physical memory back. give_budget: device pages never counted as
+ * reserved (a move undone), whose shared budget goes back here; those
+ * that were counted went back with gm_reserved_released (tier_account). */
+static void release_pages(gpumem_t* gm, gpumem_phys_t h, size_t bytes, bool give_budget) {
   if (GM_MAP_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, bytes)) ==
           GPUMEM_OK &&
-      !on_host && gm->budget)
+      give_budget && gm->budget)
     gm_budget_give(gm, bytes);
 }
 
@@ -211,7 +214,7 @@ gpumem_status_t gm_overflow_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_
 fail_range:
   GM_CALL(gm, release_range, be->release_range(be->ctx, addr, bytes));
 fail_pages:
-  release_pages(gm, t->handle, bytes, true);
+  release_pages(gm, t->handle, bytes, false);
 fail:
   free(t);
   return st;
@@ -236,7 +239,7 @@ static void tier_release(gpumem_t* gm, gm_tier_block* t, bool count) {
     tier_unlink(gm, t);
     tier_account(gm, t, t->on_host, -1);
   }
-  release_pages(gm, t->handle, t->bytes, t->on_host);
+  release_pages(gm, t->handle, t->bytes, false);
   GM_CALL(gm, release_range, be->release_range(be->ctx, t->seg.addr, t->bytes));
 }
 
@@ -431,7 +434,7 @@ static gpumem_status_t tier_move(gpumem_t* gm, gm_tier_block* t, bool to_host) {
     GM_CALL(gm, release_range, be->release_range(be->ctx, scratch, bytes));
   /* The swap is done: the old pages go, whatever the device says. */
   tier_account(gm, t, t->on_host, -1);
-  release_pages(gm, t->handle, bytes, t->on_host);
+  release_pages(gm, t->handle, bytes, false);
   t->handle = fresh;
   t->on_host = to_host;
   tier_account(gm, t, t->on_host, +1);
@@ -458,7 +461,7 @@ undo_scratch : {
 undo_range:
   GM_CALL(gm, release_range, be->release_range(be->ctx, scratch, bytes));
 undo_pages:
-  release_pages(gm, fresh, bytes, to_host);
+  release_pages(gm, fresh, bytes, !to_host);
   return st;
 }
 

@@ -515,6 +515,64 @@ static void test_faults(void) {
   }
 }
 
+/* ---- a shared budget ---- */
+
+static uint64_t budget_mine(gpumem_t* gm) {
+  gpumem_shared_budget_t b;
+  memset(&b, 0, sizeof b);
+  b.struct_size = sizeof b;
+  if (gpumem_shared_budget(gm, &b) != GPUMEM_OK) return UINT64_MAX;
+  return b.mine;
+}
+
+/* The tier's device pages count in the shared budget as reserved memory
+ * does, through moves both ways: the budget's share of this allocator is
+ * its reserved bytes after every operation. */
+static void test_shared_budget(void) {
+  char dir[] = "/tmp/gpumem-overflow-budget-XXXXXX";
+  if (!mkdtemp(dir)) {
+    CHECK_MSG(0, "mkdtemp failed");
+    return;
+  }
+  setenv("GPUMEM_PUBLISH_DIR", dir, 1);
+  char conf[128];
+  snprintf(conf, sizeof conf, "overflow:host,shared_limit:32M,shared_name:ovf%d", (int)getpid());
+  ofx_t f = ofx_new(conf, 1024 * MIB);
+  if (!f.gm) return ofx_done(&f);
+#define BUDGET_HOLDS(what)                                                                       \
+  CHECK_MSG(budget_mine(f.gm) == (uint64_t)stats(f.gm).reserved_bytes[0].current,                \
+            "after %s: the budget holds %" PRIu64 " of this allocator, reserved %" PRId64, what, \
+            budget_mine(f.gm), stats(f.gm).reserved_bytes[0].current)
+  void* dev[8];
+  void* tier = NULL;
+  int n = fill_device(&f, 8 * MIB, dev, 8, &tier);
+  CHECK(n >= 2 && tier != NULL);
+  BUDGET_HOLDS("a block on host pages");
+  fill(f.sim, tier, 8 * MIB, 9);
+  CHECK_STATUS(gpumem_free(f.gm, dev[0]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  check_ok(f.gm, "empty_cache under a shared budget");
+  CHECK(stats(f.gm).num_moves_to_device == 1);
+  BUDGET_HOLDS("a move back");
+  CHECK_STATUS(gpumem_malloc(f.gm, 8 * MIB, 0, &dev[0]), GPUMEM_OK);
+  check_ok(f.gm, "pressure under a shared budget");
+  CHECK(stats(f.gm).num_moves_to_host == 1);
+  BUDGET_HOLDS("a move out");
+  CHECK(intact(f.sim, tier, 8 * MIB, 9));
+  for (int i = 0; i < n; i++) CHECK_STATUS(gpumem_free(f.gm, dev[i]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  CHECK_STATUS(gpumem_free(f.gm, tier), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  check_ok(f.gm, "the last frees under a shared budget");
+  BUDGET_HOLDS("the last frees");
+#undef BUDGET_HOLDS
+  ofx_done(&f);
+  unsetenv("GPUMEM_PUBLISH_DIR");
+  char cmd[128];
+  snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+  CHECK(system(cmd) == 0);
+}
+
 /* ---- gpumem top's figures ---- */
 
 static int find_own(const gpumem_published_t* p, void* arg) {
@@ -566,6 +624,7 @@ int main(void) {
   test_no_ping_pong();
   test_checksums_two_streams();
   test_published();
+  test_shared_budget();
   test_faults();
   return test_finish("test_overflow");
 }
