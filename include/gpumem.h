@@ -240,7 +240,21 @@ typedef struct gpumem_options {
    * blocks fill the room that large blocks leave (src/alloc.c,
    * pool_index). */
   int small_pool;
+  /* Default policy, virtual memory: GPUMEM_OVERFLOW_HOST lets a request
+   * that device memory or the limit cannot serve be backed by host pages
+   * mapped under an address range of the allocator's own (src/overflow.c):
+   * kernels reach them over the host link, the address never changes, and
+   * the block moves to device pages once there is room and its streams are
+   * idle. Cold blocks already in the tier move to host first. Out of memory
+   * only when the host budget is spent too. GPUMEM_OVERFLOW_OFF (0, the
+   * default): nothing of this. */
+  int overflow;
+  /* Host bytes the tier may hold at most; 0 (the default): as much as the
+   * host grants. Option overflow:host:SIZE. */
+  size_t overflow_host_bytes;
 } gpumem_options_t;
+
+enum { GPUMEM_OVERFLOW_OFF = 0, GPUMEM_OVERFLOW_HOST = 1 };
 
 enum { GPUMEM_PUBLISH_AUTO = 0, GPUMEM_PUBLISH_ON = 1, GPUMEM_PUBLISH_OFF = 2 };
 enum { GPUMEM_LEND_OFF = 0, GPUMEM_LEND_ON = 1, GPUMEM_LEND_ORDERED = 2 };
@@ -259,7 +273,8 @@ GPUMEM_API void gpumem_options_init(gpumem_options_t* opts);
  * (on|off), fences (on|off), move_budget (microseconds per allocation, >= 0, or unlimited),
  * stream_waits (on|off), lend (off|on|ordered), small_pool (on|off), publish (auto|on|off),
  * leak_check (on|off), oom_snapshot (a path without ','), shared_limit (a size), shared_name (a
- * name), shared_group (a group's name), record (a path without ','). Unknown keys and bad values
+ * name), shared_group (a group's name), record (a path without ','), overflow (off|host|host:SIZE).
+ * Unknown keys and bad values
  * fail with GPUMEM_ERR_CONFIG naming the key and the valid choices; opts is unchanged on failure.
  */
 GPUMEM_API gpumem_status_t gpumem_options_parse(gpumem_options_t* opts, const char* conf);
@@ -291,6 +306,13 @@ GPUMEM_API gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr);
 /* Marks ptr as used on stream: when freed, its memory is reused only after
  * the work queued on stream up to the free has completed. */
 GPUMEM_API gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream);
+/* Hint (option overflow:host): the allocation at ptr is cold, and host
+ * pages suit it. A block in the overflow tier moves to host pages now if
+ * its streams are idle (else at the next pressure, before any other), and
+ * stays there until it is freed. GPUMEM_ERR_UNSUPPORTED when the tier is
+ * off or the block lies in an arena shared with other blocks (only tier
+ * blocks own their address range; docs/design.md, "The overflow tier"). */
+GPUMEM_API gpumem_status_t gpumem_prefer_host(gpumem_t* gm, void* ptr);
 
 /* ---- sharing an allocation with another process (CUDA IPC) ----
  * The physical pages under an allocation are exported as file descriptors
@@ -356,7 +378,8 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(reserved_bytes, "GPU reserved memory", 1)         \
   X(active_bytes, "Active memory", 1)                 \
   X(inactive_split_bytes, "Non-releasable memory", 1) \
-  X(requested_bytes, "Requested memory", 1)
+  X(requested_bytes, "Requested memory", 1)           \
+  X(host_bytes, "Host-backed memory", 1)
 
 /* Plain counters: PyTorch's and gpumem's own. */
 #define GPUMEM_STAT_COUNTERS(X)                                        \
@@ -382,7 +405,15 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(num_pages_fenced, "Free pages taken back behind a fence")          \
   X(num_blocks_lent, "Blocks lent to another stream")                  \
   X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
-  X(mapping_time_ns, "Time in mapping calls (ns, measured)")
+  X(mapping_time_ns, "Time in mapping calls (ns, measured)")           \
+  X(num_host_allocs, "Allocations served from host pages")             \
+  X(num_moves_to_host, "Blocks moved to host pages")                   \
+  X(bytes_moved_to_host, "Bytes moved to host pages")                  \
+  X(move_to_host_ns, "Time moving blocks to host (ns, measured)")      \
+  X(num_moves_to_device, "Blocks moved back to device pages")          \
+  X(bytes_moved_to_device, "Bytes moved back to device pages")         \
+  X(move_to_device_ns, "Time moving blocks to device (ns, measured)")  \
+  X(host_link_model_us, "Host link traffic at the model's rate (us)")
 
 /* Backend primitives, each use counted by the allocator. */
 #define GPUMEM_BACKEND_CALLS(X) \
@@ -402,7 +433,9 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(event_sync)                 \
   X(stream_sync)                \
   X(device_sync)                \
-  X(stream_wait)
+  X(stream_wait)                \
+  X(create_host_page)           \
+  X(copy)
 
 typedef enum gpumem_backend_call {
 #define GPUMEM_X_CALL_ENUM(name) GPUMEM_CALL_##name,
@@ -613,6 +646,9 @@ typedef struct gpumem_published {
   int64_t num_allocations, num_ooms, num_alloc_retries;
   char path[256]; /* the file it was read from */
   unsigned uid;   /* the file's owner (a reader trusts its own files; root all) */
+  /* The overflow tier (option overflow:host): bytes on host pages now, and
+   * blocks moved to host and back so far. */
+  int64_t host_bytes, num_moves_to_host, num_moves_to_device;
 } gpumem_published_t;
 
 /* Returns nonzero to stop the scan. */

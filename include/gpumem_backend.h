@@ -24,9 +24,9 @@
 extern "C" {
 #endif
 
-/* 2 added export_page and import_page; a backend of version 1 (which
- * lacks them) is still accepted. */
-#define GPUMEM_BACKEND_VERSION 2
+/* 2 added export_page and import_page, 3 create_host_page and copy; a
+ * backend of an earlier version (which lacks them) is still accepted. */
+#define GPUMEM_BACKEND_VERSION 3
 
 /* An opaque physical allocation handle (CUmemGenericAllocationHandle). */
 typedef uint64_t gpumem_phys_t;
@@ -105,6 +105,21 @@ struct gpumem_backend {
   /* The physical allocation fd stands for, to map with map() and give back
    * with release_page(); fd stays the caller's. */
   gpumem_status_t (*import_page)(void* ctx, int fd, gpumem_phys_t* out);
+
+  /* -- the overflow tier (version 3; optional as a pair: without them
+   *    option overflow:host has no host pages to give, and a request the
+   *    device cannot serve fails as before) -- */
+  /* Creates size bytes (a multiple of page_size) of physical memory in
+   * host RAM that map() maps into a reserved range like a device page and
+   * release_page() gives back; device kernels reach it over the host link.
+   * GPUMEM_ERR_OUT_OF_MEMORY when the host has none; GPUMEM_ERR_UNSUPPORTED
+   * when the driver refuses host locations (the message says how). */
+  gpumem_status_t (*create_host_page)(void* ctx, size_t size, gpumem_phys_t* out);
+  /* Copies size bytes from src to dst (mapped addresses of this device,
+   * either tier), queued on stream after its work so far; done when
+   * stream_sync(stream) returns. */
+  gpumem_status_t (*copy)(void* ctx, uintptr_t dst, uintptr_t src, size_t size,
+                          gpumem_stream_t stream);
 };
 
 /* ---- the simulated device -------------------------------------------- */
@@ -123,6 +138,10 @@ typedef struct gpumem_sim_options {
   int event_delay_queries;
   int virtual_memory; /* offer the virtual memory slots (default 1) */
   int plain_memory;   /* offer alloc/free (default 1) */
+  /* Host memory create_host_page may hand out, bytes (default 1 TiB). */
+  size_t host_capacity;
+  /* Offer create_host_page and copy (default 1). */
+  int host_pages;
 } gpumem_sim_options_t;
 
 GPUMEM_API void gpumem_sim_options_init(gpumem_sim_options_t* opts);
@@ -153,7 +172,20 @@ typedef struct gpumem_sim_counters {
    * an event query, an event recorded on a capturing stream), made while
    * gpumem_sim_begin_capture had a stream capturing: 0 in a correct run. */
   uint64_t capture_violations;
+  uint64_t host_bytes_in_use; /* host pages held (create_host_page) */
+  uint64_t peak_host_bytes_in_use;
+  /* Bytes copy() moved across the host link (one side a host page), and
+   * the time that would take at GPUMEM_SIM_HOST_LINK_BYTES_PER_S. */
+  uint64_t host_link_bytes;
+  uint64_t host_link_model_ns;
 } gpumem_sim_counters_t;
+
+/* The simulated host link's rate, bytes per second: a model figure. An
+ * H100's PCIe Gen5 x16 host link moves about 50 GB/s one way where its
+ * HBM3 reads about 3 TB/s; pending a measurement on the GPU (the probe in
+ * the overflow tier's GPU test), the simulated device prices host traffic
+ * at this rate. */
+#define GPUMEM_SIM_HOST_LINK_BYTES_PER_S 50e9
 
 GPUMEM_API void gpumem_sim_get_counters(gpumem_backend_t* sim, gpumem_sim_counters_t* out);
 /* Host address backing device address addr on a host-backed simulated

@@ -125,6 +125,11 @@ typedef struct gm_cu_backend {
   CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
                             unsigned long long);
   CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType);
+  /* The overflow tier (create_host_page, copy): cuMemcpyDtoDAsync, and the
+   * host NUMA node nearest the device (-1: none known, HOST_NUMA is not
+   * tried). */
+  CUresult (*copy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  int host_numa_id;
   int ordinal;
   CUdevice device;
   CUcontext ctx; /* the device's primary context, retained by create */
@@ -231,6 +236,83 @@ static gpumem_status_t cu_create_page(void* ctx, size_t size, gpumem_phys_t* out
   cu_leave(b, pushed);
   if (r != CUDA_SUCCESS) return cu_fail(b, r, "cuMemCreate(%zu bytes)", size);
   *out = (gpumem_phys_t)h;
+  return GPUMEM_OK;
+}
+
+/* Host pages for the overflow tier (CUDA 12.2 and later drivers): pinned
+ * host memory on the NUMA node nearest the device first, mapped into
+ * device ranges like device pages; where the driver refuses that form
+ * (older drivers, some virtual machines), CU_MEM_LOCATION_TYPE_HOST. The
+ * message names both refusals, so that a user learns why the tier cannot
+ * serve on this machine. */
+#if CUDA_VERSION >= 12020
+/* Host memory may come in larger units than the device's pages: a size
+ * that is not a multiple of its granularity is refused here, by name
+ * (CUDA_ERROR_INVALID_VALUE), rather than by cuMemCreate's bare error. */
+static CUresult host_granularity_fits(const gm_cu_backend_t* b, const CUmemAllocationProp* prop,
+                                      size_t size) {
+  size_t gran = 0;
+  CUresult r = b->api.cuMemGetAllocationGranularity(&gran, prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r != CUDA_SUCCESS) return r;
+  return gran && size % gran == 0 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+#endif
+
+static gpumem_status_t cu_create_host_page(void* ctx, size_t size, gpumem_phys_t* out) {
+  const gm_cu_backend_t* b = ctx;
+#if CUDA_VERSION >= 12020
+  int pushed = cu_enter(b);
+  CUmemGenericAllocationHandle h = 0;
+  CUmemAllocationProp prop = b->prop;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  CUresult numa = CUDA_ERROR_NOT_SUPPORTED, r;
+  if (b->host_numa_id >= 0) {
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    prop.location.id = b->host_numa_id;
+    numa = host_granularity_fits(b, &prop, size);
+    if (numa == CUDA_SUCCESS) numa = b->api.cuMemCreate(&h, size, &prop, 0);
+  }
+  r = numa;
+  if (numa != CUDA_SUCCESS && numa != CUDA_ERROR_OUT_OF_MEMORY) {
+    prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    prop.location.id = 0;
+    r = host_granularity_fits(b, &prop, size);
+    if (r == CUDA_SUCCESS) r = b->api.cuMemCreate(&h, size, &prop, 0);
+  }
+  cu_leave(b, pushed);
+  if (r == CUDA_SUCCESS) {
+    *out = (gpumem_phys_t)h;
+    return GPUMEM_OK;
+  }
+  char first[256];
+  if (b->host_numa_id >= 0)
+    cu_describe(b, numa, first, sizeof first);
+  else
+    snprintf(first, sizeof first, "not tried: the device names no host NUMA node");
+  gpumem_status_t st = cu_fail(b, r,
+                               "cuMemCreate(%zu bytes of host memory: HOST_NUMA node %d refused "
+                               "with %s; then HOST)",
+                               size, b->host_numa_id, first);
+  return r == CUDA_ERROR_OUT_OF_MEMORY ? st : GPUMEM_ERR_UNSUPPORTED;
+#else
+  (void)size;
+  (void)out;
+  return cu_fail(b, CUDA_ERROR_NOT_SUPPORTED,
+                 "cuMemCreate of host memory (gpumem was built against cuda.h %d; host locations "
+                 "need 12.2)",
+                 CUDA_VERSION);
+#endif
+}
+
+static gpumem_status_t cu_copy(void* ctx, uintptr_t dst, uintptr_t src, size_t size,
+                               gpumem_stream_t stream) {
+  const gm_cu_backend_t* b = ctx;
+  int pushed = cu_enter(b);
+  CUresult r = b->copy_async((CUdeviceptr)dst, (CUdeviceptr)src, size, (CUstream)stream);
+  cu_leave(b, pushed);
+  if (r != CUDA_SUCCESS)
+    return cu_fail(b, r, "cuMemcpyDtoDAsync(0x%llx <- 0x%llx, %zu bytes)", (unsigned long long)dst,
+                   (unsigned long long)src, size);
   return GPUMEM_OK;
 }
 
@@ -654,6 +736,22 @@ gpumem_backend_t* gpumem_cuda_create(const gpumem_cuda_options_t* user, gpumem_s
     if (shareable) {
       b->base.export_page = cu_export_page;
       b->base.import_page = cu_import_page;
+    }
+    /* The overflow tier's slots: the host page's refusal, where the driver
+     * gives one, is said when a request first needs it. */
+    void* copy = dlsym(b->lib, "cuMemcpyDtoDAsync_v2");
+    if (copy) {
+      memcpy(&b->copy_async, &copy, sizeof copy);
+      b->host_numa_id = -1;
+#if CUDA_VERSION >= 12020
+      int numa = -1;
+      if (b->api.cuDeviceGetAttribute(&numa, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, b->device) ==
+              CUDA_SUCCESS &&
+          numa >= 0)
+        b->host_numa_id = numa;
+#endif
+      b->base.create_host_page = cu_create_host_page;
+      b->base.copy = cu_copy;
     }
   }
   b->base.alloc = cu_alloc;

@@ -168,6 +168,7 @@ typedef struct sim_page {
   unsigned char* host; /* host_backed only */
   size_t num_mappings;
   uintptr_t mapped_at; /* one of its mappings, for messages */
+  bool on_host;        /* create_host_page's: held against host_capacity */
 } sim_page_t;
 
 /* A reserved address range. slots[i] is the page mapped over the i-th
@@ -215,6 +216,7 @@ typedef struct sim {
 
   gpumem_sim_counters_t counters;
   uint64_t bytes_used; /* physical + plain bytes held, against opts.capacity */
+  uint64_t host_used;  /* host pages held, against opts.host_capacity */
 
   /* Scripted failure: active when fail_active. */
   bool fail_active;
@@ -431,11 +433,33 @@ static gpumem_status_t release_range_locked(sim_t* sim, uintptr_t addr, size_t s
 
 /* ---- physical pages ---------------------------------------------------- */
 
-static gpumem_status_t create_page_locked(sim_t* sim, size_t size, gpumem_phys_t* out) {
-  if (out == NULL) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "sim: create_page: NULL out");
-  gpumem_status_t status = check_vm_size(sim, "create_page", size);
+/* Host pages are charged to the host, not to the device's capacity: the
+ * device's free memory (mem_info) does not see them, as on a GPU. */
+static gpumem_status_t charge_host(sim_t* sim, size_t size) {
+  if (size > sim->opts.host_capacity - sim->host_used) {
+    char want[32], used[32], total[32];
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "sim: out of host memory: %s of host pages requested, %s in use of %s",
+                   sim_format_bytes(size, want, sizeof want),
+                   sim_format_bytes(sim->host_used, used, sizeof used),
+                   sim_format_bytes(sim->opts.host_capacity, total, sizeof total));
+  }
+  sim->host_used += size;
+  sim->counters.host_bytes_in_use = sim->host_used;
+  if (sim->host_used > sim->counters.peak_host_bytes_in_use)
+    sim->counters.peak_host_bytes_in_use = sim->host_used;
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t create_page_locked(sim_t* sim, size_t size, bool on_host,
+                                          gpumem_phys_t* out) {
+  const char* call = on_host ? "create_host_page" : "create_page";
+  if (out == NULL) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "sim: %s: NULL out", call);
+  gpumem_status_t status = check_vm_size(sim, call, size);
   if (status != GPUMEM_OK) return status;
-  if (size > sim->opts.capacity - sim->bytes_used) return charge(sim, size); /* the OOM report */
+  if (on_host && size > sim->opts.host_capacity - sim->host_used) return charge_host(sim, size);
+  if (!on_host && size > sim->opts.capacity - sim->bytes_used)
+    return charge(sim, size); /* the OOM report */
   sim_page_t* page = calloc(1, sizeof *page);
   if (page == NULL) goto no_host_memory;
   if (sim->opts.host_backed) {
@@ -453,13 +477,17 @@ static gpumem_status_t create_page_locked(sim_t* sim, size_t size, gpumem_phys_t
     goto no_host_memory;
   }
   sim->next_page_handle++;
-  charge(sim, size);
+  page->on_host = on_host;
+  if (on_host)
+    charge_host(sim, size);
+  else
+    charge(sim, size);
   sim->counters.pages_live++;
   *out = page->handle;
   return GPUMEM_OK;
 
 no_host_memory:
-  return gm_fail(GPUMEM_ERR_HOST_MEMORY, "sim: create_page of %zu bytes: no host memory", size);
+  return gm_fail(GPUMEM_ERR_HOST_MEMORY, "sim: %s of %zu bytes: no host memory", call, size);
 }
 
 static gpumem_status_t release_page_locked(sim_t* sim, gpumem_phys_t handle, size_t size) {
@@ -481,7 +509,12 @@ static gpumem_status_t release_page_locked(sim_t* sim, gpumem_phys_t handle, siz
         (unsigned long long)handle, page->num_mappings, (unsigned long long)page->mapped_at);
   }
   registry_remove_at(&sim->pages, index);
-  uncharge(sim, page->size);
+  if (page->on_host) {
+    sim->host_used -= page->size;
+    sim->counters.host_bytes_in_use = sim->host_used;
+  } else {
+    uncharge(sim, page->size);
+  }
   sim->counters.pages_live--;
   free(page->host);
   free(page);
@@ -838,7 +871,62 @@ static gpumem_status_t sim_release_range(void* ctx, uintptr_t addr, size_t size)
 static gpumem_status_t sim_create_page(void* ctx, size_t size, gpumem_phys_t* out) {
   sim_t* sim = ctx;
   gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_create_page);
-  if (status == GPUMEM_OK) status = create_page_locked(sim, size, out);
+  if (status == GPUMEM_OK) status = create_page_locked(sim, size, false, out);
+  return sim_leave(sim, status);
+}
+
+static gpumem_status_t sim_create_host_page(void* ctx, size_t size, gpumem_phys_t* out) {
+  sim_t* sim = ctx;
+  gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_create_host_page);
+  if (status == GPUMEM_OK) status = create_page_locked(sim, size, true, out);
+  return sim_leave(sim, status);
+}
+
+/* The page mapped at addr and addr's offset in it, or NULL with a message. */
+static sim_page_t* page_at(sim_t* sim, const char* call, uintptr_t addr, size_t* offset) {
+  sim_range_t* range = find_range(sim, addr, NULL);
+  sim_page_t* page = NULL;
+  if (range) {
+    size_t unit = (addr - range->base) / sim->opts.page_size;
+    page = range->slots[unit];
+    *offset = (size_t)range->units[unit] * sim->opts.page_size +
+              (addr - range->base) % sim->opts.page_size;
+  }
+  if (!page)
+    gm_fail(GPUMEM_ERR_BACKEND, "sim: %s: nothing is mapped at 0x%llx", call,
+            (unsigned long long)addr);
+  return page;
+}
+
+/* Checks that both ranges are mapped throughout, then moves the bytes (on
+ * a host-backed device) and prices what crosses the host link. The copy
+ * is done at once: the simulated device runs no queued work. */
+static gpumem_status_t copy_locked(sim_t* sim, uintptr_t dst, uintptr_t src, size_t size) {
+  size_t done = 0;
+  while (done < size) {
+    size_t doff = 0, soff = 0;
+    sim_page_t* d = page_at(sim, "copy", dst + done, &doff);
+    if (!d) return GPUMEM_ERR_BACKEND;
+    sim_page_t* sp = page_at(sim, "copy", src + done, &soff);
+    if (!sp) return GPUMEM_ERR_BACKEND;
+    size_t n = size - done;
+    if (n > d->size - doff) n = d->size - doff;
+    if (n > sp->size - soff) n = sp->size - soff;
+    if (d->host && sp->host) memmove(d->host + doff, sp->host + soff, n);
+    if (d->on_host || sp->on_host) sim->counters.host_link_bytes += n;
+    done += n;
+  }
+  sim->counters.host_link_model_ns =
+      (uint64_t)((double)sim->counters.host_link_bytes * 1e9 / GPUMEM_SIM_HOST_LINK_BYTES_PER_S);
+  return GPUMEM_OK;
+}
+
+static gpumem_status_t sim_copy(void* ctx, uintptr_t dst, uintptr_t src, size_t size,
+                                gpumem_stream_t stream) {
+  sim_t* sim = ctx;
+  gpumem_status_t status = sim_enter(sim, GPUMEM_CALL_copy);
+  if (status == GPUMEM_OK) status = capture_refuses(sim, "copy", stream, false);
+  if (status == GPUMEM_OK) status = copy_locked(sim, dst, src, size);
   return sim_leave(sim, status);
 }
 
@@ -1000,6 +1088,8 @@ void gpumem_sim_options_init(gpumem_sim_options_t* opts) {
   opts->event_delay_queries = 0;
   opts->virtual_memory = 1;
   opts->plain_memory = 1;
+  opts->host_capacity = 1024 * GM_GIB;
+  opts->host_pages = 1;
 }
 
 static bool options_valid(const gpumem_sim_options_t* opts) {
@@ -1070,6 +1160,10 @@ gpumem_backend_t* gpumem_sim_create(const gpumem_sim_options_t* opts) {
     b->release_page = sim_release_page;
     b->map = sim_map;
     b->unmap = sim_unmap;
+    if (options.host_pages) {
+      b->create_host_page = sim_create_host_page;
+      b->copy = sim_copy;
+    }
   }
   if (options.plain_memory) {
     b->alloc = sim_alloc;

@@ -412,9 +412,9 @@ size_t gpumem_check(gpumem_t* gm) {
     violation(&c, "%zu blocks are marked dirty, the dirty lists hold %zu", s.dirty, dirty_listed);
   if (indexed != s.free_blocks)
     violation(&c, "%zu free blocks in segments, %zu in the index", s.free_blocks, indexed);
-  if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL])
-    violation(&c, "pointer map holds %zu, %lld blocks allocated", gm->ptrs.count,
-              (long long)s.allocated[GPUMEM_POOL_ALL]);
+  if (gm->ptrs.count != (size_t)s.allocated[GPUMEM_POOL_ALL] + gm->tier_count)
+    violation(&c, "pointer map holds %zu, %lld blocks allocated and %zu in the overflow tier",
+              gm->ptrs.count, (long long)s.allocated[GPUMEM_POOL_ALL], gm->tier_count);
   /* (a free put off during a capture waits for one sentinel) */
   if (s.pending_refs != gm->pending_count + gm->num_capture_deferred)
     violation(&c, "%zu pending events and %zu frees put off by a capture, blocks wait for %zu",
@@ -431,7 +431,25 @@ size_t gpumem_check(gpumem_t* gm) {
     s.reserved[GPUMEM_POOL_ALL] = all;
     s.reserved[GPUMEM_POOL_LARGE] = all - s.reserved[GPUMEM_POOL_SMALL];
   }
+  /* Blocks of the overflow tier: allocated and active like any, reserved
+   * only while on device pages (overflow.c). */
+  gm_tier_sums tier = {0};
+  char tier_msg[256] = "";
+  size_t tier_errors = gm_overflow_check(gm, &tier, tier_msg, sizeof tier_msg);
+  if (tier_errors) {
+    violation(&c, "%s", tier_msg);
+    c.errors += tier_errors - 1;
+  }
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) {
+    s.allocated[p] += tier.blocks[p];
+    s.active[p] += tier.blocks[p];
+    s.allocated_bytes[p] += tier.bytes[p];
+    s.active_bytes[p] += tier.bytes[p];
+    s.requested_bytes[p] += tier.requested[p];
+  }
+  for (int p = 0; p < GPUMEM_POOL_COUNT; p++) s.reserved[p] += tier.device[p];
   const gpumem_stats_t* st = &gm->stats;
+  compare(&c, "host_bytes", st->host_bytes, tier.host);
   compare(&c, "allocation", st->allocation, s.allocated);
   compare(&c, "allocated_bytes", st->allocated_bytes, s.allocated_bytes);
   compare(&c, "active", st->active, s.active);
@@ -443,7 +461,8 @@ size_t gpumem_check(gpumem_t* gm) {
   compare(&c, "reserved_bytes", st->reserved_bytes, s.reserved);
   int64_t req = st->requested_bytes[0].current, alloc = st->allocated_bytes[0].current;
   int64_t act = st->active_bytes[0].current, res = st->reserved_bytes[0].current;
-  if (!(req <= alloc && alloc <= act && act <= res)) {
+  /* (host-backed tier blocks are active but hold no device memory) */
+  if (!(req <= alloc && alloc <= act && act <= res + st->host_bytes[0].current)) {
     violation(&c, "requested %lld <= allocated %lld <= active %lld <= reserved %lld does not hold",
               (long long)req, (long long)alloc, (long long)act, (long long)res);
   }
@@ -453,9 +472,13 @@ size_t gpumem_check(gpumem_t* gm) {
     violation(&c, "%s", plan_msg);
     c.errors += plan_errors - 1;
   }
-  if (gm->slab.live != s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL]) {
-    violation(&c, "%zu block structs live, %zu blocks in segments", gm->slab.live,
-              s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL]);
+  /* (live tier blocks were added to active above; retiring ones are
+   * active no more, but their structs stay until the range goes) */
+  size_t structs = s.free_blocks + s.shadows + (size_t)s.active[GPUMEM_POOL_ALL] +
+                   (size_t)tier.pending[GPUMEM_POOL_ALL];
+  if (gm->slab.live != structs) {
+    violation(&c, "%zu block structs live, %zu blocks in segments and the overflow tier",
+              gm->slab.live, structs);
   }
   gm_lock_release(&gm->lock);
   return c.errors;

@@ -17,7 +17,7 @@
 #define VALID_KEYS                                                                           \
   "policy, limit, fraction, reclaim, headroom, max_split_size_mb, placement, map_max, "      \
   "move_guard, move_budget, stream_waits, publish, leak_check, oom_snapshot, shared_limit, " \
-  "shared_name, shared_group, record, fences, map_ahead, lend, small_pool"
+  "shared_name, shared_group, record, fences, map_ahead, lend, small_pool, overflow"
 #define SIZE_FORMS "a size such as 123, 4K, 1.5G, 2GiB or 512MB (binary units K, M, G, T)"
 #define PAIRS_HINT "expected key:value pairs separated by ','"
 
@@ -318,6 +318,7 @@ enum {
   KEY_MAP_AHEAD,
   KEY_LEND,
   KEY_SMALL_POOL,
+  KEY_OVERFLOW,
   KEY_COUNT
 };
 
@@ -330,7 +331,7 @@ static const char* const key_names[KEY_COUNT] = {
     "oom_snapshot", "shared_limit", "shared_name",
     "move_budget",  "shared_group", "record",
     "fences",       "map_ahead",    "lend",
-    "small_pool",
+    "small_pool",   "overflow",
 };
 
 static const char* const policy_names[] = {"default", "pytorch", NULL};
@@ -545,6 +546,38 @@ static gpumem_status_t apply(gpumem_options_t* o, span_t key, span_t value, span
         return bad_value(value, name, "a number in [0, 1]");
       }
       o->headroom = v;
+      return GPUMEM_OK;
+    }
+    case KEY_OVERFLOW: {
+      /* "off", "host", or "host:SIZE" (a budget of host bytes): the value
+       * is everything after the key's colon, so the budget's colon is
+       * the value's own. */
+      static const char expected[] = "off, host, or host:SIZE (a host budget such as host:64G)";
+      if (span_eq_nocase(value, "off")) {
+        o->overflow = GPUMEM_OVERFLOW_OFF;
+        o->overflow_host_bytes = 0;
+        return GPUMEM_OK;
+      }
+      const char* colon = memchr(value.p, ':', value.n);
+      span_t kind = trim(value.p, colon ? (size_t)(colon - value.p) : value.n);
+      if (!span_eq_nocase(kind, "host")) return bad_value(value, name, expected);
+      size_t budget = 0;
+      if (colon) {
+        span_t size = trim(colon + 1, value.n - (size_t)(colon - value.p) - 1);
+        const char* why = "";
+        if (!parse_size_span(size, &budget, &why)) {
+          return gm_fail(GPUMEM_ERR_CONFIG,
+                         "gpumem config: bad host budget \"%.*s\" for key \"overflow\": %s; "
+                         "expected %s, the size " SIZE_FORMS,
+                         SHOWN(size.n), size.p, why, expected);
+        }
+        if (budget == 0)
+          return bad_value(value, name,
+                           "a host budget above 0 (overflow:host for no budget, overflow:off "
+                           "for no tier)");
+      }
+      o->overflow = GPUMEM_OVERFLOW_HOST;
+      o->overflow_host_bytes = budget;
       return GPUMEM_OK;
     }
     case KEY_MAX_SPLIT_SIZE_MB: {

@@ -165,6 +165,10 @@ struct gm_segment {
    * over a page clears both (gm_arena_busy). */
   uint64_t* fence_pend;
   uint64_t* fence_safe;
+  /* A block of the overflow tier (overflow.c): this segment is its own
+   * address range, in no segment list, and its one block is seg->first.
+   * NULL for every other segment. */
+  struct gm_tier_block* tier;
 };
 
 /* A physical page of one page size and every address it is mapped at: at
@@ -498,6 +502,20 @@ struct gpumem {
   gm_block** capture_deferred;
   size_t num_capture_deferred, capture_deferred_capacity;
 
+  /* The overflow tier (overflow.c): its blocks, newest first; bytes held
+   * on each side; the event its idleness questions are asked with. */
+  struct gm_tier_block* tier;
+  struct gm_tier_block* tier_retiring; /* freed, waiting for their stream's work */
+  size_t tier_count;
+  size_t tier_host_bytes;   /* host pages mapped under tier blocks */
+  size_t tier_device_bytes; /* device pages mapped under tier blocks (in reserved) */
+  size_t tier_on_host;      /* tier blocks on host pages */
+  /* Reserved bytes when a move back to the device last failed for want of
+   * memory: none is tried again at a free until reserved is below it. */
+  uint64_t tier_retry_below;
+  gpumem_event_t tier_event;
+  bool tier_event_made;
+
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
 
@@ -810,6 +828,83 @@ gpumem_status_t gm_release_plain_segment(gpumem_t* gm, gm_block* b);
 gpumem_status_t gm_graph_pool_source_alloc(gm_pool* pool, size_t size, uintptr_t* out);
 /* Gives plain segment seg back to its pool's segment source. */
 void gm_graph_pool_source_free(gm_segment* seg);
+
+/* ---- overflow.c: the overflow tier (option overflow:host) ---- */
+
+/* A block of the tier: it owns its address range, so what backs the range
+ * (host pages, or device pages once it came back) may change while its
+ * address does not. One physical allocation covers the whole range.
+ * Invariants (gm_overflow_check): the block is ALLOCATED and in the
+ * pointer map; the range is page-rounded and holds the block; exactly one
+ * physical allocation is mapped there; tier_host_bytes and
+ * tier_device_bytes are the sums over the list; the host budget holds. */
+typedef struct gm_tier_block {
+  gm_segment seg;       /* seg.first is the block; seg.tier points back here */
+  gpumem_phys_t handle; /* mapped under the whole range */
+  size_t bytes;         /* the range's size, whole pages */
+  bool on_host;
+  /* gpumem_prefer_host: moved to host first, never brought back. */
+  bool prefer_host;
+  /* Times pressure moved it to host; at GM_TIER_BOUNCES it stays there
+   * until empty_cache (overflow.c says why). */
+  uint32_t pressure_moves;
+  uint64_t last_touch; /* gm->num_mallocs when made, moved or handed to a stream */
+  /* Freed, retiring (its block PENDING): the event recorded on its stream
+   * at the free, after which the range may go (overflow.c). */
+  gpumem_event_t retire_event;
+  bool retire_event_made;
+  struct gm_tier_block* prev;
+  struct gm_tier_block* next;
+} gm_tier_block;
+
+static inline bool gm_block_in_tier(const gm_block* b) {
+  return b->seg->tier != NULL;
+}
+/* The request of rsize bytes that the device path could not serve: first
+ * cold tier blocks on device pages move to host (gm_overflow_make_room;
+ * the caller then tries the device again: *retry), else a new tier block
+ * on host pages (gm_overflow_alloc: *out, ALLOCATED, not yet in the
+ * pointer map, counted in pool's statistics as the request would have
+ * been).
+ * GPUMEM_ERR_OUT_OF_MEMORY with a message naming the host budget when
+ * the host cannot take it either. */
+gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry);
+gpumem_status_t gm_overflow_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out);
+/* Frees tier block b (out of the pointer map already): it turns PENDING,
+ * retiring until its stream's work is done, then its range is unmapped
+ * and given back (gm_overflow_retire). On failure b stays allocated (the
+ * caller puts it back in the pointer map). */
+gpumem_status_t gm_overflow_free(gpumem_t* gm, gm_block* b);
+/* Moves tier blocks on host pages back to device pages where there is
+ * room and their streams are idle; after_empty_cache: every such block,
+ * those that bounced included. */
+void gm_overflow_bring_back(gpumem_t* gm, bool after_empty_cache);
+/* Gives back the ranges of freed tier blocks whose stream's work is done
+ * (events queried; with wait, waited for). */
+void gm_overflow_retire(gpumem_t* gm, bool wait);
+static inline void gm_overflow_after_free(gpumem_t* gm) {
+  if (GM_UNLIKELY(gm->tier_retiring != NULL)) gm_overflow_retire(gm, false);
+  if (GM_UNLIKELY(gm->tier_on_host != 0) &&
+      (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current < gm->tier_retry_below)
+    gm_overflow_bring_back(gm, false);
+}
+/* A tier block was handed to a stream (record_stream): it is warm. */
+static inline void gm_overflow_touch(gpumem_t* gm, gm_block* b) {
+  b->seg->tier->last_touch = gm->num_mallocs;
+}
+/* gpumem_check's part: tier blocks counted into the sums, violations. */
+typedef struct gm_tier_sums {
+  int64_t blocks[GPUMEM_POOL_COUNT], bytes[GPUMEM_POOL_COUNT], requested[GPUMEM_POOL_COUNT];
+  int64_t pending[GPUMEM_POOL_COUNT], pending_bytes[GPUMEM_POOL_COUNT]; /* retiring */
+  int64_t host[GPUMEM_POOL_COUNT];
+  int64_t device[GPUMEM_POOL_COUNT]; /* device pages under tier blocks (reserved) */
+} gm_tier_sums;
+size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* sums, char* msg, size_t len);
+/* Releases every tier block (allocator teardown). */
+void gm_overflow_destroy(gpumem_t* gm);
+/* A line for the out-of-memory report: what the tier holds (empty when
+ * the tier is off). */
+void gm_overflow_describe(gpumem_t* gm, char* out, size_t cap);
 
 /* ---- alloc.c helpers used across files ---- */
 gpumem_status_t gm_backend_status(gpumem_t* gm, int call, gpumem_status_t s);

@@ -67,6 +67,8 @@ static gpumem_status_t collect_locked(gpumem_t* gm, uint64_t since, leak_rec** o
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg)
     for (const gm_block* b = seg->first; b; b = b->next)
       n += b->state == GM_ALLOCATED && b->serial > since;
+  /* blocks of the overflow tier: in no segment list (overflow.c) */
+  for (const gm_tier_block* t = gm->tier; t; t = t->next) n += t->seg.first->serial > since;
   leak_rec* recs = malloc((n ? n : 1) * sizeof *recs);
   if (!recs) {
     return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem leaks: out of host memory for %zu records", n);
@@ -78,6 +80,12 @@ static gpumem_status_t collect_locked(gpumem_t* gm, uint64_t since, leak_rec** o
       recs[k++] = (leak_rec){b->serial, b->tag,       b->addr,
                              b->size,   b->requested, (uint64_t)gm_block_stream(b)};
     }
+  }
+  for (const gm_tier_block* t = gm->tier; t; t = t->next) {
+    const gm_block* b = t->seg.first;
+    if (b->serial <= since) continue;
+    recs[k++] =
+        (leak_rec){b->serial, b->tag, b->addr, b->size, b->requested, (uint64_t)gm_block_stream(b)};
   }
   *made = gm->num_mallocs;
   *out = recs;

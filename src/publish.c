@@ -44,7 +44,7 @@
 #include "shmfile.h"
 
 #define PUBLISH_MAGIC 0x3162757070756d67ull /* "gmuppub1" */
-#define PUBLISH_VERSION 2u                  /* 2: liveness by the writer's lock */
+#define PUBLISH_VERSION 3u /* 2: liveness by the writer's lock; 3: the overflow tier */
 #define PUBLISH_PREFIX "gpumem."
 
 struct gm_publication {
@@ -65,6 +65,7 @@ struct gm_publication {
   int64_t active, requested;
   int64_t limit, device_total;
   int64_t num_allocations, num_ooms, num_alloc_retries;
+  int64_t host_bytes, num_moves_to_host, num_moves_to_device; /* the overflow tier */
 };
 
 #define PUBLISH_READ_TRIES 4
@@ -219,6 +220,9 @@ void gm_publish_now(gpumem_t* gm) {
   p->num_allocations = s->allocation[GPUMEM_POOL_ALL].allocated;
   p->num_ooms = s->num_ooms;
   p->num_alloc_retries = s->num_alloc_retries;
+  p->host_bytes = s->host_bytes[GPUMEM_POOL_ALL].current;
+  p->num_moves_to_host = s->num_moves_to_host;
+  p->num_moves_to_device = s->num_moves_to_device;
   atomic_fetch_add_explicit(&p->seq, 1, memory_order_release); /* even: whole */
   gm->published_reserved = p->reserved;
   gm->publish_tick = 0;
@@ -327,6 +331,9 @@ int gpumem_published_scan(const char* dir, gpumem_published_fn fn, void* arg) {
     out.num_allocations = p.num_allocations;
     out.num_ooms = p.num_ooms;
     out.num_alloc_retries = p.num_alloc_retries;
+    out.host_bytes = p.host_bytes;
+    out.num_moves_to_host = p.num_moves_to_host;
+    out.num_moves_to_device = p.num_moves_to_device;
     found++;
     if (fn(&out, arg) != 0) break;
   }

@@ -155,6 +155,15 @@ static inline gpumem_status_t spy_unmap(void* ctx, uintptr_t addr, size_t size) 
   gpumem_backend_t* d = SPY_DEV(ctx);
   return d->unmap(d->ctx, addr, size);
 }
+static inline gpumem_status_t spy_create_host_page(void* ctx, size_t size, gpumem_phys_t* out) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->create_host_page(d->ctx, size, out);
+}
+static inline gpumem_status_t spy_copy(void* ctx, uintptr_t dst, uintptr_t src, size_t size,
+                                       gpumem_stream_t stream) {
+  gpumem_backend_t* d = SPY_DEV(ctx);
+  return d->copy(d->ctx, dst, src, size, stream);
+}
 static inline gpumem_status_t spy_alloc(void* ctx, size_t size, uintptr_t* out) {
   gpumem_backend_t* d = SPY_DEV(ctx);
   return d->alloc(d->ctx, size, out);
@@ -264,6 +273,10 @@ static inline void spy_init(spy_t* s, gpumem_backend_t* dev) {
     s->be.release_page = spy_release_page;
     s->be.map = spy_map;
     s->be.unmap = spy_unmap;
+  }
+  if (dev->create_host_page) {
+    s->be.create_host_page = spy_create_host_page;
+    s->be.copy = spy_copy;
   }
   if (dev->alloc) {
     s->be.alloc = spy_alloc;

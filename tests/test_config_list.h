@@ -22,7 +22,10 @@ typedef struct config {
    * of 0.2%, so that arenas pass the mark often and fences (fence.c) take
    * pages back. Under 0 and 2 streams lend (lend:ordered), so that blocks
    * pass between streams' arenas while pages move; 3: as 2, lending with
-   * lend:on (lent blocks come back behind the borrower's event). */
+   * lend:on (lent blocks come back behind the borrower's event); 4: the
+   * library's defaults with the overflow tier on (overflow:host, a host
+   * budget of 96 MiB), so that requests past the device or the limit land
+   * on host pages and move back and forth. */
   int library_defaults;
 } config_t;
 
@@ -31,6 +34,11 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
+  if (cfg->library_defaults == 4) {
+    o.overflow = GPUMEM_OVERFLOW_HOST;
+    o.overflow_host_bytes = (size_t)96 << 20;
+    return o;
+  }
   if (cfg->library_defaults >= 2) {
     o.headroom = 0.002;
     o.reclaim = cfg->reclaim;

@@ -31,6 +31,9 @@
 #include "gpumem.h"
 #include "gpumem_backend.h"
 #include "test_util.h"
+
+/* The size of a published page (src/publish.c): the figures of one allocator. */
+#define PUB_PAGE 216
 #include "trace.h"
 
 static uint64_t rng_state;
@@ -272,7 +275,7 @@ static void fuzz_publication(long rounds) {
     page_len = fread(page, 1, sizeof page, f);
     fclose(f);
   }
-  CHECK_MSG(page_len == 192, "page of %zu bytes at %s", page_len, seen.path);
+  CHECK_MSG(page_len == PUB_PAGE, "page of %zu bytes at %s", page_len, seen.path);
   char mutant_path[420];
   snprintf(mutant_path, sizeof mutant_path, "%s/gpumem.999999.1", dir);
   int read_back = 0;
@@ -309,7 +312,7 @@ typedef struct resizer {
 /* Changes a page's size between every size a reader checks for. */
 static void* resize_loop(void* arg) {
   resizer_t* z = arg;
-  static const off_t sizes[] = {0, 191, 192, 193, 8, 4096};
+  static const off_t sizes[] = {0, PUB_PAGE - 1, PUB_PAGE, PUB_PAGE + 1, 8, 4096};
   for (unsigned i = 0; !z->stop; i++) {
     if (truncate(z->path, sizes[i % 6]) != 0) break;
   }
@@ -336,7 +339,7 @@ static size_t run_top_output(const char* dir, const char* args, char* out, size_
 /* One live page among what a hostile user plants, rounds times a fresh
  * random mix: every scan reads the live page, never blocks on a FIFO
  * (the alarm would end the test), never dies of SIGBUS on a file that
- * shrinks under it, and reads no more pages than regular 192-byte files
+ * shrinks under it, and reads no more pages than regular files of a whole page (PUB_PAGE bytes)
  * lie there. Then more dead records than top holds. */
 static void fuzz_hostile_entries(long rounds) {
   char dir[] = "/tmp/gpumem_fuzz_hostile_XXXXXX";
@@ -344,7 +347,7 @@ static void fuzz_hostile_entries(long rounds) {
   if (!gm) return;
   scan_seen_t seen = {0, ""};
   CHECK(gpumem_published_scan(dir, count_one, &seen) == 1);
-  char live[256], page[192];
+  char live[256], page[PUB_PAGE];
   snprintf(live, sizeof live, "%s", seen.path);
   int fd = open(live, O_RDONLY);
   CHECK(fd >= 0 && read(fd, page, sizeof page) == (ssize_t)sizeof page);
@@ -372,16 +375,17 @@ static void fuzz_hostile_entries(long rounds) {
         CHECK(symlink("/dev/zero", names[k]) == 0);
       } else {
         /* a copy of the live page, of a random size, some bytes changed */
-        static const size_t sizes[] = {0, 1, 191, 192, 192, 192, 193, 4096};
+        static const size_t sizes[] = {0,        1,        PUB_PAGE - 1, PUB_PAGE,
+                                       PUB_PAGE, PUB_PAGE, PUB_PAGE + 1, 4096};
         size_t len = sizes[below(8)];
         char buf[4096];
         memset(buf, 0, sizeof buf);
         memcpy(buf, page, sizeof page);
-        if (below(2)) buf[below(192)] = (char)rng();
+        if (below(2)) buf[below(PUB_PAGE)] = (char)rng();
         int w = open(names[k], O_WRONLY | O_CREAT | O_EXCL, 0600);
         CHECK(w >= 0 && write(w, buf, len) == (ssize_t)len);
         if (w >= 0) close(w);
-        whole += len == 192;
+        whole += len == PUB_PAGE;
       }
     }
     if (!resizing) {

@@ -30,6 +30,9 @@
 #include "shmfile.h"
 #include "test_util.h"
 
+/* The size of a published page (src/publish.c): the figures of one allocator. */
+#define PUB_PAGE 216
+
 #define MIB ((size_t)1 << 20)
 #define GIB ((size_t)1 << 30)
 #define ATTACKER 60001
@@ -527,7 +530,7 @@ static void* flip(void* arg) {
   flipper_t* f = arg;
   while (!atomic_load(&f->stop)) {
     CHECK(truncate(f->path, 0) == 0);
-    CHECK(truncate(f->path, 192) == 0);
+    CHECK(truncate(f->path, PUB_PAGE) == 0);
   }
   return NULL;
 }
@@ -545,9 +548,9 @@ static void test_fifo_and_flipping(void) {
   flipper_t f = {"", 0};
   snprintf(f.path, sizeof f.path, "%s/gpumem.777.0", dir);
   int fd = open(s.last.path, O_RDONLY), out = open(f.path, O_WRONLY | O_CREAT | O_EXCL, 0600);
-  char page[192];
-  CHECK(fd >= 0 && out >= 0 && read(fd, page, sizeof page) == 192 &&
-        write(out, page, sizeof page) == 192);
+  char page[PUB_PAGE];
+  CHECK(fd >= 0 && out >= 0 && read(fd, page, sizeof page) == PUB_PAGE &&
+        write(out, page, sizeof page) == PUB_PAGE);
   close(fd);
   close(out);
   pthread_t t;
@@ -638,9 +641,9 @@ static void test_top(void) {
       "escape sequences reached the terminal: %s", out);
   /* two pages with INT64_MAX figures, copies of the live one */
   seen_t s = scan();
-  char page[192];
+  char page[PUB_PAGE];
   int fd = open(s.last.path, O_RDONLY);
-  CHECK(fd >= 0 && read(fd, page, sizeof page) == 192);
+  CHECK(fd >= 0 && read(fd, page, sizeof page) == PUB_PAGE);
   close(fd);
   int64_t big = INT64_MAX;
   for (int at = 104; at < 136; at += 8) memcpy(page + at, &big, 8); /* allocated..reserved_peak */
@@ -657,7 +660,8 @@ static void test_top(void) {
     snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, (int)child, 100 + i);
     held[i] = open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
     /* held as a live writer holds its page */
-    CHECK(held[i] >= 0 && write(held[i], page, sizeof page) == 192 && gm_life_lock(held[i], 0));
+    CHECK(held[i] >= 0 && write(held[i], page, sizeof page) == PUB_PAGE &&
+          gm_life_lock(held[i], 0));
   }
   run_top("--once", out, sizeof out);
   CHECK_MSG(strstr(out, "3 allocators published") && strstr(out, "3 running, allocated 8.00 EiB"),
@@ -677,7 +681,7 @@ static void test_top(void) {
   for (int i = 0; i < 5000; i++) {
     snprintf(path, sizeof path, "%s/gpumem.%d.%d", dir, 999999, i);
     int o = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
-    CHECK(o >= 0 && write(o, page, sizeof page) == 192);
+    CHECK(o >= 0 && write(o, page, sizeof page) == PUB_PAGE);
     close(o);
   }
   run_top("--once", out, sizeof out);
@@ -714,9 +718,9 @@ static void test_top_odd_pages(void) {
   gpumem_t* gm = make("publish:on", &sim);
   CHECK_STATUS(gpumem_publish(gm), GPUMEM_OK);
   seen_t s = scan();
-  char page[192];
+  char page[PUB_PAGE];
   int fd = open(s.last.path, O_RDONLY);
-  CHECK(fd >= 0 && read(fd, page, sizeof page) == 192);
+  CHECK(fd >= 0 && read(fd, page, sizeof page) == PUB_PAGE);
   close(fd);
   done(gm, sim);
   uint64_t seq = 12345; /* odd */
@@ -728,7 +732,7 @@ static void test_top_odd_pages(void) {
     for (int i = 0; i < 5000; i++) {
       snprintf(path, sizeof path, "%s/gpumem.%d.0", odd, 100000 + i);
       int o = open(path, O_WRONLY | O_CREAT | O_EXCL, 0600);
-      made += o >= 0 && write(o, page, sizeof page) == 192;
+      made += o >= 0 && write(o, page, sizeof page) == PUB_PAGE;
       if (o >= 0) close(o);
     }
     if (root) _exit(made == 5000 ? 0 : 1);

@@ -95,6 +95,10 @@ static const config_t configs[] = {
     /* What a user gets: large mappings uncapped, the move budget, and a
      * planner from the limit phase's set_limit on (auto placement). */
     {"default", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 1},
+    /* The overflow tier: past the device or the limit, host pages under
+     * ranges of their own, moved back and out at frees, empty_cache and
+     * pressure, with a host budget that the limit phase spends. */
+    {"default/overflow", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 4},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
@@ -421,8 +425,10 @@ static void check_state(run_t* r) {
   RUN_CHECK(r, s.active_bytes[A].current >= s.allocated_bytes[A].current,
             "active %lld < allocated %lld", (long long)s.active_bytes[A].current,
             (long long)s.allocated_bytes[A].current);
-  RUN_CHECK(r, s.reserved_bytes[A].current >= s.active_bytes[A].current,
-            "reserved %lld < active %lld", (long long)s.reserved_bytes[A].current,
+  /* (blocks of the overflow tier on host pages are active, not reserved) */
+  RUN_CHECK(r, s.reserved_bytes[A].current + s.host_bytes[A].current >= s.active_bytes[A].current,
+            "reserved %lld + host-backed %lld < active %lld",
+            (long long)s.reserved_bytes[A].current, (long long)s.host_bytes[A].current,
             (long long)s.active_bytes[A].current);
   gpumem_sim_counters_t c = sim_counters(r->sim);
   RUN_CHECK(r, (uint64_t)s.reserved_bytes[A].current == c.bytes_in_use,
@@ -1035,10 +1041,15 @@ static void op_empty_cache(run_t* r) {
     RUN_CHECK(r, r->cfg->map_pages > 1 || held == want,
               "mapping model: %llu bytes of mappings under live blocks, %llu of pages",
               (unsigned long long)held, (unsigned long long)want);
-    RUN_CHECK(r, (uint64_t)s.reserved_bytes[GPUMEM_POOL_ALL].current == held,
-              "after empty_cache reserved %lld, mappings holding live pages %llu bytes (live "
-              "pages alone: %llu)",
-              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current, (unsigned long long)held,
+    /* (the overflow tier's host pages are mappings under live blocks too,
+     * held from the host, not the device) */
+    RUN_CHECK(r,
+              (uint64_t)(s.reserved_bytes[GPUMEM_POOL_ALL].current +
+                         s.host_bytes[GPUMEM_POOL_ALL].current) == held,
+              "after empty_cache reserved %lld (and %lld host-backed), mappings holding live "
+              "pages %llu bytes (live pages alone: %llu)",
+              (long long)s.reserved_bytes[GPUMEM_POOL_ALL].current,
+              (long long)s.host_bytes[GPUMEM_POOL_ALL].current, (unsigned long long)held,
               (unsigned long long)want);
   } else if (r->n == 0) {
     RUN_CHECK(r, s.reserved_bytes[GPUMEM_POOL_ALL].current == 0 && s.segment[0].current == 0,
@@ -1297,6 +1308,20 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     loop_phase(r, LOOP_ITERATIONS, 60);
   }
   if (!r->failed) limit_phase(r, LIMIT_OPS);
+  if (!r->failed && cfg->library_defaults == 4) {
+    /* The tier's configuration must have used the tier. */
+    gpumem_stats_t s;
+    gpumem_get_stats(r->gm, &s);
+    RUN_CHECK(r, s.num_host_allocs > 0 && s.num_moves_to_device > 0,
+              "the overflow tier served %lld requests and moved %lld blocks back, %lld out",
+              (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
+              (long long)s.num_moves_to_host);
+    printf(
+        "default/overflow seed %llu: %lld requests on host pages, %lld blocks moved back, %lld "
+        "out\n",
+        (unsigned long long)seed, (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
+        (long long)s.num_moves_to_host);
+  }
 
   /* Teardown: every pattern intact, everything freed, nothing held. */
   r->phase = "teardown";

@@ -146,9 +146,9 @@ typedef struct policy_key {
 
 static int policy_key(const char* key, size_t len, void* arg) {
   const policy_key_t* k = arg;
-  static const char* const vmm_only[] = {"reclaim", "headroom",  "move_budget", "placement",
-                                         "map_max", "map_ahead", "move_guard",  "stream_waits",
-                                         "lend",    "small_pool"};
+  static const char* const vmm_only[] = {"reclaim", "headroom",   "move_budget", "placement",
+                                         "map_max", "map_ahead",  "move_guard",  "stream_waits",
+                                         "lend",    "small_pool", "overflow"};
   if (k->policy == GPUMEM_POLICY_DEFAULT) {
     if (len == 17 && strncasecmp(key, "max_split_size_mb", len) == 0)
       return cli_error(

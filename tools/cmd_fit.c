@@ -93,9 +93,36 @@ int cmd_fit(int argc, char** argv) {
       printf("%-20s %-5s %-22s %-22s %s\n", fit_rows[k].name, f.fits ? "yes" : "NO", peak, need,
              fit_rows[k].how);
     }
+    /* The overflow tier's answer where gpumem's default does not fit. */
+    int default_fits = 1;
+    for (size_t k = 0; k < fit_num_rows; k++)
+      if (fit_rows[k].gpumem_default) default_fits = results[k].fits;
+    fit_overflow_t over;
+    int said_overflow = 0;
+    if (rc == 0 && !default_fits) {
+      replay_config_t base = cli.config;
+      if (fit_overflow(t, cli.memory, &base, &over) != GPUMEM_OK)
+        rc = cli_trace_error(t);
+      else
+        said_overflow = 1;
+    }
+    if (said_overflow && cli.json) {
+      printf("{\"trace\":");
+      show_json(stdout, t->path);
+      printf(
+          ",\"allocator\":\"gpumem overflow:host\",\"model\":false,\"memory_bytes\":%zu,"
+          "\"fits\":%s,\"host_peak_bytes\":%llu,\"host_allocations\":%llu,"
+          "\"moves_to_host\":%llu,\"moves_to_device\":%llu,\"host_link_bytes\":%llu,"
+          "\"host_link_model_us\":%.0f}\n",
+          cli.memory, over.fits ? "true" : "false", (unsigned long long)over.host_peak,
+          (unsigned long long)over.host_allocs, (unsigned long long)over.moves_to_host,
+          (unsigned long long)over.moves_to_device, (unsigned long long)over.link_bytes,
+          over.link_us);
+    }
     if (!cli.json && rc == 0) {
       printf("\n");
       fit_explain(stdout, results, cli.memory);
+      if (said_overflow) fit_overflow_say(stdout, t, &over, cli.memory);
       printf("%s", fit_note);
       if (default_needed)
         printf("gpumem's default needs %.3f GiB.\n", (double)default_needed / GIB);

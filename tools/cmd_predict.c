@@ -125,7 +125,8 @@ static void largest_cell(const cli_t* cli, const scale_model_t* m, const scale_l
 }
 
 static void predict_json(const cli_t* cli, const scale_model_t* m, const align_report_t* al,
-                         const trace_t* at, const scale_at_t* info, const predict_row_t* rows) {
+                         const trace_t* at, const scale_at_t* info, const predict_row_t* rows,
+                         const fit_overflow_t* over) {
   printf("{\"recordings\":[");
   for (size_t i = 0; i < m->num_recordings; i++) {
     const trace_t* t = m->traces[i];
@@ -209,11 +210,25 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const align_r
     }
     printf("}");
   }
-  printf("]}\n");
+  printf("]");
+  /* The overflow tier at --batch, where gpumem's default does not fit. */
+  if (over)
+    printf(
+        ",\"overflow\":{\"fits\":%s,\"host_peak_bytes\":%llu,\"host_allocations\":%llu,"
+        "\"moves_to_host\":%llu,\"moves_to_device\":%llu,\"host_link_bytes\":%llu,"
+        "\"host_link_model_us\":%.0f}",
+        over->fits ? "true" : "false", (unsigned long long)over->host_peak,
+        (unsigned long long)over->host_allocs, (unsigned long long)over->moves_to_host,
+        (unsigned long long)over->moves_to_device, (unsigned long long)over->link_bytes,
+        over->link_us);
+  else
+    printf(",\"overflow\":null");
+  printf("}\n");
 }
 
 static void predict_human(const cli_t* cli, const scale_model_t* m, const align_report_t* al,
-                          const trace_t* at, const scale_at_t* info, const predict_row_t* rows) {
+                          const trace_t* at, const scale_at_t* info, const predict_row_t* rows,
+                          const fit_overflow_t* over) {
   char a[32], b[32];
   printf("%s: the job recorded at batch", m->traces[0]->name);
   for (size_t i = 0; i < m->num_recordings; i++)
@@ -321,6 +336,7 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
     for (size_t k = 0; at_rows && k < fit_num_rows; k++) at_rows[k] = rows[k].at;
     if (at_rows) fit_explain(stdout, at_rows, cli->memory);
     free(at_rows);
+    if (over) fit_overflow_say(stdout, at, over, cli->memory);
   }
   if (at) printf("%s", fit_note);
   if (cli->memory)
@@ -441,8 +457,19 @@ int cmd_predict(int argc, char** argv) {
     progress_clear(&progress);
     if (st != GPUMEM_OK) rc = cli_error("%s", show_detail(gpumem_last_error()));
   }
-  if (rc == 0 && cli.json) predict_json(&cli, m, &aligned, at, &info, rows);
-  if (rc == 0 && !cli.json) predict_human(&cli, m, &aligned, at, &info, rows);
+  /* At --batch, where gpumem's default does not fit: the overflow tier's
+   * answer (host bytes and the host link's cost). */
+  fit_overflow_t over;
+  const fit_overflow_t* said = NULL;
+  for (size_t k = 0; k < fit_num_rows && rc == 0 && at && cli.memory; k++) {
+    if (!fit_rows[k].gpumem_default || rows[k].at.fits) continue;
+    if (fit_overflow(at, cli.memory, &base, &over) != GPUMEM_OK)
+      rc = cli_error("%s", show_detail(gpumem_last_error()));
+    else
+      said = &over;
+  }
+  if (rc == 0 && cli.json) predict_json(&cli, m, &aligned, at, &info, rows, said);
+  if (rc == 0 && !cli.json) predict_human(&cli, m, &aligned, at, &info, rows, said);
   trace_free(at);
   scale_free(m);
   free(rows);

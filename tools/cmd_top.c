@@ -114,11 +114,13 @@ static void print_json(const rows_t* r) {
         ",\"allocated_bytes\":%lld,\"allocated_peak\":%lld,\"reserved_bytes\":%lld,"
         "\"reserved_peak\":%lld,\"active_bytes\":%lld,\"requested_bytes\":%lld,"
         "\"limit_bytes\":%lld,\"device_total\":%lld,\"num_allocations\":%lld,\"num_ooms\":%lld,"
-        "\"num_alloc_retries\":%lld,\"updated_unix_ms\":%llu,\"uid\":%u,\"path\":",
+        "\"num_alloc_retries\":%lld,\"host_bytes\":%lld,\"num_moves_to_host\":%lld,"
+        "\"num_moves_to_device\":%lld,\"updated_unix_ms\":%llu,\"uid\":%u,\"path\":",
         (long long)p->allocated_bytes, (long long)p->allocated_peak, (long long)p->reserved_bytes,
         (long long)p->reserved_peak, (long long)p->active_bytes, (long long)p->requested_bytes,
         (long long)p->limit_bytes, (long long)p->device_total, (long long)p->num_allocations,
-        (long long)p->num_ooms, (long long)p->num_alloc_retries,
+        (long long)p->num_ooms, (long long)p->num_alloc_retries, (long long)p->host_bytes,
+        (long long)p->num_moves_to_host, (long long)p->num_moves_to_device,
         (unsigned long long)p->updated_unix_ms, p->uid);
     json_text(p->path);
     putchar('}');
@@ -161,6 +163,15 @@ static void print_table(const rows_t* r, const char* dir) {
            gm_format_bytes((uint64_t)p->reserved_peak, b3, sizeof b3),
            p->limit_bytes ? gm_format_bytes((uint64_t)p->limit_bytes, b4, sizeof b4) : "none",
            (long long)p->num_ooms, updated);
+  }
+  /* The overflow tier, for the processes that use it: a line each, so
+   * that the table keeps its columns for everyone else. */
+  for (size_t i = 0; i < r->count; i++) {
+    const gpumem_published_t* p = &r->items[i];
+    if (!p->host_bytes && !p->num_moves_to_host && !p->num_moves_to_device) continue;
+    printf("%8d  overflow tier: %s on host pages; %lld blocks moved to host, %lld back\n", p->pid,
+           gm_format_bytes((uint64_t)p->host_bytes, b1, sizeof b1), (long long)p->num_moves_to_host,
+           (long long)p->num_moves_to_device);
   }
   /* Totals per device, of the processes still running. */
   for (size_t i = 0; i < r->count;) {

@@ -20,6 +20,8 @@ const fit_row_t fit_rows[] = {
 
 const size_t fit_num_rows = sizeof fit_rows / sizeof fit_rows[0];
 
+static void print_wrapped(FILE* f, const char* text);
+
 const char fit_note[] =
     "peak reserved: with no limit; memory needed: the smallest hard limit under which the job "
     "replays\n(x: over peak live). pytorch and the gpumem rows replay gpumem's engine; the "
@@ -91,6 +93,64 @@ gpumem_status_t fit_one(const trace_t* t, const fit_row_t* row, size_t memory,
   }
   if (st != GPUMEM_OK || !memory) return st;
   return fit_fits(t, row, memory, base, &out->fits);
+}
+
+gpumem_status_t fit_overflow(const trace_t* t, size_t memory, const replay_config_t* base,
+                             fit_overflow_t* out) {
+  memset(out, 0, sizeof *out);
+  replay_result_t* r = new_result();
+  if (!r) return GPUMEM_ERR_HOST_MEMORY;
+  const fit_row_t row = {"gpumem overflow:host",
+                         "enable(\"overflow:host\")",
+                         PEER_NONE,
+                         GPUMEM_POLICY_DEFAULT,
+                         "overflow:host",
+                         0};
+  replay_config_t c = row_config(&row, base);
+  c.limit_bytes = memory;
+  gpumem_status_t st = replay_trace(t, &c, r);
+  if (st == GPUMEM_OK) {
+    const gpumem_stats_t* s = &r->last_pass_end;
+    out->fits = !r->oom;
+    out->host_peak = (uint64_t)s->host_bytes[GPUMEM_POOL_ALL].peak;
+    out->host_allocs = (uint64_t)s->num_host_allocs;
+    out->moves_to_host = (uint64_t)s->num_moves_to_host;
+    out->moves_to_device = (uint64_t)s->num_moves_to_device;
+    out->link_us = (double)s->host_link_model_us;
+    out->link_bytes = (uint64_t)(out->link_us * 1e-6 * GPUMEM_SIM_HOST_LINK_BYTES_PER_S);
+  }
+  free(r);
+  return st;
+}
+
+void fit_overflow_say(FILE* f, const trace_t* t, const fit_overflow_t* o, size_t memory) {
+  char text[1024], per_step[96] = "";
+  if (t->num_steps > 1)
+    snprintf(per_step, sizeof per_step, " (%.1f ms a step over its %zu steps)",
+             o->link_us / 1e3 / (double)t->num_steps, t->num_steps);
+  if (!o->fits) {
+    snprintf(text, sizeof text,
+             "With overflow:host (host pages under the requests the device cannot hold) it does "
+             "not replay under %.3f GiB either.",
+             (double)memory / GIB);
+  } else if (!o->host_allocs && !o->moves_to_host) {
+    snprintf(text, sizeof text,
+             "With overflow:host it fits with nothing on the host: gpumem's default alone holds "
+             "it under %.3f GiB.",
+             (double)memory / GIB);
+  } else {
+    snprintf(text, sizeof text,
+             "With overflow:host it fits under %.3f GiB with %.3f GiB on the host at most: %llu "
+             "requests on host pages, %llu blocks moved out and %llu back, %.3f GiB over the "
+             "host link in the whole trace, about %.1f ms at %.0f GB/s%s (a model figure, "
+             "pending a measurement on the GPU; a lower bound: each block crossing once, "
+             "kernels' repeated reads not counted).",
+             (double)memory / GIB, (double)o->host_peak / GIB, (unsigned long long)o->host_allocs,
+             (unsigned long long)o->moves_to_host, (unsigned long long)o->moves_to_device,
+             (double)o->link_bytes / GIB, o->link_us / 1e3, GPUMEM_SIM_HOST_LINK_BYTES_PER_S / 1e9,
+             per_step);
+  }
+  print_wrapped(f, text);
 }
 
 void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, size_t cap) {

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "gpumem.h"
+#include "gpumem_backend.h"
 #include "peer_models.h"
 #include "replay.h"
 #include "trace.h"
@@ -59,6 +60,22 @@ void fit_cells(const trace_t* t, const fit_result_t* f, char* peak, char* need, 
  * fit although their smallest limit is below memory. results: one per row
  * of fit_rows. The number of sentences said. */
 int fit_explain(FILE* f, const fit_result_t* results, size_t memory);
+
+/* The overflow tier's answer for a job that does not fit: replayed under a
+ * hard limit of memory with gpumem's default and overflow:host (no host
+ * budget), on the simulated device. */
+typedef struct fit_overflow {
+  int fits;             /* replays to its end that way */
+  uint64_t host_peak;   /* the most bytes on host pages at once */
+  uint64_t host_allocs; /* requests served from host pages */
+  uint64_t moves_to_host, moves_to_device;
+  uint64_t link_bytes; /* requests on host pages plus both ways of every move */
+  double link_us;      /* link_bytes at the model's host-link rate */
+} fit_overflow_t;
+gpumem_status_t fit_overflow(const trace_t* t, size_t memory, const replay_config_t* base,
+                             fit_overflow_t* out);
+/* "With overflow:host it fits: ..." as a paragraph into f. */
+void fit_overflow_say(FILE* f, const trace_t* t, const fit_overflow_t* o, size_t memory);
 
 /* What the table's figures mean and where the models come from. */
 extern const char fit_note[];

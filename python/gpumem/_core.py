@@ -420,6 +420,20 @@ class Allocator:
             self._lib.gpumem_record_stream(self._h(), _ptr_value(ptr) or None, _stream_handle(stream))
         )
 
+    def prefer_host(self, ptr):
+        """Hint (option overflow:host): the allocation at ptr is cold and
+        suits host pages. Returns True when the block is in the overflow
+        tier and takes the hint (it moves to host pages now if its streams
+        are idle, else at the next pressure first of all, and stays there
+        until freed); False when it lies in an arena shared with other
+        blocks, which cannot move. Raises UnsupportedError when the tier is
+        off, InvalidPointerError for anything but a live allocation."""
+        st = self._lib.gpumem_prefer_host(self._h(), _ptr_value(ptr) or None)
+        if st == errors.ERR_UNSUPPORTED and "lies in an arena" in _lib.last_error():
+            return False
+        _lib.check(st)
+        return True
+
     def allocation_size(self, ptr):
         """Size the allocation at ptr was asked for, 0 if ptr is not one."""
         return self._lib.gpumem_allocation_size(self._h(), _ptr_value(ptr) or None)

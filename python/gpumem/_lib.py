@@ -106,6 +106,7 @@ _PROTOTYPES = {
     "gpumem_malloc": (cint, [vp, size_t, ctypes.c_size_t, ctypes.POINTER(vp)]),
     "gpumem_free": (cint, [vp, vp]),
     "gpumem_record_stream": (cint, [vp, vp, ctypes.c_size_t]),
+    "gpumem_prefer_host": (cint, [vp, vp]),
     "gpumem_empty_cache": (cint, [vp]),
     "gpumem_allocation_size": (size_t, [vp, vp]),
     "gpumem_set_limit": (cint, [vp, size_t]),

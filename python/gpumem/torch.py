@@ -849,6 +849,34 @@ def watch_leaks(patience=3, action="warn", device=None):
     return watcher
 
 
+def prefer_host(tensors, device=None):
+    """Hint for the overflow tier (GPUMEM_CONF=overflow:host): these
+    tensors are cold (optimizer state, master weights: touched once a step)
+    and suit host pages. tensors: a tensor, or any iterable of tensors (an
+    optimizer's state values, a module's parameters()); what is not a CUDA
+    tensor gpumem allocated is passed over. A tensor whose block is in the
+    tier moves to host pages now if its streams are idle (else first at the
+    next pressure) and stays there until freed, at the same address; one in
+    an arena shared with other blocks cannot move. Returns the number of
+    tensors that took the hint. Raises UnsupportedError when the tier is
+    off."""
+    torch = _torch()
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    alloc = _alloc.allocator(device)
+    taken, seen = 0, set()
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            continue
+        # the allocation's start: a view's storage, not its own offset
+        ptr = t.untyped_storage().data_ptr()
+        if not ptr or ptr in seen or not alloc.allocation_size(ptr):
+            continue
+        seen.add(ptr)
+        taken += alloc.prefer_host(ptr)
+    return taken
+
+
 def record(path, device=None, steps=True):
     """Records this process's allocations, frees and record_streams on
     device from now on to path (a gzip trace; "%p": the process id, "%d":

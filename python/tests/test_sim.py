@@ -167,12 +167,16 @@ class AllocatorTest(unittest.TestCase):
     def tearDown(self):
         self.a.close()
 
-    def assertInvariants(self):
-        self.assertEqual(self.a.check(), 0, gpumem.last_error())
-        s = self.a.memory_stats()
+    def assertInvariants(self, a=None):
+        a = a or self.a
+        self.assertEqual(a.check(), 0, gpumem.last_error())
+        s = a.memory_stats()
         self.assertLessEqual(s["requested_bytes.all.current"], s["allocated_bytes.all.current"])
         self.assertLessEqual(s["allocated_bytes.all.current"], s["active_bytes.all.current"])
-        self.assertLessEqual(s["active_bytes.all.current"], s["reserved_bytes.all.current"])
+        # (blocks of the overflow tier on host pages are active, not reserved)
+        self.assertLessEqual(
+            s["active_bytes.all.current"], s["reserved_bytes.all.current"] + s["host_bytes.all.current"]
+        )
         return s
 
     def test_malloc_free_stats(self):
@@ -311,6 +315,42 @@ class AllocatorTest(unittest.TestCase):
             a.free(p)
         with self.assertRaises(gpumem.UnsupportedError):
             gpumem.Allocator._wrap(self.a.handle, 0).host_view(1, 1)
+
+    def test_overflow_tier(self):
+        # overflow:host: past the limit a request gets host pages at an
+        # address of its own; memory_stats and the summary show it; the
+        # hint moves it; empty_cache brings back what did not take the hint.
+        with sim(conf="overflow:host:64M,limit:32M", host_backed=True) as a:
+            ptrs = [a.malloc(8 * MIB) for _ in range(4)]
+            over = a.malloc(8 * MIB)
+            a.host_view(over, 4)[:4] = b"tier"
+            s = self.assertInvariants(a)
+            self.assertEqual(s["host_bytes.all.current"], 8 * MIB)
+            self.assertEqual(s["num_host_allocs"], 1)
+            self.assertLessEqual(s["reserved_bytes.all.current"], 32 * MIB)
+            self.assertIn("Host-backed memory", a.memory_summary())
+            self.assertFalse(a.prefer_host(ptrs[0]))  # an arena's block cannot move
+            for p in ptrs:
+                a.free(p)
+            a.empty_cache()
+            s = self.assertInvariants(a)
+            self.assertEqual(s["num_moves_to_device"], 1)
+            self.assertEqual(s["host_bytes.all.current"], 0)
+            self.assertEqual(bytes(a.host_view(over, 4)), b"tier")
+            self.assertTrue(a.prefer_host(over))
+            s = self.assertInvariants(a)
+            self.assertEqual(s["num_moves_to_host"], 1)
+            self.assertEqual(bytes(a.host_view(over, 4)), b"tier")
+            with self.assertRaises(gpumem.OutOfMemoryError) as cm:
+                a.malloc(60 * MIB)
+            self.assertIn("the host budget is spent too", str(cm.exception))
+            a.free(over)
+        with self.assertRaises(gpumem.UnsupportedError):
+            p = self.a.malloc(MIB)
+            try:
+                self.a.prefer_host(p)
+            finally:
+                self.a.free(p)
 
     def test_injected_device_failure(self):
         # Every later device call fails: the allocation must fail cleanly,

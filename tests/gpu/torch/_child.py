@@ -430,6 +430,47 @@ def memfuncs(args):
     emit(checks=checks, status=gpumem.torch.status())
 
 
+def overflow(args):
+    """The overflow tier under PyTorch (--conf overflow:host,limit:...):
+    tensors past the cap on host pages, their values what was written,
+    arithmetic on them right, memory_stats and the summary showing the host
+    bytes, prefer_host on an optimizer's state, and the same values after
+    empty_cache brought blocks back."""
+    torch = setup(args)
+    import gpumem
+    import gpumem.torch
+
+    checks = {}
+
+    def check(name, cond):
+        checks[name] = bool(cond)
+
+    MIB = 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ts = [torch.rand(64 * MIB // 4, device="cuda", generator=g) for _ in range(12)]  # 768 MiB
+    sums = [float(t.double().sum()) for t in ts]
+    stats = torch.cuda.memory_stats()
+    check("some tensors on host pages", stats.get("num_host_allocs", 0) > 0)
+    check("host bytes shown", stats.get("host_bytes.all.current", 0) > 0)
+    check("summary row", "Host-backed memory" in torch.cuda.memory_summary())
+    y = ts[-1] * 2 + ts[0]  # a kernel reading host pages and device pages
+    check("kernel over host pages", abs(float(y.double().sum()) - (2 * sums[-1] + sums[0])) < 1e-3 * abs(sums[-1]))
+    del y
+    for t in ts[:6]:
+        t.zero_()
+    del ts[:6]
+    sums = sums[6:]
+    torch.cuda.empty_cache()
+    stats = torch.cuda.memory_stats()
+    check("moved back at empty_cache", stats.get("num_moves_to_device", 0) > 0)
+    check("values after moving back", all(abs(float(t.double().sum()) - s) < 1e-6 * abs(s) for t, s in zip(ts, sums)))
+    taken = gpumem.torch.prefer_host(ts)
+    check("prefer_host took some", taken > 0)
+    check("values after the hint", all(abs(float(t.double().sum()) - s) < 1e-6 * abs(s) for t, s in zip(ts, sums)))
+    check("gpumem check", gpumem.allocator().check() == 0)
+    emit(checks=checks, stats={k: v for k, v in stats.items() if "host" in k or "moves" in k})
+
+
 def snapshot(args):
     """torch.cuda.memory's history and snapshot functions through gpumem,
     read back by PyTorch's own memory_viz code."""
@@ -746,6 +787,7 @@ WORKLOADS = {
     "leaks": leaks,
     "budget_hold": budget_hold,
     "budget_take": budget_take,
+    "overflow": overflow,
 }
 
 

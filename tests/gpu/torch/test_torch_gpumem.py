@@ -216,6 +216,13 @@ class MemoryFunctionsTest(unittest.TestCase):
         self.assertEqual(failed, [], r)
         print("\n  gpumem.torch.status(): %s" % r["status"], file=sys.stderr)
 
+    def test_overflow_tier_on_host_pages(self):
+        need()
+        r = run_child("overflow", "--conf", "overflow:host,limit:512M")
+        failed = [name for name, ok in r["checks"].items() if not ok]
+        self.assertEqual(failed, [], r)
+        print("\n  overflow tier: %s" % r["stats"], file=sys.stderr)
+
     def test_history_and_snapshot_open_in_memory_viz(self):
         need()
         r = run_child("snapshot")

@@ -1,0 +1,671 @@
+/* The overflow tier (option overflow:host): host memory under addresses the
+ * allocator owns, so that a job needing more than the device holds runs
+ * slower instead of failing.
+ *
+ * gpumem reserves the address range under every block it hands out, so
+ * what backs a range can change while the address does not. A request the
+ * device path cannot serve (after the whole retry ladder) gets a tier
+ * block: an address range of its own with host pages mapped under it
+ * (backend create_host_page: cuMemCreate with a host location). Kernels
+ * read and write it over the host link. When device room returns the block
+ * moves back: device pages are made and mapped at a scratch range, the
+ * bytes copied on the block's stream, the old pages unmapped and the new
+ * ones mapped at the block's own address. Nothing in the caller sees the
+ * move; the address is the same throughout.
+ *
+ * What overflows, by coldness. Blocks that stay live across a whole step
+ * and are touched once in it (optimizer state, master weights) are the
+ * natural tenants; a request that arrives now is, by definition, about to
+ * be used. So under pressure, before a new block goes to host pages, the
+ * tier's own blocks on device pages move to host, coldest first: those the
+ * caller marked (gpumem_prefer_host), then the longest untouched (made,
+ * moved or handed to a stream with record_stream longest ago, counted in
+ * allocations). Only tier blocks move: a block of an arena shares its
+ * pages with its neighbours (docs/design.md, "The overflow tier").
+ *
+ * No ping-pong. A block that pressure moved to host GM_TIER_BOUNCES times
+ * stays there until empty_cache: a step that needs its room every time
+ * would otherwise pay two copies of it per step over the host link, where
+ * leaving it on host pays only the reads the kernels make.
+ *
+ * When it is safe to move. A move copies on the block's own stream and
+ * waits for that stream, so the copy follows the work queued there; every
+ * other stream the block was handed to (record_stream) must be idle first.
+ * Under pressure (the retry ladder's end, where PyTorch synchronizes every
+ * stream too) and at empty_cache (which waits for pending frees in
+ * PyTorch as here) the allocator waits for them; a move back at a free
+ * never waits: an event recorded on each of the block's streams, its own
+ * included, must be complete at once, else the block stays where it is
+ * until a later free or empty_cache.
+ *
+ * A move assumes that no other host thread queues work touching the block
+ * while it runs (the allocator's lock is held, but kernels are queued
+ * without it): the address is unmapped for the few calls between the old
+ * pages going and the new ones coming.
+ *
+ * Every step of a move can fail (the fault-injection test fails each in
+ * turn): a failure undoes what was done, in reverse, so the block stays
+ * where it was, with its bytes, and the allocator consistent. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+/* Pressure moves before a block stays on host until empty_cache: one move
+ * back and forth is a guess that the room will last; the second time
+ * round, it did not. */
+#define GM_TIER_BOUNCES 2
+
+/* The host link's rate for the priced figure host_link_model_us: a model
+ * figure (the simulated device's, gpumem_backend.h: an H100's PCIe Gen5 x16
+ * host link ~50 GB/s against ~3 TB/s of HBM3), pending a measurement on the
+ * GPU. */
+#define GM_HOST_LINK_BYTES_PER_S GPUMEM_SIM_HOST_LINK_BYTES_PER_S
+
+static void price_host_traffic(gpumem_t* gm, size_t bytes) {
+  gm->stats.host_link_model_us += (int64_t)((double)bytes * 1e6 / GM_HOST_LINK_BYTES_PER_S);
+}
+
+static bool tier_has_host_pages(const gpumem_t* gm) {
+  return gm->backend->create_host_page && gm->backend->copy;
+}
+
+static void tier_link(gpumem_t* gm, gm_tier_block* t) {
+  t->prev = NULL;
+  t->next = gm->tier;
+  if (gm->tier) gm->tier->prev = t;
+  gm->tier = t;
+  gm->tier_count++;
+}
+
+static void tier_unlink(gpumem_t* gm, gm_tier_block* t) {
+  if (t->prev)
+    t->prev->next = t->next;
+  else
+    gm->tier = t->next;
+  if (t->next) t->next->prev = t->prev;
+  gm->tier_count--;
+}
+
+/* Which pool's statistics the tier block's bytes count in: its block's. */
+static bool tier_small(const gm_tier_block* t) {
+  return gm_block_stat_small(t->seg.first);
+}
+
+/* The side t's bytes are on changes (or appear, or go): the sums and the
+ * statistics. delta is +1 (add t's bytes on side on_host) or -1. */
+static void tier_account(gpumem_t* gm, const gm_tier_block* t, bool on_host, int delta) {
+  int64_t n = (int64_t)t->bytes * delta;
+  if (on_host) {
+    gm->tier_host_bytes = (size_t)((int64_t)gm->tier_host_bytes + n);
+    gm->tier_on_host = (size_t)((int64_t)gm->tier_on_host + delta);
+    gm_stat_pool_add(gm, gm->stats.host_bytes, tier_small(t), n);
+  } else {
+    gm->tier_device_bytes = (size_t)((int64_t)gm->tier_device_bytes + n);
+    if (delta > 0)
+      gm_stat_pool_add(gm, gm->stats.reserved_bytes, tier_small(t), n);
+    else
+      gm_reserved_released(gm, tier_small(t), t->bytes);
+  }
+}
+
+/* Host pages for bytes more, within the budget: created, or
+ * GPUMEM_ERR_OUT_OF_MEMORY saying which of the two refused. */
+static gpumem_status_t create_host_pages(gpumem_t* gm, size_t bytes, gpumem_phys_t* out) {
+  char want[32], held[32], budget[32];
+  size_t cap = gm->opts.overflow_host_bytes;
+  /* Freed blocks still retiring hold host pages: waited for before the
+   * budget refuses. */
+  if (cap && gm->tier_host_bytes + bytes > cap && gm->tier_retiring) gm_overflow_retire(gm, true);
+  if (cap && gm->tier_host_bytes + bytes > cap) {
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "the host budget is spent too: %s more host pages would pass overflow:host:%s "
+                   "(%s already host-backed)",
+                   gm_format_bytes(bytes, want, sizeof want),
+                   gm_format_bytes(cap, budget, sizeof budget),
+                   gm_format_bytes(gm->tier_host_bytes, held, sizeof held));
+  }
+  gpumem_status_t st = GM_MAP_CALL(gm, create_host_page,
+                                   gm->backend->create_host_page(gm->backend->ctx, bytes, out));
+  if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
+    char cause[300];
+    snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "the host refused %s more host pages too (%s already host-backed): %s",
+                   gm_format_bytes(bytes, want, sizeof want),
+                   gm_format_bytes(gm->tier_host_bytes, held, sizeof held), cause);
+  }
+  return st;
+}
+
+/* Device pages for bytes more, within the limit and the shared budget. */
+static gpumem_status_t create_device_pages(gpumem_t* gm, size_t bytes, gpumem_phys_t* out) {
+  uint64_t reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+  if (gm->limit && reserved + bytes > gm->limit)
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY, "no room under the limit");
+  if (gm->budget) {
+    gpumem_status_t st = gm_budget_take(gm, bytes);
+    if (st != GPUMEM_OK) return st;
+  }
+  gpumem_status_t st =
+      GM_MAP_CALL(gm, create_page, gm->backend->create_page(gm->backend->ctx, bytes, out));
+  if (st != GPUMEM_OK && gm->budget) gm_budget_give(gm, bytes);
+  return st;
+}
+
+/* Gives physical memory back. give_budget: device pages never counted as
+ * reserved (a move undone), whose shared budget goes back here; those
+ * that were counted went back with gm_reserved_released (tier_account). */
+static void release_pages(gpumem_t* gm, gpumem_phys_t h, size_t bytes, bool give_budget) {
+  if (GM_MAP_CALL(gm, release_page, gm->backend->release_page(gm->backend->ctx, h, bytes)) ==
+          GPUMEM_OK &&
+      give_budget && gm->budget)
+    gm_budget_give(gm, bytes);
+}
+
+/* ---- allocation and free ---- */
+
+gpumem_status_t gm_overflow_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_block** out) {
+  if (!tier_has_host_pages(gm))
+    return gm_fail(GPUMEM_ERR_OUT_OF_MEMORY,
+                   "overflow:host is on but backend \"%s\" offers no host pages "
+                   "(create_host_page)",
+                   gm->backend->name ? gm->backend->name : "?");
+  const gpumem_backend_t* be = gm->backend;
+  size_t bytes = gm_round_up(rsize, gm->page_size);
+  gm_tier_block* t = calloc(1, sizeof *t);
+  if (!t || !gm_block_reserve(gm, 1)) {
+    free(t);
+    return gm_fail(GPUMEM_ERR_HOST_MEMORY, "overflow tier: no host memory for a block's record");
+  }
+  uintptr_t addr = 0;
+  gpumem_status_t st = create_host_pages(gm, bytes, &t->handle);
+  if (st != GPUMEM_OK) goto fail;
+  st = GM_CALL(gm, reserve, be->reserve(be->ctx, bytes, &addr));
+  if (st != GPUMEM_OK) goto fail_pages;
+  st = GM_MAP_CALL(gm, map, be->map(be->ctx, addr, bytes, t->handle));
+  if (st != GPUMEM_OK) goto fail_range;
+  gm->stats.num_pages_mapped++;
+
+  gm_block* b = gm_block_new(gm); /* cannot fail: reserved above */
+  memset(b, 0, sizeof *b);
+  b->addr = addr;
+  b->size = rsize;
+  b->seg = &t->seg;
+  b->pool = pool;
+  b->state = GM_ALLOCATED;
+  gm_dirty_init(&b->dirty);
+  t->seg.addr = addr;
+  t->seg.size = bytes;
+  t->seg.pool = pool;
+  t->seg.first = b;
+  t->seg.tier = t;
+  t->bytes = bytes;
+  t->on_host = true;
+  t->last_touch = gm->num_mallocs;
+  tier_link(gm, t);
+  tier_account(gm, t, true, +1);
+  gm->stats.num_host_allocs++;
+  price_host_traffic(gm, rsize);
+  *out = b;
+  return GPUMEM_OK;
+
+fail_range:
+  GM_CALL(gm, release_range, be->release_range(be->ctx, addr, bytes));
+fail_pages:
+  release_pages(gm, t->handle, bytes, false);
+fail:
+  free(t);
+  return st;
+}
+
+/* Waits for every stream block b was handed to but its own. */
+static gpumem_status_t sync_other_uses(gpumem_t* gm, gm_block* b) {
+  const gpumem_backend_t* be = gm->backend;
+  if (!be->stream_sync) return GPUMEM_OK;
+  const gpumem_stream_t* uses = b->num_uses > GM_INLINE_USES ? b->extra_uses : b->inline_uses;
+  for (uint16_t i = 0; i < b->num_uses; i++) {
+    gpumem_status_t st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, uses[i]));
+    if (st != GPUMEM_OK) return st;
+    gm->stats.num_syncs++;
+  }
+  return GPUMEM_OK;
+}
+
+static void tier_release(gpumem_t* gm, gm_tier_block* t, bool count) {
+  const gpumem_backend_t* be = gm->backend;
+  if (count) {
+    tier_unlink(gm, t);
+    tier_account(gm, t, t->on_host, -1);
+  }
+  release_pages(gm, t->handle, t->bytes, false);
+  GM_CALL(gm, release_range, be->release_range(be->ctx, t->seg.addr, t->bytes));
+}
+
+/* Frees a retiring block's range now (its stream is done with it): the
+ * address unmapped, pages and range back, the record gone. On a failed
+ * unmap it stays retiring, to be tried again. */
+static gpumem_status_t retire_now(gpumem_t* gm, gm_tier_block* t) {
+  const gpumem_backend_t* be = gm->backend;
+  gm_block* b = t->seg.first;
+  gpumem_status_t st = GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
+  if (st != GPUMEM_OK) return st;
+  gm->stats.num_pages_unmapped++;
+  /* unlinked from the retiring list */
+  if (t->prev)
+    t->prev->next = t->next;
+  else
+    gm->tier_retiring = t->next;
+  if (t->next) t->next->prev = t->prev;
+  if (t->retire_event_made) GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+  /* Past the unmap the free has happened: a failed release leaves memory
+   * with the device, not a half-freed block. */
+  tier_account(gm, t, t->on_host, -1);
+  tier_release(gm, t, false);
+  gm_block_delete(gm, b);
+  free(t);
+  return GPUMEM_OK;
+}
+
+/* A freed tier block waits, retiring, for the work its stream had queued
+ * when it was freed: a training step frees tensors while its kernels still
+ * run, and the host must not wait for them at every free. An event
+ * recorded on its stream says when the range may go; a later operation
+ * that finds the event complete gives it back (gm_overflow_retire).
+ * Other streams it was handed to (record_stream, rare for a tier block)
+ * are waited for at the free. Without events, the free waits. */
+gpumem_status_t gm_overflow_free(gpumem_t* gm, gm_block* b) {
+  gm_tier_block* t = b->seg->tier;
+  const gpumem_backend_t* be = gm->backend;
+  gpumem_status_t st = sync_other_uses(gm, b);
+  if (st != GPUMEM_OK) return st;
+  bool has_events = be->event_create && be->event_record && be->event_query && be->event_sync;
+  bool capturing = gm_capture_possible(gm) && gm_capture_underway(gm);
+  if (has_events && !capturing) {
+    st = GM_CALL(gm, event_create, be->event_create(be->ctx, &t->retire_event));
+    if (st != GPUMEM_OK) return st;
+    st = GM_CALL(gm, event_record,
+                 be->event_record(be->ctx, t->retire_event, b->pool->stream->handle));
+    if (st != GPUMEM_OK) {
+      GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+      return st;
+    }
+    t->retire_event_made = true;
+  } else if (!capturing && be->stream_sync) {
+    st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, b->pool->stream->handle));
+    if (st != GPUMEM_OK) return st;
+    gm->stats.num_syncs++;
+  }
+  /* (during a capture: no event and no wait; retired once it ends) */
+  tier_unlink(gm, t);
+  /* No longer active: a retiring block holds no memory anyone could
+   * reuse, only its own range, which goes back as a whole. */
+  bool small = gm_block_stat_small(b);
+  gm_stat_pool_shrink(gm->stats.active, small, 1);
+  gm_stat_pool_shrink(gm->stats.active_bytes, small, (int64_t)b->size);
+  t->prev = NULL;
+  t->next = gm->tier_retiring;
+  if (gm->tier_retiring) gm->tier_retiring->prev = t;
+  gm->tier_retiring = t;
+  b->state = GM_PENDING;
+  if (!has_events && !capturing) retire_now(gm, t);
+  return GPUMEM_OK;
+}
+
+void gm_overflow_retire(gpumem_t* gm, bool wait) {
+  const gpumem_backend_t* be = gm->backend;
+  if (gm_capture_possible(gm) && gm_capture_underway(gm)) return;
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+  gm_tier_block* next;
+  for (gm_tier_block* t = gm->tier_retiring; t; t = next) {
+    next = t->next;
+    gpumem_status_t st = GPUMEM_OK;
+    gpumem_stream_t stream = t->seg.first->pool->stream->handle;
+    if (!t->retire_event_made) {
+      /* freed during a capture: its stream is waited for now */
+      if (be->stream_sync) st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, stream));
+    } else if (wait) {
+      st = GM_CALL(gm, event_sync, be->event_sync(be->ctx, t->retire_event));
+      if (st == GPUMEM_OK) gm->stats.num_syncs++;
+    } else {
+      st = GM_CALL(gm, event_query, be->event_query(be->ctx, t->retire_event));
+    }
+    if (st == GPUMEM_OK) retire_now(gm, t);
+  }
+  gpumem_set_last_error("%s", cause);
+}
+
+void gm_overflow_destroy(gpumem_t* gm) {
+  const gpumem_backend_t* be = gm->backend;
+  gm_overflow_retire(gm, true);
+  /* What could not be retired (a device that failed) goes regardless. */
+  while (gm->tier_retiring) {
+    gm_tier_block* t = gm->tier_retiring;
+    gm->tier_retiring = t->next;
+    GM_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
+    if (t->retire_event_made)
+      GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, t->retire_event));
+    tier_account(gm, t, t->on_host, -1);
+    tier_release(gm, t, false);
+    gm_block_delete(gm, t->seg.first);
+    free(t);
+  }
+  while (gm->tier) {
+    gm_tier_block* t = gm->tier;
+    GM_CALL(gm, unmap, be->unmap(be->ctx, t->seg.addr, t->bytes));
+    tier_release(gm, t, true);
+    gm_block_delete(gm, t->seg.first);
+    free(t);
+  }
+  if (gm->tier_event_made) GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, gm->tier_event));
+  gm->tier_event_made = false;
+}
+
+/* ---- moves ---- */
+
+/* Whether every stream of b is idle now, by an event recorded on each and
+ * queried (never waited for). */
+static bool streams_idle(gpumem_t* gm, gm_block* b) {
+  const gpumem_backend_t* be = gm->backend;
+  if (!be->event_create || !be->event_record || !be->event_query) return true;
+  if (gm_capture_possible(gm) && gm_capture_underway(gm)) return false;
+  if (!gm->tier_event_made) {
+    if (GM_CALL(gm, event_create, be->event_create(be->ctx, &gm->tier_event)) != GPUMEM_OK)
+      return false;
+    gm->tier_event_made = true;
+  }
+  const gpumem_stream_t* uses = b->num_uses > GM_INLINE_USES ? b->extra_uses : b->inline_uses;
+  for (int i = -1; i < (int)b->num_uses; i++) {
+    gpumem_stream_t s = i < 0 ? b->pool->stream->handle : uses[i];
+    if (GM_CALL(gm, event_record, be->event_record(be->ctx, gm->tier_event, s)) != GPUMEM_OK ||
+        GM_CALL(gm, event_query, be->event_query(be->ctx, gm->tier_event)) != GPUMEM_OK)
+      return false;
+  }
+  return true;
+}
+
+/* Moves t's bytes to new pages on the other side, at the same address.
+ * The caller made sure no stream but the block's own may touch it. On
+ * failure t is as it was: same pages, same bytes. */
+static gpumem_status_t tier_move(gpumem_t* gm, gm_tier_block* t, bool to_host) {
+  const gpumem_backend_t* be = gm->backend;
+  gm_block* b = t->seg.first;
+  gpumem_stream_t stream = b->pool->stream->handle;
+  uintptr_t addr = t->seg.addr, scratch = 0;
+  size_t bytes = t->bytes;
+  gpumem_phys_t fresh = 0;
+  uint64_t t0 = gm_now_ns();
+  gpumem_status_t st =
+      to_host ? create_host_pages(gm, bytes, &fresh) : create_device_pages(gm, bytes, &fresh);
+  if (st != GPUMEM_OK) return st;
+  /* The new pages at a scratch range first: the copy needs both mapped. */
+  st = GM_CALL(gm, reserve, be->reserve(be->ctx, bytes, &scratch));
+  if (st != GPUMEM_OK) goto undo_pages;
+  st = GM_MAP_CALL(gm, map, be->map(be->ctx, scratch, bytes, fresh));
+  if (st != GPUMEM_OK) goto undo_range;
+  st = GM_CALL(gm, copy, be->copy(be->ctx, scratch, addr, bytes, stream));
+  if (st == GPUMEM_OK && be->stream_sync) {
+    st = GM_CALL(gm, stream_sync, be->stream_sync(be->ctx, stream));
+    if (st == GPUMEM_OK) gm->stats.num_syncs++;
+  }
+  if (st != GPUMEM_OK) goto undo_scratch;
+  /* The swap: old pages off the address, new ones on. A physical
+   * allocation may be mapped at two addresses at once, so the new pages
+   * stay at scratch until they are at the address too. */
+  st = GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, addr, bytes));
+  if (st != GPUMEM_OK) goto undo_scratch;
+  st = GM_MAP_CALL(gm, map, be->map(be->ctx, addr, bytes, fresh));
+  if (st != GPUMEM_OK) {
+    /* Back as it was: the old pages, bytes intact, at the address. One
+     * more try if the first refuses; the block's address must not stay
+     * unmapped while it is live. */
+    char cause[300];
+    snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+    if (GM_MAP_CALL(gm, map, be->map(be->ctx, addr, bytes, t->handle)) != GPUMEM_OK)
+      GM_MAP_CALL(gm, map, be->map(be->ctx, addr, bytes, t->handle));
+    gpumem_set_last_error("%s", cause);
+    goto undo_scratch;
+  }
+  gm->stats.num_pages_mapped++;
+  gm->stats.num_pages_unmapped++;
+  if (GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, scratch, bytes)) == GPUMEM_OK)
+    GM_CALL(gm, release_range, be->release_range(be->ctx, scratch, bytes));
+  /* The swap is done: the old pages go, whatever the device says. */
+  tier_account(gm, t, t->on_host, -1);
+  release_pages(gm, t->handle, bytes, false);
+  t->handle = fresh;
+  t->on_host = to_host;
+  tier_account(gm, t, t->on_host, +1);
+  t->last_touch = gm->num_mallocs;
+  int64_t ns = (int64_t)(gm_now_ns() - t0);
+  if (to_host) {
+    gm->stats.num_moves_to_host++;
+    gm->stats.bytes_moved_to_host += (int64_t)bytes;
+    gm->stats.move_to_host_ns += ns;
+  } else {
+    gm->stats.num_moves_to_device++;
+    gm->stats.bytes_moved_to_device += (int64_t)bytes;
+    gm->stats.move_to_device_ns += ns;
+  }
+  price_host_traffic(gm, bytes);
+  return GPUMEM_OK;
+
+undo_scratch : {
+  char cause[300];
+  snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+  GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, scratch, bytes));
+  gpumem_set_last_error("%s", cause);
+}
+undo_range:
+  GM_CALL(gm, release_range, be->release_range(be->ctx, scratch, bytes));
+undo_pages:
+  release_pages(gm, fresh, bytes, !to_host);
+  return st;
+}
+
+/* The coldest tier block on device pages, or NULL: marked ones first,
+ * then the longest untouched. */
+static gm_tier_block* coldest_on_device(gpumem_t* gm) {
+  gm_tier_block* best = NULL;
+  for (gm_tier_block* t = gm->tier; t; t = t->next) {
+    if (t->on_host) continue;
+    if (!best || (t->prefer_host && !best->prefer_host) ||
+        (t->prefer_host == best->prefer_host && t->last_touch < best->last_touch))
+      best = t;
+  }
+  return best;
+}
+
+gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
+  *retry = false;
+  if (gm->tier_retiring) {
+    /* device pages of freed tier blocks: room once their stream is done */
+    size_t before = gm->tier_device_bytes;
+    gm_overflow_retire(gm, true);
+    *retry = gm->tier_device_bytes < before;
+  }
+  if (!tier_has_host_pages(gm) || gm->tier_count == gm->tier_on_host) return GPUMEM_OK;
+  if (gm_capture_possible(gm) && gm_capture_underway(gm)) return GPUMEM_OK;
+  size_t freed = 0;
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+  while (freed < rsize) {
+    gm_tier_block* t = coldest_on_device(gm);
+    if (!t) break;
+    gm_block* b = t->seg.first;
+    gpumem_status_t st = sync_other_uses(gm, b);
+    if (st == GPUMEM_OK) st = tier_move(gm, t, true);
+    if (st != GPUMEM_OK) break; /* the new block goes to host instead */
+    t->pressure_moves++;
+    freed += t->bytes;
+  }
+  gpumem_set_last_error("%s", cause); /* the report names the first cause */
+  *retry = *retry || freed > 0;
+  return GPUMEM_OK;
+}
+
+void gm_overflow_bring_back(gpumem_t* gm, bool after_empty_cache) {
+  if (gm_capture_possible(gm) && gm_capture_underway(gm)) return;
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+  bool any_room = false;
+  /* Hottest first: the list is newest first, and a block's place follows
+   * its making, not its touches; good enough for the few tier blocks a
+   * job holds. */
+  for (gm_tier_block* t = gm->tier; t; t = t->next) {
+    if (!t->on_host || t->prefer_host) continue;
+    if (!after_empty_cache && t->pressure_moves >= GM_TIER_BOUNCES) continue;
+    uint64_t reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+    if (gm->limit && reserved + t->bytes > gm->limit) continue;
+    if (gm->budget && !gm_budget_has_room(gm, t->bytes)) continue;
+    any_room = true;
+    /* At empty_cache the caller gives the allocator leave to wait, as
+     * PyTorch's empty_cache waits for pending frees: the block's other
+     * streams are waited for (its own stream orders the copy). At a free
+     * nothing waits: every stream must be idle already. */
+    if (after_empty_cache ? sync_other_uses(gm, t->seg.first) != GPUMEM_OK
+                          : !streams_idle(gm, t->seg.first))
+      continue;
+    gpumem_status_t st = tier_move(gm, t, false);
+    if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
+      any_room = false;
+      break;
+    }
+    if (after_empty_cache) t->pressure_moves = 0;
+  }
+  /* Nothing fitted: no free tries again until reserved memory is lower. */
+  gm->tier_retry_below =
+      any_room ? UINT64_MAX : (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
+  gpumem_set_last_error("%s", cause);
+}
+
+/* ---- the hint ---- */
+
+gpumem_status_t gpumem_prefer_host(gpumem_t* gm, void* ptr) {
+  if (!gm || !ptr)
+    return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_prefer_host: NULL allocator or pointer");
+  gm_lock_acquire(&gm->lock);
+  gpumem_status_t st = GPUMEM_OK;
+  gm_block* b = gm_ptr_map_find(&gm->ptrs, (uintptr_t)ptr);
+  if (gm->opts.overflow != GPUMEM_OVERFLOW_HOST) {
+    st = gm_fail(GPUMEM_ERR_UNSUPPORTED,
+                 "gpumem_prefer_host: the overflow tier is off (GPUMEM_CONF=overflow:host)");
+  } else if (!b) {
+    st = gm_fail(GPUMEM_ERR_INVALID_POINTER, "gpumem_prefer_host: 0x%lx is not a live allocation",
+                 (unsigned long)(uintptr_t)ptr);
+  } else if (!gm_block_in_tier(b)) {
+    st = gm_fail(GPUMEM_ERR_UNSUPPORTED,
+                 "gpumem_prefer_host: 0x%lx lies in an arena it shares with other blocks; only "
+                 "blocks of the overflow tier own their address range and can move",
+                 (unsigned long)(uintptr_t)ptr);
+  } else {
+    gm_tier_block* t = b->seg->tier;
+    t->prefer_host = true;
+    /* Now if nothing waits; else at the next pressure, first of all. */
+    if (!t->on_host && streams_idle(gm, b)) st = tier_move(gm, t, true);
+  }
+  gm_lock_release(&gm->lock);
+  return st;
+}
+
+/* ---- checks and reports ---- */
+
+/* One tier record's part of gpumem_check: its block against its range,
+ * its bytes into the sums. */
+static void check_tier_block(gpumem_t* gm, gm_tier_block* t, bool retiring, gm_tier_sums* s,
+                             size_t* host, size_t* device, size_t* errors, char* msg, size_t len) {
+#define TIER_FAIL(...)                                 \
+  do {                                                 \
+    if (!(*errors)++) snprintf(msg, len, __VA_ARGS__); \
+  } while (0)
+  gm_block* b = t->seg.first;
+  if (t->next && t->next->prev != t) TIER_FAIL("overflow tier: list broken");
+  if (!b || b->seg != &t->seg || t->seg.tier != t) {
+    TIER_FAIL("overflow tier: a block and its range do not point at each other");
+    return;
+  }
+  if (retiring) {
+    if (b->state != GM_PENDING || gm_ptr_map_find(&gm->ptrs, b->addr) == b)
+      TIER_FAIL("overflow tier: retiring block 0x%lx is not pending, or still in the pointer map",
+                (unsigned long)b->addr);
+  } else if (b->state != GM_ALLOCATED || gm_ptr_map_find(&gm->ptrs, b->addr) != b) {
+    TIER_FAIL("overflow tier: block 0x%lx is not allocated and in the pointer map",
+              (unsigned long)b->addr);
+  }
+  if (b->addr != t->seg.addr || b->size > t->bytes || t->bytes != t->seg.size ||
+      t->bytes % gm->page_size || b->prev || b->next)
+    TIER_FAIL("overflow tier: block 0x%lx (%zu bytes) does not fill its range of %zu",
+              (unsigned long)b->addr, b->size, t->bytes);
+  if (!t->handle) TIER_FAIL("overflow tier: block 0x%lx has no pages", (unsigned long)b->addr);
+  bool small = gm_block_stat_small(b);
+  for (int p = 0; p < 2; p++) {
+    int pool = p == 0 ? GPUMEM_POOL_ALL : small ? GPUMEM_POOL_SMALL : GPUMEM_POOL_LARGE;
+    if (retiring) {
+      s->pending[pool]++;
+      s->pending_bytes[pool] += (int64_t)b->size;
+    } else {
+      s->blocks[pool]++;
+      s->bytes[pool] += (int64_t)b->size;
+      s->requested[pool] += (int64_t)b->requested;
+    }
+    if (t->on_host)
+      s->host[pool] += (int64_t)t->bytes;
+    else
+      s->device[pool] += (int64_t)t->bytes;
+  }
+  if (t->on_host)
+    *host += t->bytes;
+  else
+    *device += t->bytes;
+#undef TIER_FAIL
+}
+
+size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* s, char* msg, size_t len) {
+  size_t errors = 0;
+  size_t host = 0, device = 0, count = 0, on_host = 0;
+  for (gm_tier_block* t = gm->tier; t; t = t->next) {
+    count++;
+    on_host += t->on_host;
+    check_tier_block(gm, t, false, s, &host, &device, &errors, msg, len);
+  }
+  size_t retiring_host = 0;
+  for (gm_tier_block* t = gm->tier_retiring; t; t = t->next) {
+    retiring_host += t->on_host;
+    check_tier_block(gm, t, true, s, &host, &device, &errors, msg, len);
+  }
+  if (count != gm->tier_count || on_host + retiring_host != gm->tier_on_host ||
+      host != gm->tier_host_bytes || device != gm->tier_device_bytes) {
+    if (!errors++)
+      snprintf(msg, len,
+               "overflow tier: %zu blocks (%zu on host), %zu host and %zu device bytes; counted "
+               "%zu (%zu), %zu and %zu",
+               count, on_host + retiring_host, host, device, gm->tier_count, gm->tier_on_host,
+               gm->tier_host_bytes, gm->tier_device_bytes);
+  }
+  if (gm->opts.overflow_host_bytes && host > gm->opts.overflow_host_bytes) {
+    if (!errors++)
+      snprintf(msg, len, "overflow tier: %zu host bytes pass the budget of %zu", host,
+               gm->opts.overflow_host_bytes);
+  }
+  if ((count || gm->tier_retiring) && gm->opts.overflow != GPUMEM_OVERFLOW_HOST) {
+    if (!errors++) snprintf(msg, len, "overflow tier: %zu blocks with the tier off", count);
+  }
+  return errors;
+}
+
+void gm_overflow_describe(gpumem_t* gm, char* out, size_t cap) {
+  out[0] = '\0';
+  if (gm->opts.overflow != GPUMEM_OVERFLOW_HOST) return;
+  char host[32], dev[32], budget[32];
+  snprintf(out, cap,
+           " Overflow tier: %s on host pages (budget %s), %s of tier blocks back on device "
+           "pages; %lld moves to host, %lld back.",
+           gm_format_bytes(gm->tier_host_bytes, host, sizeof host),
+           gm->opts.overflow_host_bytes
+               ? gm_format_bytes(gm->opts.overflow_host_bytes, budget, sizeof budget)
+               : "none",
+           gm_format_bytes(gm->tier_device_bytes, dev, sizeof dev),
+           (long long)gm->stats.num_moves_to_host, (long long)gm->stats.num_moves_to_device);
+}
