@@ -800,6 +800,35 @@ class ModuleMoveTest(unittest.TestCase):
         self.assertEqual(moved[-2:], [3, 13])  # the outer module's own, last
 
 
+    def test_tied_weights_as_pytorch_moves_them(self):
+        # .cuda() of a CPU model keeps tied weights tied (PyTorch converts in place);
+        # to_empty of a meta-built one unties them, each with memory of its own
+        # (what real PyTorch does, checked here on the CPU: to_empty(device="cpu"))
+        from gpumem.predict import recording
+
+        def tied():
+            e, lin = torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100, bias=False)
+            lin.weight = e.weight
+            return torch.nn.Sequential(e, lin)
+
+        with torch.device("meta"):
+            real = tied()
+        real.to_empty(device="cpu")
+        real_count = sum(p.numel() for p in real.parameters())
+        self.assertEqual(real_count, 2 * 800)  # PyTorch's own: untied
+        for build, expect in ((tied, 800), (None, real_count)):
+            with recording(None, "h200") as rec:
+                if build is None:
+                    with torch.device("meta"):
+                        model = tied()
+                    model.to_empty(device="cuda")
+                else:
+                    model = build().cuda()
+                self.assertEqual(sum(p.numel() for p in model.parameters()), expect)
+            moved = sum(e[2] for e in rec.events if e[0] == "a")
+            self.assertEqual(moved, expect * 4)
+
+
 @unittest.skipIf(torch is None, NO_TORCH)
 class DataDependentSizesTest(unittest.TestCase):
     def test_nms_keeps_every_box_as_an_upper_bound(self):

@@ -1204,13 +1204,16 @@ _MISSING = object()
 
 def _module_apply(module, fn, recurse=True):
     """nn.Module._apply for fake tensors: a parameter moved to another
-    device becomes a new Parameter (shared ones stay shared); one that
+    device becomes a new Parameter (shared ones stay shared, except from
+    the meta device, where PyTorch unties them); one that
     stays on its device keeps its identity, as PyTorch does. Modules are
     visited in PyTorch's order, each one's children before its own
     parameters and buffers: the order the parameters' memory is
     allocated on the GPU (a ViT's class token and position embedding,
     the root's own, come after its blocks')."""
     torch = _torch()
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     memo = {}
 
     def convert(t):
@@ -1234,6 +1237,15 @@ def _module_apply(module, fn, recurse=True):
             if new is p:
                 memo[id(p)] = p
                 continue
+            # PyTorch converts a CPU parameter in place (set_data: whoever holds it sees the
+            # moved one, so tied weights stay tied), and swaps a tensor subclass such as
+            # FSDP2's DTensor shards in place (swap_tensors) or any parameter where the
+            # swap is asked for; a plain meta one (to_empty) has no compatible storage and
+            # becomes a new Parameter in each module that holds it, so tied weights come
+            # out untied, each with memory of its own (a meta-built model under DDP: 1.50e9
+            # parameters on the GPU where Llama 3.2 1B ties 1.24e9; under FSDP2, 1.24e9).
+            in_place = (p.device.type != "meta" or is_traceable_wrapper_subclass(new)
+                        or torch.__future__.get_swap_module_params_on_conversion())  # fmt: skip
             if new.device == p.device and torch._has_compatible_shallow_copy_type(p, new):
                 p.data = new
                 out = p
@@ -1241,7 +1253,8 @@ def _module_apply(module, fn, recurse=True):
                 out = torch.nn.Parameter(new, p.requires_grad)
             if p.grad is not None:
                 out.grad = convert(p.grad)
-            memo[id(p)] = out
+            if in_place:
+                memo[id(p)] = out
             m._parameters[key] = out
         for key, b in list(m._buffers.items()):
             if b is not None:
