@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpumem.h"
+#include "gpumem_backend.h"
 #include "test_util.h"
 
 typedef int drv_result;
@@ -145,6 +147,30 @@ static inline unsigned char pattern_byte(size_t i, unsigned seed) {
  * writing i (the last value written is reps & 0xff). */
 static inline void queue_busy_work(uintptr_t buf, size_t len, drv_stream s, int reps) {
   for (int i = 1; i <= reps; i++) DRV_OK(drv.MemsetD8Async((drv_ptr)buf, (unsigned char)i, len, s));
+}
+
+/* A GPU test's start: the CUDA backend with default options, and this
+ * test's own binding of the driver open. NULL where the test ends there,
+ * with *exit_code set: TEST_SKIP where there is no CUDA device, else
+ * test_finish's (the failure CHECKed). */
+static inline gpumem_backend_t* gpu_test_backend(const char* name, int* exit_code) {
+  gpumem_cuda_options_t o;
+  gpumem_cuda_options_init(&o);
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_backend_t* be = gpumem_cuda_create(&o, &st);
+  if (!be && st == GPUMEM_ERR_UNSUPPORTED) {
+    printf("SKIP: %s\n", gpumem_last_error());
+    *exit_code = TEST_SKIP;
+    return NULL;
+  }
+  CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
+  if (be && !drv_open(0, 0)) {
+    CHECK_MSG(0, "the backend loaded the driver, but the test's own binding failed");
+    gpumem_cuda_destroy(be);
+    be = NULL;
+  }
+  if (!be) *exit_code = test_finish(name);
+  return be;
 }
 
 #endif

@@ -197,21 +197,9 @@ static void test_tier(gpumem_backend_t* be) {
 
 int main(void) {
   const char* name = "gpu_test_overflow_cuda";
-  gpumem_cuda_options_t o;
-  gpumem_cuda_options_init(&o);
-  gpumem_status_t st = GPUMEM_OK;
-  gpumem_backend_t* be = gpumem_cuda_create(&o, &st);
-  if (!be && st == GPUMEM_ERR_UNSUPPORTED) {
-    printf("SKIP: %s\n", gpumem_last_error());
-    return TEST_SKIP;
-  }
-  CHECK_MSG(be != NULL, "gpumem_cuda_create: %s (%s)", gpumem_strerror(st), gpumem_last_error());
-  if (!be) return test_finish(name);
-  if (!drv_open(0, 0)) {
-    CHECK_MSG(0, "the backend loaded the driver, but the test's own binding failed");
-    gpumem_cuda_destroy(be);
-    return test_finish(name);
-  }
+  int exit_code = 0;
+  gpumem_backend_t* be = gpu_test_backend(name, &exit_code);
+  if (!be) return exit_code;
   if (!be->map) {
     printf("SKIP: the device has no virtual memory management (backend \"%s\")\n", be->name);
     gpumem_cuda_destroy(be);
