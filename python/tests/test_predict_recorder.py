@@ -1019,6 +1019,37 @@ class GpuHistoryTest(unittest.TestCase):
         self.assertEqual(rec.peak_live_bytes, 512 + 1024)
 
 
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_gradscaler_takes_every_step(self):
+        """A GradScaler skips the step whose gradients overflow; a GPU run
+        takes it, so that the runs at each batch have the same steps (the
+        CPU's GradScaler goes the same way as the GPU's)."""
+        from torch.optim import optimizer as optim_module
+
+        from gpumem.predict import _child
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        taken = []
+        hook = optim_module.register_optimizer_step_post_hook(lambda o, a, k: taken.append(1))
+        self.addCleanup(hook.remove)
+
+        def step(scaler, value):
+            scaler.scale(model(torch.full((2, 4), value)).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+        skipped = [0]
+        with _child._every_step_taken(skipped):
+            scaler = torch.amp.GradScaler("cpu")
+            for value in (float("inf"), 1.0, 1.0):
+                step(scaler, value)
+        self.assertEqual((len(taken), skipped[0]), (3, 1))
+        # outside, the scaler skips as it would
+        step(torch.amp.GradScaler("cpu"), float("inf"))
+        self.assertEqual(len(taken), 3)
+
 def predict_script(d, script, options, script_args, memory="80G"):
     """Writes script to d/train.py and runs `python -m gpumem.predict` on it
     at batch 1 and 2, two steps, on the CPU recorder, keeping the recordings

@@ -135,6 +135,34 @@ def history_to_recording(entries, step_ends, workload, source):
     return rec
 
 
+@contextlib.contextmanager
+def _every_step_taken(skipped):
+    """A GradScaler takes no optimizer step where the scaled gradients
+    overflow, at steps that depend on the data (its scale starts high and
+    comes down by overflowing): one batch's run would then skip a step that
+    another's takes, a whole step's allocations apart, and no alignment
+    bridges that. On the GPU the runs take every step, as on fake tensors
+    (which never overflow): the memory of the job as it runs once the scale
+    has settled. skipped[0] counts the steps a scaler would have skipped."""
+    try:
+        from torch.amp import grad_scaler
+    except ImportError:  # (a torch without torch.amp: no scaler to mind)
+        yield
+        return
+    original = grad_scaler.GradScaler._maybe_opt_step
+
+    def take_step(self, optimizer, optimizer_state, *args, **kwargs):
+        if sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            skipped[0] += 1
+        return optimizer.step(*args, **kwargs)
+
+    grad_scaler.GradScaler._maybe_opt_step = take_step
+    try:
+        yield
+    finally:
+        grad_scaler.GradScaler._maybe_opt_step = original
+
+
 def run_gpu(out_dir, steps, script, args):
     import torch
 
@@ -163,7 +191,9 @@ def run_gpu(out_dir, steps, script, args):
     from torch.optim import optimizer as optim_module
 
     optim_module.register_optimizer_step_post_hook(on_step)
-    ended = not _run_script(script, args)
+    skipped = [0]
+    with _every_step_taken(skipped):
+        ended = not _run_script(script, args)
     if ended:
         dump()
     if len(done["entries"]) >= MAX_ENTRIES:
@@ -173,7 +203,11 @@ def run_gpu(out_dir, steps, script, args):
         torch.__version__, torch.cuda.get_device_name())
     rec = history_to_recording(done["entries"], done["step_ends"], name, source)
     rec.write(os.path.join(out_dir, "trace"))
-    return {"steps": done["steps"], "ended": ended, "notes": [], "context_bytes": done["context_bytes"],
+    notes = []
+    if skipped[0]:
+        notes.append("a GradScaler would have skipped %d of the %d optimizer steps (its gradients overflowed); "
+                     "they were taken, so that the runs at each batch have the same steps" % (skipped[0], done["steps"]))
+    return {"steps": done["steps"], "ended": ended, "notes": notes, "context_bytes": done["context_bytes"],
             "peak_live_bytes": rec.peak_live_bytes, "context_source": done["context_source"], "file": "trace",
             "device": torch.cuda.get_device_name()}
 
