@@ -1050,6 +1050,48 @@ class GpuHistoryTest(unittest.TestCase):
         step(torch.amp.GradScaler("cpu"), float("inf"))
         self.assertEqual(len(taken), 3)
 
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_hand_written_update_is_a_step(self):
+        """A GPU run marks a step where a loop updates its parameters by hand
+        after a backward, at the next forward; an optimizer's step is not
+        marked twice, and a forward under no_grad, or one with no update
+        before it, marks nothing."""
+        from gpumem.predict import _child
+
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+        marks, stepped = [], [False]
+
+        def mark():
+            stepped[0] = True
+            marks.append(1)
+
+        x = torch.ones(2, 4)
+        with _child._hand_steps(mark, stepped):
+            for _ in range(3):  # SGD by hand
+                model(x).sum().backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+            self.assertEqual(len(marks), 2)  # (the third is marked by the next forward)
+            with torch.no_grad():
+                model(x)  # an evaluation
+            self.assertEqual(len(marks), 2)
+            model(x).sum().backward()  # the next step's forward marks the third
+            self.assertEqual(len(marks), 3)
+            model(x).sum().backward()  # no update since the last backward
+            self.assertEqual(len(marks), 3)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt.step()
+            stepped[0] = True  # (as run_gpu's optimizer hook does)
+            model(x)
+            self.assertEqual(len(marks), 3)
+        model(x).sum().backward()
+        with torch.no_grad():
+            next(model.parameters()).add_(1)
+        model(x)
+        self.assertEqual(len(marks), 3)  # (outside, nothing is watched)
+
 def predict_script(d, script, options, script_args, memory="80G"):
     """Writes script to d/train.py and runs `python -m gpumem.predict` on it
     at batch 1 and 2, two steps, on the CPU recorder, keeping the recordings

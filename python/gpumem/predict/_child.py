@@ -163,6 +163,62 @@ def _every_step_taken(skipped):
         grad_scaler.GradScaler._maybe_opt_step = original
 
 
+@contextlib.contextmanager
+def _hand_steps(mark_step, stepped):
+    """Calls mark_step() where a loop with no optimizer updated its
+    parameters by hand after a backward (`p -= lr * p.grad` under no_grad),
+    at the first module called with grad on after it: the next step's
+    forward, where the recorder on fake tensors marks it too. The
+    parameters are the leaves of the backward's graph (its AccumulateGrad
+    nodes); an update is a change of their version counters. stepped[0] is
+    set by an optimizer's step: that step is marked already. Costs a walk of
+    each backward's graph and a look at each module call's grad mode."""
+    import torch
+    from torch.nn.modules import module as module_module
+
+    state = {"depth": 0, "leaves": {}, "params": [], "versions": [], "armed": False}
+    original = torch.autograd._engine_run_backward
+
+    def run_backward(t_outputs, *args, **kwargs):
+        todo = [t.grad_fn for t in t_outputs if getattr(t, "grad_fn", None) is not None]
+        seen = set()
+        while todo:
+            fn = todo.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            v = getattr(fn, "variable", None)  # (an AccumulateGrad node's leaf)
+            if isinstance(v, torch.Tensor):
+                state["leaves"][id(v)] = v
+            todo.extend(f for f, _ in fn.next_functions)
+        state["depth"] += 1
+        try:
+            return original(t_outputs, *args, **kwargs)
+        finally:
+            state["depth"] -= 1
+            if state["depth"] == 0:  # (a reentrant checkpoint's backward runs inside another)
+                state["params"] = list(state["leaves"].values())
+                state["versions"] = [p._version for p in state["params"]]
+                state["leaves"] = {}
+                state["armed"] = True
+                stepped[0] = False
+
+    def next_forward(module, inputs):
+        if not state["armed"] or not torch.is_grad_enabled():
+            return
+        state["armed"] = False
+        if not stepped[0] and any(p._version != v for p, v in zip(state["params"], state["versions"])):
+            mark_step()
+
+    torch.autograd._engine_run_backward = run_backward
+    handle = module_module.register_module_forward_pre_hook(next_forward)
+    try:
+        yield
+    finally:
+        handle.remove()
+        torch.autograd._engine_run_backward = original
+
+
 def run_gpu(out_dir, steps, script, args):
     import torch
 
@@ -181,7 +237,10 @@ def run_gpu(out_dir, steps, script, args):
         done["entries"] = entries()
         torch.cuda.memory._record_memory_history(enabled=None)
 
-    def on_step(optimizer, a, k):
+    stepped = [False]
+
+    def on_step(optimizer=None, a=None, k=None):
+        stepped[0] = True
         done["steps"] += 1
         done["step_ends"].append(len(entries()))
         if done["steps"] >= steps:
@@ -192,7 +251,7 @@ def run_gpu(out_dir, steps, script, args):
 
     optim_module.register_optimizer_step_post_hook(on_step)
     skipped = [0]
-    with _every_step_taken(skipped):
+    with _every_step_taken(skipped), _hand_steps(on_step, stepped):
         ended = not _run_script(script, args)
     if ended:
         dump()
