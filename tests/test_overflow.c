@@ -262,9 +262,14 @@ static void test_moves_and_hint(void) {
             st.num_host_allocs);
   CHECK(intact(f.sim, tier, 8 * MIB, 11));
 
-  /* The hint: refused for an arena block, taken for a tier block. */
-  CHECK_STATUS(gpumem_prefer_host(f.gm, hot), GPUMEM_ERR_UNSUPPORTED);
-  CHECK(strstr(gpumem_last_error(), "lies in an arena") != NULL);
+  /* The hint: taken by an arena block that owns whole pages (they go to
+   * host now: nothing waits) and by a tier block; a pointer inside a
+   * block is refused. */
+  fill(f.sim, hot, 16 * MIB, 12);
+  CHECK_STATUS(gpumem_prefer_host(f.gm, hot), GPUMEM_OK);
+  check_ok(f.gm, "the hint on an arena block");
+  CHECK_MSG(stats(f.gm).num_moves_to_host == 2, "the hinted arena block did not move");
+  CHECK(intact(f.sim, hot, 16 * MIB, 12));
   CHECK_STATUS(gpumem_prefer_host(f.gm, (char*)hot + 512), GPUMEM_ERR_INVALID_POINTER);
   CHECK_STATUS(gpumem_prefer_host(f.gm, tier), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(f.gm, hot), GPUMEM_OK);
