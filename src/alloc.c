@@ -1206,7 +1206,7 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   gm_guard_reset(gm);
   gpumem_status_t st = free_cached_memory(gm, false);
   /* The room just given back serves the tier's host-backed blocks first. */
-  if (st == GPUMEM_OK && gm->tier_on_host) gm_overflow_bring_back(gm, true);
+  if (st == GPUMEM_OK && (gm->tier_on_host | gm->num_arena_host)) gm_overflow_bring_back(gm, true);
   gm_publish_if_wanted(gm);
   gm_lock_release(&gm->lock);
   return st;
