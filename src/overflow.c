@@ -13,20 +13,35 @@
  * ones mapped at the block's own address. Nothing in the caller sees the
  * move; the address is the same throughout.
  *
+ * Arena blocks' pages. A block placed in an arena shares its partly used
+ * first and last pages with its neighbours, but the whole pages inside it
+ * are its alone, so those move too: their page slots become host-backed
+ * (pages.c), one host allocation under them, recorded here
+ * (gm_arena_host), at the same addresses. What stays: the shared edge
+ * pages, and pages of a mapping that reaches past the block (a mapping is
+ * unmapped only whole; under a cap every mapping is one page). A free of
+ * such a block waits for its streams and gives the host pages back before
+ * the block is freed, leaving the slots unmapped for the usual machinery.
+ *
  * What overflows, by coldness. Blocks that stay live across a whole step
  * and are touched once in it (optimizer state, master weights) are the
  * natural tenants; a request that arrives now is, by definition, about to
- * be used. So under pressure, before a new block goes to host pages, the
- * tier's own blocks on device pages move to host, coldest first: those the
- * caller marked (gpumem_prefer_host), then the longest untouched (made,
- * moved or handed to a stream with record_stream longest ago, counted in
- * allocations). Only tier blocks move: a block of an arena shares its
- * pages with its neighbours (docs/design.md, "The overflow tier").
+ * be used. So under pressure, before a new block goes to host pages, cold
+ * blocks move to host, coldest first, until the pages freed cover the
+ * request: the tier's own blocks on device pages and arena blocks with
+ * whole pages of their own; those the caller marked (gpumem_prefer_host)
+ * first, then the longest untouched (made, moved or handed to a stream
+ * with record_stream longest ago, counted in allocations). An arena block
+ * of the last GM_HOT_ALLOCS allocations (or the plan's period) is hot: it
+ * belongs to the step now running. Only where nothing cold enough is left
+ * does the new request get host pages (docs/design.md, "The overflow
+ * tier").
  *
- * No ping-pong. A block that pressure moved to host GM_TIER_BOUNCES times
- * stays there until empty_cache: a step that needs its room every time
- * would otherwise pay two copies of it per step over the host link, where
- * leaving it on host pays only the reads the kernels make.
+ * No ping-pong. A block (tier or arena) that pressure moved to host
+ * GM_TIER_BOUNCES times stays there until empty_cache: a step that needs
+ * its room every time would otherwise pay two copies of it per step over
+ * the host link, where leaving it on host pays only the reads the kernels
+ * make.
  *
  * When it is safe to move. A move copies on the block's own stream and
  * waits for that stream, so the copy follows the work queued there; every
@@ -825,11 +840,26 @@ static int colder_first(const void* x, const void* y) {
   return a->block->addr < b->block->addr ? -1 : a->block->addr > b->block->addr;
 }
 
+static int note_by_block(const void* x, const void* y) {
+  const gm_block_note *a = x, *b = y;
+  if (a->block != b->block) return (uintptr_t)a->block < (uintptr_t)b->block ? -1 : 1;
+  return a->serial < b->serial ? -1 : a->serial > b->serial;
+}
+
+/* find_note for every live block of the arenas at once: the notes sorted
+ * by block (their order means nothing elsewhere), each found by a binary
+ * search rather than a walk. */
+static gm_block_note* find_note_sorted(gpumem_t* gm, const gm_block* b) {
+  gm_block_note key = {(gm_block*)b, b->serial, 0, 0, false};
+  return bsearch(&key, gm->notes, gm->num_notes, sizeof key, note_by_block);
+}
+
 /* Every candidate, coldest first, in *out (to be freed); their number. */
 static size_t cold_candidates(gpumem_t* gm, cold_candidate** out) {
   size_t n = 0, cap = 0;
   cold_candidate* c = NULL;
   uint64_t window = hot_window(gm);
+  if (gm->num_notes > 1) qsort(gm->notes, gm->num_notes, sizeof *gm->notes, note_by_block);
 #define CANDIDATE_ROOM()                                           \
   if (n == cap) {                                                  \
     size_t grown_cap = cap ? 2 * cap : 64;                         \
@@ -848,7 +878,7 @@ static size_t cold_candidates(gpumem_t* gm, cold_candidate** out) {
     for (gm_block* b = seg->first; b; b = b->next) {
       /* (cheap tests first: most blocks are small or recent) */
       if (b->state != GM_ALLOCATED || b->size < gm->page_size) continue;
-      gm_block_note* note = gm->num_notes ? find_note(gm, b) : NULL;
+      gm_block_note* note = gm->num_notes ? find_note_sorted(gm, b) : NULL;
       bool prefer = note && note->prefer_host;
       uint64_t last = note && note->last_touch > b->serial ? note->last_touch : b->serial;
       if (!prefer && gm->num_mallocs - last < window) continue;
