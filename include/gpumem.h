@@ -565,7 +565,9 @@ GPUMEM_API void gpumem_record_step(gpumem_t* gm);
  * loaded and pickled), plus a "gpumem" member with what PyTorch's shape
  * has no room for. Under virtual memory a segment is one run of mapped
  * pages of an address range (is_expandable): the segments add up to the
- * reserved bytes less the spare pages (held, not mapped). device: the
+ * reserved bytes less the spare pages (held, not mapped), plus the host
+ * pages under arena blocks (overflow:host), which lie in their blocks'
+ * segments so that every block is whole in one. device: the
  * index the events are filed under; tag_file: the file name of tagged
  * frames (NULL: "gpumem tag"). Returns 0, or the sink's nonzero value. */
 GPUMEM_API int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file,

@@ -400,6 +400,10 @@ static void test_checksums_two_streams(void) {
 
 /* ---- arena blocks: cold ones' pages out before a new request goes to host ---- */
 
+static size_t gm_round512(size_t n) {
+  return (n + 511) / 512 * 512;
+}
+
 /* Allocations of one small block, made and freed n times: they age every
  * live block by n allocations (the tier takes none of the recent ones). */
 static void age(ofx_t* f, int n) {
@@ -460,6 +464,23 @@ static void arena_cold_scenario(const char* conf, size_t capacity) {
   for (int i = 0; i < COLD; i++)
     CHECK_MSG(intact(f.sim, cold[i], cold_size, 100 + (uint32_t)i), "cold block %d moved out", i);
   for (int i = 0; i < n; i++) CHECK(intact(f.sim, hot[i], 8 * MIB, 200 + (uint32_t)i));
+  /* A snapshot lists every cold block whole, its host pages in its
+   * segment (a block must lie inside one). */
+  size_t cap = 1 << 20;
+  char* snap = malloc(cap);
+  CHECK(snap != NULL);
+  if (snap) {
+    size_t len = gpumem_binding_snapshot_json(f.gm, 0, NULL, snap, cap);
+    CHECK(len > 0 && len < cap);
+    for (int i = 0; i < COLD && len < cap; i++) {
+      char want[96];
+      snprintf(want, sizeof want, "{\"address\":%" PRIu64 ",\"size\":%zu,",
+               (uint64_t)(uintptr_t)cold[i], (size_t)gm_round512(cold_size));
+      CHECK_MSG(strstr(snap, want) != NULL, "%s: the snapshot lacks cold block %d whole (%s)", conf,
+                i, want);
+    }
+    free(snap);
+  }
   /* Which moved: freeing the touched one and the hot ones gives back no
    * host page; the first cold one's free gives back its share. */
   CHECK_STATUS(gpumem_free(f.gm, cold[2]), GPUMEM_OK);
