@@ -307,11 +307,12 @@ GPUMEM_API gpumem_status_t gpumem_free(gpumem_t* gm, void* ptr);
  * the work queued on stream up to the free has completed. */
 GPUMEM_API gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t stream);
 /* Hint (option overflow:host): the allocation at ptr is cold, and host
- * pages suit it. A block in the overflow tier moves to host pages now if
- * its streams are idle (else at the next pressure, before any other), and
- * stays there until it is freed. GPUMEM_ERR_UNSUPPORTED when the tier is
- * off or the block lies in an arena shared with other blocks (only tier
- * blocks own their address range; docs/design.md, "The overflow tier"). */
+ * pages suit it. A block in the overflow tier, or the whole pages inside
+ * a block of an arena, move to host pages now if its streams are idle
+ * (else at the next pressure, before any other), and stay there until it
+ * is freed. GPUMEM_ERR_UNSUPPORTED when the tier is off or the block lies
+ * in an arena and owns no whole page there that may move (its edge pages
+ * are its neighbours' too; docs/design.md, "The overflow tier"). */
 GPUMEM_API gpumem_status_t gpumem_prefer_host(gpumem_t* gm, void* ptr);
 
 /* ---- sharing an allocation with another process (CUDA IPC) ----
@@ -564,7 +565,9 @@ GPUMEM_API void gpumem_record_step(gpumem_t* gm);
  * loaded and pickled), plus a "gpumem" member with what PyTorch's shape
  * has no room for. Under virtual memory a segment is one run of mapped
  * pages of an address range (is_expandable): the segments add up to the
- * reserved bytes less the spare pages (held, not mapped). device: the
+ * reserved bytes less the spare pages (held, not mapped), plus the host
+ * pages under arena blocks (overflow:host), which lie in their blocks'
+ * segments so that every block is whole in one. device: the
  * index the events are filed under; tag_file: the file name of tagged
  * frames (NULL: "gpumem tag"). Returns 0, or the sink's nonzero value. */
 GPUMEM_API int gpumem_snapshot_json(gpumem_t* gm, int device, const char* tag_file,

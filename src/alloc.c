@@ -1119,6 +1119,14 @@ gpumem_status_t gm_free_locked(gpumem_t* gm, uintptr_t addr) {
     if (gm->planner.enabled) gm_plan_note_free(gm, b);
     return free_tier_block(gm, b);
   }
+  if (GM_UNLIKELY(gm->num_arena_host)) {
+    /* host pages under its interior go first (overflow.c) */
+    gpumem_status_t st = gm_overflow_arena_free(gm, b);
+    if (st != GPUMEM_OK) {
+      gm_ptr_map_insert(&gm->ptrs, b);
+      return st;
+    }
+  }
   if (GM_UNLIKELY(gm->num_ipc_exports)) gm_ipc_forget_export(gm, addr);
   bool small = gm_block_stat_small(b);
   size_t size = b->size, requested = b->requested;
@@ -1175,7 +1183,7 @@ gpumem_status_t gpumem_record_stream(gpumem_t* gm, void* ptr, gpumem_stream_t st
     st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem_record_stream: out of host memory for a stream");
   if (st == GPUMEM_OK) st = gm_block_add_use(b, stream);
   if (st == GPUMEM_OK) gm_record(gm, 'r', b->serial, 0, stream);
-  if (st == GPUMEM_OK && gm_block_in_tier(b)) gm_overflow_touch(gm, b);
+  if (st == GPUMEM_OK && GM_UNLIKELY(gm->opts.overflow)) gm_overflow_touch(gm, b);
   gm_lock_release(&gm->lock);
   return st;
 }
@@ -1198,7 +1206,7 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   gm_guard_reset(gm);
   gpumem_status_t st = free_cached_memory(gm, false);
   /* The room just given back serves the tier's host-backed blocks first. */
-  if (st == GPUMEM_OK && gm->tier_on_host) gm_overflow_bring_back(gm, true);
+  if (st == GPUMEM_OK && (gm->tier_on_host | gm->num_arena_host)) gm_overflow_bring_back(gm, true);
   gm_publish_if_wanted(gm);
   gm_lock_release(&gm->lock);
   return st;

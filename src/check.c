@@ -86,6 +86,25 @@ static void check_pages(gpumem_t* gm, gm_segment* seg, check_ctx* c) {
       break;
     }
   }
+  /* host-backed slots (overflow.c): under a live block (check_segment:
+   * wholly inside an allocated one), holding no device page, no page
+   * record and no ghost; counted in host_pages */
+  size_t host = 0;
+  for (size_t p = 0; seg->host_bits && p < seg->num_pages; p++) {
+    if (!gm_arena_page_host(seg, p)) continue;
+    host++;
+    if (gm_arena_page_mapped(seg, p) || seg->live_id[p] || seg->ghost_id[p] ||
+        !gm_page_busy(seg, p)) {
+      violation(c, "arena 0x%lx page %zu: host-backed, yet %s", at, p,
+                gm_arena_page_mapped(seg, p)          ? "mapped to a device page"
+                : seg->live_id[p] || seg->ghost_id[p] ? "with a page record or a ghost"
+                                                      : "under no live block");
+      break;
+    }
+  }
+  if (host != seg->host_pages)
+    violation(c, "arena 0x%lx: %zu host-backed page slots, counter says %zu", at, host,
+              seg->host_pages);
   for (size_t p = 0; p < seg->num_pages; p++) {
     bool live = gm_arena_page_mapped(seg, p);
     bool single =
@@ -236,7 +255,10 @@ static void check_segment(gpumem_t* gm, gm_segment* seg, sums* s, check_ctx* c) 
     if (seg->is_arena && b->state != GM_FREE) {
       size_t first = (b->addr - seg->addr) / ps, last = (b->addr + b->size - 1 - seg->addr) / ps;
       for (size_t p = first; p <= last; p++) {
-        if (!gm_arena_page_mapped(seg, p)) {
+        /* (or host-backed, strictly inside an allocated block: overflow.c) */
+        bool host = gm_arena_page_host(seg, p) && b->state == GM_ALLOCATED &&
+                    p * ps >= b->addr - seg->addr && (p + 1) * ps <= b->addr + b->size - seg->addr;
+        if (!gm_arena_page_mapped(seg, p) && !host) {
           violation(c, "page %zu under live block 0x%lx is not mapped", p, (unsigned long)b->addr);
           break;
         }

@@ -169,6 +169,14 @@ struct gm_segment {
    * address range, in no segment list, and its one block is seg->first.
    * NULL for every other segment. */
   struct gm_tier_block* tier;
+  /* Arenas only, NULL until the overflow tier first moves pages of one of
+   * its blocks to host (overflow.c): host_bits has the bit of each page
+   * slot backed by host pages instead of a device page. Such a slot lies
+   * strictly inside one allocated block, is not in mapped_bits (it holds
+   * no device page: not reserved, no page record, no ghost), and goes
+   * back to unmapped when its block is freed or moves back. */
+  uint64_t* host_bits;
+  size_t host_pages;
 };
 
 /* A physical page of one page size and every address it is mapped at: at
@@ -515,6 +523,16 @@ struct gpumem {
   uint64_t tier_retry_below;
   gpumem_event_t tier_event;
   bool tier_event_made;
+  /* Arena blocks whose interior pages are on host pages (overflow.c,
+   * gm_arena_host): one record per block; their host bytes (within the
+   * host budget with tier_host_bytes). */
+  struct gm_arena_host* arena_host;
+  size_t num_arena_host, arena_host_capacity;
+  size_t arena_host_bytes;
+  /* What the tier knows of arena blocks beyond their serial (overflow.c,
+   * gm_block_note): the last record_stream, the hint, pressure moves. */
+  struct gm_block_note* notes;
+  size_t num_notes, notes_capacity;
 
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
@@ -744,6 +762,33 @@ gpumem_status_t gm_reclaim_from(gpumem_t* gm, int which, size_t want, size_t* re
  * highest mapped page; false when none. */
 bool gm_interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end);
 
+/* Host-backed page slots (the overflow tier, overflow.c). */
+static inline bool gm_arena_page_host(const gm_segment* seg, size_t p) {
+  return seg->host_bits && ((seg->host_bits[p / 64] >> (p % 64)) & 1u);
+}
+/* The pages of live block b that it alone may hand to host pages: its
+ * whole interior pages, less any mapping that reaches past them (a
+ * mapping moves only whole), [*first, *end); false when none, or when one
+ * of them is not a plain device page (a shared alias). */
+bool gm_arena_movable(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end);
+/* Pages [first, end) of seg (device pages under one live block, whose
+ * bytes were copied to host pages `host` already) swap to `host`: the
+ * device mappings are unmapped in one call, host mapped there in one,
+ * and the device pages become spare (single pages) or go back to the
+ * device (longer mappings). On failure the device pages are where they
+ * were. */
+gpumem_status_t gm_arena_swap_to_host(gpumem_t* gm, gm_segment* seg, size_t first, size_t end,
+                                      gpumem_phys_t host);
+/* The reverse: host-backed pages [first, end) of seg swap to the device
+ * pages `dev` (one physical allocation of end - first pages, counted in
+ * reserved from here on). On failure the host pages are where they were
+ * and `dev` is not counted. */
+gpumem_status_t gm_arena_swap_to_device(gpumem_t* gm, gm_segment* seg, size_t first, size_t end,
+                                        gpumem_phys_t host, gpumem_phys_t dev);
+/* Marks host-backed pages [first, end) of seg as unmapped (after the
+ * caller unmapped them). */
+void gm_arena_host_clear(gm_segment* seg, size_t first, size_t end);
+
 /* ---- fence.c: free pages taken back without waiting ---- */
 /* Before an arena grows past the mark: advances the streams' fences and
  * takes back up to `want` pages (a mapping counts whole) that a completed
@@ -884,14 +929,25 @@ void gm_overflow_bring_back(gpumem_t* gm, bool after_empty_cache);
 void gm_overflow_retire(gpumem_t* gm, bool wait);
 static inline void gm_overflow_after_free(gpumem_t* gm) {
   if (GM_UNLIKELY(gm->tier_retiring != NULL)) gm_overflow_retire(gm, false);
-  if (GM_UNLIKELY(gm->tier_on_host != 0) &&
+  if (GM_UNLIKELY((gm->tier_on_host | gm->num_arena_host) != 0) &&
       (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current < gm->tier_retry_below)
     gm_overflow_bring_back(gm, false);
 }
-/* A tier block was handed to a stream (record_stream): it is warm. */
+/* A block was handed to a stream (record_stream) with the tier on: it is
+ * warm. An arena block's touch is noted beside it (gm_block_note). */
+void gm_overflow_note_touch(gpumem_t* gm, gm_block* b);
 static inline void gm_overflow_touch(gpumem_t* gm, gm_block* b) {
-  b->seg->tier->last_touch = gm->num_mallocs;
+  if (gm_block_in_tier(b))
+    b->seg->tier->last_touch = gm->num_mallocs;
+  else if (b->seg->is_arena)
+    gm_overflow_note_touch(gm, b);
 }
+/* Arena block b (out of the pointer map, about to be freed) gives back
+ * the host pages under its interior, if it has any: its streams are
+ * waited for, the host pages unmapped and released, the slots left
+ * unmapped, and its other streams' uses dropped (they are over). On
+ * failure nothing changed and the free must not go on. */
+gpumem_status_t gm_overflow_arena_free(gpumem_t* gm, gm_block* b);
 /* gpumem_check's part: tier blocks counted into the sums, violations. */
 typedef struct gm_tier_sums {
   int64_t blocks[GPUMEM_POOL_COUNT], bytes[GPUMEM_POOL_COUNT], requested[GPUMEM_POOL_COUNT];
@@ -1018,6 +1074,9 @@ void gm_history_destroy(gpumem_t* gm);
 /* ipc.c: closes the descriptors exported for the allocation at addr (on
  * its free); everything at gpumem_destroy. */
 void gm_ipc_forget_export(gpumem_t* gm, uintptr_t addr);
+/* Whether the allocation at addr was exported (another process may map
+ * its device pages: they must stay where they are). */
+bool gm_ipc_exported(const gpumem_t* gm, uintptr_t addr);
 void gm_ipc_destroy(gpumem_t* gm);
 /* One predictable branch where nothing is recorded. */
 static inline void gm_history_add(gpumem_t* gm, int action, uintptr_t addr, uint64_t size,

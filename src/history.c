@@ -191,18 +191,24 @@ static void write_segment(snapshot_ctx* c, gm_segment* seg, uintptr_t start, uin
   gm_emit(e, "]}", 2);
 }
 
-/* Pages [*from, ...) of an arena: the next run of mapped pages. */
+/* Pages [*from, ...) of an arena: the next run of mapped pages (host-backed
+ * ones included: they lie inside a live block, which a segment must hold
+ * whole; overflow.c). */
+static bool page_backed(const gm_segment* seg, size_t p) {
+  return gm_arena_page_mapped(seg, p) || gm_arena_page_host(seg, p);
+}
+
 static bool next_mapped_run(const gm_segment* seg, size_t* from, size_t* run_end) {
   size_t p = *from;
-  while (p < seg->mapped_end && !gm_arena_page_mapped(seg, p)) {
-    if (p % 64 == 0 && seg->mapped_bits[p / 64] == 0)
+  while (p < seg->mapped_end && !page_backed(seg, p)) {
+    if (p % 64 == 0 && seg->mapped_bits[p / 64] == 0 && !seg->host_bits)
       p += 64;
     else
       p++;
   }
   if (p >= seg->mapped_end) return false;
   size_t q = p;
-  while (q < seg->mapped_end && gm_arena_page_mapped(seg, q)) q++;
+  while (q < seg->mapped_end && page_backed(seg, q)) q++;
   *from = p;
   *run_end = q;
   return true;

@@ -137,6 +137,12 @@ static gpumem_status_t remember_export(gpumem_t* gm, uintptr_t addr, int* fds, s
   return GPUMEM_OK;
 }
 
+bool gm_ipc_exported(const gpumem_t* gm, uintptr_t addr) {
+  for (size_t i = 0; i < gm->num_ipc_exports; i++)
+    if (gm->ipc_exports[i].addr == addr) return true;
+  return false;
+}
+
 void gm_ipc_forget_export(gpumem_t* gm, uintptr_t addr) {
   for (size_t i = 0; i < gm->num_ipc_exports;) {
     if (gm->ipc_exports[i].addr == addr) {

@@ -35,6 +35,7 @@
  *
  * Reserved bytes per pool: pages live in small arenas count as small;
  * large-arena and spare pages count as large. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -90,6 +91,7 @@ static void free_tables(gm_segment* seg) {
   free(seg->busy_inner);
   free(seg->fence_pend);
   free(seg->fence_safe);
+  free(seg->host_bits);
   free(seg);
 }
 
@@ -1370,4 +1372,166 @@ void gm_alias_release(gpumem_t* gm, gm_block* b) {
   b->aliased = 0;
   gm_free_shadow(gm, b->next);
   gm_free_shadow(gm, a.shadow_there);
+}
+
+/* ---- host-backed page slots (the overflow tier, overflow.c) ----
+ *
+ * A slot strictly inside a live block may hold host pages instead of a
+ * device page. Such a slot is outside everything above: not mapped in
+ * mapped_bits (no device page, not reserved), no page record, no ghost,
+ * and under a live block, so that reclaim, ghosts, spare pages, map-ahead
+ * and aliases (which look at free blocks and mapped pages only) never see
+ * it. Its block is its only user; when the block is freed or its bytes
+ * move back, the slot is unmapped again and the machinery above maps a
+ * device page there when a block needs one. */
+
+bool gm_arena_movable(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end) {
+  const gm_segment* seg = b->seg;
+  size_t ps = gm->page_size;
+  size_t lo = gm_round_up(b->addr - seg->addr, ps) / ps;
+  size_t hi = (b->addr + b->size - seg->addr) / ps;
+  /* A mapping that begins before the interior or runs past it holds a
+   * neighbour's bytes (or an edge page): its pages stay. */
+  while (lo < hi && gm_arena_page_mapped(seg, lo) && seg->run_start[lo] != lo) lo++;
+  while (hi > lo && gm_arena_page_mapped(seg, hi - 1)) {
+    size_t start = seg->run_start[hi - 1];
+    if (start + run_length(seg, start) <= hi) break;
+    hi = start > lo ? start : lo;
+  }
+  *first = lo;
+  *end = hi;
+  if (lo >= hi) return false;
+  for (size_t p = lo; p < hi; p++) {
+    /* (every page under a live block is mapped; a page shared as an alias
+     * is mapped at two addresses and stays) */
+    if (!gm_arena_page_mapped(seg, p) || gm_arena_page_host(seg, p)) return false;
+    uint32_t id = seg->live_id[p];
+    if (id &&
+        (phys_of((gpumem_t*)gm, id)->alias_seg || phys_of((gpumem_t*)gm, id)->live_seg != seg))
+      return false;
+  }
+  return true;
+}
+
+static void host_bits_set(gm_segment* seg, size_t first, size_t end, bool on) {
+  gm_bits_range(seg->host_bits, first, end - 1, on);
+  seg->host_pages = on ? seg->host_pages + (end - first) : seg->host_pages - (end - first);
+}
+
+void gm_arena_host_clear(gm_segment* seg, size_t first, size_t end) {
+  host_bits_set(seg, first, end, false);
+}
+
+/* Maps the device mappings of pages [first, end) back where they were
+ * (their records still say which), after an unmap of the range: twice
+ * each if need be, since a live block's page must not stay unmapped. */
+static void remap_device(gpumem_t* gm, gm_segment* seg, size_t first, size_t end) {
+  size_t ps = gm->page_size;
+  for (size_t p = first; p < end;) {
+    size_t n = seg->live_id[p] ? 1 : run_length(seg, p);
+    uintptr_t at = seg->addr + p * ps;
+    if (GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, at, n * ps, seg->handles[p])) !=
+        GPUMEM_OK)
+      GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, at, n * ps, seg->handles[p]));
+    p += n;
+  }
+}
+
+gpumem_status_t gm_arena_swap_to_host(gpumem_t* gm, gm_segment* seg, size_t first, size_t end,
+                                      gpumem_phys_t host) {
+  size_t ps = gm->page_size, n = end - first;
+  uintptr_t at = seg->addr + first * ps;
+  /* Room first, so that nothing can fail once the pages have swapped. */
+  size_t singles = 0, runs = 0;
+  for (size_t p = first; p < end;) {
+    size_t m = seg->live_id[p] ? 1 : run_length(seg, p);
+    singles += seg->live_id[p] != 0;
+    runs += seg->live_id[p] == 0;
+    p += m;
+  }
+  if (!seg->host_bits) {
+    seg->host_bits = calloc((seg->num_pages + 63) / 64, sizeof *seg->host_bits);
+    if (!seg->host_bits)
+      return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for host page slots");
+  }
+  gpumem_status_t st = spare_reserve(gm, singles);
+  if (st == GPUMEM_OK) st = spare_runs_reserve(gm, runs);
+  if (st != GPUMEM_OK) return st;
+  st = GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, at, n * ps));
+  if (st != GPUMEM_OK) return st;
+  st = GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, at, n * ps, host));
+  if (st != GPUMEM_OK) {
+    char cause[300];
+    snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+    remap_device(gm, seg, first, end);
+    gpumem_set_last_error("%s", cause);
+    return st;
+  }
+  gm->stats.num_pages_unmapped += (int64_t)n;
+  gm->stats.num_pages_mapped++;
+  /* The device pages leave the address: single pages to the spare list
+   * (the request the move makes room for maps them; the caller waited for
+   * every stream of the block), longer mappings back to the device. */
+  for (size_t p = first; p < end;) {
+    uint32_t id = seg->live_id[p];
+    if (id) {
+      unmake_live(gm, seg, p);
+      phys_of(gm, id)->freed_on = NULL;
+      spare_push(gm, id);
+      p++;
+      continue;
+    }
+    size_t m = run_length(seg, p);
+    gm->spare_runs[gm->num_spare_runs++] = (gm_spare_run){seg->handles[p], m};
+    gm->spare_run_pages += m;
+    for (size_t q = p; q < p + m; q++) clear_mapped(seg, q);
+    if (seg->pool->is_small) gm_stat_pool_move(gm->stats.reserved_bytes, false, (int64_t)(m * ps));
+    p += m;
+  }
+  host_bits_set(seg, first, end, true);
+  /* (a run whose release fails stays listed, counted as reserved, for the
+   * next try) */
+  (void)release_spare_runs(gm);
+  return GPUMEM_OK;
+}
+
+gpumem_status_t gm_arena_swap_to_device(gpumem_t* gm, gm_segment* seg, size_t first, size_t end,
+                                        gpumem_phys_t host, gpumem_phys_t dev) {
+  size_t ps = gm->page_size, n = end - first;
+  uintptr_t at = seg->addr + first * ps;
+  /* One page is a single-page mapping, which has a page record. */
+  uint32_t id = 0;
+  if (n == 1) {
+    id = phys_new(gm, dev);
+    if (!id) return gm_fail(GPUMEM_ERR_HOST_MEMORY, "gpumem: out of host memory for a page record");
+  }
+  gpumem_status_t st = GM_MAP_CALL(gm, unmap, gm->backend->unmap(gm->backend->ctx, at, n * ps));
+  if (st == GPUMEM_OK) {
+    st = GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, at, n * ps, dev));
+    if (st != GPUMEM_OK) {
+      char cause[300];
+      snprintf(cause, sizeof cause, "%s", gpumem_last_error());
+      if (GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, at, n * ps, host)) != GPUMEM_OK)
+        GM_MAP_CALL(gm, map, gm->backend->map(gm->backend->ctx, at, n * ps, host));
+      gpumem_set_last_error("%s", cause);
+    }
+  }
+  if (st != GPUMEM_OK) {
+    if (id) phys_delete(gm, id);
+    return st;
+  }
+  gm->stats.num_pages_unmapped++;
+  gm->stats.num_pages_mapped += (int64_t)n;
+  gm->stats.num_device_alloc++;
+  host_bits_set(seg, first, end, false);
+  /* Counted as map_new counts a new mapping: reserved (large), then moved
+   * to the small pool's count for a page live in a small arena. */
+  gm_stat_pool_add(gm, gm->stats.reserved_bytes, false, (int64_t)(n * ps));
+  if (id) {
+    make_live(gm, seg, first, id);
+    return GPUMEM_OK;
+  }
+  for (size_t q = first; q < end; q++) set_mapped(seg, q, dev, first);
+  if (seg->pool->is_small) gm_stat_pool_move(gm->stats.reserved_bytes, true, (int64_t)(n * ps));
+  return GPUMEM_OK;
 }

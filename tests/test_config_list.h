@@ -25,7 +25,9 @@ typedef struct config {
    * lend:on (lent blocks come back behind the borrower's event); 4: the
    * library's defaults with the overflow tier on (overflow:host, a host
    * budget of 96 MiB), so that requests past the device or the limit land
-   * on host pages and move back and forth. */
+   * on host pages and move back and forth; 5: as 4 with map_pages per
+   * mapping, so that arena blocks own their mappings and cold ones' pages
+   * move too (a mapping moves only whole). */
   int library_defaults;
 } config_t;
 
@@ -34,9 +36,10 @@ static inline gpumem_options_t config_options(const config_t* cfg, size_t page_s
   gpumem_options_t o;
   gpumem_options_init(&o);
   o.policy = cfg->policy;
-  if (cfg->library_defaults == 4) {
+  if (cfg->library_defaults >= 4) {
     o.overflow = GPUMEM_OVERFLOW_HOST;
     o.overflow_host_bytes = (size_t)96 << 20;
+    if (cfg->library_defaults == 5) o.map_max_bytes = cfg->map_pages * page_size;
     return o;
   }
   if (cfg->library_defaults >= 2) {

@@ -262,9 +262,14 @@ static void test_moves_and_hint(void) {
             st.num_host_allocs);
   CHECK(intact(f.sim, tier, 8 * MIB, 11));
 
-  /* The hint: refused for an arena block, taken for a tier block. */
-  CHECK_STATUS(gpumem_prefer_host(f.gm, hot), GPUMEM_ERR_UNSUPPORTED);
-  CHECK(strstr(gpumem_last_error(), "lies in an arena") != NULL);
+  /* The hint: taken by an arena block that owns whole pages (they go to
+   * host now: nothing waits) and by a tier block; a pointer inside a
+   * block is refused. */
+  fill(f.sim, hot, 16 * MIB, 12);
+  CHECK_STATUS(gpumem_prefer_host(f.gm, hot), GPUMEM_OK);
+  check_ok(f.gm, "the hint on an arena block");
+  CHECK_MSG(stats(f.gm).num_moves_to_host == 2, "the hinted arena block did not move");
+  CHECK(intact(f.sim, hot, 16 * MIB, 12));
   CHECK_STATUS(gpumem_prefer_host(f.gm, (char*)hot + 512), GPUMEM_ERR_INVALID_POINTER);
   CHECK_STATUS(gpumem_prefer_host(f.gm, tier), GPUMEM_OK);
   CHECK_STATUS(gpumem_free(f.gm, hot), GPUMEM_OK);
@@ -393,6 +398,267 @@ static void test_checksums_two_streams(void) {
   ofx_done(&f);
 }
 
+/* ---- arena blocks: cold ones' pages out before a new request goes to host ---- */
+
+static size_t gm_round512(size_t n) {
+  return (n + 511) / 512 * 512;
+}
+
+/* Allocations of one small block, made and freed n times: they age every
+ * live block by n allocations (the tier takes none of the recent ones). */
+static void age(ofx_t* f, int n) {
+  for (int i = 0; i < n; i++) {
+    void* p = NULL;
+    CHECK_STATUS(gpumem_malloc(f->gm, 4096, 0, &p), GPUMEM_OK);
+    CHECK_STATUS(gpumem_free(f->gm, p), GPUMEM_OK);
+  }
+}
+
+/* Three cold blocks (optimizer state: made long ago, live throughout)
+ * on two streams, each handed to the other one; the third touched again
+ * (record_stream) just before the pressure. Hot blocks fill the limit:
+ * the cold, untouched ones move out, coldest first, and no request goes
+ * to host pages. Checksums in every block survive the moves both ways,
+ * with work queued on both streams. conf: the limit (single-page
+ * mappings) or a full device (mappings of several pages). */
+static void arena_cold_scenario(const char* conf, size_t capacity) {
+  ofx_t f = ofx_new(conf, capacity);
+  if (!f.gm) return ofx_done(&f);
+  const gpumem_stream_t s1 = 0x51, s2 = 0x52;
+  enum { COLD = 3, HOT = 16 };
+  size_t cold_size = 10 * MIB + 512;
+  void* cold[COLD];
+  for (int i = 0; i < COLD; i++) {
+    CHECK_STATUS(gpumem_malloc(f.gm, cold_size, i % 2 ? s2 : s1, &cold[i]), GPUMEM_OK);
+    CHECK_STATUS(gpumem_record_stream(f.gm, cold[i], i % 2 ? s1 : s2), GPUMEM_OK);
+    fill(f.sim, cold[i], cold_size, 100 + (uint32_t)i);
+  }
+  check_ok(f.gm, "the cold blocks");
+  /* A block that owns no whole page cannot take the hint. */
+  void* tiny = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, MIB, s1, &tiny), GPUMEM_OK);
+  CHECK_STATUS(gpumem_prefer_host(f.gm, tiny), GPUMEM_ERR_UNSUPPORTED);
+  CHECK(strstr(gpumem_last_error(), "owns no whole page") != NULL);
+  CHECK_STATUS(gpumem_free(f.gm, tiny), GPUMEM_OK);
+  age(&f, 1100);
+  CHECK_STATUS(gpumem_record_stream(f.gm, cold[2], s1), GPUMEM_OK); /* warm again */
+  gpumem_sim_set_event_delay(f.sim, 3);
+  void* hot[HOT] = {0};
+  int n = 0;
+  gpumem_stats_t st = stats(f.gm);
+  while (n < HOT && stats(f.gm).num_moves_to_host < 2) {
+    CHECK_STATUS(gpumem_malloc(f.gm, 8 * MIB, n % 2 ? s2 : s1, &hot[n]), GPUMEM_OK);
+    fill(f.sim, hot[n], 8 * MIB, 200 + (uint32_t)n);
+    n++;
+    check_ok(f.gm, "a hot malloc under pressure");
+  }
+  st = stats(f.gm);
+  CHECK_MSG(st.num_moves_to_host == 2 && st.num_host_allocs == 0,
+            "%s: %" PRId64 " moves out, %" PRId64 " requests on host pages after %d hot blocks",
+            conf, st.num_moves_to_host, st.num_host_allocs, n);
+  int64_t host = st.host_bytes[GPUMEM_POOL_ALL].current;
+  CHECK_MSG(host >= (int64_t)(2 * 8 * MIB) && host <= (int64_t)(2 * cold_size) &&
+                host == st.bytes_moved_to_host,
+            "%s: %" PRId64 " host bytes for two cold blocks' interiors", conf, host);
+  CHECK(st.move_to_host_ns > 0 && st.host_link_model_us > 0);
+  for (int i = 0; i < COLD; i++)
+    CHECK_MSG(intact(f.sim, cold[i], cold_size, 100 + (uint32_t)i), "cold block %d moved out", i);
+  for (int i = 0; i < n; i++) CHECK(intact(f.sim, hot[i], 8 * MIB, 200 + (uint32_t)i));
+  /* A snapshot lists every cold block whole, its host pages in its
+   * segment (a block must lie inside one). */
+  size_t cap = 1 << 20;
+  char* snap = malloc(cap);
+  CHECK(snap != NULL);
+  if (snap) {
+    size_t len = gpumem_binding_snapshot_json(f.gm, 0, NULL, snap, cap);
+    CHECK(len > 0 && len < cap);
+    for (int i = 0; i < COLD && len < cap; i++) {
+      char want[96];
+      snprintf(want, sizeof want, "{\"address\":%" PRIu64 ",\"size\":%zu,",
+               (uint64_t)(uintptr_t)cold[i], (size_t)gm_round512(cold_size));
+      CHECK_MSG(strstr(snap, want) != NULL, "%s: the snapshot lacks cold block %d whole (%s)", conf,
+                i, want);
+    }
+    free(snap);
+  }
+  /* Which moved: freeing the touched one and the hot ones gives back no
+   * host page; the first cold one's free gives back its share. */
+  CHECK_STATUS(gpumem_free(f.gm, cold[2]), GPUMEM_OK);
+  cold[2] = NULL;
+  for (int i = 0; i < n / 2; i++) {
+    CHECK_STATUS(gpumem_free(f.gm, hot[i]), GPUMEM_OK);
+    hot[i] = NULL;
+    check_ok(f.gm, "a free of a hot block");
+  }
+  st = stats(f.gm);
+  CHECK_MSG(st.host_bytes[GPUMEM_POOL_ALL].current == host,
+            "%s: host bytes %" PRId64 " after frees of blocks that stayed, were %" PRId64, conf,
+            st.host_bytes[GPUMEM_POOL_ALL].current, host);
+  /* empty_cache (it may wait, as PyTorch's does): the cold blocks come
+   * back to device pages, bytes intact. */
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  check_ok(f.gm, "empty_cache bringing arena blocks back");
+  st = stats(f.gm);
+  CHECK_MSG(st.num_moves_to_device == 2 && st.host_bytes[GPUMEM_POOL_ALL].current == 0 &&
+                st.bytes_moved_to_device == host,
+            "%s: %" PRId64 " moves back, %" PRId64 " host bytes left", conf, st.num_moves_to_device,
+            st.host_bytes[GPUMEM_POOL_ALL].current);
+  for (int i = 0; i < 2; i++)
+    CHECK_MSG(intact(f.sim, cold[i], cold_size, 100 + (uint32_t)i), "cold block %d came back", i);
+  /* The hint on an arena block with its streams busy: no move now, first
+   * out at the next pressure; a free of a block on host pages gives them
+   * back. */
+  CHECK_STATUS(gpumem_prefer_host(f.gm, cold[1]), GPUMEM_OK);
+  CHECK(stats(f.gm).num_moves_to_host == 2);
+  for (int i = 0; i < n / 2; i++) {
+    CHECK_STATUS(gpumem_malloc(f.gm, 8 * MIB, s2, &hot[i]), GPUMEM_OK);
+    fill(f.sim, hot[i], 8 * MIB, 200 + (uint32_t)i);
+    check_ok(f.gm, "a hot malloc after the hint");
+  }
+  st = stats(f.gm);
+  CHECK_MSG(st.num_moves_to_host >= 3 && st.num_host_allocs == 0,
+            "%s: the hinted block did not go out first (%" PRId64 " moves, %" PRId64
+            " requests on host)",
+            conf, st.num_moves_to_host, st.num_host_allocs);
+  CHECK(intact(f.sim, cold[1], cold_size, 101));
+  CHECK_STATUS(gpumem_free(f.gm, cold[1]), GPUMEM_OK);
+  cold[1] = NULL;
+  check_ok(f.gm, "a free of a block on host pages");
+  gpumem_sim_set_event_delay(f.sim, 0);
+  for (int i = 0; i < COLD; i++)
+    if (cold[i]) {
+      CHECK(intact(f.sim, cold[i], cold_size, 100 + (uint32_t)i));
+      CHECK_STATUS(gpumem_free(f.gm, cold[i]), GPUMEM_OK);
+    }
+  for (int i = 0; i < n; i++)
+    if (hot[i]) {
+      CHECK(intact(f.sim, hot[i], 8 * MIB, 200 + (uint32_t)i));
+      CHECK_STATUS(gpumem_free(f.gm, hot[i]), GPUMEM_OK);
+    }
+  check_ok(f.gm, "the last frees");
+  CHECK(stats(f.gm).host_bytes[GPUMEM_POOL_ALL].current == 0);
+  ofx_done(&f);
+}
+
+static void test_arena_cold_blocks(void) {
+  arena_cold_scenario("overflow:host,limit:64M", 1024 * MIB);
+  arena_cold_scenario("overflow:host,map_max:8M", 64 * MIB);
+}
+
+/* Every backend call of the arena paths failing in turn: moves out under
+ * pressure and by the hint, back at empty_cache, the free of a block on
+ * host pages. Each operation ends in success or a clean failure, with
+ * gpumem_check passing and every live block's bytes intact. */
+static bool arena_fault_run(long skip, int kind, int* failures_seen) {
+  ofx_t f = ofx_new("overflow:host:48M,limit:40M", 1024 * MIB);
+  if (!f.gm) {
+    ofx_done(&f);
+    return false;
+  }
+  enum { COLD = 3, HOT = 6, N = COLD + HOT };
+  size_t sz[N];
+  void* p[N] = {0};
+  const gpumem_stream_t s2 = 0x52;
+  for (int i = 0; i < COLD; i++) {
+    sz[i] = 10 * MIB + 512;
+    CHECK_STATUS(gpumem_malloc(f.gm, sz[i], i % 2 ? s2 : 0, &p[i]), GPUMEM_OK);
+    CHECK_STATUS(gpumem_record_stream(f.gm, p[i], i % 2 ? 0 : s2), GPUMEM_OK);
+    fill(f.sim, p[i], sz[i], (uint32_t)i);
+  }
+  age(&f, 1100);
+  for (int i = COLD; i < N; i++) sz[i] = 8 * MIB;
+  /* failures from here on only: the scene above is set */
+  gpumem_sim_fail(f.sim, kind, skip, 1,
+                  kind == GPUMEM_CALL_create_host_page || kind == -1 ? GPUMEM_ERR_OUT_OF_MEMORY
+                                                                     : GPUMEM_ERR_BACKEND);
+#define OP_DONE(what)                                                                         \
+  do {                                                                                        \
+    check_ok(f.gm, what);                                                                     \
+    for (int j = 0; j < N; j++)                                                               \
+      if (p[j])                                                                               \
+        CHECK_MSG(intact(f.sim, p[j], sz[j], (uint32_t)j), "block %d lost bytes after %s", j, \
+                  what);                                                                      \
+  } while (0)
+#define MALLOC_OK(st)                                                                        \
+  CHECK_MSG(st == GPUMEM_OK || st == GPUMEM_ERR_OUT_OF_MEMORY ||                             \
+                (st == GPUMEM_ERR_BACKEND && !strstr(gpumem_last_error(), "overflow:host")), \
+            "malloc: %s: %s", gpumem_strerror(st), gpumem_last_error())
+  for (int i = COLD; i < N - 1; i++) {
+    gpumem_status_t st = gpumem_malloc(f.gm, sz[i], i % 2 ? s2 : 0, &p[i]);
+    MALLOC_OK(st);
+    if (st != GPUMEM_OK) {
+      (*failures_seen)++;
+      p[i] = NULL;
+    } else {
+      fill(f.sim, p[i], sz[i], (uint32_t)i);
+      /* (handed to the other stream: its free waits for an event) */
+      if (gpumem_record_stream(f.gm, p[i], i % 2 ? 0 : s2) != GPUMEM_OK) (*failures_seen)++;
+    }
+    OP_DONE("a malloc under pressure");
+  }
+  /* frees with room under the limit: blocks come back where their
+   * streams are idle (events queried) */
+  for (int i = COLD; i < COLD + 2; i++) {
+    if (!p[i]) continue;
+    if (gpumem_free(f.gm, p[i]) == GPUMEM_OK)
+      p[i] = NULL;
+    else
+      (*failures_seen)++;
+    OP_DONE("a free of a hot block");
+  }
+  /* (a malloc queries the frees' events) */
+  void* small = NULL;
+  gpumem_status_t small_st = gpumem_malloc(f.gm, MIB, 0, &small);
+  MALLOC_OK(small_st);
+  if (small_st == GPUMEM_OK && gpumem_free(f.gm, small) != GPUMEM_OK) (*failures_seen)++;
+  OP_DONE("a malloc and free with events pending");
+  if (gpumem_empty_cache(f.gm) != GPUMEM_OK) (*failures_seen)++;
+  OP_DONE("empty_cache");
+  gpumem_status_t st = gpumem_malloc(f.gm, sz[N - 1], 0, &p[N - 1]);
+  MALLOC_OK(st);
+  if (st == GPUMEM_OK)
+    fill(f.sim, p[N - 1], sz[N - 1], (uint32_t)(N - 1));
+  else
+    p[N - 1] = NULL;
+  OP_DONE("a malloc after empty_cache");
+  for (int i = 0; i < COLD; i++)
+    if (p[i]) (void)gpumem_prefer_host(f.gm, p[i]);
+  OP_DONE("the hint");
+  if (p[0]) {
+    if (gpumem_free(f.gm, p[0]) == GPUMEM_OK)
+      p[0] = NULL;
+    else
+      (*failures_seen)++;
+    OP_DONE("a free of a cold block");
+  }
+  if (gpumem_empty_cache(f.gm) != GPUMEM_OK) (*failures_seen)++;
+  OP_DONE("the last empty_cache");
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(f.sim, &c);
+  bool fired = c.failures_injected > 0;
+  gpumem_sim_fail_clear(f.sim);
+  gpumem_stats_t st0 = stats(f.gm);
+  int64_t hinted_host = st0.host_bytes[GPUMEM_POOL_ALL].current;
+  /* (the run no failure reached took every path: out, back, the hint) */
+  CHECK_MSG(
+      fired || (st0.num_moves_to_host >= 3 && st0.num_moves_to_device >= 1 && hinted_host > 0),
+      "arena scenario: %" PRId64 " moves out, %" PRId64 " back, %" PRId64
+      " requests on host, %" PRId64 " host bytes",
+      st0.num_moves_to_host, st0.num_moves_to_device, st0.num_host_allocs, hinted_host);
+  for (int i = 0; i < N; i++) {
+    if (!p[i]) continue;
+    CHECK_STATUS(gpumem_free(f.gm, p[i]), GPUMEM_OK);
+    p[i] = NULL;
+    OP_DONE("a free after the failures");
+  }
+  CHECK(stats(f.gm).host_bytes[GPUMEM_POOL_ALL].current == 0);
+#undef MALLOC_OK
+#undef OP_DONE
+  gpumem_destroy(f.gm);
+  gpumem_sim_destroy(f.sim);
+  return fired;
+}
+
 /* ---- every backend call failing in turn ---- */
 
 /* One scenario through every path of the tier: blocks overflow, come back,
@@ -488,7 +754,7 @@ static bool fault_run(long skip, int kind, int* failures_seen) {
   return fired;
 }
 
-static void test_faults(void) {
+static void test_faults(bool arena) {
   const int kinds[] = {-1,
                        GPUMEM_CALL_create_host_page,
                        GPUMEM_CALL_create_page,
@@ -505,13 +771,14 @@ static void test_faults(void) {
     long runs = 0;
     for (long skip = 0; skip < 100000; skip++) {
       runs++;
-      if (!fault_run(skip, kinds[k], &failures)) break;
+      if (!(arena ? arena_fault_run : fault_run)(skip, kinds[k], &failures)) break;
     }
     /* Every kind is called on these paths, so some failure reached the caller
      * or was absorbed; the sweep ended where the script outlived the run. */
     CHECK_MSG(runs > 1, "kind %d: no call of it to fail", kinds[k]);
-    printf("faults of %s: %ld runs, %d operations failed cleanly\n",
-           kinds[k] < 0 ? "any call" : gpumem_backend_call_name(kinds[k]), runs - 1, failures);
+    printf("faults of %s%s: %ld runs, %d operations failed cleanly\n",
+           kinds[k] < 0 ? "any call" : gpumem_backend_call_name(kinds[k]),
+           arena ? " (arena blocks)" : "", runs - 1, failures);
   }
 }
 
@@ -625,6 +892,8 @@ int main(void) {
   test_checksums_two_streams();
   test_published();
   test_shared_budget();
-  test_faults();
+  test_arena_cold_blocks();
+  test_faults(false);
+  test_faults(true);
   return test_finish("test_overflow");
 }

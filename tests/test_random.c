@@ -99,6 +99,10 @@ static const config_t configs[] = {
      * ranges of their own, moved back and out at frees, empty_cache and
      * pressure, with a host budget that the limit phase spends. */
     {"default/overflow", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 512, 4},
+    /* The same with one page per mapping: arena blocks own their pages,
+     * and cold ones (and hinted ones) move to host pages and back. */
+    {"default/overflow/fine", GPUMEM_POLICY_DEFAULT, GPUMEM_RECLAIM_LAZY, GPUMEM_PLACEMENT_AUTO, 1,
+     5},
 };
 
 /* Streams allocations are made on; record_stream also names a fourth one
@@ -183,7 +187,7 @@ typedef struct run {
   const unsigned char* tape;
   size_t tape_len;
 
-  long allocs, frees, records, ooms, empties, verified, deferred, ordered_frees;
+  long allocs, frees, records, hints, ooms, empties, verified, deferred, ordered_frees;
   long reuses_ordered; /* reuses of bytes another stream used, ordered by stream waits */
   int quarantine_own;  /* every free is quarantined, its own stream included (loop_phase) */
   /* The configuration lends across streams: every free is quarantined
@@ -1019,6 +1023,24 @@ static void op_record(run_t* r) {
   r->records++;
 }
 
+/* The overflow tier's hint (gpumem_prefer_host): taken by tier blocks and
+ * by arena blocks that own whole pages (moved now when their streams are
+ * idle, else first at the next pressure), refused for the others. */
+static void op_hint(run_t* r) {
+  /* (the largest of a few: most live blocks own no whole page) */
+  size_t i = (size_t)rng_below(&r->rng, r->n);
+  for (int k = 0; k < 8; k++) {
+    size_t j = (size_t)rng_below(&r->rng, r->n);
+    if (r->live[j].size > r->live[i].size) i = j;
+  }
+  gpumem_status_t st = gpumem_prefer_host(r->gm, (void*)r->live[i].ptr);
+  RUN_CHECK(r,
+            st == GPUMEM_OK || st == GPUMEM_ERR_UNSUPPORTED ||
+                (st == GPUMEM_ERR_OUT_OF_MEMORY && strstr(gpumem_last_error(), "host")),
+            "prefer_host: %s: %s", gpumem_strerror(st), gpumem_last_error());
+  r->hints += st == GPUMEM_OK;
+}
+
 /* empty_cache waits for every pending free and returns every cached page or
  * segment; under the default policy what is left is exactly the pages
  * under live blocks. */
@@ -1089,6 +1111,8 @@ static void random_step(run_t* r) {
     op_free(r, (size_t)rng_below(g, r->n));
   }
   if (r->host_backed && r->n && rng_below(g, 8) == 0) verify_some(r, 1);
+  /* (the tier's configuration alone: the others' sequences stay as they were) */
+  if (r->cfg->library_defaults >= 4 && r->n && rng_below(g, 64) == 0) op_hint(r);
 }
 
 /* Frees live allocations in random order until keep(r) says stop. */
@@ -1308,7 +1332,7 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     loop_phase(r, LOOP_ITERATIONS, 60);
   }
   if (!r->failed) limit_phase(r, LIMIT_OPS);
-  if (!r->failed && cfg->library_defaults == 4) {
+  if (!r->failed && cfg->library_defaults >= 4) {
     /* The tier's configuration must have used the tier. */
     gpumem_stats_t s;
     gpumem_get_stats(r->gm, &s);
@@ -1317,10 +1341,10 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
               (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
               (long long)s.num_moves_to_host);
     printf(
-        "default/overflow seed %llu: %lld requests on host pages, %lld blocks moved back, %lld "
-        "out\n",
-        (unsigned long long)seed, (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
-        (long long)s.num_moves_to_host);
+        "%s seed %llu: %lld requests on host pages, %lld blocks moved back, %lld out, %ld hints "
+        "taken\n",
+        cfg->name, (unsigned long long)seed, (long long)s.num_host_allocs,
+        (long long)s.num_moves_to_device, (long long)s.num_moves_to_host, r->hints);
   }
 
   /* Teardown: every pattern intact, everything freed, nothing held. */

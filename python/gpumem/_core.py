@@ -422,12 +422,13 @@ class Allocator:
 
     def prefer_host(self, ptr):
         """Hint (option overflow:host): the allocation at ptr is cold and
-        suits host pages. Returns True when the block is in the overflow
-        tier and takes the hint (it moves to host pages now if its streams
-        are idle, else at the next pressure first of all, and stays there
-        until freed); False when it lies in an arena shared with other
-        blocks, which cannot move. Raises UnsupportedError when the tier is
-        off, InvalidPointerError for anything but a live allocation."""
+        suits host pages. Returns True when the block takes the hint: a
+        block of the overflow tier, or one in an arena with whole pages of
+        its own (they move to host pages now if its streams are idle, else
+        at the next pressure first of all, and stay there until freed);
+        False when it lies in an arena and owns no whole page there that
+        may move. Raises UnsupportedError when the tier is off,
+        InvalidPointerError for anything but a live allocation."""
         st = self._lib.gpumem_prefer_host(self._h(), _ptr_value(ptr) or None)
         if st == errors.ERR_UNSUPPORTED and "lies in an arena" in _lib.last_error():
             return False

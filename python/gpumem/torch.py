@@ -855,9 +855,10 @@ def prefer_host(tensors, device=None):
     and suit host pages. tensors: a tensor, or any iterable of tensors (an
     optimizer's state values, a module's parameters()); what is not a CUDA
     tensor gpumem allocated is passed over. A tensor whose block is in the
-    tier moves to host pages now if its streams are idle (else first at the
-    next pressure) and stays there until freed, at the same address; one in
-    an arena shared with other blocks cannot move. Returns the number of
+    tier, or the whole pages inside its block in an arena, move to host
+    pages now if its streams are idle (else first at the next pressure) and
+    stay there until freed, at the same address; a block that owns no whole
+    page of its own cannot move. Returns the number of
     tensors that took the hint. Raises UnsupportedError when the tier is
     off."""
     torch = _torch()

@@ -329,7 +329,13 @@ class AllocatorTest(unittest.TestCase):
             self.assertEqual(s["num_host_allocs"], 1)
             self.assertLessEqual(s["reserved_bytes.all.current"], 32 * MIB)
             self.assertIn("Host-backed memory", a.memory_summary())
-            self.assertFalse(a.prefer_host(ptrs[0]))  # an arena's block cannot move
+            # an arena block that owns whole pages takes the hint too: its
+            # pages move now (nothing waits), and go with its free
+            a.host_view(ptrs[0], 5)[:5] = b"arena"
+            self.assertTrue(a.prefer_host(ptrs[0]))
+            s = self.assertInvariants(a)
+            self.assertEqual(s["num_moves_to_host"], 1)
+            self.assertEqual(bytes(a.host_view(ptrs[0], 5)), b"arena")
             for p in ptrs:
                 a.free(p)
             a.empty_cache()
@@ -339,12 +345,18 @@ class AllocatorTest(unittest.TestCase):
             self.assertEqual(bytes(a.host_view(over, 4)), b"tier")
             self.assertTrue(a.prefer_host(over))
             s = self.assertInvariants(a)
-            self.assertEqual(s["num_moves_to_host"], 1)
+            self.assertEqual(s["num_moves_to_host"], 2)
             self.assertEqual(bytes(a.host_view(over, 4)), b"tier")
             with self.assertRaises(gpumem.OutOfMemoryError) as cm:
                 a.malloc(60 * MIB)
             self.assertIn("the host budget is spent too", str(cm.exception))
             a.free(over)
+        with sim(conf="overflow:host", host_backed=True) as a:
+            p = a.malloc(MIB)
+            try:
+                self.assertFalse(a.prefer_host(p))  # owns no whole page: cannot move
+            finally:
+                a.free(p)
         with self.assertRaises(gpumem.UnsupportedError):
             p = self.a.malloc(MIB)
             try:

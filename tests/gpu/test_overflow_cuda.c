@@ -195,6 +195,103 @@ static void test_tier(gpumem_backend_t* be) {
   DRV_OK(drv.StreamDestroy(s2));
 }
 
+/* Arena blocks on a real GPU: cold blocks (made long ago, on two streams,
+ * each handed to the other) hold checksums; hot blocks fill the cap, and
+ * the cold blocks' whole pages move to host pages (no request goes there)
+ * while work runs on both streams; empty_cache brings them back; the
+ * hint moves one out again and its free gives the host pages back. Every
+ * checksum reads back the same at the same address. */
+static void test_arena_blocks(gpumem_backend_t* be) {
+  gpumem_options_t o;
+  gpumem_options_init(&o);
+  CHECK_STATUS(gpumem_options_parse(&o, "overflow:host,limit:256M,publish:off"), GPUMEM_OK);
+  gpumem_status_t st = GPUMEM_OK;
+  gpumem_t* gm = gpumem_create(be, &o, &st);
+  CHECK_MSG(gm != NULL, "create: %s", gpumem_last_error());
+  if (!gm) return;
+  drv_stream s1 = NULL, s2 = NULL;
+  DRV_OK(drv.StreamCreate(&s1, DRV_STREAM_NON_BLOCKING));
+  DRV_OK(drv.StreamCreate(&s2, DRV_STREAM_NON_BLOCKING));
+  enum { COLD = 3, HOT = 8 };
+  const size_t cold_sz = 40 * MIB + 512, hot_sz = 32 * MIB;
+  void* cold[COLD] = {0};
+  void* hot[HOT] = {0};
+  for (int i = 0; i < COLD; i++) {
+    CHECK_STATUS(gpumem_malloc(gm, cold_sz, (gpumem_stream_t)(i % 2 ? s2 : s1), &cold[i]),
+                 GPUMEM_OK);
+    if (!cold[i]) return;
+    CHECK_STATUS(gpumem_record_stream(gm, cold[i], (gpumem_stream_t)(i % 2 ? s1 : s2)), GPUMEM_OK);
+    fill_pattern((uintptr_t)cold[i], cold_sz, 100u + (unsigned)i);
+  }
+  /* A step's worth of allocations since: the cold blocks are old. */
+  for (int i = 0; i < 1100; i++) {
+    void* t = NULL;
+    CHECK_STATUS(gpumem_malloc(gm, 4096, (gpumem_stream_t)s1, &t), GPUMEM_OK);
+    CHECK_STATUS(gpumem_free(gm, t), GPUMEM_OK);
+  }
+  int n = 0;
+  while (n < HOT && stats(gm).num_moves_to_host < 2) {
+    CHECK_STATUS(gpumem_malloc(gm, hot_sz, (gpumem_stream_t)(n % 2 ? s2 : s1), &hot[n]), GPUMEM_OK);
+    if (!hot[n]) break;
+    /* the hot blocks are busy on their streams while the cold ones move */
+    queue_busy_work((uintptr_t)hot[n], hot_sz, n % 2 ? s2 : s1, 20);
+    n++;
+    CHECK(gpumem_check(gm) == 0);
+  }
+  gpumem_stats_t s = stats(gm);
+  printf("arena blocks under a 256 MiB cap: %" PRId64
+         " cold blocks moved out (%.0f MiB, %.3f ms "
+         "measured, %.1f GB/s), %" PRId64 " requests on host pages, after %d hot blocks\n",
+         s.num_moves_to_host, (double)s.bytes_moved_to_host / (double)MIB,
+         (double)s.move_to_host_ns * 1e-6,
+         s.move_to_host_ns ? (double)s.bytes_moved_to_host / (double)s.move_to_host_ns : 0.0,
+         s.num_host_allocs, n);
+  CHECK(s.num_moves_to_host == 2 && s.num_host_allocs == 0);
+  for (int i = 0; i < COLD; i++)
+    CHECK_MSG(check_pattern((uintptr_t)cold[i], cold_sz, 100u + (unsigned)i) == 0,
+              "cold block %d after moves out", i);
+  DRV_OK(drv.StreamSynchronize(s1));
+  DRV_OK(drv.StreamSynchronize(s2));
+  for (int i = 0; i < n; i++)
+    CHECK_MSG(count_not(hot[i], hot_sz, 20) == 0, "hot block %d: the busy work wrote elsewhere", i);
+  for (int i = 0; i < n; i += 2) {
+    CHECK_STATUS(gpumem_free(gm, hot[i]), GPUMEM_OK);
+    hot[i] = NULL;
+  }
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_stats_t s2st = stats(gm);
+  printf(
+      "empty_cache: %" PRId64 " arena blocks back on device pages (%.3f ms measured, %.1f GB/s)\n",
+      s2st.num_moves_to_device, (double)s2st.move_to_device_ns * 1e-6,
+      s2st.move_to_device_ns ? (double)s2st.bytes_moved_to_device / (double)s2st.move_to_device_ns
+                             : 0.0);
+  CHECK(s2st.num_moves_to_device == 2 && s2st.host_bytes[GPUMEM_POOL_ALL].current == 0);
+  for (int i = 0; i < COLD; i++)
+    CHECK_MSG(check_pattern((uintptr_t)cold[i], cold_sz, 100u + (unsigned)i) == 0,
+              "cold block %d after moves back", i);
+  CHECK_STATUS(gpumem_prefer_host(gm, cold[1]), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(stats(gm).num_moves_to_host == 3);
+  CHECK(check_pattern((uintptr_t)cold[1], cold_sz, 101u) == 0);
+  CHECK_STATUS(gpumem_free(gm, cold[1]), GPUMEM_OK);
+  cold[1] = NULL;
+  CHECK(gpumem_check(gm) == 0);
+  CHECK(stats(gm).host_bytes[GPUMEM_POOL_ALL].current == 0);
+  for (int i = 0; i < COLD; i++)
+    if (cold[i]) {
+      CHECK(check_pattern((uintptr_t)cold[i], cold_sz, 100u + (unsigned)i) == 0);
+      CHECK_STATUS(gpumem_free(gm, cold[i]), GPUMEM_OK);
+    }
+  for (int i = 0; i < n; i++)
+    if (hot[i]) CHECK_STATUS(gpumem_free(gm, hot[i]), GPUMEM_OK);
+  CHECK_STATUS(gpumem_empty_cache(gm), GPUMEM_OK);
+  CHECK(gpumem_check(gm) == 0);
+  gpumem_destroy(gm);
+  DRV_OK(drv.StreamDestroy(s1));
+  DRV_OK(drv.StreamDestroy(s2));
+}
+
 int main(void) {
   const char* name = "gpu_test_overflow_cuda";
   int exit_code = 0;
@@ -206,7 +303,10 @@ int main(void) {
     drv_close();
     return TEST_SKIP;
   }
-  if (test_host_page_slots(be)) test_tier(be);
+  if (test_host_page_slots(be)) {
+    test_tier(be);
+    test_arena_blocks(be);
+  }
   gpumem_cuda_destroy(be);
   drv_close();
   return test_finish(name);
