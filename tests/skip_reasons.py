@@ -27,6 +27,9 @@ for m in re.finditer(r"^\d+/\d+ Test: (\S+)\n.*?^Output:\n-+\n(.*?)^<end of outp
         # tallies ("N passed, N failed, N skipped", unittest's "OK (skipped=N)") say how many
         if not pattern.search(line) or re.search(r"\d+ passed, \d+ failed|\(skipped=\d+\)", line):
             continue
+        # a unittest test that ran, whose description speaks of skipping ("... ok")
+        if re.search(r"\.\.\. (ok|FAIL|ERROR|expected failure)$", line):
+            continue
         # unittest: "test_x (module.Class.test_x) ... skipped 'why'"
         # and a runner's summary of them, "skipped: Class.test_x: why": said once
         u = re.search(r"\.\.\. skipped '(.*)'$", line)
