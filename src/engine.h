@@ -259,6 +259,9 @@ struct gm_pool {
    * tail_run_frees): alloc.c, follows_tail_run. */
   uint32_t tail_run;
   uint64_t tail_run_frees;
+  /* Blocks outside a run that walked past the arena's highest mapped page
+   * by a little (alloc.c, regrowth_ahead). */
+  uint32_t regrowths;
 };
 
 /* Pools of a stream: small requests (up to 1 MiB) and large ones, as in
