@@ -61,6 +61,14 @@ static gpumem_stats_t stats(gpumem_t* gm) {
   return st;
 }
 
+/* Ends a fault-injection run's failures: whether any call failed in it. */
+static bool stop_failing(gpumem_backend_t* sim) {
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(sim, &c);
+  gpumem_sim_fail_clear(sim);
+  return c.failures_injected > 0;
+}
+
 static void check_ok(gpumem_t* gm, const char* after) {
   size_t v = gpumem_check(gm);
   CHECK_MSG(v == 0, "gpumem_check after %s: %zu violations: %s", after, v, gpumem_last_error());
@@ -633,10 +641,7 @@ static bool arena_fault_run(long skip, int kind, int* failures_seen) {
   }
   if (gpumem_empty_cache(f.gm) != GPUMEM_OK) (*failures_seen)++;
   OP_DONE("the last empty_cache");
-  gpumem_sim_counters_t c;
-  gpumem_sim_get_counters(f.sim, &c);
-  bool fired = c.failures_injected > 0;
-  gpumem_sim_fail_clear(f.sim);
+  bool fired = stop_failing(f.sim);
   gpumem_stats_t st0 = stats(f.gm);
   int64_t hinted_host = st0.host_bytes[GPUMEM_POOL_ALL].current;
   /* (the run no failure reached took every path: out, back, the hint) */
@@ -738,10 +743,7 @@ static bool fault_run(long skip, int kind, int* failures_seen) {
   }
   if (gpumem_empty_cache(f.gm) != GPUMEM_OK) (*failures_seen)++;
   OP_DONE("the last empty_cache");
-  gpumem_sim_counters_t c;
-  gpumem_sim_get_counters(f.sim, &c);
-  bool fired = c.failures_injected > 0;
-  gpumem_sim_fail_clear(f.sim);
+  bool fired = stop_failing(f.sim);
   for (int i = 0; i < N; i++) {
     if (!p[i]) continue;
     CHECK_STATUS(gpumem_free(f.gm, p[i]), GPUMEM_OK);

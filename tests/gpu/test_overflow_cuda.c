@@ -103,15 +103,22 @@ static gpumem_stats_t stats(gpumem_t* gm) {
   return s;
 }
 
-/* The allocator under a cap: requests past it on host pages, moves both
- * ways with work queued on two streams, checksums the same throughout. */
-static void test_tier(gpumem_backend_t* be) {
+/* An allocator with the overflow tier under a 256 MiB cap (NULL, the
+ * failure counted, where it cannot be made). */
+static gpumem_t* create_capped(gpumem_backend_t* be) {
   gpumem_options_t o;
   gpumem_options_init(&o);
   CHECK_STATUS(gpumem_options_parse(&o, "overflow:host,limit:256M,publish:off"), GPUMEM_OK);
   gpumem_status_t st = GPUMEM_OK;
   gpumem_t* gm = gpumem_create(be, &o, &st);
   CHECK_MSG(gm != NULL, "create: %s", gpumem_last_error());
+  return gm;
+}
+
+/* The allocator under a cap: requests past it on host pages, moves both
+ * ways with work queued on two streams, checksums the same throughout. */
+static void test_tier(gpumem_backend_t* be) {
+  gpumem_t* gm = create_capped(be);
   if (!gm) return;
   drv_stream s1 = NULL, s2 = NULL;
   DRV_OK(drv.StreamCreate(&s1, DRV_STREAM_NON_BLOCKING));
@@ -202,12 +209,7 @@ static void test_tier(gpumem_backend_t* be) {
  * hint moves one out again and its free gives the host pages back. Every
  * checksum reads back the same at the same address. */
 static void test_arena_blocks(gpumem_backend_t* be) {
-  gpumem_options_t o;
-  gpumem_options_init(&o);
-  CHECK_STATUS(gpumem_options_parse(&o, "overflow:host,limit:256M,publish:off"), GPUMEM_OK);
-  gpumem_status_t st = GPUMEM_OK;
-  gpumem_t* gm = gpumem_create(be, &o, &st);
-  CHECK_MSG(gm != NULL, "create: %s", gpumem_last_error());
+  gpumem_t* gm = create_capped(be);
   if (!gm) return;
   drv_stream s1 = NULL, s2 = NULL;
   DRV_OK(drv.StreamCreate(&s1, DRV_STREAM_NON_BLOCKING));
