@@ -380,7 +380,8 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(active_bytes, "Active memory", 1)                 \
   X(inactive_split_bytes, "Non-releasable memory", 1) \
   X(requested_bytes, "Requested memory", 1)           \
-  X(host_bytes, "Host-backed memory", 1)
+  X(host_bytes, "Host-backed memory", 1)              \
+  X(host_cached_bytes, "Host memory kept", 1)
 
 /* Plain counters: PyTorch's and gpumem's own. */
 #define GPUMEM_STAT_COUNTERS(X)                                        \
@@ -408,6 +409,7 @@ GPUMEM_API gpumem_status_t gpumem_add_oom_callback(gpumem_t* gm, gpumem_oom_call
   X(move_work_us, "Mapping work spent moving pages (us, priced)")      \
   X(mapping_time_ns, "Time in mapping calls (ns, measured)")           \
   X(num_host_allocs, "Allocations served from host pages")             \
+  X(num_host_pages_reused, "Host allocations reused (none pinned)")    \
   X(num_moves_to_host, "Blocks moved to host pages")                   \
   X(bytes_moved_to_host, "Bytes moved to host pages")                  \
   X(move_to_host_ns, "Time moving blocks to host (ns, measured)")      \

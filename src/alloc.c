@@ -1246,6 +1246,8 @@ gpumem_status_t gpumem_empty_cache(gpumem_t* gm) {
   gpumem_status_t st = free_cached_memory(gm, false);
   /* The room just given back serves the tier's host-backed blocks first. */
   if (st == GPUMEM_OK && (gm->tier_on_host | gm->num_arena_host)) gm_overflow_bring_back(gm, true);
+  /* (after the moves back, which keep the host pages they leave) */
+  if (gm->num_host_kept) gm_overflow_release_kept(gm);
   gm_publish_if_wanted(gm);
   gm_lock_release(&gm->lock);
   return st;

@@ -472,6 +472,7 @@ size_t gpumem_check(gpumem_t* gm) {
   for (int p = 0; p < GPUMEM_POOL_COUNT; p++) s.reserved[p] += tier.device[p];
   const gpumem_stats_t* st = &gm->stats;
   compare(&c, "host_bytes", st->host_bytes, tier.host);
+  compare(&c, "host_cached_bytes", st->host_cached_bytes, tier.kept);
   compare(&c, "allocation", st->allocation, s.allocated);
   compare(&c, "allocated_bytes", st->allocated_bytes, s.allocated_bytes);
   compare(&c, "active", st->active, s.active);

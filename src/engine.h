@@ -536,6 +536,15 @@ struct gpumem {
    * gm_block_note): the last record_stream, the hint, pressure moves. */
   struct gm_block_note* notes;
   size_t num_notes, notes_capacity;
+  /* Host allocations no block uses any more, unmapped and idle, kept for
+   * a later one of the same size (overflow.c, "kept host pages"): pinning
+   * host memory is the tier's slowest call. host_high: the most host bytes
+   * held under blocks at once (plus a creation's), which held and kept
+   * together never pass. */
+  struct gm_host_kept* host_kept;
+  size_t num_host_kept, host_kept_capacity;
+  size_t host_kept_bytes;
+  size_t host_high;
 
   gpumem_stats_t stats; /* live counters; derived fields filled on read */
 };
@@ -957,10 +966,13 @@ typedef struct gm_tier_sums {
   int64_t pending[GPUMEM_POOL_COUNT], pending_bytes[GPUMEM_POOL_COUNT]; /* retiring */
   int64_t host[GPUMEM_POOL_COUNT];
   int64_t device[GPUMEM_POOL_COUNT]; /* device pages under tier blocks (reserved) */
+  int64_t kept[GPUMEM_POOL_COUNT];   /* host pages kept for reuse (large pool) */
 } gm_tier_sums;
 size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* sums, char* msg, size_t len);
 /* Releases every tier block (allocator teardown). */
 void gm_overflow_destroy(gpumem_t* gm);
+/* Gives back the host pages kept for reuse (empty_cache, teardown). */
+void gm_overflow_release_kept(gpumem_t* gm);
 /* A line for the out-of-memory report: what the tier holds (empty when
  * the tier is off). */
 void gm_overflow_describe(gpumem_t* gm, char* out, size_t cap);

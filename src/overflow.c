@@ -130,8 +130,12 @@ static void tier_account(gpumem_t* gm, const gm_tier_block* t, bool on_host, int
   }
 }
 
-/* Host pages for bytes more, within the budget: created, or
- * GPUMEM_ERR_OUT_OF_MEMORY saying which of the two refused. */
+static bool host_take_kept(gpumem_t* gm, size_t bytes, gpumem_phys_t* out);
+static void host_trim_kept(gpumem_t* gm, size_t more, size_t bound);
+
+/* Host pages for bytes more, within the budget: a kept allocation of that
+ * size, else created; or GPUMEM_ERR_OUT_OF_MEMORY saying which of the two
+ * (the budget, the host) refused. */
 static gpumem_status_t create_host_pages(gpumem_t* gm, size_t bytes, gpumem_phys_t* out) {
   char want[32], held[32], budget[32];
   size_t cap = gm->opts.overflow_host_bytes;
@@ -146,6 +150,11 @@ static gpumem_status_t create_host_pages(gpumem_t* gm, size_t bytes, gpumem_phys
                    gm_format_bytes(cap, budget, sizeof budget),
                    gm_format_bytes(host_held(gm), held, sizeof held));
   }
+  /* These bytes are about to be held: the bound on held and kept grows
+   * with them. */
+  if (host_held(gm) + bytes > gm->host_high) gm->host_high = host_held(gm) + bytes;
+  if (host_take_kept(gm, bytes, out)) return GPUMEM_OK;
+  host_trim_kept(gm, bytes, gm->host_high);
   gpumem_status_t st = GM_MAP_CALL(gm, create_host_page,
                                    gm->backend->create_host_page(gm->backend->ctx, bytes, out));
   if (st == GPUMEM_ERR_OUT_OF_MEMORY) {
@@ -182,6 +191,88 @@ static void release_pages(gpumem_t* gm, gpumem_phys_t h, size_t bytes, bool give
           GPUMEM_OK &&
       give_budget && gm->budget)
     gm_budget_give(gm, bytes);
+}
+
+/* ---- kept host pages ----
+ *
+ * Pinning host memory is the tier's slowest call: cuMemCreate of host pages
+ * ran at 3.4-3.6 GB/s on an H100 (the kernel allocates, zeroes and pins
+ * them), against ~50 GB/s for the copy a move makes. A job over its cap
+ * overflows the same requests and moves the same cold blocks every step,
+ * so a host allocation that no block uses any more (a tier block retired or
+ * moved back, an arena block's pages moved back or freed) is kept, unmapped
+ * and idle, for a later one of exactly its size (cuMemMap maps a whole
+ * allocation from offset 0). Bound: host bytes held under blocks and kept
+ * together never pass host_high, the most held at once (plus a creation's
+ * bytes), so the tier never pins more than the job needed on host at its
+ * peak; within a budget, host_high is within it. Oldest kept go first.
+ * empty_cache and teardown give every kept allocation back. */
+
+typedef struct gm_host_kept {
+  gpumem_phys_t handle;
+  size_t bytes;
+} gm_host_kept;
+
+static void host_kept_account(gpumem_t* gm, size_t bytes, int delta) {
+  int64_t n = (int64_t)bytes * delta;
+  gm->host_kept_bytes = (size_t)((int64_t)gm->host_kept_bytes + n);
+  gm_stat_pool_add(gm, gm->stats.host_cached_bytes, false, n);
+}
+
+/* Gives back kept allocations, oldest first, until held + kept + more is
+ * within bound. */
+static void host_trim_kept(gpumem_t* gm, size_t more, size_t bound) {
+  size_t k = 0;
+  while (k < gm->num_host_kept && host_held(gm) + gm->host_kept_bytes + more > bound) {
+    host_kept_account(gm, gm->host_kept[k].bytes, -1);
+    release_pages(gm, gm->host_kept[k].handle, gm->host_kept[k].bytes, false);
+    k++;
+  }
+  if (!k) return;
+  memmove(gm->host_kept, gm->host_kept + k, (gm->num_host_kept - k) * sizeof *gm->host_kept);
+  gm->num_host_kept -= k;
+}
+
+void gm_overflow_release_kept(gpumem_t* gm) {
+  host_trim_kept(gm, 0, 0);
+  gm->host_high = host_held(gm);
+}
+
+/* A kept allocation of exactly bytes, the newest such: taken out of the
+ * list, or false. */
+static bool host_take_kept(gpumem_t* gm, size_t bytes, gpumem_phys_t* out) {
+  for (size_t k = gm->num_host_kept; k-- > 0;) {
+    if (gm->host_kept[k].bytes != bytes) continue;
+    *out = gm->host_kept[k].handle;
+    memmove(gm->host_kept + k, gm->host_kept + k + 1,
+            (gm->num_host_kept - k - 1) * sizeof *gm->host_kept);
+    gm->num_host_kept--;
+    host_kept_account(gm, bytes, -1);
+    gm->stats.num_host_pages_reused++;
+    return true;
+  }
+  return false;
+}
+
+/* Host pages no block uses any more (unmapped, no work queued on them,
+ * not counted as held): kept while the bound allows, else given back. */
+static void release_host_pages(gpumem_t* gm, gpumem_phys_t h, size_t bytes) {
+  if (host_held(gm) + gm->host_kept_bytes + bytes <= gm->host_high) {
+    if (gm->num_host_kept == gm->host_kept_capacity) {
+      size_t cap = gm->host_kept_capacity ? 2 * gm->host_kept_capacity : 16;
+      gm_host_kept* grown = realloc(gm->host_kept, cap * sizeof *grown);
+      if (grown) {
+        gm->host_kept = grown;
+        gm->host_kept_capacity = cap;
+      }
+    }
+    if (gm->num_host_kept < gm->host_kept_capacity) {
+      gm->host_kept[gm->num_host_kept++] = (gm_host_kept){h, bytes};
+      host_kept_account(gm, bytes, +1);
+      return;
+    }
+  }
+  release_pages(gm, h, bytes, false);
 }
 
 /* ---- allocation and free ---- */
@@ -234,7 +325,7 @@ gpumem_status_t gm_overflow_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_
 fail_range:
   GM_CALL(gm, release_range, be->release_range(be->ctx, addr, bytes));
 fail_pages:
-  release_pages(gm, t->handle, bytes, false);
+  release_host_pages(gm, t->handle, bytes);
 fail:
   free(t);
   return st;
@@ -259,7 +350,10 @@ static void tier_release(gpumem_t* gm, gm_tier_block* t, bool count) {
     tier_unlink(gm, t);
     tier_account(gm, t, t->on_host, -1);
   }
-  release_pages(gm, t->handle, t->bytes, false);
+  if (t->on_host)
+    release_host_pages(gm, t->handle, t->bytes);
+  else
+    release_pages(gm, t->handle, t->bytes, false);
   GM_CALL(gm, release_range, be->release_range(be->ctx, t->seg.addr, t->bytes));
 }
 
@@ -384,6 +478,10 @@ void gm_overflow_destroy(gpumem_t* gm) {
   }
   if (gm->tier_event_made) GM_CALL(gm, event_destroy, be->event_destroy(be->ctx, gm->tier_event));
   gm->tier_event_made = false;
+  gm_overflow_release_kept(gm);
+  free(gm->host_kept);
+  gm->host_kept = NULL;
+  gm->host_kept_capacity = 0;
 }
 
 /* ---- moves ---- */
@@ -509,7 +607,10 @@ static gpumem_status_t tier_move(gpumem_t* gm, gm_tier_block* t, bool to_host) {
   scratch_done(gm, scratch, bytes);
   /* The swap is done: the old pages go, whatever the device says. */
   tier_account(gm, t, t->on_host, -1);
-  release_pages(gm, t->handle, bytes, false);
+  if (to_host)
+    release_pages(gm, t->handle, bytes, false);
+  else
+    release_host_pages(gm, t->handle, bytes);
   t->handle = fresh;
   t->on_host = to_host;
   tier_account(gm, t, t->on_host, +1);
@@ -520,7 +621,10 @@ static gpumem_status_t tier_move(gpumem_t* gm, gm_tier_block* t, bool to_host) {
 undo_scratch:
   scratch_undo(gm, scratch, bytes);
 undo_pages:
-  release_pages(gm, fresh, bytes, !to_host);
+  if (to_host)
+    release_host_pages(gm, fresh, bytes);
+  else
+    release_pages(gm, fresh, bytes, true);
   return st;
 }
 
@@ -558,8 +662,11 @@ typedef struct gm_block_note {
  * tier wants (optimizer state, master weights) were made at the first
  * step, so any window under a step would do for them; a shorter one would
  * let this step's activations (allocated a few hundred requests ago and
- * read again in the backward pass) look cold. */
+ * read again in the backward pass) look cold. (A build may set another,
+ * -DGM_HOT_ALLOCS=N, to measure what the window buys.) */
+#ifndef GM_HOT_ALLOCS
 #define GM_HOT_ALLOCS 1024
+#endif
 
 static uint64_t hot_window(const gpumem_t* gm) {
   uint64_t w = GM_HOT_ALLOCS;
@@ -665,13 +772,13 @@ static gpumem_status_t arena_to_host(gpumem_t* gm, gm_block* b, size_t first, si
   if (st != GPUMEM_OK) return st;
   st = copy_to_scratch(gm, fresh, addr, bytes, gm_block_stream(b), &scratch);
   if (st != GPUMEM_OK) {
-    release_pages(gm, fresh, bytes, false);
+    release_host_pages(gm, fresh, bytes);
     return st;
   }
   st = gm_arena_swap_to_host(gm, seg, first, end, fresh);
   if (st != GPUMEM_OK) {
     scratch_undo(gm, scratch, bytes);
-    release_pages(gm, fresh, bytes, false);
+    release_host_pages(gm, fresh, bytes);
     return st;
   }
   scratch_done(gm, scratch, bytes);
@@ -705,9 +812,10 @@ static gpumem_status_t arena_to_device(gpumem_t* gm, size_t k) {
     return st;
   }
   scratch_done(gm, scratch, bytes);
-  /* The swap is done: the host pages go, whatever the host says. */
-  release_pages(gm, r.handle, bytes, false);
+  /* The swap is done: the host pages go, whatever the host says (kept,
+   * once no longer counted as held). */
   arena_host_remove(gm, k);
+  release_host_pages(gm, r.handle, bytes);
   count_move(gm, false, bytes, t0);
   return GPUMEM_OK;
 }
@@ -740,8 +848,8 @@ gpumem_status_t gm_overflow_arena_free(gpumem_t* gm, gm_block* b) {
   if (st != GPUMEM_OK) return st;
   gm->stats.num_pages_unmapped++;
   gm_arena_host_clear(b->seg, r.first, r.end);
-  release_pages(gm, r.handle, bytes, false);
   arena_host_remove(gm, k);
+  release_host_pages(gm, r.handle, bytes);
   /* Every stream it was handed to is done with it: nothing to wait for. */
   b->num_uses = 0;
   return GPUMEM_OK;
@@ -756,8 +864,8 @@ static void arena_host_destroy(gpumem_t* gm) {
     size_t bytes = (r.end - r.first) * gm->page_size;
     GM_MAP_CALL(gm, unmap, be->unmap(be->ctx, r.block->seg->addr + r.first * gm->page_size, bytes));
     gm_arena_host_clear(r.block->seg, r.first, r.end);
-    release_pages(gm, r.handle, bytes, false);
     arena_host_remove(gm, gm->num_arena_host - 1);
+    release_pages(gm, r.handle, bytes, false);
   }
   free(gm->arena_host);
   gm->arena_host = NULL;
@@ -1129,7 +1237,27 @@ size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* s, char* msg, size_t len) {
       snprintf(msg, len, "overflow tier: %zu host bytes pass the budget of %zu",
                host + gm->arena_host_bytes, gm->opts.overflow_host_bytes);
   }
-  if ((count || gm->tier_retiring || gm->num_arena_host) &&
+  size_t kept = 0;
+  for (size_t k = 0; k < gm->num_host_kept; k++) {
+    if (!gm->host_kept[k].handle || !gm->host_kept[k].bytes ||
+        gm->host_kept[k].bytes % gm->page_size)
+      if (!errors++)
+        snprintf(msg, len, "overflow tier: kept host allocation %zu is not whole pages", k);
+    kept += gm->host_kept[k].bytes;
+  }
+  s->kept[GPUMEM_POOL_ALL] = s->kept[GPUMEM_POOL_LARGE] = (int64_t)kept;
+  if (kept != gm->host_kept_bytes || gm->num_host_kept > gm->host_kept_capacity) {
+    if (!errors++)
+      snprintf(msg, len, "overflow tier: %zu host bytes kept, counted %zu", kept,
+               gm->host_kept_bytes);
+  }
+  /* the bound the kept pages keep (overflow.c, "kept host pages") */
+  if (host + gm->arena_host_bytes + kept > gm->host_high && kept) {
+    if (!errors++)
+      snprintf(msg, len, "overflow tier: %zu host bytes held and %zu kept pass the most held, %zu",
+               host + gm->arena_host_bytes, kept, gm->host_high);
+  }
+  if ((count || gm->tier_retiring || gm->num_arena_host || gm->num_host_kept) &&
       gm->opts.overflow != GPUMEM_OVERFLOW_HOST) {
     if (!errors++) snprintf(msg, len, "overflow tier: %zu blocks with the tier off", count);
   }
@@ -1139,11 +1267,16 @@ size_t gm_overflow_check(gpumem_t* gm, gm_tier_sums* s, char* msg, size_t len) {
 void gm_overflow_describe(gpumem_t* gm, char* out, size_t cap) {
   out[0] = '\0';
   if (gm->opts.overflow != GPUMEM_OVERFLOW_HOST) return;
-  char host[32], dev[32], budget[32];
+  char host[32], kept[64] = "", dev[32], budget[32];
+  if (gm->host_kept_bytes) {
+    char b[32];
+    snprintf(kept, sizeof kept, " and %s kept for reuse",
+             gm_format_bytes(gm->host_kept_bytes, b, sizeof b));
+  }
   snprintf(out, cap,
-           " Overflow tier: %s on host pages (budget %s), %s of tier blocks back on device "
+           " Overflow tier: %s on host pages%s (budget %s), %s of tier blocks back on device "
            "pages; %lld moves to host, %lld back.",
-           gm_format_bytes(host_held(gm), host, sizeof host),
+           gm_format_bytes(host_held(gm), host, sizeof host), kept,
            gm->opts.overflow_host_bytes
                ? gm_format_bytes(gm->opts.overflow_host_bytes, budget, sizeof budget)
                : "none",

@@ -664,6 +664,79 @@ static bool arena_fault_run(long skip, int kind, int* failures_seen) {
   return fired;
 }
 
+/* ---- kept host pages ----
+ * A host allocation no block uses any more is kept for a later one of the
+ * same size (pinning host memory is the tier's slowest call), within the
+ * most held at once; empty_cache gives it back. */
+static uint64_t host_creations(gpumem_t* gm) {
+  return stats(gm).backend_calls[GPUMEM_CALL_create_host_page];
+}
+
+static void test_kept_host_pages(void) {
+  ofx_t f = ofx_new("overflow:host:24M,limit:32M", 64 * MIB);
+  if (!f.gm) return ofx_done(&f);
+  void* dev[16];
+  void* tier = NULL;
+  int n = fill_device(&f, 8 * MIB, dev, 16, &tier);
+  CHECK_MSG(n == 4 && tier != NULL, "%d blocks under the 32 MiB limit", n);
+  CHECK(host_creations(f.gm) == 1);
+  /* Freed and retired: its host pages are kept. */
+  CHECK_STATUS(gpumem_free(f.gm, tier), GPUMEM_OK);
+  check_ok(f.gm, "a free of a tier block");
+  void* again = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, 8 * MIB, 0, &again), GPUMEM_OK);
+  check_ok(f.gm, "a request of the same size on host pages");
+  gpumem_stats_t st = stats(f.gm);
+  CHECK_MSG(host_creations(f.gm) == 1 && st.num_host_pages_reused == 1 && st.num_host_allocs == 2 &&
+                st.host_cached_bytes[GPUMEM_POOL_ALL].current == 0 &&
+                st.host_bytes[GPUMEM_POOL_ALL].current == (int64_t)(8 * MIB),
+            "host pages created %" PRIu64 ", reused %" PRId64 ", kept %" PRId64,
+            host_creations(f.gm), st.num_host_pages_reused,
+            st.host_cached_bytes[GPUMEM_POOL_ALL].current);
+  fill(f.sim, again, 8 * MIB, 21);
+  CHECK(intact(f.sim, again, 8 * MIB, 21));
+  /* (the simulated device's work is done at once: the free retires it) */
+  CHECK_STATUS(gpumem_free(f.gm, again), GPUMEM_OK);
+  check_ok(f.gm, "a second retirement");
+  st = stats(f.gm);
+  CHECK(st.host_cached_bytes[GPUMEM_POOL_ALL].current == (int64_t)(8 * MIB) &&
+        st.host_cached_bytes[GPUMEM_POOL_LARGE].current == (int64_t)(8 * MIB) &&
+        st.host_bytes[GPUMEM_POOL_ALL].current == 0);
+  /* A larger request is a new allocation; the kept one goes, so that held
+   * and kept never pass the most held at once (16 MiB now). */
+  void* big = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, 16 * MIB, 0, &big), GPUMEM_OK);
+  check_ok(f.gm, "a larger request on host pages");
+  gpumem_sim_counters_t c;
+  gpumem_sim_get_counters(f.sim, &c);
+  st = stats(f.gm);
+  CHECK_MSG(host_creations(f.gm) == 2 && st.host_cached_bytes[GPUMEM_POOL_ALL].current == 0 &&
+                c.host_bytes_in_use == 16 * MIB,
+            "created %" PRIu64 ", kept %" PRId64 ", host in use %" PRIu64, host_creations(f.gm),
+            st.host_cached_bytes[GPUMEM_POOL_ALL].current, c.host_bytes_in_use);
+  /* The out-of-memory report and empty_cache: kept pages named, then gone. */
+  CHECK_STATUS(gpumem_free(f.gm, big), GPUMEM_OK);
+  check_ok(f.gm, "a third retirement");
+  CHECK(stats(f.gm).host_cached_bytes[GPUMEM_POOL_ALL].current == (int64_t)(16 * MIB));
+  /* Kept pages are within the budget, not against it: a request past the
+   * budget is refused, and the report names what is kept. */
+  void* over = NULL;
+  clear_error();
+  CHECK_STATUS(gpumem_malloc(f.gm, 32 * MIB, 0, &over), GPUMEM_ERR_OUT_OF_MEMORY);
+  CHECK_MSG(strstr(gpumem_last_error(),
+                   "Overflow tier: 0 B on host pages and 16.00 MiB kept for reuse (budget 24.00 "
+                   "MiB)") != NULL,
+            "report: %s", gpumem_last_error());
+  check_ok(f.gm, "a request past the host budget");
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  check_ok(f.gm, "empty_cache with kept host pages");
+  gpumem_sim_get_counters(f.sim, &c);
+  CHECK(stats(f.gm).host_cached_bytes[GPUMEM_POOL_ALL].current == 0 && c.host_bytes_in_use == 0);
+  for (int i = 0; i < n; i++) CHECK_STATUS(gpumem_free(f.gm, dev[i]), GPUMEM_OK);
+  check_ok(f.gm, "the last frees");
+  ofx_done(&f);
+}
+
 /* ---- every backend call failing in turn ---- */
 
 /* One scenario through every path of the tier: blocks overflow, come back,
@@ -895,6 +968,7 @@ int main(void) {
   test_published();
   test_shared_budget();
   test_arena_cold_blocks();
+  test_kept_host_pages();
   test_faults(false);
   test_faults(true);
   return test_finish("test_overflow");

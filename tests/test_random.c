@@ -1336,15 +1336,17 @@ static void run_one(const config_t* cfg, uint64_t seed, int host_backed, long op
     /* The tier's configuration must have used the tier. */
     gpumem_stats_t s;
     gpumem_get_stats(r->gm, &s);
-    RUN_CHECK(r, s.num_host_allocs > 0 && s.num_moves_to_device > 0,
-              "the overflow tier served %lld requests and moved %lld blocks back, %lld out",
+    RUN_CHECK(r, s.num_host_allocs > 0 && s.num_moves_to_device > 0 && s.num_host_pages_reused > 0,
+              "the overflow tier served %lld requests, moved %lld blocks back, %lld out, reused "
+              "%lld kept host allocations",
               (long long)s.num_host_allocs, (long long)s.num_moves_to_device,
-              (long long)s.num_moves_to_host);
+              (long long)s.num_moves_to_host, (long long)s.num_host_pages_reused);
     printf(
-        "%s seed %llu: %lld requests on host pages, %lld blocks moved back, %lld out, %ld hints "
-        "taken\n",
+        "%s seed %llu: %lld requests on host pages, %lld blocks moved back, %lld out, %lld kept "
+        "host allocations reused, %ld hints taken\n",
         cfg->name, (unsigned long long)seed, (long long)s.num_host_allocs,
-        (long long)s.num_moves_to_device, (long long)s.num_moves_to_host, r->hints);
+        (long long)s.num_moves_to_device, (long long)s.num_moves_to_host,
+        (long long)s.num_host_pages_reused, r->hints);
   }
 
   /* Teardown: every pattern intact, everything freed, nothing held. */

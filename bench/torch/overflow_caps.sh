@@ -11,7 +11,9 @@
 #
 # OUT: a directory for one JSON file per run and table.txt (also printed);
 # BUILD: gpumem's build directory (default build); STEPS: steps a run (50).
-# Runs one at a time on GPU 0; each run at most RUN_TIMEOUT seconds (110),
+# CAPS (default "1.10 1.25 1.5") and WAYS (default "overflow microbatch
+# fsdp") pick a subset. Runs one at a time on GPU 0; each run at most
+# RUN_TIMEOUT seconds (110),
 # and no run starts after BUDGET seconds (420), so that the whole fits in
 # nine minutes; a run not made is a row that says so. The FSDP2 runs take
 # 10 steps (their optimizer steps on the CPU take seconds each); the table
@@ -52,9 +54,9 @@ if [ "$peak" -le 0 ]; then
 fi
 # (caps outermost: a budget spent before the end leaves whole caps unrun,
 # not a mode unrun at every cap)
-for div in 1.10 1.25 1.5; do
+for div in ${CAPS:-1.10 1.25 1.5}; do
   cap=$("$py" -c "print(int($peak / $div))")
-  for mode in overflow microbatch fsdp; do
+  for mode in ${WAYS:-overflow microbatch fsdp}; do
     run "${mode}_${div}" "$mode" "$cap"
   done
 done

@@ -88,7 +88,8 @@ def main(argv=None):
     stats = torch.cuda.memory_stats()
     for k in ("host_bytes.all.peak", "host_bytes.all.current", "num_host_allocs", "num_moves_to_host",
               "bytes_moved_to_host", "move_to_host_ns", "num_moves_to_device", "bytes_moved_to_device",
-              "move_to_device_ns", "num_ooms", "num_alloc_retries"):  # fmt: skip
+              "move_to_device_ns", "num_ooms", "num_alloc_retries", "num_host_pages_reused",
+              "host_cached_bytes.all.peak"):  # fmt: skip
         result[k] = stats.get(k)
     result["peak_reserved"] = torch.cuda.max_memory_reserved()
     result["peak_allocated"] = torch.cuda.max_memory_allocated()
