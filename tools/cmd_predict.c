@@ -252,7 +252,10 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
     if (al->inserted)
       printf(
           "\nonly at the largest batch: %s allocations (%.3f GiB there), taken in proportion to "
-          "the batch at every batch: an upper bound where they grow at most linearly",
+          "the batch at every batch: an upper bound where they grow at most linearly; but what a "
+          "library picks by shape (cuDNN's convolution workspaces, a large reduction's staging "
+          "buffer) may change again between the recorded batches and the target, which only "
+          "recordings nearer the target show",
           show_count(al->inserted, c3), (double)al->inserted_bytes / GIB);
     if (al->dropped)
       printf("\nonly at a smaller batch: %s allocations (%.3f GiB), left out",
