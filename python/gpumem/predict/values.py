@@ -51,6 +51,10 @@ _COMPARE = {
     "mul": lambda a, b: a * b, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
     "maximum": max, "minimum": min,
 }  # fmt: skip
+_UNARY = {"amax", "amin", "max", "min", "abs", "neg", "logical_not", "bitwise_not"}
+# operators whose value _value derives from their first input's (beyond the factories, copies and
+# concatenations it takes first)
+_OF_FIRST = {"all", "any", "sum"} | _UNARY | set(_COMPARE)
 
 
 class KnownValues:
@@ -144,10 +148,10 @@ class KnownValues:
         from torch.utils._python_dispatch import _disable_current_modes
         from torch.utils._pytree import tree_map
 
+        if not self._followable(func):
+            return
         outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
         if not outs or any(not _is_fake(t) or t.numel() > SHADOW_NUMEL for t in outs):
-            return
-        if not self._followable(func):
             return
         # Most operators have an input with no known values: found before
         # pytree copies the arguments
@@ -227,12 +231,14 @@ class KnownValues:
             v = self.of(args[0])
             pad = args[2] if len(args) > 2 else kwargs.get("value", 0)
             return v if v is not UNKNOWN and v == pad else UNKNOWN
+        if name not in _OF_FIRST:
+            return UNKNOWN  # (before asking: what the first input holds costs a pass over its shadow)
         v = self.of(args[0])
         if v is UNKNOWN:
             return UNKNOWN
         if name in ("all", "any"):
             return bool(v)
-        if name in ("amax", "amin", "max", "min", "abs", "neg", "logical_not", "bitwise_not") and len(args) == 1:
+        if name in _UNARY and len(args) == 1:
             return {"abs": abs, "neg": lambda x: -x, "logical_not": lambda x: not x,
                     "bitwise_not": lambda x: (not x) if isinstance(x, bool) else ~int(x)}.get(name, lambda x: x)(v)  # fmt: skip
         if name == "sum":
