@@ -66,7 +66,15 @@ def _role_text(role):
     blanks, at most 160 characters ('?' for anything else); None for none."""
     if not role:
         return None
+    if type(role) is str:
+        return _role_string(role)  # (the same few operator names at every allocation)
     text = "".join(c if "!" <= c <= "~" else "?" for c in str(role))[:160]
+    return text or None
+
+
+@functools.lru_cache(maxsize=4096)
+def _role_string(role):
+    text = "".join(c if "!" <= c <= "~" else "?" for c in role)[:160]
     return text or None
 
 
