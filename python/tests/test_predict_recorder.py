@@ -830,6 +830,34 @@ class ModuleMoveTest(unittest.TestCase):
 
 
 @unittest.skipIf(torch is None, NO_TORCH)
+class LeavesTest(unittest.TestCase):
+    def test_leaves_are_pytrees(self):
+        # the recorder's own walk of an operator's arguments stands in for
+        # tree_flatten: the same leaves, the same objects, in the same order
+        import collections
+
+        from torch.utils._pytree import tree_flatten
+
+        from gpumem.predict.values import leaves
+
+        pair = collections.namedtuple("pair", "a b")
+        t = torch.zeros(2)
+        trees = [
+            ((t, [1, 2.5, None, True]), {"b": torch.device("cpu"), "a": [torch.float16, torch.Size([2, 3])]}),
+            pair(t, (t, "x")),
+            torch.return_types.max((t, t)),
+            collections.OrderedDict(z=t, y=[t]),
+            [torch.strided, torch.contiguous_format, (), [], {}],
+            t,
+            7,
+        ]
+        for tree in trees:
+            mine, theirs = leaves(tree), tree_flatten(tree)[0]
+            self.assertEqual(len(mine), len(theirs), tree)
+            self.assertTrue(all(a is b for a, b in zip(mine, theirs)), tree)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
 class DataDependentSizesTest(unittest.TestCase):
     def test_nms_keeps_every_box_as_an_upper_bound(self):
         try:

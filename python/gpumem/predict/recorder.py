@@ -38,7 +38,7 @@ import types
 import weakref
 
 from . import profiles, reductions
-from .values import UNKNOWN, KnownValues
+from .values import UNKNOWN, KnownValues, leaves
 
 __all__ = ["Recording", "RecorderError", "record_step", "recording", "LAZY_NUMEL"]
 
@@ -66,7 +66,15 @@ def _role_text(role):
     blanks, at most 160 characters ('?' for anything else); None for none."""
     if not role:
         return None
+    if type(role) is str:
+        return _role_string(role)  # (the same few operator names at every allocation)
     text = "".join(c if "!" <= c <= "~" else "?" for c in str(role))[:160]
+    return text or None
+
+
+@functools.lru_cache(maxsize=4096)
+def _role_string(role):
+    text = "".join(c if "!" <= c <= "~" else "?" for c in role)[:160]
     return text or None
 
 
@@ -490,7 +498,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
     def track(out):
         """Records the new CUDA storages among out; returns their keys."""
         new = set()
-        for t in tree_flatten(out)[0]:
+        for t in leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
                 continue
             try:
@@ -516,18 +524,17 @@ def _tracker(recording, fake_mode, profile, probe=None):
             writes[func] = [(i, a.name) for i, a in enumerate(func._schema.arguments)
                             if a.alias_info is not None and a.alias_info.is_write]  # fmt: skip
         for i, name in writes[func]:
-            values.written(tree_flatten(args[i] if i < len(args) else kwargs.get(name))[0])
+            values.written(leaves(args[i] if i < len(args) else kwargs.get(name)))
 
-    def is_cuda(args, kwargs):
-        for a in tree_flatten((args, kwargs))[0]:
+    def is_cuda(flat):
+        for a in flat:
             if isinstance(a, torch.Tensor) and a.device.type == "cuda":
                 return True
             if isinstance(a, torch.device) and a.type == "cuda":
                 return True
         return False
 
-    def all_real(args, kwargs):
-        flat = tree_flatten((args, kwargs))[0]
+    def all_real(flat):
         for a in flat:
             if isinstance(a, FakeTensor):
                 return False
@@ -716,7 +723,8 @@ def _tracker(recording, fake_mode, profile, probe=None):
                     else:
                         indices.extend(positions(i, "indexing with a boolean mask").unbind(1))
                 args = (args[0], indices)
-            if all_real(args, kwargs) and not lazy_factory(func, args, kwargs):
+            flat = leaves((args, kwargs))  # (asked of below, many times)
+            if all_real(flat) and not lazy_factory(func, args, kwargs):
                 with _disable_current_modes():
                     return func(*args, **kwargs)
             forget_written(func, args, kwargs)
@@ -728,10 +736,11 @@ def _tracker(recording, fake_mode, profile, probe=None):
                     "not have" % (func, _user_frame())
                 ) from None
             on_gpu = None  # the storages a convolution run on the GPU made (probe), or None
-            if probe is not None and func in conv and is_cuda(args, kwargs):
+            if probe is not None and func in conv and is_cuda(flat):
                 on_gpu = probed(func, args, kwargs, out)
-            values.after(func, args, kwargs, out, on_gpu if on_gpu is not None else track(_kernel_order(func, out)))
-            if func.overloadpacket in matmuls and is_cuda(args, kwargs):
+            new = on_gpu if on_gpu is not None else track(_kernel_order(func, out))
+            values.after(func, args, kwargs, out, new, flat)
+            if func.overloadpacket in matmuls and is_cuda(flat):
                 # cuBLAS takes its workspace from the caching allocator at the
                 # first matmul of each thread and stream; autograd's backward
                 # runs on a thread of its own.
@@ -756,21 +765,21 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 n = profile.value("sdpa_cudnn_forward_scratch_bytes")
                 if n:
                     recording.free(recording.alloc(n))
-            elif func in summing and is_cuda(args, kwargs):
+            elif func in summing and is_cuda(flat):
                 dims = args[1] if func in (aten.sum.dim_IntList, aten.mean.dim) and len(args) > 1 else None
                 reduction_scratch(summing[func], args[0], dims, out)
-            elif func in scans and is_cuda(args, kwargs) and args[0].dtype != out.dtype:
+            elif func in scans and is_cuda(flat) and args[0].dtype != out.dtype:
                 # a scan of another type than its result's (a bool mask counted into
                 # int64) reads a copy of its input in the result's type (cumsum_out)
                 copy = recording.alloc(args[0].numel() * out.element_size())
                 recording.free(copy)
-            if on_gpu is None and func is aten.convolution_backward.default and is_cuda(args, kwargs) and args[10][2]:
+            if on_gpu is None and func is aten.convolution_backward.default and is_cuda(flat) and args[10][2]:
                 # a bias's gradient is a sum over all but the channel dimension,
                 # made after the backend's own work (PyTorch's convolution_backward;
                 # run on the GPU, the call's own sequence has it)
                 grad = args[0]
                 reduction_scratch("sum", grad, [0] + list(range(2, grad.dim())), out[2])
-            if func in conv and is_cuda(args, kwargs) and on_gpu is None:
+            if func in conv and is_cuda(flat) and on_gpu is None:
                 recording.note(
                     "cuDNN convolution workspaces (taken and given back within each call, sized by "
                     "cuDNN's choice of algorithm) are not in the trace"

@@ -28,7 +28,7 @@ makes it unknown."""
 
 import weakref
 
-__all__ = ["KnownValues", "UNKNOWN", "SHADOW_NUMEL"]
+__all__ = ["KnownValues", "UNKNOWN", "SHADOW_NUMEL", "leaves"]
 
 UNKNOWN = object()
 
@@ -51,15 +51,20 @@ _COMPARE = {
     "mul": lambda a, b: a * b, "add": lambda a, b: a + b, "sub": lambda a, b: a - b,
     "maximum": max, "minimum": min,
 }  # fmt: skip
+_UNARY = {"amax", "amin", "max", "min", "abs", "neg", "logical_not", "bitwise_not"}
+# operators whose value _value derives from their first input's (beyond the factories, copies and
+# concatenations it takes first)
+_OF_FIRST = {"all", "any", "sum"} | _UNARY | set(_COMPARE)
 
 
 class KnownValues:
     def __init__(self, torch):
         self.torch = torch
         self.known = {}  # storage key -> value
-        # id(fake tensor) -> (a weak reference to it, its values on the CPU, its version); tensors compare
-        # element by element, so they cannot be keys themselves
+        # id(fake tensor) -> its entry (_keep); tensors compare element by element, so they cannot be keys
+        # themselves
         self.shadows = {}
+        self._followable_ops = {}  # operator -> whether _follow may compute its results
 
     @staticmethod
     def _key(t):
@@ -82,22 +87,33 @@ class KnownValues:
                 return x.item()
         if x.numel() == 0:
             return UNKNOWN
-        shadow = self.shadow(x)
-        if shadow is not None:
-            from torch.utils._python_dispatch import _disable_current_modes
+        entry = self._entry(x)
+        if entry is not None:
+            if entry[3] is None:
+                # (a shadow is never written: whether it holds one value is
+                # asked once, though most operators ask it of their input)
+                from torch.utils._python_dispatch import _disable_current_modes
 
-            with _disable_current_modes():
-                first = shadow.reshape(-1)[0]
-                if shadow.numel() == 1 or bool((shadow == first).all()):
-                    return first.item()
+                shadow = entry[1]
+                with _disable_current_modes():
+                    first = shadow.reshape(-1)[0]
+                    uniform = shadow.numel() == 1 or bool((shadow == first).all())
+                    entry[3] = (first.item(),) if uniform else ()
+            if entry[3]:
+                return entry[3][0]
         return self.known.get(self._key(x), UNKNOWN)
 
-    def shadow(self, x):
-        """x's values as a CPU tensor, or None where they are not known."""
+    def _entry(self, x):
+        """x's entry in shadows while it holds, else None."""
         entry = self.shadows.get(id(x)) if _is_fake(x) else None
         if entry is None or entry[0]() is not x or entry[2] != x._version:
             return None
-        return entry[1]
+        return entry
+
+    def shadow(self, x):
+        """x's values as a CPU tensor, or None where they are not known."""
+        entry = self._entry(x)
+        return None if entry is None else entry[1]
 
     def _keep(self, fake, value):
         key = id(fake)
@@ -107,36 +123,54 @@ class KnownValues:
             if key in shadows and shadows[key][0] is ref:
                 del shadows[key]
 
-        shadows[key] = (weakref.ref(fake, gone), value, fake._version)
+        # [its weak reference, its values, its version, (its one value,) or () once asked (of)]
+        shadows[key] = [weakref.ref(fake, gone), value, fake._version, None]
 
-    def _follow(self, func, args, kwargs, out):
-        """Gives out a shadow where func made it from known values alone."""
+    def _followable(self, func):
+        """Whether func's results can be values of its inputs: not for
+        uninitialized or random results, nor for writes (the version
+        counter moves after the write: nothing to keep). Asked at every
+        operator, answered once per operator."""
+        ok = self._followable_ops.get(func)
+        if ok is None:
+            ok = not (
+                func.overloadpacket.__name__ in _UNINITIALIZED
+                or self.torch.Tag.nondeterministic_seeded in func.tags
+                or any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+            )
+            self._followable_ops[func] = ok
+        return ok
+
+    def _follow(self, func, args, kwargs, out, flat_args=None):
+        """Gives out a shadow where func made it from known values alone
+        (flat_args: leaves((args, kwargs)), where the caller has them)."""
         torch = self.torch
         from torch.utils._python_dispatch import _disable_current_modes
-        from torch.utils._pytree import tree_flatten, tree_map
+        from torch.utils._pytree import tree_map
 
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not self._followable(func):
+            return
+        outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
         if not outs or any(not _is_fake(t) or t.numel() > SHADOW_NUMEL for t in outs):
             return
-        if func.overloadpacket.__name__ in _UNINITIALIZED or torch.Tag.nondeterministic_seeded in func.tags:
-            return
-        if any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments):
-            return  # the version counter moves after the write: nothing to keep
-        missing = []
+        # Most operators have an input with no known values: found before
+        # pytree copies the arguments
+        for a in leaves((args, kwargs)) if flat_args is None else flat_args:
+            if isinstance(a, torch.Tensor):
+                if not _is_fake(a):
+                    if a.device.type != "cpu":
+                        return
+                elif self.shadow(a) is None:
+                    return
 
         def real(a):
             if isinstance(a, torch.Tensor):
-                if not _is_fake(a):
-                    return a if a.device.type == "cpu" else missing.append(a)
-                shadow = self.shadow(a)
-                return shadow if shadow is not None else missing.append(a)
+                return a if not _is_fake(a) else self.shadow(a)
             if isinstance(a, torch.device):
                 return torch.device("cpu")
             return a
 
         cpu_args, cpu_kwargs = tree_map(real, (args, kwargs))
-        if missing:
-            return
         if "device" in cpu_kwargs:
             cpu_kwargs["device"] = torch.device("cpu")
         try:
@@ -144,7 +178,7 @@ class KnownValues:
                 result = func(*cpu_args, **cpu_kwargs)
         except Exception:  # noqa: BLE001 (what the CPU cannot compute stays unknown)
             return
-        results = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        results = [t for t in leaves(result) if isinstance(t, torch.Tensor)]
         if len(results) != len(outs):
             return
         for fake, value in zip(outs, results):
@@ -160,10 +194,11 @@ class KnownValues:
             if isinstance(t, self.torch.Tensor):
                 self.forget(self._key(t))
 
-    def after(self, func, args, kwargs, out, new_keys):
-        """Records what the operator's new storages hold, where known."""
+    def after(self, func, args, kwargs, out, new_keys, flat_args=None):
+        """Records what the operator's new storages hold, where known
+        (flat_args: leaves((args, kwargs)), where the caller has them)."""
         torch = self.torch
-        self._follow(func, args, kwargs, out)
+        self._follow(func, args, kwargs, out, flat_args)
         name = func.overloadpacket.__name__
         if name == "fill_" and isinstance(out, torch.Tensor):
             v = self.of(args[1]) if len(args) > 1 else UNKNOWN
@@ -196,12 +231,14 @@ class KnownValues:
             v = self.of(args[0])
             pad = args[2] if len(args) > 2 else kwargs.get("value", 0)
             return v if v is not UNKNOWN and v == pad else UNKNOWN
+        if name not in _OF_FIRST:
+            return UNKNOWN  # (before asking: what the first input holds costs a pass over its shadow)
         v = self.of(args[0])
         if v is UNKNOWN:
             return UNKNOWN
         if name in ("all", "any"):
             return bool(v)
-        if name in ("amax", "amin", "max", "min", "abs", "neg", "logical_not", "bitwise_not") and len(args) == 1:
+        if name in _UNARY and len(args) == 1:
             return {"abs": abs, "neg": lambda x: -x, "logical_not": lambda x: not x,
                     "bitwise_not": lambda x: (not x) if isinstance(x, bool) else ~int(x)}.get(name, lambda x: x)(v)  # fmt: skip
         if name == "sum":
@@ -217,10 +254,51 @@ class KnownValues:
         return UNKNOWN
 
 
-def _is_fake(t):
-    from torch._subclasses.fake_tensor import FakeTensor
+_fake_class = []  # FakeTensor, imported on first use (importing it costs a lookup per call)
 
-    return isinstance(t, FakeTensor)
+
+def _is_fake(t):
+    if not _fake_class:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        _fake_class.append(FakeTensor)
+    return isinstance(t, _fake_class[0])
+
+
+# Types pytree takes for leaves that an operator's arguments hold most
+# (tensors are checked apart: any subclass is a leaf unless registered)
+_LEAF_TYPES = {int, float, bool, str, type(None)}
+_pytree = []  # (torch.Tensor, pytree's registered node types, tree_flatten), imported on first use
+
+
+def leaves(tree):
+    """tree_flatten(tree)[0]: the leaves of an operator's arguments or
+    results in pytree's order. Runs at every operator, where pytree's
+    generic walk (node types, namedtuples, specs) costs more than the
+    operator itself: plain tuples, lists and dicts are walked here, and
+    any other container is handed to pytree."""
+    if not _pytree:
+        import torch
+        from torch.utils import _pytree as pytree
+
+        _pytree.extend((torch.Tensor, pytree.SUPPORTED_NODES, pytree.tree_flatten))
+    out = []
+    _gather(tree, out, *_pytree)
+    return out
+
+
+def _gather(x, out, tensor, nodes, flatten):
+    t = type(x)
+    if t is tuple or t is list:
+        for a in x:
+            _gather(a, out, tensor, nodes, flatten)
+    elif t is dict:  # (pytree keeps a dict's insertion order)
+        for a in x.values():
+            _gather(a, out, tensor, nodes, flatten)
+    elif t in _LEAF_TYPES or (isinstance(x, tensor) and t not in nodes):
+        out.append(x)
+    else:
+        out.extend(flatten(x)[0])
 
 
 def _as(torch, v, dtype):
