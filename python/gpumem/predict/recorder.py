@@ -1349,8 +1349,11 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
 
 
 def _probe_notes(rec, probe):
-    if getattr(probe, "device_name", None):
-        rec.note("convolutions were run on the GPU (%s) for their workspaces" % probe.device_name)
+    met = len(getattr(probe, "_seen", ()))
+    if getattr(probe, "device_name", None) and met:
+        # (a job without convolutions gets no note: nothing was run)
+        rec.note("convolutions were run on the GPU (%s) for their workspaces: %d problem%s"
+                 % (probe.device_name, met, "" if met == 1 else "s"))  # fmt: skip
     for func, i, real, fake in probe.mismatched[:3]:
         rec.note("%s output %d has strides %s on the GPU, %s in the recording" % (func, i, real, fake))
 
