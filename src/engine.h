@@ -480,6 +480,9 @@ struct gpumem {
     int hot_windows;       /* hot windows in a row; enough of them trip the guard */
   } guard;
   uint64_t allocated_high_water; /* never reset: the lazy reclaim target */
+  /* num_mallocs when allocated_high_water last rose: how long the job has
+   * run below its peak (alloc.c, small_in_large_hole). */
+  uint64_t high_water_serial;
   gm_planner planner;
   struct gm_history* history;   /* recorded events (history.c); NULL: not recording */
   uint64_t history_tag;         /* carried by the events and allocations from now on */
