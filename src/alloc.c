@@ -761,8 +761,8 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
  * since the allocated high-water mark last rose, a small request that the
  * small arena could hold only by mapping pages is placed by best fit in
  * the large arena of its stream instead, where the pages under it are all
- * mapped (no device call; it counts in the large pool's statistics, as
- * under small_pool:off). Before that, the holes are a peak's that may come
+ * mapped (no device call; it counts in the small pool's statistics, as
+ * the request it is). Before that, the holes are a peak's that may come
  * back: the same placement at any time (small_pool:off for the overflow)
  * put synth_random at 1.2390 x peak live and gpt2_beam_serve at 1.0712,
  * above their better peer model + 0.010; placed only past the reclaim
@@ -780,7 +780,10 @@ static GM_COLD gm_block* small_in_large_hole(gpumem_t* gm, gm_pool* pool, size_t
   gm_pool* lp = &pool->stream->pools[GM_POOL_LARGE];
   if (!lp->maps_pages || lp->is_private) return NULL;
   gm_block* c = find_free(gm, lp, rsize);
-  return c && gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize) ? c : NULL;
+  if (!c || !gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize)) return NULL;
+  /* (split to the request exactly, so that its size says it is a small
+   * request: gm_block_stat_small) */
+  return c->size == rsize || c->size - rsize >= GM_MIN_BLOCK ? c : NULL;
 }
 
 /* One attempt to serve rsize bytes from pool, growing through the backend

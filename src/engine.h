@@ -233,6 +233,10 @@ struct gm_pool {
   gm_stream* stream;
   bool is_small;
   bool is_plan; /* the stream's plan pool (placement:planned) */
+  /* Its blocks count in the small or large pool's statistics by their
+   * size (gm_block_stat_small): a plan pool, and a large pool whose stream
+   * has a small pool. */
+  bool stat_by_size;
   /* A graph-private pool's (graphpool.c): reclaim, plans, aliases and the
    * retry ladder never touch its pages, which stay mapped where they are
    * until the pool is released. */
@@ -1065,10 +1069,12 @@ static inline bool gm_block_is_split(const gm_block* b) {
   return b->prev || b->next;
 }
 /* Which pool's statistics a live block counts in: its pool's, except in a
- * plan arena (small and large requests together), where its size says, as
- * for the request (PyTorch's small_pool / large_pool split). */
+ * plan arena (small and large requests together) or a large arena beside
+ * a small pool (a small request in a large hole: alloc.c,
+ * small_in_large_hole), where its size says, as for the request
+ * (PyTorch's small_pool / large_pool split). */
 static inline bool gm_block_stat_small(const gm_block* b) {
-  return b->pool->is_plan ? b->size <= GM_SMALL_SIZE : b->pool->is_small;
+  return b->pool->stat_by_size ? b->size <= GM_SMALL_SIZE : b->pool->is_small;
 }
 static inline size_t gm_round_up(size_t x, size_t unit) {
   return (x + unit - 1) / unit * unit;

@@ -34,6 +34,10 @@ gm_stream* gm_stream_get(gpumem_t* gm, gpumem_stream_t handle) {
     s->pools[i].stream = s;
     s->pools[i].is_small = i == GM_POOL_SMALL;
     s->pools[i].is_plan = i == GM_POOL_PLAN;
+    /* (a large arena's block of at most 1 MiB is a small request: large
+     * ones are larger, and arenas split to the rounded request) */
+    s->pools[i].stat_by_size =
+        i == GM_POOL_PLAN || (i == GM_POOL_LARGE && gm->virtual_memory && gm->opts.small_pool);
     s->pools[i].maps_pages = gm->virtual_memory;
     s->pools[i].index.counts_only = i == GM_POOL_PLAN;
     gm_dirty_init(&s->pools[i].dirty);
