@@ -750,6 +750,21 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
   return b;
 }
 
+/* Whether the pages under the first size bytes of free arena block b are
+ * all mapped. Asked of most small requests once a job's peak is past
+ * (below), so the common case, a range within one word of the bitmap, is
+ * inline and shifts instead of dividing (pages.c has the general one). */
+static inline bool block_front_mapped(const gpumem_t* gm, const gm_block* b, size_t size) {
+  const gm_segment* seg = b->seg;
+  size_t first = (b->addr - seg->addr) >> gm->page_shift;
+  size_t last = (b->addr + size - 1 - seg->addr) >> gm->page_shift;
+  if (GM_LIKELY(first / 64 == last / 64)) {
+    uint64_t mask = gm_bits_between(first % 64, last % 64);
+    return (seg->mapped_bits[first / 64] & mask) == mask;
+  }
+  return gm_arena_range_mapped(seg, gm->page_size, b->addr, size);
+}
+
 /* A small arena that must grow while its stream's large arena holds
  * mapped free room in its holes creates memory that is already there.
  * Where the job's live peak is long past, those holes are room the peak
@@ -813,7 +828,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
   }
   if (GM_UNLIKELY(pool->is_small) && b && pool->maps_pages && !pool->is_private &&
       gm->num_mallocs - gm->high_water_serial >= GM_STALE_PEAK_ALLOCS &&
-      !gm_arena_range_mapped(b->seg, gm->page_size, b->addr, rsize)) {
+      !block_front_mapped(gm, b, rsize)) {
     gm_block* h = small_in_large_hole(gm, pool, rsize);
     if (h) return place_block(gm, h->pool, h, rsize, NULL, out);
   }
