@@ -266,6 +266,12 @@ struct gm_pool {
   /* Blocks outside a run that walked past the arena's highest mapped page
    * by a little (alloc.c, regrowth_ahead). */
   uint32_t regrowths;
+  /* Growths past the highest mapped page by a block alone between frees,
+   * in a row since the arena last stood still (alloc.c, regrowth_ahead):
+   * how many, the last one's block size and num_mallocs then. */
+  uint32_t lone_growths;
+  size_t lone_growth_size;
+  uint64_t lone_growth_serial;
 };
 
 /* Pools of a stream: small requests (up to 1 MiB) and large ones, as in
