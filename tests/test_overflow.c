@@ -3,7 +3,7 @@
  * the same kind of address; out of memory only when the host budget is
  * spent, saying so; blocks back on device pages when room returns, and
  * cold ones out again before a new block goes to host; the hint; every
- * failure of a backend call on those paths (each in turn) ends cleanly with
+ * failure of a backend call on those paths (one after another) ends cleanly with
  * gpumem_check passing and every byte of every live block intact; and
  * checksums in every overflowed block survive moves both ways with work
  * queued on two streams. gpumem_check runs after every operation. */
@@ -232,6 +232,15 @@ static void test_backend_without_host_pages(void) {
   gpumem_sim_destroy(sim);
 }
 
+/* Under a limit of 32 MiB: four blocks of 8 MiB on device pages (in
+ * dev[0..4)), the fifth on host pages (*tier). Returns how many landed on
+ * the device. */
+static int fill_under_32m_limit(ofx_t* f, void** dev, void** tier) {
+  int n = fill_device(f, 8 * MIB, dev, 16, tier);
+  CHECK_MSG(n == 4 && *tier != NULL, "%d blocks under the 32 MiB limit", n);
+  return n;
+}
+
 /* ---- moves: back when room returns, cold ones out under pressure ---- */
 
 static void test_moves_and_hint(void) {
@@ -239,8 +248,7 @@ static void test_moves_and_hint(void) {
   if (!f.gm) return ofx_done(&f);
   void* dev[16];
   void* tier = NULL;
-  int n = fill_device(&f, 8 * MIB, dev, 16, &tier);
-  CHECK_MSG(n == 4 && tier != NULL, "%d blocks under the 32 MiB limit", n);
+  int n = fill_under_32m_limit(&f, dev, &tier);
   fill(f.sim, tier, 8 * MIB, 11);
   /* Under a limit the arena keeps its freed pages: a free alone brings
    * nothing back (no page moves for it); empty_cache gives the room. */
@@ -553,7 +561,7 @@ static void test_arena_cold_blocks(void) {
   arena_cold_scenario("overflow:host,map_max:8M", 64 * MIB);
 }
 
-/* Every backend call of the arena paths failing in turn: moves out under
+/* Every backend call of the arena paths failing, one after another: moves out under
  * pressure and by the hint, back at empty_cache, the free of a block on
  * host pages. Each operation ends in success or a clean failure, with
  * gpumem_check passing and every live block's bytes intact. */
@@ -677,8 +685,7 @@ static void test_kept_host_pages(void) {
   if (!f.gm) return ofx_done(&f);
   void* dev[16];
   void* tier = NULL;
-  int n = fill_device(&f, 8 * MIB, dev, 16, &tier);
-  CHECK_MSG(n == 4 && tier != NULL, "%d blocks under the 32 MiB limit", n);
+  int n = fill_under_32m_limit(&f, dev, &tier);
   CHECK(host_creations(f.gm) == 1);
   /* Freed and retired: its host pages are kept. */
   CHECK_STATUS(gpumem_free(f.gm, tier), GPUMEM_OK);
