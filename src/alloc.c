@@ -739,7 +739,7 @@ static bool lends_instead_of_growing(gpumem_t* gm, const gm_pool* pool, const gm
   if (!gm_grows_in_runs(gm)) return false;
   /* growth from pages held but unused needs no new memory */
   if (gm->num_spare_pages) return false;
-  if (b && gm_arena_range_mapped(b->seg, gm->page_size, b->addr, rsize)) return false;
+  if (b && gm_arena_range_mapped(gm, b->seg, b->addr, rsize)) return false;
   const gpumem_backend_t* be = gm->backend;
   if (!be->event_create || !be->event_record || !be->event_query || !be->event_destroy)
     return false;
@@ -761,7 +761,7 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
     if (!c) continue;
     /* (a lender that needs no wait beats a smaller block that does) */
     if (best && best_settled && c->size >= best->size) continue;
-    if (!gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize)) continue;
+    if (!gm_arena_range_mapped(gm, c->seg, c->addr, rsize)) continue;
     /* What another borrower freed there is ours only once s is ordered
      * after it (what we freed ourselves is ours in stream order). */
     if (s->unordered_borrower != me && gm_lender_ready(gm, s) != GPUMEM_OK) continue;
@@ -798,21 +798,6 @@ static GM_COLD gm_block* borrow_mapped(gpumem_t* gm, gm_pool* pool, size_t rsize
   return b;
 }
 
-/* Whether the pages under the first size bytes of free arena block b are
- * all mapped. Asked of most small requests once a job's peak is past
- * (below), so the common case, a range within one word of the bitmap, is
- * inline and shifts instead of dividing (pages.c has the general one). */
-static inline bool block_front_mapped(const gpumem_t* gm, const gm_block* b, size_t size) {
-  const gm_segment* seg = b->seg;
-  size_t first = (b->addr - seg->addr) >> gm->page_shift;
-  size_t last = (b->addr + size - 1 - seg->addr) >> gm->page_shift;
-  if (GM_LIKELY(first / 64 == last / 64)) {
-    uint64_t mask = gm_bits_between(first % 64, last % 64);
-    return (seg->mapped_bits[first / 64] & mask) == mask;
-  }
-  return gm_arena_range_mapped(seg, gm->page_size, b->addr, size);
-}
-
 /* A small arena that must grow while its stream's large arena holds
  * mapped free room in its holes creates memory that is already there.
  * Where the job's live peak is long past, those holes are room the peak
@@ -843,7 +828,7 @@ static GM_COLD gm_block* small_in_large_hole(gpumem_t* gm, gm_pool* pool, size_t
   gm_pool* lp = &pool->stream->pools[GM_POOL_LARGE];
   if (!lp->maps_pages || lp->is_private) return NULL;
   gm_block* c = find_free(gm, lp, rsize);
-  if (!c || !gm_arena_range_mapped(c->seg, gm->page_size, c->addr, rsize)) return NULL;
+  if (!c || !gm_arena_range_mapped(gm, c->seg, c->addr, rsize)) return NULL;
   /* (split to the request exactly, so that its size says it is a small
    * request: gm_block_stat_small) */
   return c->size == rsize || c->size - rsize >= GM_MIN_BLOCK ? c : NULL;
@@ -876,7 +861,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
   }
   if (GM_UNLIKELY(pool->is_small) && b && pool->maps_pages && !pool->is_private &&
       gm->num_mallocs - gm->high_water_serial >= GM_STALE_PEAK_ALLOCS &&
-      !block_front_mapped(gm, b, rsize)) {
+      !gm_arena_range_mapped(gm, b->seg, b->addr, rsize)) {
     gm_block* h = small_in_large_hole(gm, pool, rsize);
     if (h) return place_block(gm, h->pool, h, rsize, NULL, out);
   }

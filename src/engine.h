@@ -769,8 +769,22 @@ void gm_arena_destroy(gpumem_t* gm, gm_segment* seg);
 void gm_arena_release_if_unused(gpumem_t* gm, gm_segment* seg);
 bool gm_arena_page_mapped(const gm_segment* seg, size_t page);
 
-/* True when every page under [addr, addr+size) of the arena is mapped. */
-bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size);
+/* True when every page of the arena from first to last is mapped. */
+bool gm_arena_pages_mapped(const gm_segment* seg, size_t first, size_t last);
+/* True when every page under [addr, addr+size) of the arena is mapped.
+ * Asked of most small requests once a job's peak is past (alloc.c,
+ * small_in_large_hole), so the common case, a range within one word of
+ * the bitmap, is inline and shifts instead of dividing. */
+static inline bool gm_arena_range_mapped(const gpumem_t* gm, const gm_segment* seg, uintptr_t addr,
+                                         size_t size) {
+  size_t first = (addr - seg->addr) >> gm->page_shift;
+  size_t last = (addr + size - 1 - seg->addr) >> gm->page_shift;
+  if (GM_LIKELY(first / 64 == last / 64)) {
+    uint64_t mask = gm_bits_between(first % 64, last % 64);
+    return (seg->mapped_bits[first / 64] & mask) == mask;
+  }
+  return gm_arena_pages_mapped(seg, first, last);
+}
 
 /* Reclaim from every arena, from all but those a plan serves from now, or
  * only from plan arenas no plan serves from (dormant or retired). */

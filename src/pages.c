@@ -110,9 +110,8 @@ static bool range_mapped(const gm_segment* seg, size_t first, size_t last) {
   return true;
 }
 
-bool gm_arena_range_mapped(const gm_segment* seg, size_t page_size, uintptr_t addr, size_t size) {
-  return range_mapped(seg, (addr - seg->addr) / page_size,
-                      (addr + size - 1 - seg->addr) / page_size);
+bool gm_arena_pages_mapped(const gm_segment* seg, size_t first, size_t last) {
+  return range_mapped(seg, first, last);
 }
 
 gpumem_status_t gm_arena_new(gpumem_t* gm, gm_pool* pool, size_t min_size, gm_block** out) {
