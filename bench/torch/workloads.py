@@ -8,7 +8,8 @@ WORKLOAD is one of the bundled four (gpt2_train, resnet50_train,
 llama_ckpt_train, t5_varlen_prefetch) or a user-style job:
 llama_finetune_varlen (a ~0.6B Llama fine-tuned on padded batches whose
 batch size 4-8 and length 256-2048 change every micro-step, gradient
-accumulation 2, AdamW, bf16 autocast), llama_generate_serve (generate()
+accumulation 2, AdamW, bf16 autocast; llama_finetune_varlen_half the same
+at batch 2-4), llama_generate_serve (generate()
 requests of batch 1-16 and prompt length 32-1024 on a ~0.4B Llama in bf16)
 or convnext_timm (timm's ConvNeXt-Base, fixed shapes). Models are built
 from configurations with random weights; shapes are drawn from seeds, so
@@ -239,12 +240,20 @@ def t5_varlen_prefetch(torch, args):
 FINETUNE_ACCUMULATION = 2
 
 
-def llama_finetune_varlen(torch, args):
+def finetune_varlen(batch_range):
     """A ~0.6B Llama-style decoder fine-tuned on padded batches: per
-    micro-step, batch size 4-8 and padded length 256-2048 (uniform), each
-    row's real length between half the padded length and all of it (right
-    padding, attention mask, labels -100 on padding); gradient accumulation
-    2, AdamW, bf16 autocast. One step = one optimizer step."""
+    micro-step, a batch size drawn from batch_range (4-8 for
+    llama_finetune_varlen; 2-4 for llama_finetune_varlen_half, whose two
+    processes fit one 80 GB card together in lockstep, where the full job's
+    need about 80 GB) and padded length 256-2048 (uniform), each row's real
+    length between half the padded length and all of it (right padding,
+    attention mask, labels -100 on padding); gradient accumulation 2,
+    AdamW, bf16 autocast. One step = one optimizer step."""
+    lo, hi = batch_range
+    return lambda torch, args: finetune_varlen_job(torch, lo, hi)
+
+
+def finetune_varlen_job(torch, batch_lo, batch_hi):
     import random
 
     from transformers import LlamaForCausalLM
@@ -256,7 +265,7 @@ def llama_finetune_varlen(torch, args):
 
     def micro_batch(i, k):
         rnd = random.Random(1_000_003 * i + k)
-        b, s = rnd.randint(4, 8), rnd.randint(256, 2048)
+        b, s = rnd.randint(batch_lo, batch_hi), rnd.randint(256, 2048)
         lengths = [rnd.randint(s // 2, s) for _ in range(b)]
         gen = torch.Generator().manual_seed(1_000_003 * i + k)
         ids = torch.randint(1, cfg.vocab_size, (b, s), generator=gen)
@@ -636,7 +645,8 @@ WORKLOADS = {
     "resnet50_train": resnet50_train,
     "llama_ckpt_train": llama_ckpt_train,
     "t5_varlen_prefetch": t5_varlen_prefetch,
-    "llama_finetune_varlen": llama_finetune_varlen,
+    "llama_finetune_varlen": finetune_varlen((4, 8)),
+    "llama_finetune_varlen_half": finetune_varlen((2, 4)),
     "llama_generate_serve": llama_generate_serve,
     "convnext_timm": convnext_timm,
     "gpt2_generate": gpt2_generate,
