@@ -12,6 +12,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -319,11 +320,26 @@ class RecorderTest(unittest.TestCase):
         self.assertIn("# note: device profile h200-torch2.11", text)
         parse(text.splitlines())
 
+    @unittest.skipUnless(torch is not None and hasattr(torch, "accelerator"), "needs torch.accelerator")
+    def test_accelerator_is_the_fake_gpu(self):
+        # Accelerate (the HF Trainer's device placement) asks torch.accelerator, not torch.cuda,
+        # where batches go: on a CPU machine it said "none", and each batch stayed on the CPU
+        # beside a model on the fake GPU
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="accelerator"):
+            self.assertEqual(torch.accelerator.current_accelerator(), torch.device("cuda"))
+            self.assertTrue(torch.accelerator.is_available())
+            self.assertEqual(torch.accelerator.device_count(), 1)
+
     def test_cuda_state_is_put_back(self):
         available, count = torch.cuda.is_available(), torch.cuda.device_count()
+        accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         self.record_step(mlp, mlp_batch, mlp_step, batch_size=1, steps=1)
         self.assertEqual(torch.cuda.is_available(), available)  # as before: False here, True on a GPU machine
         self.assertEqual(torch.cuda.device_count(), count)
+        if hasattr(torch, "accelerator"):
+            self.assertEqual(torch.accelerator.current_accelerator(), accelerator)
         from torch.optim import optimizer
 
         self.assertNotIn(torch._subclasses.fake_tensor.FakeTensor, optimizer._foreach_supported_types)
@@ -1171,7 +1187,12 @@ class CommandTest(unittest.TestCase):
         folded = command.fold_notes([note % ("4,096", "32768"), "something else at x.py:3",
                                      note % ("1,048,576", "524280"), note % ("65536", "524280")])
         self.assertEqual(folded, [note % ("4,096 to 1,048,576", "32,768 to 524,280") +
-                                  " (3 of them; at most 0.001 GiB together)", "something else at x.py:3"])
+                                  " (3 of them; at most 0.000 GiB above the trace at any moment)",
+                                  "something else at x.py:3"])
+        # bounds of buffers that may be live together add up
+        kept = "a cache of %s entries (at most %s bytes, kept until the end) is not in the trace"
+        self.assertEqual(command.fold_notes([kept % ("4", str(3 << 29)), kept % ("8", str(3 << 29))]),
+                         [kept % ("4 to 8", "1,610,612,736") + " (2 of them; at most 3.000 GiB together)"])
         self.assertEqual(command.fold_notes(["one at a.py:1", "one at a.py:1"]), ["one at a.py:1 (2 of them)"])
 
     def test_sizes(self):
@@ -1266,6 +1287,71 @@ class CommandTest(unittest.TestCase):
             self.assertIn("3 recordings replayed", text)
             self.assertIn("ran out of recordings (--confirm-runs)", text)
             self.assertTrue(os.path.exists(os.path.join(out, "at_b64", "trace")))
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_failed_run_keeps_the_log_it_names(self):
+        # with no --traces the recordings are in a temporary directory, removed at the end;
+        # not when the error names a file in it
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "train.py")
+            with open(path, "w") as f:
+                f.write("import sys\nraise RuntimeError('the job fails here')\n")
+            done = subprocess.run(
+                [sys.executable, "-m", "gpumem.predict", "--memory", "1G", "--cpu", "--jobs", "1", path, "{B}"],
+                env=dict(os.environ, PYTHONPATH=PYTHON_DIR), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                timeout=300,
+            )  # fmt: skip
+        err = done.stderr.decode()
+        self.assertEqual(done.returncode, 1, err)
+        self.assertIn("the job fails here", err)
+        log = re.search(r"the whole output: (\S+)", err)
+        self.assertIsNotNone(log, err)
+        root = os.path.dirname(os.path.dirname(log.group(1)))
+        self.assertTrue(os.path.basename(root).startswith("gpumem-predict-"), root)
+        try:
+            with open(log.group(1)) as f:
+                self.assertIn("the job fails here", f.read())
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    @unittest.skipIf(torch is None or transformers is None, "needs PyTorch and transformers")
+    def test_hf_trainer_on_the_cpu(self):
+        # A job as HF Trainer users write it: Accelerate places the batches. Both recordings
+        # must hold the model and the batches on the fake GPU, and align.
+        try:
+            import accelerate  # noqa: F401
+        except ImportError:
+            self.skipTest("needs accelerate (pip install accelerate), which the Trainer needs")
+        script = textwrap.dedent("""\
+            import argparse, torch
+            from torch.utils.data import Dataset
+            from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+            p = argparse.ArgumentParser(); p.add_argument("--bs", type=int); p.add_argument("--out"); a = p.parse_args()
+            class Rand(Dataset):
+                def __len__(self): return 1000
+                def __getitem__(self, i):
+                    g = torch.Generator().manual_seed(i)
+                    return {"input_ids": torch.randint(0, 1000, (32,), generator=g), "labels": torch.tensor(i % 2)}
+            cfg = BertConfig(vocab_size=1000, num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                             intermediate_size=128)
+            args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=a.bs, max_steps=20,
+                                     report_to=[], save_strategy="no", disable_tqdm=True)
+            Trainer(model=BertForSequenceClassification(cfg), args=args, train_dataset=Rand()).train()
+            """)
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--batch", "64", "--no-confirm"],
+                                          ["--bs", "{B}", "--out", os.path.join(d, "trainer")])  # fmt: skip
+            err = done.stderr.decode()
+            self.assertNotIn("same device", err)
+            for b in (1, 2):
+                with open(os.path.join(out, "b%d" % b, "meta.json")) as f:
+                    self.assertEqual(json.load(f)["steps"], 2, err)
+            if _cli.find() is None:
+                self.skipTest("no gpumem binary (make build): the table is not checked")
+            self.assertEqual(done.returncode, 0, err)
+            text = done.stdout.decode()
+            self.assertIn("gpumem default", text)
+            self.assertNotIn("differ", text)
 
     def command_with_traces(self, trace_lines, argv, meta, gpu=False):
         """(exit status, stdout, [(mode, batch)] recorded): the command run

@@ -317,7 +317,8 @@ def fold_notes(notes):
     """Notes that say the same thing of different sizes (a reduction's
     staging buffers, one note for each tensor) as one line each: the
     numbers that differ as a range, how many, and where the notes bound
-    their bytes ("at most N bytes"), the sum of those bounds."""
+    their bytes ("at most N bytes"), the sum of those bounds, or their
+    largest where each is given back within its call."""
     groups = {}
     for n in notes:
         groups.setdefault(_NUMBER.sub("#", n), []).append(n)
@@ -337,7 +338,13 @@ def fold_notes(notes):
         m = re.search(r"at most # bytes", key)
         if m:
             k = key[: m.start()].count("#")
-            text += "; at most %s together" % _gib(sum(v[k] for v in values if k < len(v)))
+            bounds = [v[k] for v in values if k < len(v)]
+            if "given back within the call" in key:
+                # one call's buffers are gone before the next call's come:
+                # no two are live at once, and the largest is what is at stake
+                text += "; at most %s above the trace at any moment" % _gib(max(bounds))
+            else:
+                text += "; at most %s together" % _gib(sum(bounds))
         out.append(text + ")")
     return out
 
@@ -652,6 +659,8 @@ def main(argv=None):
             return 3
         return 0
     except PredictError as e:
+        if "root" in locals() and root in str(e):
+            keep = True  # the message names a file in it (a failed run's log)
         sys.stderr.write("gpumem.predict: %s\n" % e)
         return 1
     finally:

@@ -1144,6 +1144,30 @@ def _cuda_patches(torch, recording, profile):
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
         **_autocast_patches(torch),
     }
+    # torch.accelerator answers for whichever device the build has: a CPU
+    # machine's says none, and Accelerate (under the HF Trainer too) asks it
+    # where to put each batch, which then stays on the CPU beside a model on
+    # the fake GPU.
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        patches.update({
+            (acc, "current_accelerator"): lambda check_available=False: torch.device("cuda"),
+            (acc, "is_available"): lambda: True,
+            (acc, "device_count"): lambda: 1,
+            (acc, "current_device_index"): lambda: 0,
+            (acc, "current_device_idx"): lambda: 0,
+            (acc, "set_device_index"): noop,
+            (acc, "set_device_idx"): noop,
+            (acc, "synchronize"): noop,
+            (acc, "current_stream"): lambda device=None: stream,
+            (acc, "empty_cache"): noop,
+            (acc, "memory_allocated"): allocated,
+            (acc, "max_memory_allocated"): max_allocated,
+            (acc, "memory_reserved"): allocated,
+            (acc, "max_memory_reserved"): max_allocated,
+            (acc, "reset_peak_memory_stats"): reset_peak,
+            (acc, "get_memory_info"): lambda device=None: (total - recording.live_bytes, total),
+        })  # fmt: skip
     if hasattr(torch._C, "_conv_determine_backend_memory_format"):
         patches[(torch._C, "_conv_determine_backend_memory_format")] = _conv_layout(
             torch, torch._C._conv_determine_backend_memory_format
