@@ -332,6 +332,18 @@ class RecorderTest(unittest.TestCase):
             self.assertTrue(torch.accelerator.is_available())
             self.assertEqual(torch.accelerator.device_count(), 1)
 
+    def test_random_state_of_the_one_fake_gpu(self):
+        # Lightning saves and restores every device's random state around a fit: one state,
+        # for the one device, where PyTorch's own (CUDA never initialised) has none to read
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="rng"):
+            states = torch.cuda.get_rng_state_all()
+            self.assertEqual(len(states), torch.cuda.device_count())
+            self.assertEqual(states[0].dtype, torch.uint8)
+            torch.cuda.set_rng_state_all(states)
+            torch.cuda.set_rng_state(torch.cuda.get_rng_state())
+
     def test_cuda_state_is_put_back(self):
         available, count = torch.cuda.is_available(), torch.cuda.device_count()
         accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None

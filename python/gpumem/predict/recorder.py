@@ -1120,6 +1120,13 @@ def _cuda_patches(torch, recording, profile):
         (c, "manual_seed_all"): noop,
         (c, "seed"): noop,
         (c, "seed_all"): noop,
+        # The fake device's random state, for code that saves and restores
+        # it (Lightning around every fit): with CUDA never initialised,
+        # PyTorch's own has no generator to read on a machine with a GPU.
+        (c, "get_rng_state"): lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        (c, "get_rng_state_all"): lambda: [torch.zeros(16, dtype=torch.uint8)],
+        (c, "set_rng_state"): noop,
+        (c, "set_rng_state_all"): noop,
         (c, "get_device_name"): lambda device=None: name,
         (c, "get_device_capability"): lambda device=None: cap,
         (c, "get_device_properties"): lambda device=None: props,
