@@ -6,7 +6,8 @@
 The script runs unedited in this process (runpy, as `python SCRIPT` would),
 with the allocator installed before it imports torch; at its end, FILE gets
 torch.cuda.max_memory_reserved() and max_memory_allocated() (gpumem's own
-figures under gpumem) and whether it ran out of memory. For checking what
+figures under gpumem), whether it ran out of memory, the script's wall time
+and, under gpumem, the overflow tier's counts. For checking what
 `python -m gpumem.predict` said about a script nobody here wrote.
 """
 
@@ -15,6 +16,7 @@ import json
 import os
 import runpy
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -36,14 +38,20 @@ def main():
     sys.argv = [a.script] + a.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
     oom = None
+    started = time.monotonic()
     try:
         runpy.run_path(a.script, run_name="__main__")
     except Exception as e:  # noqa: BLE001 (only running out of memory is a result)
         if not is_oom(torch, e):
             raise
         oom = str(e).splitlines()[0]
-    result = {"script": a.script, "args": a.args, "allocator": a.allocator,
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    seconds = time.monotonic() - started
+    stats = torch.cuda.memory_stats()
+    # under gpumem: the overflow tier's figures (docs/python.md)
+    tier = {k: stats[k] for k in ("host_bytes.all.peak", "num_host_allocs", "num_moves_to_host",
+                                  "num_moves_to_device", "num_ooms") if k in stats}  # fmt: skip
+    result = {"script": a.script, "args": a.args, "allocator": a.allocator, "gpumem_conf": os.environ.get("GPUMEM_CONF"),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": round(seconds, 2), **tier,
               "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
               "oom": oom}  # fmt: skip
     _safefs.write_file(a.json, json.dumps(result) + "\n")

@@ -15,6 +15,8 @@ from transformers import BertConfig, BertForSequenceClassification, Trainer, Tra
 ap = argparse.ArgumentParser()
 ap.add_argument("--batch-size", type=int, default=8)
 ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--auto-find-batch-size", action="store_true",
+                help="the Trainer's own search: from --batch-size, halved at each out-of-memory error")
 args = ap.parse_args()
 
 
@@ -31,5 +33,8 @@ model = BertForSequenceClassification(BertConfig())
 with tempfile.TemporaryDirectory() as out:
     training = TrainingArguments(output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
                                  bf16=torch.cuda.is_available(), report_to=[], save_strategy="no",
-                                 logging_steps=10, disable_tqdm=True)
-    Trainer(model=model, args=training, train_dataset=RandomTokens()).train()
+                                 logging_steps=10, disable_tqdm=True,
+                                 auto_find_batch_size=args.auto_find_batch_size)
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens())
+    trainer.train()
+    print("batch size trained at:", trainer._train_batch_size)
