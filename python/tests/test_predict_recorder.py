@@ -332,6 +332,21 @@ class RecorderTest(unittest.TestCase):
             self.assertTrue(torch.accelerator.is_available())
             self.assertEqual(torch.accelerator.device_count(), 1)
 
+    def test_memory_fraction_is_kept(self):
+        # a script's own cap: the command answers for it (CommandTest), so it is kept, and
+        # refused as PyTorch refuses it
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="fraction") as rec:
+            self.assertEqual(torch.cuda.get_per_process_memory_fraction(), 1.0)
+            torch.cuda.set_per_process_memory_fraction(0.5)
+            self.assertEqual(torch.cuda.get_per_process_memory_fraction(), 0.5)
+            with self.assertRaises(ValueError):
+                torch.cuda.set_per_process_memory_fraction(1.5)
+            with self.assertRaises(TypeError):
+                torch.cuda.set_per_process_memory_fraction(1)
+        self.assertEqual(rec.memory_fraction, 0.5)
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read
@@ -1299,6 +1314,39 @@ class CommandTest(unittest.TestCase):
             self.assertIn("3 recordings replayed", text)
             self.assertIn("ran out of recordings (--confirm-runs)", text)
             self.assertTrue(os.path.exists(os.path.join(out, "at_b64", "trace")))
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_the_scripts_own_memory_fraction_is_answered_for(self):
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); p.add_argument('--cap', type=float)\n"
+            "a = p.parse_args()\n"
+            "if a.cap: torch.cuda.set_per_process_memory_fraction(a.cap)\n"
+            "m = torch.nn.Linear(1024, 1024).cuda(); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for step in range(100):\n"
+            "    m(torch.randn(a.batch_size, 1024, device='cuda')).square().sum().backward()\n"
+            "    opt.step(); opt.zero_grad()\n"
+        )
+        largest = {}
+        for cap in (None, 0.5):
+            with tempfile.TemporaryDirectory() as d:
+                extra = ["--cap", str(cap)] if cap else []
+                done, _, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"] + extra, memory="4G")
+                err, text = done.stderr.decode(), done.stdout.decode()
+                if _cli.find() is None:
+                    self.skipTest("no gpumem binary (make build)")
+                self.assertEqual(done.returncode, 0, err)
+                line = [x for x in text.splitlines() if x.startswith("pytorch ")][0]
+                largest[cap] = int(line.split()[1])
+                if cap:
+                    self.assertIn("the script caps PyTorch at 0.5 of the device "
+                                  "(torch.cuda.set_per_process_memory_fraction): the table answers for 2.000 GiB", text)
+                else:
+                    self.assertNotIn("caps PyTorch", text)
+        # the batch's bytes (inputs, outputs, gradients) scale with it: 2 GiB of the 3.4 the context
+        # leaves, about 2/3.4 of the batch
+        self.assertLess(largest[0.5], 0.65 * largest[None])
+        self.assertGreater(largest[0.5], 0.5 * largest[None])
 
     @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_failed_run_keeps_the_log_it_names(self):

@@ -445,8 +445,12 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     return line
 
 
+def _or_one(fraction):
+    return 1.0 if fraction is None else fraction
+
+
 def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None, check=None,
-          seq_lens=None, seq_len=None):
+          seq_lens=None, seq_len=None, fraction=None, budget=None):
     """The command's report, as text."""
     where = "on the GPU" if mode == "gpu" else "on fake CUDA tensors (no GPU used)"
     recorded = "batch %s" % ", ".join(str(s) for s in sizes)
@@ -460,8 +464,13 @@ def table(script, sizes, mode, memory, context, context_source, rows, notes, bat
         "%-22s %-14s %s" % ("allocator", "largest batch", "peak reserved at batch %s" % batch if batch else "peak reserved"),
         "-" * 64,
     ]
+    if fraction is not None:
+        lines[2:2] = ["the script caps PyTorch at %s of the device (torch.cuda.set_per_process_memory_fraction)%s: "
+                      "the table answers for %s" % (("%.4f" % fraction).rstrip("0").rstrip("."),
+                                                    "" if budget < memory - context else ", more than the context leaves",
+                                                    _gib(budget))]  # fmt: skip
     if check:
-        lines[2:2] = [check]
+        lines[-3:-3] = [check]
     for r in rows:
         mb, cell = r.get("max_batch"), "-"
         if mb is not None:
@@ -555,6 +564,10 @@ def main(argv=None):
         context = max(m["context_bytes"] for m in metas)
         if context >= memory:
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
+        # what the allocator may hold: the device less the context, or less where the
+        # script caps PyTorch itself (a fraction of the whole device, as PyTorch counts it)
+        fraction = min([m["memory_fraction"] for m in metas if m.get("memory_fraction")] or [None], key=_or_one)
+        budget = memory - context if fraction is None else min(memory - context, int(fraction * memory))
         checks = [profile_line] if profile_line else []
         confirm_on = a.confirm
         if confirm_on is None:
@@ -575,7 +588,7 @@ def main(argv=None):
                         checks.append(c)
                     written.append(out)
                 paths = written
-            rows, check, aligned = run_predict(sizes, paths, memory - context, a.batch)
+            rows, check, aligned = run_predict(sizes, paths, budget, a.batch)
             for line in (check, aligned):
                 if line:
                     checks.append(line)
@@ -614,7 +627,7 @@ def main(argv=None):
             checks.append("the recordings at batch %s do not align, so every figure is from recordings at "
                           "the batches themselves: %s" % (", ".join(str(b) for b in sizes),
                                                           _misalignment(str(e))))  # fmt: skip
-            rows = start_rows(sizes[-2:], [m["path"] for m in scaled_from[-2:]], memory - context)
+            rows = start_rows(sizes[-2:], [m["path"] for m in scaled_from[-2:]], budget)
         if confirm_on:
             check_mode = "probe" if mode == "gpu" else "cpu"
 
@@ -630,7 +643,7 @@ def main(argv=None):
             scaled = [dict(r) for r in rows]
             try:
                 how = "on fake tensors, each convolution run on the GPU," if mode == "gpu" else "with the CPU recorder"
-                checker = confirm.Checker(record_at, memory - context, _binary(), a.confirm_runs,
+                checker = confirm.Checker(record_at, budget, _binary(), a.confirm_runs,
                                           record_many=record_many)  # fmt: skip
                 checks.append(check_at_batches(rows, checker, a.batch, how))
             except (PredictError, RuntimeError) as e:
@@ -643,7 +656,8 @@ def main(argv=None):
                 checks.append("the check at the batches themselves failed, so the table is the scaled "
                               "prediction: %s" % str(e).splitlines()[0])
         sys.stdout.write(table(a.script, sizes, mode, memory, context, metas[0]["context_source"], rows,
-                               fold_notes(notes), a.batch, "\n".join(checks) or None, seq_lens, a.seq_len))  # fmt: skip
+                               fold_notes(notes), a.batch, "\n".join(checks) or None, seq_lens, a.seq_len,
+                               fraction, budget))  # fmt: skip
         if keep:
             sys.stdout.write("recordings: %s\n" % root)
         spent = pool.timing()

@@ -65,7 +65,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
         source = "%s on the %s, device profile %s" % (source, rec.profile.gpu, rec.profile.name)
     return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
             "context_bytes": context, "context_source": source or "none", "file": "trace",
-            "distributed": getattr(rec, "distributed", None)}
+            "distributed": getattr(rec, "distributed", None), "memory_fraction": rec.memory_fraction}
 
 
 def _one_rank(rec):
@@ -266,9 +266,10 @@ def run_gpu(out_dir, steps, script, args):
     if skipped[0]:
         notes.append("a GradScaler would have skipped %d of the %d optimizer steps (its gradients overflowed); "
                      "they were taken, so that the runs at each batch have the same steps" % (skipped[0], done["steps"]))
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
     return {"steps": done["steps"], "ended": ended, "notes": notes, "context_bytes": done["context_bytes"],
             "peak_live_bytes": rec.peak_live_bytes, "context_source": done["context_source"], "file": "trace",
-            "device": torch.cuda.get_device_name()}
+            "device": torch.cuda.get_device_name(), "memory_fraction": fraction if fraction < 1 else None}
 
 
 def main(argv):

@@ -89,6 +89,7 @@ class Recording:
         self.events = []
         self.source = source  # the '# source' line's text; None: the CPU recorder
         self.notes = []
+        self.memory_fraction = None  # the script's torch.cuda.set_per_process_memory_fraction, if any
         self.batch_size = batch_size
         self.profile = profile
         self.workload = workload
@@ -1105,6 +1106,14 @@ def _cuda_patches(torch, recording, profile):
 
     noop = lambda *a, **k: None  # noqa: E731
     stream = _FakeStream()
+
+    def set_fraction(fraction, device=None):
+        # PyTorch's own checks, then kept: the command answers for the cap it sets
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError("Invalid fraction value: %s. Allowed range: 0~1" % fraction)
+        recording.memory_fraction = fraction
     c = torch.cuda
     patches = {
         (c, "is_available"): lambda: True,
@@ -1138,6 +1147,8 @@ def _cuda_patches(torch, recording, profile):
         (c, "max_memory_reserved"): max_allocated,
         (c, "reset_peak_memory_stats"): reset_peak,
         (c, "reset_max_memory_allocated"): reset_peak,
+        (c, "set_per_process_memory_fraction"): set_fraction,
+        (c, "get_per_process_memory_fraction"): lambda device=None: recording.memory_fraction or 1.0,
         (c, "Stream"): _FakeStream,
         (c, "Event"): _FakeStream,
         (c, "current_stream"): lambda device=None: stream,
