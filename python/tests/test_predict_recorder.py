@@ -347,6 +347,19 @@ class RecorderTest(unittest.TestCase):
                 torch.cuda.set_per_process_memory_fraction(1)
         self.assertEqual(rec.memory_fraction, 0.5)
 
+    def test_pinned_batches_from_a_data_loader(self):
+        # pin_memory=True with workers pins each batch on the host in a thread of its own (outside
+        # the recorder's dispatch mode), which needs a GPU; host memory is not what is predicted,
+        # so the batch stays as it is
+        from gpumem.predict.recorder import recording
+
+        data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
+        with recording(None, None, workload="pinned"):
+            loader = torch.utils.data.DataLoader(data, batch_size=2, pin_memory=True, num_workers=1)
+            batches = [x.cuda() for (x,) in loader]
+        self.assertEqual([tuple(b.shape) for b in batches], [(2, 2), (2, 2)])
+        self.assertNotIn("pin_memory", torch.Tensor.__dict__)  # PyTorch's own again
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read

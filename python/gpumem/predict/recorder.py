@@ -1159,6 +1159,10 @@ def _cuda_patches(torch, recording, profile):
         (c, "is_current_stream_capturing"): lambda: False,
         (c.graphs, "is_current_stream_capturing"): lambda: False,
         (torch.nn.Module, "_apply"): _module_apply,
+        # Pinned host memory is no device memory, and pinning needs a GPU:
+        # a DataLoader's pin_memory=True failed on a machine with none (its
+        # pinning thread runs outside the recorder's dispatch mode).
+        (torch.Tensor, "pin_memory"): lambda self, device=None: self,
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
         **_autocast_patches(torch),
     }
