@@ -360,6 +360,17 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual([tuple(b.shape) for b in batches], [(2, 2), (2, 2)])
         self.assertNotIn("pin_memory", torch.Tensor.__dict__)  # PyTorch's own again
 
+    def test_data_parallel_over_the_one_gpu(self):
+        # old scripts wrap the model in nn.DataParallel even on one GPU: it scatters each input
+        # through a CUDA-only function, which on one device is the input itself
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="dp") as rec:
+            model = torch.nn.DataParallel(mlp()).cuda()
+            out = model(torch.randn(8, 16).cuda())
+            self.assertEqual((out.device.type, tuple(out.shape)), ("cuda", (8, 4)))
+        self.assertGreater(rec.peak_live_bytes, 8 * 4 * 4)
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read

@@ -1166,6 +1166,16 @@ def _cuda_patches(torch, recording, profile):
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
         **_autocast_patches(torch),
     }
+    # nn.DataParallel over the one fake GPU scatters each input to it
+    # through a CUDA-only function; on one device that is a move.
+    from torch.nn.parallel import comm
+
+    def scatter(tensor, devices, chunk_sizes=None, dim=0, streams=None, out=None):
+        if out is not None or devices is None or len(devices) != 1:
+            raise RuntimeError("the recorder has one GPU: a scatter over %s is not recorded" % (devices,))
+        return (tensor.to(torch.device("cuda", torch.cuda._utils._get_device_index(devices[0]))),)
+
+    patches[(comm, "scatter")] = scatter
     # torch.accelerator answers for whichever device the build has: a CPU
     # machine's says none, and Accelerate (under the HF Trainer too) asks it
     # where to put each batch, which then stays on the CPU beside a model on
