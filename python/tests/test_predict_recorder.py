@@ -371,6 +371,27 @@ class RecorderTest(unittest.TestCase):
             self.assertEqual((out.device.type, tuple(out.shape)), ("cuda", (8, 4)))
         self.assertGreater(rec.peak_live_bytes, 8 * 4 * 4)
 
+    def test_inference_mode_records_as_no_grad(self):
+        # torch.tensor(data, device="cuda") under inference_mode copies below the fake tensors
+        # (a real CUDA tensor: on a machine with no GPU, an error); it is recorded as no_grad,
+        # which asks for the same memory, as a context manager and as a decorator
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="inference") as rec:
+            with torch.inference_mode():
+                token = torch.tensor(5, device="cuda", dtype=torch.long)
+                self.assertFalse(torch.is_grad_enabled())
+
+            @torch.inference_mode()
+            def grads_on():
+                return torch.is_grad_enabled()
+
+            self.assertFalse(grads_on())
+            self.assertTrue(torch.is_grad_enabled())
+        self.assertEqual(token.device.type, "cuda")
+        self.assertTrue(rec.peak_live_bytes >= 8)
+        self.assertIs(torch.inference_mode, torch.autograd.grad_mode.inference_mode)  # PyTorch's own again
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read
@@ -1245,6 +1266,8 @@ class CommandTest(unittest.TestCase):
         self.assertEqual(command.fold_notes([kept % ("4", str(3 << 29)), kept % ("8", str(3 << 29))]),
                          [kept % ("4 to 8", "1,610,612,736") + " (2 of them; at most 3.000 GiB together)"])
         self.assertEqual(command.fold_notes(["one at a.py:1", "one at a.py:1"]), ["one at a.py:1 (2 of them)"])
+        self.assertEqual(command.fold_notes(["read at utils.py:396", "read at utils.py:3883"]),
+                         ["read at utils.py:396 to 3883 (2 of them)"])
 
     def test_sizes(self):
         self.assertEqual(command.parse_size("80G"), 80 << 30)

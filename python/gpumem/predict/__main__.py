@@ -332,8 +332,9 @@ def fold_notes(notes):
         text = parts[0]
         for k, rest in enumerate(parts[1:]):
             column = sorted({v[k] for v in values if k < len(v)})
-            text += ("{:,}".format(column[0]) if len(column) == 1 else
-                     "{:,} to {:,}".format(column[0], column[-1])) + rest  # fmt: skip
+            form = "{}" if text.endswith(":") else "{:,}"  # (a line number, file.py:123, as it is)
+            text += (form.format(column[0]) if len(column) == 1 else
+                     (form + " to " + form).format(column[0], column[-1])) + rest  # fmt: skip
         text += " (%d of them" % len(same)
         m = re.search(r"at most # bytes", key)
         if m:

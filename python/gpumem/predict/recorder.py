@@ -1164,6 +1164,11 @@ def _cuda_patches(torch, recording, profile):
         # pinning thread runs outside the recorder's dispatch mode).
         (torch.Tensor, "pin_memory"): lambda self, device=None: self,
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
+        # inference_mode as no_grad: the same requests (no graph, nothing
+        # saved for a backward), where fake tensors cannot follow inference
+        # mode (torch.tensor(data, device="cuda") copies below them there)
+        (torch, "inference_mode"): _inference_as_no_grad,
+        (torch.autograd, "inference_mode"): _inference_as_no_grad,
         **_autocast_patches(torch),
     }
     # nn.DataParallel over the one fake GPU scatters each input to it
@@ -1211,6 +1216,16 @@ def _cuda_patches(torch, recording, profile):
     if hasattr(fake_tensor, "init_gpu_context"):
         patches[(fake_tensor, "init_gpu_context")] = noop
     return {k: v for k, v in patches.items() if hasattr(k[0], k[1]) or k[1] in ("is_initialized",)}
+
+
+def _inference_as_no_grad(mode=True):
+    """torch.inference_mode(mode) for the recording: a context manager and
+    decorator (with or without its parentheses) that turns gradients off,
+    or for mode=False leaves them as they are."""
+    torch = _torch()
+    if callable(mode):  # @torch.inference_mode
+        return torch.no_grad()(mode)
+    return torch.no_grad() if mode else torch.set_grad_enabled(torch.is_grad_enabled())
 
 
 def _suggested_layout(torch, t):

@@ -116,6 +116,10 @@ class KnownValues:
         return None if entry is None else entry[1]
 
     def _keep(self, fake, value):
+        if fake.is_inference():
+            # (made under torch.inference_mode: no version counter to tell
+            # a later write by, so its values are not followed)
+            return
         key = id(fake)
         shadows = self.shadows
 
