@@ -392,6 +392,23 @@ class RecorderTest(unittest.TestCase):
         self.assertTrue(rec.peak_live_bytes >= 8)
         self.assertIs(torch.inference_mode, torch.autograd.grad_mode.inference_mode)  # PyTorch's own again
 
+    def test_timing_and_device_readings(self):
+        # what scripts print about their steps: CUDA events' times, NVML's readings, and the
+        # device they switch to for a block
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="readings"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            with torch.cuda.device(0):
+                x = torch.zeros(4, device="cuda")
+            end.record()
+            torch.cuda.synchronize()
+            line = "%.2f ms, %d%% busy, %d bytes" % (start.elapsed_time(end), torch.cuda.utilization(),
+                                                     torch.cuda.device_memory_used())  # fmt: skip
+        self.assertEqual(line, "0.00 ms, 0% busy, 16 bytes")
+        self.assertEqual(x.device.type, "cuda")
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read

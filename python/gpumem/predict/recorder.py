@@ -1079,8 +1079,9 @@ class _FakeStream:
     def __exit__(self, *exc):
         return False
 
-    def __getattr__(self, name):  # wait_stream, synchronize, record, query, ...
-        return lambda *a, **k: True if name == "query" else None
+    def __getattr__(self, name):  # wait_stream, synchronize, record, query, elapsed_time, ...
+        result = {"query": True, "elapsed_time": 0.0}.get(name)  # (no time passes on fake tensors)
+        return lambda *a, **k: result
 
 
 def _cuda_patches(torch, recording, profile):
@@ -1120,6 +1121,17 @@ def _cuda_patches(torch, recording, profile):
         (c, "device_count"): lambda: 1,
         (c, "current_device"): lambda: 0,
         (c, "set_device"): noop,
+        # NVML's readings of the device: an idle one (no work runs), with the
+        # recording's memory in use
+        (c, "utilization"): lambda device=None: 0,
+        (c, "temperature"): lambda device=None: 0,
+        (c, "power_draw"): lambda device=None: 0,
+        (c, "clock_rate"): lambda device=None: 0,
+        (c, "memory_usage"): lambda device=None: 0,
+        (c, "device_memory_used"): lambda device=None: recording.live_bytes,
+        # `with torch.cuda.device(0):` swaps the current device through these
+        (c, "_exchange_device"): lambda device: 0,
+        (c, "_maybe_exchange_device"): lambda device: 0,
         (c, "synchronize"): noop,
         (c, "is_initialized"): lambda: True,
         (c, "init"): noop,
