@@ -409,6 +409,25 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(line, "0.00 ms, 0% busy, 16 bytes")
         self.assertEqual(x.device.type, "cuda")
 
+    def test_profiling_and_memory_history_calls(self):
+        # what a script that studies itself calls: PyTorch's memory history and snapshot, NVTX
+        # ranges, the profiler (off: on fake tensors it took minutes for a few steps)
+        from gpumem.predict.recorder import recording
+
+        with tempfile.TemporaryDirectory() as d, recording(None, None, workload="studied") as rec:
+            torch.cuda.memory._record_memory_history(max_entries=1000)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                torch.cuda.nvtx.range_push("step")
+                x = torch.zeros(1024, device="cuda")
+                torch.cuda.nvtx.range_pop()
+            self.assertEqual(prof.key_averages().table(sort_by="cuda_time_total"), "")
+            torch.cuda.memory._dump_snapshot(os.path.join(d, "snap.pickle"))
+            self.assertEqual(os.listdir(d), [])
+        self.assertEqual(x.device.type, "cuda")
+        self.assertTrue(any("profiler" in n for n in rec.notes), rec.notes)
+        self.assertTrue(any("_dump_snapshot" in n for n in rec.notes), rec.notes)
+        self.assertIsNot(torch.profiler.profile, type(prof))
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read

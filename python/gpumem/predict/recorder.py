@@ -1129,6 +1129,21 @@ def _cuda_patches(torch, recording, profile):
         (c, "clock_rate"): lambda device=None: 0,
         (c, "memory_usage"): lambda device=None: 0,
         (c, "device_memory_used"): lambda device=None: recording.live_bytes,
+        # A script's own memory history and snapshots: the recording is the
+        # history here, and the snapshot file is not written (a note says so)
+        (c.memory, "_record_memory_history"): noop,
+        (c.memory, "_snapshot"): lambda device=None: {"segments": [], "device_traces": [[]]},
+        (c.memory, "_dump_snapshot"): lambda filename="dump_snapshot.pickle": recording.note(
+            "the script's memory snapshot (torch.cuda.memory._dump_snapshot) was not written: on fake tensors "
+            "there is none; the recording is this job's history"),
+        (c, "memory_snapshot"): lambda *a, **k: [],
+        (c, "ipc_collect"): noop,
+        (torch.profiler, "profile"): _profiler_off(recording),
+        (torch.autograd.profiler, "profile"): _profiler_off(recording),
+        # NVTX ranges mark a profiler's timeline, not memory (a CPU build has none)
+        (c.nvtx, "_nvtx"): types.SimpleNamespace(**{
+            f: (lambda *a, **k: 0) for f in ("rangePushA", "rangePop", "rangeStartA", "rangeEnd", "markA",
+                                             "deviceRangeStart", "deviceRangeEnd")}),
         # `with torch.cuda.device(0):` swaps the current device through these
         (c, "_exchange_device"): lambda device: 0,
         (c, "_maybe_exchange_device"): lambda device: 0,
@@ -1228,6 +1243,43 @@ def _cuda_patches(torch, recording, profile):
     if hasattr(fake_tensor, "init_gpu_context"):
         patches[(fake_tensor, "init_gpu_context")] = noop
     return {k: v for k, v in patches.items() if hasattr(k[0], k[1]) or k[1] in ("is_initialized",)}
+
+
+class _NoProfiler:
+    """torch.profiler.profile for the recording: profiling each of the fake
+    tensors' operators took minutes for a few steps, and what the profiler
+    measures (time, CUPTI's own buffers) is no allocator memory. Its
+    results are empty: a table prints as nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __call__(self, fn):  # as a decorator
+        return fn
+
+    def key_averages(self, *args, **kwargs):
+        return types.SimpleNamespace(table=lambda *a, **k: "")
+
+    def events(self):
+        return []
+
+    def __getattr__(self, name):  # start, stop, step, export_chrome_trace, ...
+        return lambda *a, **k: None
+
+
+def _profiler_off(recording):
+    def profile(*args, **kwargs):
+        recording.note("the script's profiler (torch.profiler.profile) was off while recording: it measures time, "
+                       "not the allocator's memory, and on fake tensors it would take minutes")
+        return _NoProfiler()
+
+    return profile
 
 
 def _inference_as_no_grad(mode=True):
