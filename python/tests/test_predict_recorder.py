@@ -1432,6 +1432,25 @@ class CommandTest(unittest.TestCase):
         self.assertGreater(largest[0.5], 0.5 * largest[None])
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_process_group_without_gpus_is_pointed_to_it(self):
+        # a single-GPU script that starts an NCCL group of one: without --gpus, the run fails where
+        # NCCL is missing, and the error says which option records it
+        if torch.distributed.is_available() and torch.distributed.is_nccl_available():
+            self.skipTest("NCCL is built in here: the group would start")
+        script = (
+            "import argparse, os, torch, torch.distributed as dist\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "os.environ.setdefault('MASTER_ADDR', '127.0.0.1'); os.environ.setdefault('MASTER_PORT', '29533')\n"
+            "dist.init_process_group('nccl', rank=0, world_size=1)\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, _, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+        err = done.stderr.decode()
+        self.assertEqual(done.returncode, 1, err)
+        self.assertIn("the script starts a process group (torch.distributed.init_process_group): record it with "
+                      "--gpus 1", err)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_failed_run_keeps_the_log_it_names(self):
         # with no --traces the recordings are in a temporary directory, removed at the end;
         # not when the error names a file in it

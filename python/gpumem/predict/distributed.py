@@ -832,7 +832,7 @@ def command(a, parser, cmd, memory, sizes):
             raise cmd.PredictError("--traces: %s" % e if keep else str(e)) from None
         # one recording process for every rank and world size: each child gets its rank's variables
         runner = runs.Runs(a.script, a.args, a.steps, profile.path, jobs=a.jobs or len(os.sched_getaffinity(0)),
-                           timeout=a.timeout, log_dir=root, env=cmd._env())  # fmt: skip
+                           timeout=a.timeout, log_dir=root, env=cmd._env(), one_gpu=False)  # fmt: skip
         confirm_on = True if a.confirm is None else a.confirm
         results = []
         try:

@@ -61,7 +61,8 @@ def user_frame(log_text, script):
 class Runs:
     """The server process and the runs asked of it."""
 
-    def __init__(self, script, args, steps, profile, jobs=1, timeout=1800, log_dir=None, env=None):
+    def __init__(self, script, args, steps, profile, jobs=1, timeout=1800, log_dir=None, env=None, one_gpu=True):
+        self.one_gpu = one_gpu  # (False: ranks on the fake process group, --gpus)
         self.script, self.args, self.steps, self.profile = script, list(args), steps, profile
         self.timeout = timeout
         self.jobs = max(1, jobs)
@@ -173,7 +174,11 @@ class Runs:
                 head += " at %s: %s" % (frame, error or "")
             elif error:
                 head += ": %s" % error
-            raise RunError("%s\n  %s\nthe whole output: %s" % (head, "\n  ".join(tail) or "(no output)", log))
+            hint = ""
+            if self.one_gpu and "init_process_group" in text:
+                hint = ("\nthe script starts a process group (torch.distributed.init_process_group): record it with "
+                        "--gpus 1 (or the world sizes to predict), on PyTorch's fake process group")
+            raise RunError("%s\n  %s\nthe whole output: %s%s" % (head, "\n  ".join(tail) or "(no output)", log, hint))
         try:
             meta = json.loads(_safefs.read_own(meta_path, 1 << 24).decode("utf-8"))
         except (OSError, ValueError) as e:
