@@ -1305,6 +1305,26 @@ class CommandTest(unittest.TestCase):
         self.assertEqual(command.fold_notes(["read at utils.py:396", "read at utils.py:3883"]),
                          ["read at utils.py:396 to 3883 (2 of them)"])
 
+    def test_the_users_line_in_a_log(self):
+        from gpumem.predict import runs
+
+        with tempfile.TemporaryDirectory() as d:
+            script = os.path.join(d, "train.py")
+            log = "\n".join([
+                "  0%|          | 0/10 [00:00<?, ?it/s]Traceback (most recent call last):",
+                '  File "%s", line 16, in <module>' % script,
+                "    Trainer(model=m).train()",
+                '  File "/usr/lib/python3/site-packages/transformers/trainer.py", line 99, in train',
+                "    return self.loop()",
+                "AttributeError: 'T5Config' object has no attribute 'decoder_start_token_id'",
+                "  ",
+                "  0%|          | 0/10 [00:01<?, ?it/s]",
+            ])  # fmt: skip
+            frame, error = runs.user_frame(log, script)
+        self.assertEqual(frame, "%s:16 in <module>" % script)
+        self.assertEqual(error, "AttributeError: 'T5Config' object has no attribute 'decoder_start_token_id'")
+        self.assertEqual(runs.user_frame("no traceback here", script), (None, None))
+
     def test_sizes(self):
         self.assertEqual(command.parse_size("80G"), 80 << 30)
         self.assertEqual(command.parse_size("1.5GiB"), 3 << 29)

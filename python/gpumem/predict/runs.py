@@ -39,22 +39,26 @@ def user_frame(log_text, script):
     """(file:line in name, the exception's line) of the last frame of the
     user's own code in the log's last traceback: the script, or a file of
     theirs beside it, not PyTorch's, a library's or gpumem's. (None, line)
-    when no frame is theirs."""
+    when no frame is theirs. A progress bar may share the traceback's first
+    line (tqdm ends its lines with a carriage return) and print after it."""
     lines = log_text.splitlines()
-    start = max((i for i, ln in enumerate(lines) if ln.startswith("Traceback")), default=None)
+    start = max((i for i, ln in enumerate(lines) if "Traceback (most recent call last):" in ln), default=None)
     if start is None:
         return None, None
     script_dir = os.path.dirname(os.path.abspath(script))
-    frame = None
-    for ln in lines[start:]:
+    frame, last = None, start
+    for i, ln in enumerate(lines[start:], start):
         m = _FRAME.match(ln)
         if not m:
             continue
+        last = i
         path = os.path.abspath(m.group(1))
         theirs = path.startswith(script_dir + os.sep) and "site-packages" not in path and "/gpumem/" not in path
         if theirs:
-            frame = "%s:%s in %s" % (os.path.relpath(path), m.group(2), m.group(3).strip())
-    error = next((ln.strip() for ln in reversed(lines[start:]) if ln.strip() and not ln.startswith(" ")), None)
+            shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+            frame = "%s:%s in %s" % (shown, m.group(2), m.group(3).strip())
+    # the exception: the first line at the margin after the last frame (and its source lines)
+    error = next((ln.strip() for ln in lines[last + 1:] if ln.strip() and not ln[0].isspace()), None)
     return frame, error
 
 
