@@ -347,18 +347,22 @@ class RecorderTest(unittest.TestCase):
                 torch.cuda.set_per_process_memory_fraction(1)
         self.assertEqual(rec.memory_fraction, 0.5)
 
-    def test_pinned_batches_from_a_data_loader(self):
-        # pin_memory=True with workers pins each batch on the host in a thread of its own (outside
-        # the recorder's dispatch mode), which needs a GPU; host memory is not what is predicted,
-        # so the batch stays as it is
+    def test_data_loader_workers_and_pinning(self):
+        # a loader's workers would get the fake tensors a large dataset is made of (a spawned one
+        # cannot unpickle them) and its pinning thread pins for real, which needs a GPU: batches
+        # are loaded in this process, unpinned (host memory is not what is predicted)
         from gpumem.predict.recorder import recording
 
-        data = torch.utils.data.TensorDataset(torch.arange(8.0).reshape(4, 2))
-        with recording(None, None, workload="pinned"):
-            loader = torch.utils.data.DataLoader(data, batch_size=2, pin_memory=True, num_workers=1)
+        data = torch.utils.data.TensorDataset(torch.randn(70000, 2))  # fake: past 65,536 elements
+        with recording(None, None, workload="loader") as rec:
+            loader = torch.utils.data.DataLoader(data, batch_size=35000, pin_memory=True, num_workers=2,
+                                                 persistent_workers=True, multiprocessing_context="spawn")
             batches = [x.cuda() for (x,) in loader]
-        self.assertEqual([tuple(b.shape) for b in batches], [(2, 2), (2, 2)])
+            self.assertEqual(torch.randn(4).pin_memory().shape, (4,))
+        self.assertEqual([tuple(b.shape) for b in batches], [(35000, 2), (35000, 2)])
+        self.assertTrue(any("worker processes were not started" in n for n in rec.notes), rec.notes)
         self.assertNotIn("pin_memory", torch.Tensor.__dict__)  # PyTorch's own again
+        self.assertEqual(torch.utils.data.DataLoader(data, num_workers=2).num_workers, 2)
 
     def test_data_parallel_over_the_one_gpu(self):
         # old scripts wrap the model in nn.DataParallel even on one GPU: it scatters each input

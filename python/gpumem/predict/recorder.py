@@ -1139,6 +1139,7 @@ def _cuda_patches(torch, recording, profile):
         (c, "memory_snapshot"): lambda *a, **k: [],
         (c, "ipc_collect"): noop,
         (torch.profiler, "profile"): _profiler_off(recording),
+        (torch.utils.data.DataLoader, "__init__"): _loader_in_process(torch.utils.data.DataLoader.__init__, recording),
         (torch.autograd.profiler, "profile"): _profiler_off(recording),
         # NVTX ranges mark a profiler's timeline, not memory (a CPU build has none)
         (c.nvtx, "_nvtx"): types.SimpleNamespace(**{
@@ -1271,6 +1272,28 @@ class _NoProfiler:
 
     def __getattr__(self, name):  # start, stop, step, export_chrome_trace, ...
         return lambda *a, **k: None
+
+
+def _loader_in_process(init, recording):
+    """DataLoader.__init__ for the recording: batches loaded in this process.
+    Worker processes make CPU batches either way, and cannot take the fake
+    tensors a large dataset built in the script is made of (a spawned
+    worker must unpickle them: "Can't pickle local object ...FakeMode")."""
+
+    @functools.wraps(init)
+    def in_process(self, *args, **kwargs):
+        import inspect
+
+        bound = inspect.signature(init).bind(self, *args, **kwargs)
+        if bound.arguments.get("num_workers", 0):
+            recording.note("the DataLoader's worker processes were not started while recording: its batches were "
+                           "loaded in the main process (CPU tensors either way)")
+            for name, value in (("num_workers", 0), ("persistent_workers", False), ("prefetch_factor", None),
+                                ("multiprocessing_context", None)):
+                bound.arguments[name] = value
+        return init(*bound.args, **bound.kwargs)
+
+    return in_process
 
 
 def _profiler_off(recording):
