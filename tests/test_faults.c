@@ -573,7 +573,7 @@ int main(int argc, char** argv) {
       for (long n = 0; n <= (long)n_calls; n += stride) {
         for (int s = 0; s < 2; s++) {
           for (int c = 0; c < 2; c++) {
-            /* One failure of the N-th call of a kind is one failure of
+            /* Failing the N-th call of a kind once is failing
              * that call's place among the calls of any kind: the workload
              * and the device are deterministic up to the failure, and the
              * sweep over any kind (kind -1) has run it already. Failures
