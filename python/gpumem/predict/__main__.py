@@ -446,10 +446,6 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     return line
 
 
-def _or_one(fraction):
-    return 1.0 if fraction is None else fraction
-
-
 def table(script, sizes, mode, memory, context, context_source, rows, notes, batch=None, check=None,
           seq_lens=None, seq_len=None, fraction=None, budget=None):
     """The command's report, as text."""
@@ -567,7 +563,8 @@ def main(argv=None):
             raise PredictError("the CUDA context alone (%s) takes all of --memory (%s)" % (_gib(context), _gib(memory)))
         # what the allocator may hold: the device less the context, or less where the
         # script caps PyTorch itself (a fraction of the whole device, as PyTorch counts it)
-        fraction = min([m["memory_fraction"] for m in metas if m.get("memory_fraction")] or [None], key=_or_one)
+        fractions = [m["memory_fraction"] for m in metas if m.get("memory_fraction")]
+        fraction = min(fractions) if fractions else None
         budget = memory - context if fraction is None else min(memory - context, int(fraction * memory))
         checks = [profile_line] if profile_line else []
         confirm_on = a.confirm

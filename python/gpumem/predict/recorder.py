@@ -1064,11 +1064,11 @@ def _current_node():
 # ---- torch.cuda as a job running on fake tensors sees it -----------------
 
 
-class _FakeStream:
-    """torch.cuda.Stream and Event stand-ins: work is ordered already."""
+class _Inert:
+    """A stand-in that takes any arguments, is its own context manager, and
+    answers every method with RESULTS' value for it (None by default)."""
 
-    cuda_stream = 0
-    device = None
+    RESULTS = {}
 
     def __init__(self, *args, **kwargs):
         pass
@@ -1079,9 +1079,18 @@ class _FakeStream:
     def __exit__(self, *exc):
         return False
 
-    def __getattr__(self, name):  # wait_stream, synchronize, record, query, elapsed_time, ...
-        result = {"query": True, "elapsed_time": 0.0}.get(name)  # (no time passes on fake tensors)
+    def __getattr__(self, name):
+        result = self.RESULTS.get(name)
         return lambda *a, **k: result
+
+
+class _FakeStream(_Inert):
+    """torch.cuda.Stream and Event stand-ins: work is ordered already, and
+    no time passes on fake tensors (wait_stream, synchronize, record, ...)."""
+
+    RESULTS = {"query": True, "elapsed_time": 0.0}
+    cuda_stream = 0
+    device = None
 
 
 def _cuda_patches(torch, recording, profile):
@@ -1187,10 +1196,6 @@ def _cuda_patches(torch, recording, profile):
         (c, "is_current_stream_capturing"): lambda: False,
         (c.graphs, "is_current_stream_capturing"): lambda: False,
         (torch.nn.Module, "_apply"): _module_apply,
-        # Pinned host memory is no device memory, and pinning needs a GPU:
-        # a DataLoader's pin_memory=True failed on a machine with none (its
-        # pinning thread runs outside the recorder's dispatch mode).
-        (torch.Tensor, "pin_memory"): lambda self, device=None: self,
         (torch.autograd, "_engine_run_backward"): _engine_wrapper(torch.autograd._engine_run_backward),
         # inference_mode as no_grad: the same requests (no graph, nothing
         # saved for a backward), where fake tensors cannot follow inference
@@ -1246,39 +1251,27 @@ def _cuda_patches(torch, recording, profile):
     return {k: v for k, v in patches.items() if hasattr(k[0], k[1]) or k[1] in ("is_initialized",)}
 
 
-class _NoProfiler:
+class _NoProfiler(_Inert):
     """torch.profiler.profile for the recording: profiling each of the fake
     tensors' operators took minutes for a few steps, and what the profiler
     measures (time, CUPTI's own buffers) is no allocator memory. Its
-    results are empty: a table prints as nothing."""
+    results are empty: a table prints as nothing (start, stop, step,
+    export_chrome_trace do nothing)."""
 
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    RESULTS = {"key_averages": types.SimpleNamespace(table=lambda *a, **k: ""), "events": ()}
 
     def __call__(self, fn):  # as a decorator
         return fn
-
-    def key_averages(self, *args, **kwargs):
-        return types.SimpleNamespace(table=lambda *a, **k: "")
-
-    def events(self):
-        return []
-
-    def __getattr__(self, name):  # start, stop, step, export_chrome_trace, ...
-        return lambda *a, **k: None
 
 
 def _loader_in_process(init, recording):
     """DataLoader.__init__ for the recording: batches loaded in this process.
     Worker processes make CPU batches either way, and cannot take the fake
     tensors a large dataset built in the script is made of (a spawned
-    worker must unpickle them: "Can't pickle local object ...FakeMode")."""
+    worker must unpickle them: "Can't pickle local object ...FakeMode");
+    nor is there a pinning thread then, which would pin for real, outside
+    the dispatch modes (that needs a GPU); in this process pinning is the
+    placement mode's, which leaves a batch as it is."""
 
     @functools.wraps(init)
     def in_process(self, *args, **kwargs):
