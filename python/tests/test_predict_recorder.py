@@ -364,6 +364,25 @@ class RecorderTest(unittest.TestCase):
         self.assertNotIn("pin_memory", torch.Tensor.__dict__)  # PyTorch's own again
         self.assertEqual(torch.utils.data.DataLoader(data, num_workers=2).num_workers, 2)
 
+    def test_data_loader_shorter_than_the_batch(self):
+        # a dataset shorter than the batch: with drop_last no batch at all (a loop counting its
+        # steps would never end), so the recording stops naming both; without, the batches are
+        # as short as on the GPU, and a note says so
+        from gpumem.predict.recorder import RecorderError, recording
+
+        data = torch.utils.data.TensorDataset(torch.randn(300, 2))
+        with self.assertRaisesRegex(RecorderError, "has 300 items, fewer than its batch size 512, and drop_last"):
+            with recording(None, None, workload="short"):
+                torch.utils.data.DataLoader(data, batch_size=512, drop_last=True)
+        with recording(None, None, workload="short") as rec:
+            batches = [x.cuda() for (x,) in torch.utils.data.DataLoader(data, batch_size=512)]
+            torch.utils.data.DataLoader(data, batch_size=300, drop_last=True)  # one whole batch: no note
+        self.assertEqual([tuple(b.shape) for b in batches], [(300, 2)])
+        self.assertEqual([n for n in rec.notes if "items, fewer than the batch size" in n],
+                         ["a DataLoader's dataset has 300 items, fewer than the batch size 512: its batches were that "
+                          "short, as they would be on the GPU (a training set that short makes the memory at any "
+                          "larger batch that of 300)"])
+
     def test_data_parallel_over_the_one_gpu(self):
         # old scripts wrap the model in nn.DataParallel even on one GPU: it scatters each input
         # through a CUDA-only function, which on one device is the input itself

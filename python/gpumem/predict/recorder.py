@@ -1284,9 +1284,32 @@ def _loader_in_process(init, recording):
             for name, value in (("num_workers", 0), ("persistent_workers", False), ("prefetch_factor", None),
                                 ("multiprocessing_context", None)):
                 bound.arguments[name] = value
-        return init(*bound.args, **bound.kwargs)
+        init(*bound.args, **bound.kwargs)
+        _loader_batch_fits_dataset(self, recording)
 
     return in_process
+
+
+def _loader_batch_fits_dataset(loader, recording):
+    """A dataset shorter than the batch makes batches shorter than the batch
+    size asked for, as it would on the GPU: the recording is then one at the
+    dataset's length, which the notes say (a validation set may well be
+    shorter than a training batch). With drop_last there is no batch at all,
+    and a loop that counts its steps would never end: the recording stops
+    there, naming both."""
+    try:
+        items = len(loader.dataset)
+    except TypeError:  # an iterable dataset: its length is not known
+        return
+    batch = loader.batch_size
+    if batch is None or items >= batch:
+        return
+    if loader.drop_last:
+        raise RecorderError("the DataLoader's dataset has %d items, fewer than its batch size %d, and drop_last=True: "
+                            "it gives no batch at all (a larger dataset, or batch sizes up to %d)" % (items, batch, items))
+    recording.note("a DataLoader's dataset has %d items, fewer than the batch size %d: its batches were that "
+                   "short, as they would be on the GPU (a training set that short makes the memory at any larger batch "
+                   "that of %d)" % (items, batch, items))
 
 
 def _profiler_off(recording):
