@@ -824,6 +824,21 @@ class ConvProbeTest(unittest.TestCase):
         self.assertEqual(len(calls), 2)
         self.assertFalse(any("cuDNN convolution workspaces" in n for n in rec.notes), rec.notes)
 
+    def test_autotuner_on_is_noted(self):
+        # cuDNN's benchmark mode sizes its trials' workspaces by the memory free at the time, which
+        # no recording reproduces: a note says so, probed or not
+        before = torch.backends.cudnn.benchmark
+        try:
+            torch.backends.cudnn.benchmark = True
+            for probe in (self.stub([]), None):
+                rec = self.record(probe, steps=1)
+                self.assertEqual(sum("cuDNN's autotuner was on" in n for n in rec.notes), 1, rec.notes)
+            torch.backends.cudnn.benchmark = False
+            rec = self.record(None, steps=1)
+            self.assertFalse(any("autotuner" in n for n in rec.notes), rec.notes)
+        finally:
+            torch.backends.cudnn.benchmark = before
+
     def test_a_failing_probe_leaves_the_outputs(self):
         from gpumem.predict.probe import ConvProbe
 
