@@ -194,6 +194,41 @@ class SearchTest(unittest.TestCase):
         self.assertRegex(text, r"pytorch +280\+ ")
         self.assertRegex(text, r"cudaMallocAsync +112-135 ")
 
+    def test_a_far_scaled_answer_is_searched_from_the_checked_line(self):
+        # small runs that mislead (an autotuner's trial workspaces at batch 1 and 2) scale to an
+        # answer far below the truth: the first round's recordings (each scaled answer and one past
+        # it) all fit, and the second round records where a line through the smallest and largest
+        # of them reaches the memory; the search closes from there within the budget
+        memory = 40 << 30
+
+        def needed(b):
+            return (1 << 30) + b * (5 << 20)  # 5 MiB a sample: 7987 fits 40 GiB, 7988 does not
+
+        def replay(binary, trace, memory_):
+            b = int(trace[1:])
+            return {a: {"fits": needed(b) <= memory_, "peak_reserved_bytes": needed(b), "needed_bytes": needed(b),
+                        "peak_live_bytes": needed(b)} for a in ("pytorch", "gpumem default")}  # fmt: skip
+
+        recorded = []
+
+        def record_many(batches):
+            recorded.append(list(batches))
+            return {b: "t%d" % b for b in batches}
+
+        real, confirm.fit_rows = confirm.fit_rows, replay
+        try:
+            rows = [{"allocator": "pytorch", "max_batch": 4642}, {"allocator": "gpumem default", "max_batch": 5580}]
+            checker = confirm.Checker(None, memory, "gpumem", 12, record_many=record_many)
+            command.check_at_batches(rows, checker, batch=1024)
+        finally:
+            confirm.fit_rows = real
+        self.assertEqual(recorded[0], [1024, 4642, 4643, 5580, 5581])
+        self.assertEqual(recorded[1], [7987, 7988])  # the line through 1024 and 5581, for both
+        self.assertEqual([r["max_batch"] for r in rows], [7987, 7987])
+        self.assertEqual(len(checker.rows), 7)
+        self.assertNotIn("max_batch_below", rows[0])
+        self.assertIsNone(checker.secant("pytorch"))  # settled
+
     def test_table_rows_take_the_checked_figures(self):
         class Checker:
             rows = {}
@@ -216,6 +251,9 @@ class SearchTest(unittest.TestCase):
 
             def known(self, who):
                 return {b: self.fits(b, who) for b in list(self.rows)}
+
+            def secant(self, who):
+                return None  # (settled by the first round)
 
         rows = [{"allocator": "pytorch", "max_batch": 44, "peak_reserved_bytes": 8 << 30},
                 {"allocator": "gpumem default", "max_batch": 48, "peak_reserved_bytes": 7 << 30}]  # fmt: skip

@@ -109,8 +109,8 @@ def _parser():
                    "recorder, and on a GPU that is the device profile's)")
     p.add_argument("--no-confirm", dest="confirm", action="store_false",
                    help="report the scaled prediction as it is")
-    p.add_argument("--confirm-runs", type=int, default=12,
-                   help="recordings the check may make (default 12)")
+    p.add_argument("--confirm-runs", type=int, default=20,
+                   help="recordings the check may make (default 20)")
     p.add_argument("--gpus", help="a script for torchrun (DDP, FSDP2): record one rank of each of these world sizes "
                    "on PyTorch's fake process group and predict per GPU (1,2,4,8); {B} is the batch per GPU")
     p.add_argument("--global-batch", type=int, help="with --gpus: the fewest GPUs that fit this many samples a step")
@@ -405,6 +405,20 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
         checker.prefetch(first)
     except confirm.SearchBudget:
         pass
+    # Where the scaled answers were far off (small runs that mislead: cuDNN's autotuner trying
+    # workspaces at batch 1 and 2 that it does not try at 5000), the recordings just made give each
+    # allocator a line through batches near its answer; the next round, again at once, is where
+    # that line reaches the memory, and each search starts there.
+    starts = {}
+    for r in rows:
+        if r.get("max_batch"):
+            est = checker.secant(r["allocator"])
+            if est is not None:
+                starts[r["allocator"]] = est
+    try:
+        checker.prefetch(sorted({b for est in starts.values() for b in (est, est + 1)}))
+    except confirm.SearchBudget:
+        pass
     if batch is not None:
         try:
             peaks = checker.peaks(batch)
@@ -420,8 +434,8 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
         if not start:
             continue
         try:
-            lo, hi = confirm.largest(lambda b, who=r["allocator"]: checker.fits(b, who), start,
-                                     known=checker.known(r["allocator"]))
+            lo, hi = confirm.largest(lambda b, who=r["allocator"]: checker.fits(b, who),
+                                     starts.get(r["allocator"], start), known=checker.known(r["allocator"]))
         except confirm.SearchBudget as e:
             if e.lo is None:
                 short.append("%s (no batch checked)" % r["allocator"])

@@ -116,6 +116,26 @@ class Checker:
         """{batch: fits} for allocator over the batches recorded so far."""
         return {b: bool(rows[allocator]["fits"]) for b, rows in self.rows.items() if allocator in rows}
 
+    def secant(self, allocator, precision=0.02):
+        """Where the recordings so far do not settle allocator's largest
+        batch (within precision, as largest() closes it), the batch at
+        which a line through the smallest and largest of them reaches the
+        memory (each recording's `needed_bytes`: the smallest limit it
+        replays under); None where they settle it or give no such line."""
+        known = self.known(allocator)
+        lo = max((b for b, f in known.items() if f), default=None)
+        hi = min((b for b, f in known.items() if not f), default=None)
+        if lo is not None and hi is not None and lo < hi and hi - lo <= max(1, int(lo * precision)):
+            return None
+        points = sorted((b, rows[allocator].get("needed_bytes")) for b, rows in self.rows.items() if allocator in rows)
+        points = [(b, n) for b, n in points if n]
+        if len(points) < 2:
+            return None
+        (b1, n1), (b2, n2) = points[0], points[-1]
+        if n2 <= n1:
+            return None
+        return max(1, b1 + (self.memory - n1) * (b2 - b1) // (n2 - n1))
+
     def fits(self, batch, allocator):
         row = self.at(batch).get(allocator)
         if row is None:
