@@ -229,6 +229,44 @@ class SearchTest(unittest.TestCase):
         self.assertNotIn("max_batch_below", rows[0])
         self.assertIsNone(checker.secant("pytorch"))  # settled
 
+    def test_open_searches_close_in_rounds_at_once(self):
+        # memory that grows faster than the batch (a line through the first round overshoots), and
+        # workers to share: each round records several batches of each open search at once, so the
+        # search closes in rounds, not in one recording after another
+        memory = 40 << 30
+
+        def needed(b):
+            return (1 << 30) + b * (4 << 20) + (b * b) * 128
+
+        truth = max(b for b in range(1, 20000) if needed(b) <= memory)  # 8020
+
+        def replay(binary, trace, memory_):
+            b = int(trace[1:])
+            return {"pytorch": {"fits": needed(b) <= memory_, "peak_reserved_bytes": needed(b),
+                                "needed_bytes": needed(b), "peak_live_bytes": needed(b)}}  # fmt: skip
+
+        rounds = []
+
+        def record_many(batches):
+            rounds.append(list(batches))
+            return {b: "t%d" % b for b in batches}
+
+        real, confirm.fit_rows = confirm.fit_rows, replay
+        try:
+            rows = [{"allocator": "pytorch", "max_batch": 4642}]
+            checker = confirm.Checker(None, memory, "gpumem", 20, record_many=record_many, workers=4)
+            line = command.check_at_batches(rows, checker, batch=1024)
+        finally:
+            confirm.fit_rows = real
+        lo, hi = checker.bracket("pytorch")
+        self.assertTrue(lo <= truth < hi and hi - lo <= max(1, int(lo * 0.02)), (lo, hi, truth))
+        self.assertEqual(rows[0]["max_batch"], lo)
+        self.assertEqual(rounds[0], [1024, 4642, 4643])
+        self.assertTrue(all(len(r) <= 3 for r in rounds[2:]), rounds)  # (a share of the 4 workers: 3 at most)
+        self.assertLessEqual(len(rounds), 5, rounds)
+        self.assertNotIn("ran out of recordings", line)
+        self.assertEqual(sum(len(r) for r in rounds), len(checker.rows))  # every batch recorded once
+
     def test_table_rows_take_the_checked_figures(self):
         class Checker:
             rows = {}

@@ -419,6 +419,23 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
         checker.prefetch(sorted({b for est in starts.values() for b in (est, est + 1)}))
     except confirm.SearchBudget:
         pass
+    # Then rounds at once while searches stay open and there are workers to share: each open
+    # search gives as many batches as its share of the workers (at most 3: a bracket cut in four),
+    # where one recording after another would cut it in two.
+    workers = getattr(checker, "workers", 1)
+    while workers > 1 and checker.left():
+        open_ = [r["allocator"] for r in rows if r.get("max_batch") and not checker.settled(r["allocator"])]
+        k = max(1, min(3, workers // max(1, len(open_))))
+        lists = [checker.split(who, k) for who in open_]
+        todo = []
+        for i in range(k):  # (each search's first batch before any search's second, as the budget may cut)
+            for points in lists:
+                if i < len(points) and points[i] not in todo:
+                    todo.append(points[i])
+        todo = todo[:checker.left()]
+        if not todo:
+            break
+        checker.prefetch(sorted(todo))
     if batch is not None:
         try:
             peaks = checker.peaks(batch)
@@ -655,8 +672,8 @@ def main(argv=None):
             scaled = [dict(r) for r in rows]
             try:
                 how = "on fake tensors, each convolution run on the GPU," if mode == "gpu" else "with the CPU recorder"
-                checker = confirm.Checker(record_at, budget, _binary(), a.confirm_runs,
-                                          record_many=record_many)  # fmt: skip
+                checker = confirm.Checker(record_at, budget, _binary(), a.confirm_runs, record_many=record_many,
+                                          workers=pool.jobs)  # fmt: skip
                 checks.append(check_at_batches(rows, checker, a.batch, how))
             except (PredictError, RuntimeError) as e:
                 if direct:

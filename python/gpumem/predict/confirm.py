@@ -57,9 +57,10 @@ class Checker:
     under every allocator with `gpumem fit` at memory bytes; at most
     `budget` of them."""
 
-    def __init__(self, record_at, memory, binary, budget=12, record_many=None):
+    def __init__(self, record_at, memory, binary, budget=12, record_many=None, workers=1):
         self.record_at = record_at
         self.record_many = record_many  # [batches] -> {batch: trace}, made at once
+        self.workers = workers  # how many record_many makes at once
         self.memory = memory
         self.binary = binary
         self.budget = budget
@@ -116,25 +117,64 @@ class Checker:
         """{batch: fits} for allocator over the batches recorded so far."""
         return {b: bool(rows[allocator]["fits"]) for b, rows in self.rows.items() if allocator in rows}
 
-    def secant(self, allocator, precision=0.02):
-        """Where the recordings so far do not settle allocator's largest
-        batch (within precision, as largest() closes it), the batch at
-        which a line through the smallest and largest of them reaches the
-        memory (each recording's `needed_bytes`: the smallest limit it
-        replays under); None where they settle it or give no such line."""
+    def bracket(self, allocator):
+        """(largest batch found to fit, smallest found not to), None where
+        none is known, for allocator over the recordings so far."""
         known = self.known(allocator)
         lo = max((b for b, f in known.items() if f), default=None)
         hi = min((b for b, f in known.items() if not f), default=None)
-        if lo is not None and hi is not None and lo < hi and hi - lo <= max(1, int(lo * precision)):
+        return lo, hi
+
+    def settled(self, allocator, precision=0.02):
+        """Whether the recordings so far close allocator's search as
+        largest() closes it (within precision of the last batch that fits)."""
+        lo, hi = self.bracket(allocator)
+        return lo is not None and hi is not None and lo < hi and hi - lo <= max(1, int(lo * precision))
+
+    def secant(self, allocator, precision=0.02):
+        """Where the recordings so far do not settle allocator's largest
+        batch, the batch at which a line through two of them reaches the
+        memory (each recording's `needed_bytes`: the smallest limit it
+        replays under): the largest and the largest at least 10% below it,
+        whose slope is the nearest to the answer's that is not rounding's
+        (memory that grows faster than the batch is met closer). None
+        where they settle it or give no such line."""
+        if self.settled(allocator, precision):
             return None
         points = sorted((b, rows[allocator].get("needed_bytes")) for b, rows in self.rows.items() if allocator in rows)
         points = [(b, n) for b, n in points if n]
         if len(points) < 2:
             return None
-        (b1, n1), (b2, n2) = points[0], points[-1]
-        if n2 <= n1:
+        b2, n2 = points[-1]
+        b1, n1 = next(((b, n) for b, n in reversed(points) if b <= 0.9 * b2), points[0])
+        if b1 >= b2 or n2 <= n1:
             return None
         return max(1, b1 + (self.memory - n1) * (b2 - b1) // (n2 - n1))
+
+    def split(self, allocator, k):
+        """Up to k batches that shrink allocator's open search the most when
+        recorded at once: k points inside its bracket, or, where nothing
+        recorded does not fit (or nothing fits), steps that double away
+        from the last batch that fits (or the first that does not)."""
+        lo, hi = self.bracket(allocator)
+        if lo is not None and hi is not None and lo < hi:
+            points = [lo + (hi - lo) * i // (k + 1) for i in range(1, k + 1)]
+        elif lo is not None and hi is None:
+            step = max(1, lo // 8)
+            points = [lo + step * ((1 << i) - 1) for i in range(1, k + 1)]
+        elif hi is not None and lo is None:
+            step = max(1, hi // 8)
+            points = [hi - step * ((1 << i) - 1) for i in range(1, k + 1)]
+        else:
+            return []
+        seen = []
+        for b in points:
+            if b >= 1 and b not in self.rows and b not in seen and (lo is None or b > lo) and (hi is None or b < hi):
+                seen.append(b)
+        return seen
+
+    def left(self):
+        return max(0, self.budget - len(self.rows))
 
     def fits(self, batch, allocator):
         row = self.at(batch).get(allocator)
