@@ -228,6 +228,12 @@ class SearchTest(unittest.TestCase):
         self.assertEqual(len(checker.rows), 7)
         self.assertNotIn("max_batch_below", rows[0])
         self.assertIsNone(checker.secant("pytorch"))  # settled
+        # two batches close together give rounding's slope, not the job's: no line from them
+        near = confirm.Checker(None, memory, "gpumem", 12)
+        near.rows = {b: replay(None, "t%d" % b, memory) for b in (4642, 4643, 4900)}
+        self.assertIsNone(near.secant("pytorch"))
+        near.rows[4000] = replay(None, "t4000", memory)
+        self.assertEqual(near.secant("pytorch"), 7987)
 
     def test_open_searches_close_in_rounds_at_once(self):
         # memory that grows faster than the batch (a line through the first round overshoots), and

@@ -138,7 +138,7 @@ class Checker:
         replays under): the largest and the largest at least 10% below it,
         whose slope is the nearest to the answer's that is not rounding's
         (memory that grows faster than the batch is met closer). None
-        where they settle it or give no such line."""
+        where they settle it or no two are that far apart."""
         if self.settled(allocator, precision):
             return None
         points = sorted((b, rows[allocator].get("needed_bytes")) for b, rows in self.rows.items() if allocator in rows)
@@ -146,9 +146,9 @@ class Checker:
         if len(points) < 2:
             return None
         b2, n2 = points[-1]
-        b1, n1 = next(((b, n) for b, n in reversed(points) if b <= 0.9 * b2), points[0])
-        if b1 >= b2 or n2 <= n1:
-            return None
+        b1, n1 = next(((b, n) for b, n in reversed(points) if b <= 0.9 * b2), (None, None))
+        if b1 is None or n2 <= n1:
+            return None  # (two batches close together give rounding's slope, not the job's)
         return max(1, b1 + (self.memory - n1) * (b2 - b1) // (n2 - n1))
 
     def split(self, allocator, k):
