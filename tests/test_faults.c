@@ -573,11 +573,11 @@ int main(int argc, char** argv) {
       for (long n = 0; n <= (long)n_calls; n += stride) {
         for (int s = 0; s < 2; s++) {
           for (int c = 0; c < 2; c++) {
-            /* Failing the N-th call of a kind once is failing
-             * that call's place among the calls of any kind: the workload
-             * and the device are deterministic up to the failure, and the
-             * sweep over any kind (kind -1) has run it already. Failures
-             * from then on differ (any kind fails every later call). */
+            /* A single failure of the N-th call of a kind is a failure
+             * of that call's place among the calls of any kind: the
+             * workload and the device are deterministic up to the failure,
+             * and the sweep over any kind (kind -1) covers it. Failures
+             * that repeat differ (any kind fails every later call). */
             if (kind >= 0 && counts[c] == 1) continue;
             script_t sc = {kind, n, counts[c], statuses[s]};
             long failed_before = test_checks_failed;

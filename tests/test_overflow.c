@@ -3,7 +3,7 @@
  * the same kind of address; out of memory only when the host budget is
  * spent, saying so; blocks back on device pages when room returns, and
  * cold ones out again before a new block goes to host; the hint; every
- * failure of a backend call on those paths (each call failed once) ends cleanly with
+ * failure of a backend call on those paths (each call made to fail) ends cleanly with
  * gpumem_check passing and every byte of every live block intact; and
  * checksums in every overflowed block survive moves both ways with work
  * queued on two streams. gpumem_check runs after every operation. */
@@ -561,10 +561,10 @@ static void test_arena_cold_blocks(void) {
   arena_cold_scenario("overflow:host,map_max:8M", 64 * MIB);
 }
 
-/* Every backend call of the arena paths failing once, a run for each: moves out under
- * pressure and by the hint, back at empty_cache, the free of a block on
- * host pages. Each operation ends in success or a clean failure, with
- * gpumem_check passing and every live block's bytes intact. */
+/* Every backend call of the arena paths made to fail, each in an allocator of its own: moves out
+ * under pressure and by the hint, back at empty_cache, the free of a block on host pages. Each
+ * operation ends in success or a clean failure, with gpumem_check passing and every live block's
+ * bytes intact. */
 static bool arena_fault_run(long skip, int kind, int* failures_seen) {
   ofx_t f = ofx_new("overflow:host:48M,limit:40M", 1024 * MIB);
   if (!f.gm) {
@@ -774,7 +774,7 @@ static bool fault_run(long skip, int kind, int* failures_seen) {
     /* A failed device call of the tier ends as out of memory (the
      * request could be served neither on the device nor on the host); a
      * failure of the device path itself, before the tier, stays the device
-     * error it always was. */
+     * error it is without the tier. */
     CHECK_MSG(st == GPUMEM_OK || st == GPUMEM_ERR_OUT_OF_MEMORY ||
                   (st == GPUMEM_ERR_BACKEND && !strstr(gpumem_last_error(), "overflow:host")),
               "malloc: %s: %s", gpumem_strerror(st), gpumem_last_error());
