@@ -94,6 +94,25 @@ class ReductionTest(unittest.TestCase):
         self.assertLess(small[0], bias_sum(rows, 3072)[0])
 
 
+def _jobs_needing(needed, allocators):
+    """A job whose every allocator needs needed(b) bytes at batch b: a stand-in
+    for `gpumem fit` (replay), the list of each round's batches, and a
+    record_many that notes them (traces named "t<batch>")."""
+
+    def replay(binary, trace, memory):
+        n = needed(int(trace[1:]))
+        return {a: {"fits": n <= memory, "peak_reserved_bytes": n, "needed_bytes": n, "peak_live_bytes": n}
+                for a in allocators}  # fmt: skip
+
+    rounds = []
+
+    def record_many(batches):
+        rounds.append(list(batches))
+        return {b: "t%d" % b for b in batches}
+
+    return replay, rounds, record_many
+
+
 class SearchTest(unittest.TestCase):
     def counting(self, limit):
         asked = []
@@ -204,17 +223,7 @@ class SearchTest(unittest.TestCase):
         def needed(b):
             return (1 << 30) + b * (5 << 20)  # 5 MiB a sample: 7987 fits 40 GiB, 7988 does not
 
-        def replay(binary, trace, memory_):
-            b = int(trace[1:])
-            return {a: {"fits": needed(b) <= memory_, "peak_reserved_bytes": needed(b), "needed_bytes": needed(b),
-                        "peak_live_bytes": needed(b)} for a in ("pytorch", "gpumem default")}  # fmt: skip
-
-        recorded = []
-
-        def record_many(batches):
-            recorded.append(list(batches))
-            return {b: "t%d" % b for b in batches}
-
+        replay, recorded, record_many = _jobs_needing(needed, ("pytorch", "gpumem default"))
         real, confirm.fit_rows = confirm.fit_rows, replay
         try:
             rows = [{"allocator": "pytorch", "max_batch": 4642}, {"allocator": "gpumem default", "max_batch": 5580}]
@@ -246,17 +255,7 @@ class SearchTest(unittest.TestCase):
 
         truth = max(b for b in range(1, 20000) if needed(b) <= memory)  # 8020
 
-        def replay(binary, trace, memory_):
-            b = int(trace[1:])
-            return {"pytorch": {"fits": needed(b) <= memory_, "peak_reserved_bytes": needed(b),
-                                "needed_bytes": needed(b), "peak_live_bytes": needed(b)}}  # fmt: skip
-
-        rounds = []
-
-        def record_many(batches):
-            rounds.append(list(batches))
-            return {b: "t%d" % b for b in batches}
-
+        replay, rounds, record_many = _jobs_needing(needed, ("pytorch",))
         real, confirm.fit_rows = confirm.fit_rows, replay
         try:
             rows = [{"allocator": "pytorch", "max_batch": 4642}]

@@ -120,10 +120,7 @@ class Checker:
     def bracket(self, allocator):
         """(largest batch found to fit, smallest found not to), None where
         none is known, for allocator over the recordings so far."""
-        known = self.known(allocator)
-        lo = max((b for b, f in known.items() if f), default=None)
-        hi = min((b for b, f in known.items() if not f), default=None)
-        return lo, hi
+        return _bracket(self.known(allocator))
 
     def settled(self, allocator, precision=0.02):
         """Whether the recordings so far close allocator's search as
@@ -183,6 +180,12 @@ class Checker:
         return bool(row["fits"])
 
 
+def _bracket(known):
+    """{batch: fits} -> (largest batch that fits, smallest that does not), None where none."""
+    return (max((b for b, f in known.items() if f), default=None),
+            min((b for b, f in known.items() if not f), default=None))  # fmt: skip
+
+
 def largest(fits, start, precision=0.02, known=None):
     """The largest batch b for which fits(b) holds, taking memory to grow
     with the batch: from start (a prediction) up or down in steps that
@@ -194,9 +197,7 @@ def largest(fits, start, precision=0.02, known=None):
     or None); b is 0 when batch 1 does not fit. fits may raise
     SearchBudget, which is raised again with the bracket found so far."""
     start = max(1, int(start))
-    known = known or {}
-    lo = max((b for b, f in known.items() if f), default=None)
-    hi = min((b for b, f in known.items() if not f), default=None)
+    lo, hi = _bracket(known or {})
     if lo is None or hi is None or lo >= hi:
         lo = hi = None
     try:
