@@ -55,8 +55,8 @@ def probe(torch, profile, job, batch):
     seen = collections.Counter()
 
     def predicted(kind, x, dims, out):
-        sizes = reductions.scratch_of(kind, x, dims, out, mps, threads)
-        return None if sizes is None else tuple(n for n in sizes if n)
+        plan = reductions.scratch_of(kind, x, dims, out, mps, threads)
+        return None if plan is None else tuple(n for n in plan[0] + [n for r in plan[1] for n in r] if n)
 
     def measured(call):
         """(allocations besides the outputs, the bytes they asked for), and the result."""

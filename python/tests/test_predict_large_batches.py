@@ -83,9 +83,41 @@ class ReductionTest(unittest.TestCase):
     def test_what_the_model_does_not_reach_says_so(self):
         self.assertIsNone(reductions.scratch_sizes("sum", [4], [1], 0, 8, "complex64", [0], [0], 8, "complex64",
                                                    *H200))  # fmt: skip
-        huge = 1 << 31
-        self.assertIsNone(reductions.scratch_sizes("sum", [huge], [1], 0, 2, "bfloat16", [0], [0], 2, "bfloat16",
-                                                   *H200))  # fmt: skip
+
+    def test_an_input_past_32_bit_offsets_is_reduced_in_halves(self):
+        # 1.19e9 float32 elements span 4.4 GiB: halved until a piece's last byte
+        # offset fits 31 bits, 298,188,800 elements a piece, in four launches
+        n = 1_192_755_200
+        pieces = reductions.pieces_32bit([n], [4], [0])
+        self.assertEqual([p[0] for p in pieces], [[n // 4]] * 4)
+        self.assertEqual([p[1] for p in pieces], [i * (n // 4) * 4 for i in range(4)])
+        held, rounds = reductions.scratch_plan("sum", [n], [1], 0, 4, "float32", [0], [0], 4, "float32", *H200)
+        self.assertEqual(held, [])  # a float output holds the pieces' partial sums itself
+        one = reductions.scratch_sizes("sum", [n // 4], [1], 0, 4, "float32", [0], [0], 4, "float32", *H200)
+        self.assertEqual(rounds, [one] * 4)  # each launch a whole-tensor sum of its own
+        # an odd size: the smaller half first
+        pieces = reductions.pieces_32bit([1_000_000_001], [4], [0])
+        self.assertEqual([p[0][0] for p in pieces], [500_000_000, 500_000_001])
+
+    def test_the_split_takes_the_dimension_of_largest_extent(self):
+        # [rows, 3072] bf16 summed over rows (a bias gradient) past 2 GiB: the rows
+        # (the larger byte extent) are halved; the output's 3,072 columns are not
+        rows = 400_000
+        shape, ins, outs = reductions.iteration_shape([rows, 3072], [3072 * 2, 2], [0, 2])
+        pieces = reductions.pieces_32bit(shape, ins, outs)
+        self.assertEqual([p[0] for p in pieces], [[rows // 2, 3072]] * 2)
+        # bf16 in and out: the pieces meet in a float buffer of the output's size
+        held, rounds = reductions.scratch_plan("sum", [rows, 3072], [3072, 1], 0, 2, "bfloat16", [0], [0, 1], 2,
+                                               "bfloat16", *H200)  # fmt: skip
+        self.assertEqual(held, [3072 * 4])
+        self.assertEqual(rounds, [bias_sum(rows // 2, 3072)] * 2)
+        # bf16 summed into float32: the output holds them
+        held, _ = reductions.scratch_plan("sum", [rows, 3072], [3072, 1], 0, 2, "bfloat16", [0], [0, 1], 4,
+                                          "float32", *H200)  # fmt: skip
+        self.assertEqual(held, [])
+        # within 32 bits nothing is split and nothing is held
+        self.assertEqual(reductions.scratch_plan("sum", [1000, 3072], [3072, 1], 0, 2, "bfloat16", [0], [0, 1], 2,
+                                                 "bfloat16", *H200), ([], [bias_sum(1000, 3072)] if bias_sum(1000, 3072) else []))  # fmt: skip
 
     def test_a_smaller_gpu_splits_rows_sooner_and_less(self):
         rows = 16 * 197

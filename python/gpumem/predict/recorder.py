@@ -588,8 +588,8 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 "trace: the device profile has no multiprocessor_count"
             )
             return
-        sizes = reductions.scratch_of(kind, x, dims, out, mps, threads)
-        if sizes is None:
+        plan = reductions.scratch_of(kind, x, dims, out, mps, threads)
+        if plan is None:
             # What is at stake: CUDA's reduction kernels stage one partial
             # result (at most 8 bytes) per output and block, with at most
             # 65535 blocks on an output (the grid's y dimension)
@@ -600,8 +600,14 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 "within the call), are not in the trace" % (kind, str(x.dtype).replace("torch.", ""), x.numel(), bound)
             )
             return
-        taken = [recording.alloc(n, role="%s_staging" % kind) for n in sizes if n]
-        for i in reversed(taken):
+        held, rounds = plan
+        role = "%s_staging" % kind
+        kept = [recording.alloc(n, role=role) for n in held if n]
+        for sizes in rounds:
+            taken = [recording.alloc(n, role=role) for n in sizes if n]
+            for i in reversed(taken):
+                recording.free(i)
+        for i in reversed(kept):
             recording.free(i)
 
     def probed(func, args, kwargs, out):

@@ -14,11 +14,18 @@ shape, the element sizes and two properties of the GPU (its multiprocessor
 count and threads per multiprocessor). This module repeats those choices
 for a strided input: it orders and merges dimensions as TensorIterator
 does for a reduction, then sizes the blocks and the grid. What it does not
-model it says (None): inputs past 32-bit indexing, which the kernel splits
-into pieces.
+model it says (None): complex types.
+
+An input whose byte offsets pass 32-bit indexing is reduced in pieces, as
+TensorIterator's with_32bit_indexing splits it: halved along the dimension
+of the largest extent until each piece is indexable with 32 bits, each
+piece launched on its own with its own staging buffer, taken and given
+back before the next. Where the output cannot hold the partial sums of
+the pieces (a half-precision output summed in float), one accumulation
+buffer in the accumulator's type spans the pieces.
 """
 
-__all__ = ["iteration_shape", "launch", "scratch_sizes", "scratch_of", "dense"]
+__all__ = ["iteration_shape", "launch", "scratch_plan", "scratch_sizes", "scratch_of", "dense"]
 
 WARP = 32
 MAX_THREADS = 512  # per block; 256 for complex double, which is not modelled
@@ -198,17 +205,66 @@ def _accumulator_size(in_dtype_name, out_dtype_name, out_size):
 _VECTORS = {"sum": ((4, 8), (4, 4)), "mean": ((4, 4), (4, 4))}
 
 
-def scratch_sizes(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, reduced, out_strides, out_size,
-                  out_dtype_name, multiprocessors, threads_per_multiprocessor):  # fmt: skip
-    """The allocations (bytes, in the order they are made; they are given
-    back in the reverse order) a CUDA `kind` reduction ("sum" or "mean")
-    takes besides its output, for an input of sizes and in_strides
-    (elements) reduced over the dimensions in reduced; out_strides: the
-    output's strides (elements) over the input's dimensions, any value for
-    the reduced ones. An input of another type than the output is first
-    copied into the output's type (half precision summed into float is
-    read as it is). [] when it takes none; None where this model does not
-    reach (complex types, inputs past 32-bit indexing)."""
+def _indexable_32bit(shape, strides_by_operand):
+    """TensorIterator's can_use_32bit_indexing: few enough elements, and
+    every operand's last byte offset within a signed 32-bit integer."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel > INT32_MAX:
+        return False
+    return all(1 + sum((n - 1) * st for n, st in zip(shape, strides)) <= INT32_MAX for strides in strides_by_operand)
+
+
+def _dim_to_split(shape, strides_by_operand):
+    """The dimension TensorIterator splits first: the largest extent in
+    bytes over all operands, the slowest dimension winning a tie."""
+    best, dim = -1, -1
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] == 0:
+            continue
+        for strides in strides_by_operand:
+            extent = (shape[d] - 1) * abs(strides[d])
+            if extent > best:
+                best, dim = extent, d
+    return dim
+
+
+def pieces_32bit(shape, in_strides, out_strides):
+    """The pieces with_32bit_indexing reduces an iteration shape in, in the
+    order it launches them: (shape, input offset in bytes) each. The first
+    half of a split dimension (the smaller, when its size is odd) comes
+    first, and is split again before the second half is looked at."""
+    operands = (out_strides, in_strides)
+    out = []
+    stack = [(list(shape), 0)]
+    while stack:
+        sh, offset = stack.pop()
+        if _indexable_32bit(sh, operands):
+            out.append((sh, offset))
+            continue
+        d = _dim_to_split(sh, operands)
+        first = sh[d] // 2
+        low, high = list(sh), list(sh)
+        low[d], high[d] = first, sh[d] - first
+        stack.append((high, offset + first * in_strides[d]))
+        stack.append((low, offset))
+    return out
+
+
+def scratch_plan(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, reduced, out_strides, out_size,
+                 out_dtype_name, multiprocessors, threads_per_multiprocessor):  # fmt: skip
+    """The allocations a CUDA `kind` reduction ("sum" or "mean") takes
+    besides its output, for an input of sizes and in_strides (elements)
+    reduced over the dimensions in reduced; out_strides: the output's
+    strides (elements) over the input's dimensions, any value for the
+    reduced ones. As (held, rounds): held (bytes, in the order taken) lasts
+    the whole call and is given back last, in the reverse order; each round
+    is one launch's, taken in order and given back in the reverse order
+    before the next round. An input of another type than the output is
+    first copied into the output's type (half precision summed into float
+    is read as it is). None where this model does not reach (complex
+    types)."""
     if "complex" in in_dtype_name or "complex" in out_dtype_name:
         return None
     ndim = len(sizes)
@@ -217,25 +273,47 @@ def scratch_sizes(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, re
     for s in sizes:
         numel *= s
     if numel == 0:
-        return []
-    taken = []
+        return [], []
+    held = []
     half_to_float = in_dtype_name in ("float16", "bfloat16") and out_dtype_name == "float32"
     if in_dtype_name != out_dtype_name and not half_to_float:
-        taken.append(numel * out_size)  # the input in the output's type (its strides kept where dense)
+        held.append(numel * out_size)  # the input in the output's type (its strides kept where dense)
         if not dense(sizes, in_strides):
             in_strides = _contiguous(sizes)
         in_size, in_dtype_name, in_offset = out_size, out_dtype_name, 0
-    if numel > INT32_MAX or sum((s - 1) * abs(st) for s, st in zip(sizes, in_strides)) * in_size > INT32_MAX:
-        return None
     ins = [st * in_size for st in in_strides]
     outs = [0 if d in reduced else out_strides[d] * out_size for d in range(ndim)]
     shape, ins, outs = iteration_shape(list(sizes), ins, outs)
     vt0, vec = _VECTORS[kind][0 if in_size == 2 else 1]
     acc = _accumulator_size(in_dtype_name, out_dtype_name, out_size)
-    cfg = launch(shape, ins, outs, in_size, acc, vt0, vec, multiprocessors, threads_per_multiprocessor, in_offset)
-    if cfg["global_reduce"]:
-        taken += [cfg["buffer_bytes"], cfg["semaphore_bytes"]]
-    return taken
+    pieces = [(shape, 0)]
+    if not _indexable_32bit(shape, (outs, ins)):
+        pieces = pieces_32bit(shape, ins, outs)
+        # The pieces meet in the output, unless it is half precision in and
+        # out (float16 or bfloat16 both sides): then in a buffer of the
+        # accumulator's type as large as the output's span.
+        if in_dtype_name == out_dtype_name and out_dtype_name in ("float16", "bfloat16"):
+            span = max([out_size] + [n * st for n, st in zip(shape, outs)])
+            held.append(span // out_size * acc)
+    rounds = []
+    for piece, offset in pieces:
+        cfg = launch(piece, ins, outs, in_size, acc, vt0, vec, multiprocessors, threads_per_multiprocessor,
+                     in_offset + offset // in_size)  # fmt: skip
+        rounds.append([cfg["buffer_bytes"], cfg["semaphore_bytes"]] if cfg["global_reduce"] else [])
+    return held, [r for r in rounds if r]
+
+
+def scratch_sizes(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, reduced, out_strides, out_size,
+                  out_dtype_name, multiprocessors, threads_per_multiprocessor):  # fmt: skip
+    """scratch_plan's allocations as one list, in the order they are made
+    ([] when none, None where not modelled): what the call asks of the
+    caching allocator, in number and bytes."""
+    plan = scratch_plan(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, reduced, out_strides, out_size,
+                        out_dtype_name, multiprocessors, threads_per_multiprocessor)  # fmt: skip
+    if plan is None:
+        return None
+    held, rounds = plan
+    return held + [n for r in rounds for n in r]
 
 
 def _contiguous(sizes):
@@ -257,14 +335,14 @@ def dense(sizes, strides):
 
 
 def scratch_of(kind, x, dims, out, multiprocessors, threads_per_multiprocessor):
-    """scratch_sizes for tensors (anything with PyTorch's tensor methods,
+    """scratch_plan for tensors (anything with PyTorch's tensor methods,
     fake ones too): a `kind` reduction of x over dims (None or empty:
     all) into out, with keepdim or without."""
     nd = x.dim()
     dims = set(range(nd)) if not dims else {d % nd for d in dims}
     kept = iter(out.stride())
     out_strides = list(out.stride()) if out.dim() == nd else [0 if d in dims else next(kept) for d in range(nd)]
-    return scratch_sizes(kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(), _name(x),
+    return scratch_plan(kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(), _name(x),
                          dims, out_strides, out.element_size(), _name(out), multiprocessors,
                          threads_per_multiprocessor)  # fmt: skip
 
