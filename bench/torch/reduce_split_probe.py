@@ -54,7 +54,7 @@ def main():
         call = (lambda: op(x, **kwargs)) if dims is None else (lambda: op(x, dims, **kwargs))
         # the output alone first: its block, then the call's counters
         out = call()
-        out_bytes = out.untyped_storage().nbytes()
+        out_bytes = -(-out.untyped_storage().nbytes() // 512) * 512  # its block: 512-byte units
         del out
         torch.cuda.synchronize()
         s0 = torch.cuda.memory_stats()
