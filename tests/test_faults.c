@@ -573,8 +573,8 @@ int main(int argc, char** argv) {
       for (long n = 0; n <= (long)n_calls; n += stride) {
         for (int s = 0; s < 2; s++) {
           for (int c = 0; c < 2; c++) {
-            /* A single failure of the N-th call of a kind is a failure
-             * of that call's place among the calls of any kind: the
+            /* A single failure of the N-th operation of a kind is a failure
+             * of that operation's place among the operations of any kind: the
              * workload and the device are deterministic up to the failure,
              * and the sweep over any kind (kind -1) covers it. Failures
              * that repeat differ (any kind fails every later call). */

@@ -3,7 +3,7 @@
  * the same kind of address; out of memory only when the host budget is
  * spent, saying so; blocks back on device pages when room returns, and
  * cold ones out again before a new block goes to host; the hint; every
- * failure of a backend call on those paths (each call made to fail) ends cleanly with
+ * failure of a backend operation on those paths (each one failing on its own) ends cleanly with
  * gpumem_check passing and every byte of every live block intact; and
  * checksums in every overflowed block survive moves both ways with work
  * queued on two streams. gpumem_check runs after every operation. */
@@ -561,7 +561,7 @@ static void test_arena_cold_blocks(void) {
   arena_cold_scenario("overflow:host,map_max:8M", 64 * MIB);
 }
 
-/* Every backend call of the arena paths made to fail, each in an allocator of its own: moves out
+/* Every backend operation of the arena paths failing, each in an allocator of its own: moves out
  * under pressure and by the hint, back at empty_cache, the free of a block on host pages. Each
  * operation ends in success or a clean failure, with gpumem_check passing and every live block's
  * bytes intact. */
@@ -771,7 +771,7 @@ static bool fault_run(long skip, int kind, int* failures_seen) {
   } while (0)
   for (int i = 0; i < 7; i++) {
     gpumem_status_t st = gpumem_malloc(f.gm, sz, 0, &p[i]);
-    /* A failed device call of the tier ends as out of memory (the
+    /* A failed device operation of the tier ends as out of memory (the
      * request could be served neither on the device nor on the host); a
      * failure of the device path itself, before the tier, stays the device
      * error it is without the tier. */

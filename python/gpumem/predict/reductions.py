@@ -286,9 +286,8 @@ def scratch_plan(kind, sizes, in_strides, in_offset, in_size, in_dtype_name, red
     shape, ins, outs = iteration_shape(list(sizes), ins, outs)
     vt0, vec = _VECTORS[kind][0 if in_size == 2 else 1]
     acc = _accumulator_size(in_dtype_name, out_dtype_name, out_size)
-    pieces = [(shape, 0)]
-    if not _indexable_32bit(shape, (outs, ins)):
-        pieces = pieces_32bit(shape, ins, outs)
+    pieces = pieces_32bit(shape, ins, outs)
+    if len(pieces) > 1:
         # The pieces meet in the output, unless it is half precision in and
         # out (float16 or bfloat16 both sides): then in a buffer of the
         # accumulator's type as large as the output's span.
