@@ -538,6 +538,25 @@ class TransformersTest(unittest.TestCase):
         live = sum(s for _, s, freed in rec.allocations() if not freed and s not in (WORKSPACE, LT_WORKSPACE))
         self.assertEqual(live, 3 * 4 * n_params + buffers)
 
+    def test_mixture_of_experts_under_autocast(self):
+        # transformers casts the tokens to its float32 experts' type for
+        # torch._grouped_mm, which CUDA runs and the meta function refuses
+        if not hasattr(transformers, "MixtralConfig"):
+            self.skipTest("needs transformers with Mixtral")
+        cfg = transformers.MixtralConfig(
+            num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=500, max_position_embeddings=64, num_local_experts=4,
+            num_experts_per_tok=2,
+        )  # fmt: skip
+
+        def build():
+            return transformers.MixtralForCausalLM(cfg)
+
+        rec = self._run(build, 500, 2)
+        n_params = sum(p.numel() for p in build().parameters())
+        live = sum(s for _, s, freed in rec.allocations() if not freed and s not in (WORKSPACE, LT_WORKSPACE))
+        self.assertGreaterEqual(live, 3 * 4 * n_params)
+
     def test_checkpointing_under_autocast(self):
         # the recomputation in the backward runs under autocast too: its
         # tensors must come out bf16 as in the forward (else checkpoint
@@ -1036,6 +1055,38 @@ class DataDependentSizesTest(unittest.TestCase):
         self.assertIn(300 * 8, [size for _, size, _ in rec.allocations()])
         self.assertTrue(any(n.startswith("torchvision's nms at") and "upper bound" in n for n in rec.notes),
                         rec.notes)  # fmt: skip
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
+class GroupedGemmTest(unittest.TestCase):
+    """torch._grouped_mm of float32 and float16 matrices (a mixture of
+    experts under autocast): run on CUDA as a loop of cuBLAS GEMMs, refused
+    by PyTorch's meta function, recorded as the kernel allocates."""
+
+    def grouped(self, dtype, n):
+        from gpumem.predict import recording
+
+        experts, tokens, k = 4, 64, 32
+        with recording(None, "h200") as rec:
+            a = torch.randn(tokens, k, device="cuda", dtype=dtype)
+            b = torch.randn(experts, k, n, device="cuda", dtype=dtype)
+            offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (tokens // experts)
+            out = torch._grouped_mm(a, b, offs=offs)
+            self.assertEqual((tuple(out.shape), out.dtype), ((tokens, n), dtype))
+        return [size for _, size, _ in rec.allocations()], tokens
+
+    def test_float32_output_then_cublas_workspace(self):
+        sizes, tokens = self.grouped(torch.float32, 48)
+        self.assertEqual(sizes[-2:], [tokens * 48 * 4, WORKSPACE])
+
+    def test_rows_padded_to_16_bytes(self):
+        sizes, tokens = self.grouped(torch.float16, 1001)
+        self.assertEqual(sizes[-2:], [(tokens - 1) * 1008 * 2 + 1001 * 2, WORKSPACE])
+
+    def test_bfloat16_left_to_pytorch(self):
+        sizes, tokens = self.grouped(torch.bfloat16, 48)
+        self.assertEqual(sizes[-1], tokens * 48 * 2)
+        self.assertNotIn(WORKSPACE, sizes)
 
 
 @unittest.skipIf(torch is None, NO_TORCH)

@@ -736,7 +736,9 @@ def _tracker(recording, fake_mode, profile, probe=None):
                     return func(*args, **kwargs)
             forget_written(func, args, kwargs)
             try:
-                out = func(*args, **kwargs)
+                out = looped = _grouped_mm_by_loop(torch, func, args, kwargs)
+                if looped is None:
+                    out = func(*args, **kwargs)
             except DynamicOutputShapeException:
                 raise RecorderError(
                     "%s at %s: its output's size depends on the values of tensors, which fake tensors do "
@@ -747,7 +749,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 on_gpu = probed(func, args, kwargs, out)
             new = on_gpu if on_gpu is not None else track(_kernel_order(func, out))
             values.after(func, args, kwargs, out, new, flat)
-            if func.overloadpacket in matmuls and is_cuda(flat):
+            if (func.overloadpacket in matmuls or looped is not None) and is_cuda(flat):
                 # cuBLAS takes its workspace from the caching allocator at the
                 # first matmul of each thread and stream; autograd's backward
                 # runs on a thread of its own.
@@ -813,6 +815,43 @@ def _lt_epilogue(func, args, kwargs):
     bias, mat2 = args[0], args[2]
     beta = kwargs.get("beta", args[3] if len(args) > 3 and func.__name__ == "addmm.default" else 1)
     return bias.dim() == 1 and mat2.dim() == 2 and bias.shape[0] == mat2.shape[1] and beta == 1
+
+
+def _grouped_mm_by_loop(torch, func, args, kwargs):
+    """torch._grouped_mm of float32 or float16 matrices, as a mixture of
+    experts under autocast makes it (transformers casts the tokens to its
+    float32 experts' type): CUDA runs such a call as a loop of cuBLAS
+    GEMMs into one output (bf16 alone goes to CUTLASS), while the meta
+    function that checks fake tensors accepts bf16 alone (PyTorch 2.11 and
+    2.13). Its output as the CUDA kernel makes it (the last dimension's
+    stride a multiple of 16 bytes), or None for any other call. Measured
+    on an H100 (torch 2.11): float32 and float16 calls allocate their
+    output, and cuBLAS's workspace at the first GEMM of a stream."""
+    if func.__name__ != "_grouped_mm.default" or len(args) < 2:
+        return None
+    a, b = args[0], args[1]
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.device.type != "cuda":
+        return None
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16):
+        return None
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    out_dtype = args[4] if len(args) > 4 else kwargs.get("out_dtype")
+    if out_dtype not in (None, a.dtype) or (offs is None and (a.dim(), b.dim()) != (3, 3)):
+        return None
+    if (a.dim(), b.dim()) == (2, 2):
+        size = [offs.size(0), a.size(0), b.size(1)]
+    elif (a.dim(), b.dim()) == (2, 3):
+        size = [a.size(0), b.size(-1)]
+    elif (a.dim(), b.dim()) == (3, 2):
+        size = [a.size(1), b.size(1)]
+    elif (a.dim(), b.dim()) == (3, 3):
+        size = [a.size(0), a.size(1), b.size(-1)]
+    else:
+        return None
+    align = 16 // a.element_size()
+    row = -(-size[-1] // align) * align
+    stride = [size[1] * row, row, 1] if len(size) == 3 else [row, 1]
+    return torch.empty_strided(size, stride, dtype=a.dtype, device=a.device)
 
 
 # Operators whose CUDA kernels allocate their outputs in another order than
