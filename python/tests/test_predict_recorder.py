@@ -1058,6 +1058,41 @@ class DataDependentSizesTest(unittest.TestCase):
 
 
 @unittest.skipIf(torch is None, NO_TORCH)
+class HostCopiesTest(unittest.TestCase):
+    """A fake CUDA tensor copied to the CPU (a pipeline's postprocessing of
+    generate()'s output): a real CPU tensor with the followed values where
+    known, else zeros and a note; past HOST_COPY_NUMEL a fake one, whose
+    .numpy() (refused by PyTorch for tensor subclasses) gives the same."""
+
+    def test_known_values_and_placeholders(self):
+        from gpumem.predict import recording
+        from gpumem.predict.recorder import HOST_COPY_NUMEL
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        with recording(None, "h200") as rec:
+            known = (torch.ones(2, 3, device="cuda", dtype=torch.long) * 7).cpu()
+            unknown = torch.randn(4, device="cuda").to("cpu")
+            large = torch.randn(HOST_COPY_NUMEL + 1, device="cuda").cpu()
+            kinds = [isinstance(t, FakeTensor) for t in (known, unknown, large)]
+            large_values = large.numpy()
+        self.assertEqual(kinds, [False, False, True])
+        self.assertEqual(known.tolist(), [[7, 7, 7], [7, 7, 7]])
+        self.assertEqual((unknown.dtype, unknown.tolist()), (torch.float32, [0.0] * 4))
+        self.assertEqual((large_values.shape, large_values.dtype.name, float(abs(large_values).max())),
+                         ((HOST_COPY_NUMEL + 1,), "float32", 0.0))  # fmt: skip
+        self.assertEqual(len([n for n in rec.notes if "copied from a fake tensor to the CPU" in n]), 1, rec.notes)
+        self.assertEqual(len([n for n in rec.notes if "with .numpy() at" in n]), 1, rec.notes)
+
+    def test_a_copy_that_keeps_its_gradient_stays_fake(self):
+        from gpumem.predict import recording
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        with recording(None, "h200"):
+            w = torch.randn(3, device="cuda", requires_grad=True)
+            self.assertIsInstance((w * 2).cpu(), FakeTensor)
+
+
+@unittest.skipIf(torch is None, NO_TORCH)
 class GroupedGemmTest(unittest.TestCase):
     """torch._grouped_mm of float32 and float16 matrices (a mixture of
     experts under autocast): run on CUDA as a loop of cuBLAS GEMMs, refused
