@@ -565,24 +565,27 @@ def _tracker(recording, fake_mode, profile, probe=None):
 
     reads = {}  # call site -> values read there as placeholders
 
-    def numpy_of(t):
-        """t.numpy() of a fake tensor on the CPU, which PyTorch refuses for
-        any tensor subclass (a pipeline's postprocessing reads generate()'s
-        output so, after .cpu()): its values where they are followed, else
-        zeros, noted as placeholders."""
+    def on_host(t, dtype, how):
+        """A fake tensor's values as a real CPU tensor of dtype: followed
+        where known, else zeros, noted as placeholders (how: what read them)."""
         known = values.shadow(t)
+        v = 0
         if known is None:
             v = values.of(t)
             if v is UNKNOWN:
-                recording.note(
-                    "values read from a fake tensor with .numpy() at %s are placeholders (0): what depends "
-                    "on them was not seen" % _user_frame()
-                )
+                recording.note("values %s at %s are placeholders (0): what depends on them was not seen"
+                               % (how, _user_frame()))  # fmt: skip
                 v = 0
         with _disable_current_modes():
-            if known is not None:
-                return known.detach().clone().numpy()
-            return torch.full(tuple(t.shape), v, dtype=t.dtype).numpy()
+            return known.to(dtype=dtype).clone() if known is not None else torch.full(tuple(t.shape), v, dtype=dtype)
+
+    def numpy_of(t):
+        """t.numpy() of a fake tensor on the CPU, which PyTorch refuses for
+        any tensor subclass (a copy to the host larger than host_copy
+        makes real)."""
+        host = on_host(t, t.dtype, "read from a fake tensor with .numpy()")
+        with _disable_current_modes():
+            return host.numpy()
 
     recording.numpy_of = numpy_of
 
@@ -605,21 +608,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
             return None
         if set(kwargs) - {"device", "dtype", "layout", "non_blocking", "memory_format"}:
             return None
-        dtype = kwargs.get("dtype") or t.dtype
-        known = values.shadow(t)
-        v = 0
-        if known is None:
-            v = values.of(t)
-            if v is UNKNOWN:
-                recording.note(
-                    "values copied from a fake tensor to the CPU at %s are placeholders (0): what depends on "
-                    "them was not seen" % _user_frame()
-                )
-                v = 0
-        with _disable_current_modes():
-            if known is not None:
-                return known.to(dtype=dtype).clone()
-            return torch.full(tuple(t.shape), v, dtype=dtype)
+        return on_host(t, kwargs.get("dtype") or t.dtype, "copied from a fake tensor to the CPU")
 
     def positions(mask, what):
         """nonzero(mask) on fake tensors: as many rows as the mask has
