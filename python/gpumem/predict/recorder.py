@@ -473,6 +473,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
     aten = torch.ops.aten
     prim_device = torch.ops.prim.device.default
     matmuls = {getattr(aten, n) for n in _MATMULS if hasattr(aten, n)}
+    grouped_mm = aten._grouped_mm.default if hasattr(aten, "_grouped_mm") else None
     sdpa_backward = {
         getattr(aten, n)
         for n in (
@@ -597,8 +598,8 @@ def _tracker(recording, fake_mode, profile, probe=None):
         PyTorch runs it, not through fake tensors at about half a
         millisecond an operator: a pipeline's postprocessing slices
         generate()'s output item by item (about 30 operators an item: 160 s
-        for a recording at batch 12,000 on fake tensors). None where the
-        call is no such copy or the tensor is larger than HOST_COPY_NUMEL."""
+        for a recording at batch 12,000 on fake tensors). None for any
+        other operator and for a tensor larger than HOST_COPY_NUMEL."""
         if func is not aten._to_copy.default or len(args) != 1 or not isinstance(args[0], FakeTensor):
             return None
         t, device = args[0], kwargs.get("device")
@@ -790,7 +791,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
                     return func(*args, **kwargs)
             forget_written(func, args, kwargs)
             try:
-                out = looped = _grouped_mm_by_loop(torch, func, args, kwargs)
+                out = looped = _grouped_mm_by_loop(torch, func, args, kwargs) if func is grouped_mm else None
                 if looped is None:
                     out = func(*args, **kwargs)
             except DynamicOutputShapeException:
@@ -880,14 +881,15 @@ def _lt_epilogue(func, args, kwargs):
 def _grouped_mm_by_loop(torch, func, args, kwargs):
     """torch._grouped_mm of float32 or float16 matrices, as a mixture of
     experts under autocast makes it (transformers casts the tokens to its
-    float32 experts' type): CUDA runs such a call as a loop of cuBLAS
-    GEMMs into one output (bf16 alone goes to CUTLASS), while the meta
-    function that checks fake tensors accepts bf16 alone (PyTorch 2.11 and
-    2.13). Its output as the CUDA kernel makes it (the last dimension's
-    stride a multiple of 16 bytes), or None for any other call. Measured
-    on an H100 (torch 2.11): float32 and float16 calls allocate their
-    output, and cuBLAS's workspace at the first GEMM of a stream."""
-    if func.__name__ != "_grouped_mm.default" or len(args) < 2:
+    float32 experts' type): CUDA computes these types group by group with
+    cuBLAS GEMMs into one output (bf16 alone goes to CUTLASS), while the
+    meta function that checks fake tensors accepts bf16 alone (PyTorch 2.11
+    and 2.13). Its output as the CUDA kernel makes it (the last dimension's
+    stride a multiple of 16 bytes), or None for other types and shapes.
+    Measured on an H100 (torch 2.11): float32 and float16 grouped GEMMs
+    allocate their output, and cuBLAS's workspace at the first GEMM of a
+    stream. (The caller asks only for torch._grouped_mm.)"""
+    if len(args) < 2:
         return None
     a, b = args[0], args[1]
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.device.type != "cuda":

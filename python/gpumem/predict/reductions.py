@@ -342,8 +342,8 @@ def scratch_of(kind, x, dims, out, multiprocessors, threads_per_multiprocessor):
     kept = iter(out.stride())
     out_strides = list(out.stride()) if out.dim() == nd else [0 if d in dims else next(kept) for d in range(nd)]
     return scratch_plan(kind, list(x.shape), list(x.stride()), x.storage_offset(), x.element_size(), _name(x),
-                         dims, out_strides, out.element_size(), _name(out), multiprocessors,
-                         threads_per_multiprocessor)  # fmt: skip
+                        dims, out_strides, out.element_size(), _name(out), multiprocessors,
+                        threads_per_multiprocessor)  # fmt: skip
 
 
 def _name(t):
