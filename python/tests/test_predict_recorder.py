@@ -451,6 +451,35 @@ class RecorderTest(unittest.TestCase):
         self.assertTrue(any("_dump_snapshot" in n for n in rec.notes), rec.notes)
         self.assertIsNot(torch.profiler.profile, type(prof))
 
+    def test_memory_statistics_in_pytorchs_keys(self):
+        # a script that prints its own memory: memory_stats() in PyTorch's keys and pools, the
+        # summary PyTorch formats from them, a peak that resets
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="stats"):
+            small = torch.zeros(100, device="cuda")  # 400 bytes: the small pool, as 512
+            large = torch.zeros(1 << 20, device="cuda")  # 4 MiB: the large pool
+            stats = torch.cuda.memory_stats()
+            self.assertEqual(stats["allocated_bytes.all.current"], 512 + (4 << 20))
+            self.assertEqual(stats["allocated_bytes.small_pool.current"], 512)
+            self.assertEqual(stats["requested_bytes.small_pool.current"], 400)
+            self.assertEqual(stats["allocation.large_pool.current"], 1)
+            self.assertEqual(torch.cuda.memory_allocated(), 512 + (4 << 20))
+            self.assertEqual(torch.cuda.memory.memory_allocated(), 512 + (4 << 20))
+            del large
+            self.assertEqual(torch.cuda.max_memory_allocated(), 512 + (4 << 20))
+            torch.cuda.reset_peak_memory_stats()
+            self.assertEqual(torch.cuda.max_memory_allocated(), 512)
+            self.assertEqual(torch.cuda.memory_stats()["allocation.all.freed"], 1)
+            torch.cuda.reset_accumulated_memory_stats()
+            self.assertEqual(torch.cuda.memory_stats()["allocation.all.freed"], 0)
+            summary = torch.cuda.memory_summary()
+            self.assertIn("PyTorch CUDA memory summary", summary)
+            self.assertIn("from small pool", summary)
+            if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "memory_stats"):
+                self.assertEqual(torch.accelerator.memory_stats()["allocated_bytes.all.current"], 512)
+        self.assertEqual(small.device.type, "cuda")
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read
@@ -1412,6 +1441,87 @@ class CommandTest(unittest.TestCase):
                 self.assertEqual((meta["steps"], meta["ended"]), (2, False))
                 with open(os.path.join(out, b, "trace")) as f:
                     self.assertEqual(sum(line.startswith("# step") for line in f), 2)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_two_optimizers_make_one_step(self):
+        # a GAN's loop: the discriminator's optimizer, then the generator's, whose pass is the
+        # larger; --steps 2 takes two whole iterations (four optimizer steps), not one and a half
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "G, D = torch.nn.Linear(8, 64).cuda(), torch.nn.Linear(64, 1).cuda()\n"
+            "optG, optD = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())\n"
+            "for it in range(1000):\n"
+            "    D(torch.randn(a.batch_size, 64, device='cuda')).mean().backward(); optD.step(); optD.zero_grad()\n"
+            "    D(G(torch.randn(4 * a.batch_size, 8, device='cuda'))).mean().backward(); optG.step(); optG.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            for b in ("b1", "b2"):
+                with open(os.path.join(out, b, "meta.json")) as f:
+                    self.assertEqual(json.load(f)["steps"], 4)
+                with open(os.path.join(out, b, "trace")) as f:
+                    lines = f.read().splitlines()
+                self.assertEqual(sum(line.startswith("# step") for line in lines), 4)
+                # the second iteration's generator pass is in: G's activations at 4 x the batch
+                last = lines.index("# step 3")
+                self.assertTrue(any(line.startswith("a ") for line in lines[last:]))
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_saves_write_nothing(self):
+        # a script that saves a checkpoint each step: its files stay as they were (on fake
+        # tensors torch.save wrote a broken file and stopped the run), and a note says so
+        script = (
+            "import argparse, os, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "m = torch.nn.Linear(64, 10).cuda()\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for step in range(1000):\n"
+            "    m(torch.randn(a.batch_size, 64, device='cuda')).square().mean().backward()\n"
+            "    opt.step(); opt.zero_grad()\n"
+            "    torch.save({'model': m.state_dict(), 'opt': opt.state_dict()},\n"
+            "               os.path.join(os.path.dirname(os.path.abspath(__file__)), 'ckpt.pt'))\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "ckpt.pt"), "wb") as f:
+                f.write(b"the user's checkpoint")
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            with open(os.path.join(d, "ckpt.pt"), "rb") as f:
+                self.assertEqual(f.read(), b"the user's checkpoint")
+            self.assertIn("the script's checkpoints were neither written nor removed while it was recorded (1 call, "
+                          "the first for %s)" % os.path.join(d, "ckpt.pt"), done.stdout.decode())
+
+    @unittest.skipIf(torch is None or transformers is None, "needs PyTorch and transformers")
+    def test_a_trainers_checkpoints_leave_the_users_alone(self):
+        # the HF Trainer saving each step and keeping one checkpoint: run as it is, each
+        # recording's rotation deleted the checkpoint-500 the user's own training left
+        script = (
+            "import argparse, sys, torch\n"
+            "from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "class Tokens(torch.utils.data.Dataset):\n"
+            "    def __len__(self): return 64\n"
+            "    def __getitem__(self, i): return {'input_ids': torch.arange(16), 'labels': torch.tensor(i % 2)}\n"
+            "cfg = BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,\n"
+            "                 vocab_size=100)\n"
+            "args = TrainingArguments(output_dir=sys.argv[0] + '.out', per_device_train_batch_size=a.batch_size,\n"
+            "                         max_steps=10, report_to=[], save_strategy='steps', save_steps=1,\n"
+            "                         save_total_limit=1, disable_tqdm=True)\n"
+            "Trainer(model=BertForSequenceClassification(cfg), args=args, train_dataset=Tokens()).train()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            kept = os.path.join(d, "train.py.out", "checkpoint-500")
+            os.makedirs(kept)
+            with open(os.path.join(kept, "model.safetensors"), "wb") as f:
+                f.write(b"the user's weights")
+            done, _, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            self.assertEqual(os.listdir(os.path.join(d, "train.py.out")), ["checkpoint-500"])
+            with open(os.path.join(kept, "model.safetensors"), "rb") as f:
+                self.assertEqual(f.read(), b"the user's weights")
+            self.assertIn("were neither written nor removed", done.stdout.decode())
 
     def test_equal_notes_are_folded(self):
         note = "a sum of a bfloat16 tensor of %s elements: its staging buffers, if any (at most %s bytes, given " \

@@ -10,7 +10,8 @@
 
 Runs the training script briefly at each small batch size ({B} in its
 arguments becomes the batch size), each in a process of its own, until
---steps optimizer steps are done: on the GPU with PyTorch's allocation
+--steps training steps are done (a step of each optimizer the script steps:
+a GAN's two make one): on the GPU with PyTorch's allocation
 history on when there is one (and --cpu is not given), else on fake CUDA
 tensors under the CPU recorder (gpumem.predict.recorder). Then `gpumem
 predict` scales the recordings to larger batches and replays them under
@@ -95,7 +96,8 @@ def _parser():
     p.add_argument("--seq-lens", help="also run at these sequence lengths ({L} in the script's arguments); "
                    "three or more where sizes grow with the square of the length")
     p.add_argument("--seq-len", type=int, help="with --seq-lens: the sequence length to predict at")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="training steps per run (default 3): a step of each optimizer the script has")
     p.add_argument("--cpu", action="store_true", help="record on fake CUDA tensors even with a GPU")
     p.add_argument("--profile", default="auto",
                    help="device profile of the GPU to predict for (a name or a JSON file from python -m "

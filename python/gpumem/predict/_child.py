@@ -9,7 +9,8 @@ machine whose GPU is the device profile's, with each convolution also run
 for real on the GPU for its workspaces (probe.py). MODE gpu: the script runs
 on the GPU with PyTorch's own allocation history on, and OUT_DIR/trace gets
 its events as a trace with the same step markers. Either way the script is stopped (SystemExit from
-the optimizer step hook) once STEPS optimizer steps are done, and
+the optimizer step hook) once STEPS training steps are done (STEPS steps of
+each optimizer that steps), and
 OUT_DIR/meta.json says how many steps ran, whether the script ended by
 itself (an inference script takes no optimizer step), what could not be seen
 (notes) and the memory the CUDA context takes outside the allocator."""
@@ -47,7 +48,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     probe = _conv_probe(profile) if probes else None
 
     def stop(rec):
-        if rec.steps >= steps:
+        if rec.steps >= steps * len(rec.optimizers):
             # The recording ends with the step: what dies while the script
             # unwinds dies when Python's collector runs, which varies from
             # run to run, and the recordings at each batch must align.
@@ -56,7 +57,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
 
     name = os.path.splitext(os.path.basename(script))[0]
     with recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
-        with _one_rank(rec):
+        with _one_rank(rec), _users_files_kept(rec.note):
             stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
@@ -75,6 +76,104 @@ def _one_rank(rec):
 
     return distributed.session(rec) if distributed.wanted() else contextlib.nullcontext()
 
+
+def _argument(index, name):
+    """Where a save goes: its argument at index (counting self) or by name."""
+
+    def where(args, kwargs):
+        f = kwargs.get(name, args[index] if len(args) > index else None)
+        if isinstance(f, (str, bytes, os.PathLike)):
+            return os.fsdecode(f)
+        return getattr(f, "name", None) or "a file object"
+
+    return where
+
+
+def _save_targets():
+    """(object, attribute, where) of each save the script may reach that
+    writes to the user's files: torch.save and safetensors' save_file
+    (to a path or an open file), and the checkpoints of the libraries
+    whose trainers save and then delete older ones (the HF Trainer,
+    Accelerate, Lightning) where the script's imports loaded them:
+    importing them here would take seconds."""
+    import torch
+
+    targets = [(torch, "save", _argument(1, "f"))]
+    try:
+        import safetensors.torch as safetensors_torch
+    except ImportError:  # (no safetensors: nothing of it to mind)
+        pass
+    else:
+        targets.append((safetensors_torch, "save_file", _argument(1, "filename")))
+    loaded = [
+        ("transformers.modeling_utils", "PreTrainedModel", "save_pretrained", _argument(1, "save_directory")),
+        ("transformers.trainer", "Trainer", "_save_checkpoint", lambda a, k: str(a[0].args.output_dir)),
+        ("transformers.trainer", "Trainer", "save_model", _argument(1, "output_dir")),
+        ("accelerate.accelerator", "Accelerator", "save_state", _argument(1, "output_dir")),
+        ("accelerate.accelerator", "Accelerator", "save_model", _argument(2, "save_directory")),
+        ("lightning.fabric.plugins.io.torch_io", "TorchCheckpointIO", "save_checkpoint", _argument(2, "path")),
+        ("lightning.fabric.plugins.io.torch_io", "TorchCheckpointIO", "remove_checkpoint", _argument(1, "path")),
+        ("lightning_fabric.plugins.io.torch_io", "TorchCheckpointIO", "save_checkpoint", _argument(2, "path")),
+        ("lightning_fabric.plugins.io.torch_io", "TorchCheckpointIO", "remove_checkpoint", _argument(1, "path")),
+    ]  # fmt: skip
+    for module, cls, name, where in loaded:
+        owner = getattr(sys.modules.get(module), cls, None)
+        if owner is not None and name in owner.__dict__:
+            targets.append((owner, name, where))
+    return targets
+
+
+@contextlib.contextmanager
+def _users_files_kept(note):
+    """The script's checkpoints are not written while it is recorded: the
+    command runs it several times, and each run would overwrite the
+    checkpoints the user's own training left where the script saves them,
+    and a trainer that keeps the last N would delete the user's older
+    ones (the HF Trainer's rotation removed a checkpoint-500 that was
+    there before). On fake tensors, which have no data, torch.save also
+    wrote a broken file and stopped the run. A save copies to the host and
+    takes no device memory. torch.save into memory (an io.BytesIO) runs as
+    it is. note(text) gets one line: how many saves and removals, where
+    the first would have gone."""
+    saves = []
+
+    import torch
+
+    def not_written(original, where):
+        def save(*args, **kwargs):
+            if original is torch_save and not _to_a_file(args, kwargs):
+                return original(*args, **kwargs)
+            saves.append(where(args, kwargs))
+
+        return save
+
+    torch_save = torch.__dict__["save"]
+    targets = _save_targets()
+    patched = [(obj, name, obj.__dict__[name]) for obj, name, _ in targets]
+    for (obj, name, where), (_, _, original) in zip(targets, patched):
+        setattr(obj, name, not_written(original, where))
+    try:
+        yield
+    finally:
+        for obj, name, original in patched:
+            setattr(obj, name, original)
+        if saves:
+            note("the script's checkpoints were neither written nor removed while it was recorded (%d call%s, the "
+                 "first for %s), so that its files stay as they were; a save takes no device memory"
+                 % (len(saves), "" if len(saves) == 1 else "s", saves[0]))  # fmt: skip
+
+
+def _to_a_file(args, kwargs):
+    """Whether torch.save's destination is a file: a path, or an open file
+    with a descriptor (not a buffer in memory)."""
+    f = kwargs.get("f", args[1] if len(args) > 1 else None)
+    if isinstance(f, (str, bytes, os.PathLike)):
+        return True
+    try:
+        f.fileno()
+    except Exception:  # noqa: BLE001 (io.BytesIO raises UnsupportedOperation; others may differ)
+        return False
+    return True
 
 def _conv_probe(profile_name):
     """A probe.ConvProbe on this machine's GPU, which must be the one the
@@ -239,11 +338,14 @@ def run_gpu(out_dir, steps, script, args):
 
     stepped = [False]
 
+    optimizers = set()  # (as the recorder's: a step of each per iteration)
+
     def on_step(optimizer=None, a=None, k=None):
         stepped[0] = True
+        optimizers.add(id(optimizer) if optimizer is not None else "by hand")
         done["steps"] += 1
         done["step_ends"].append(len(entries()))
-        if done["steps"] >= steps:
+        if done["steps"] >= steps * len(optimizers):
             dump()
             raise _Enough(0)
 
@@ -251,7 +353,8 @@ def run_gpu(out_dir, steps, script, args):
 
     optim_module.register_optimizer_step_post_hook(on_step)
     skipped = [0]
-    with _every_step_taken(skipped), _hand_steps(on_step, stepped):
+    notes = []
+    with _every_step_taken(skipped), _hand_steps(on_step, stepped), _users_files_kept(notes.append):
         ended = not _run_script(script, args)
     if ended:
         dump()
@@ -262,7 +365,6 @@ def run_gpu(out_dir, steps, script, args):
         torch.__version__, torch.cuda.get_device_name())
     rec = history_to_recording(done["entries"], done["step_ends"], name, source)
     rec.write(os.path.join(out_dir, "trace"))
-    notes = []
     if skipped[0]:
         notes.append("a GradScaler would have skipped %d of the %d optimizer steps (its gradients overflowed); "
                      "they were taken, so that the runs at each batch have the same steps" % (skipped[0], done["steps"]))

@@ -28,6 +28,7 @@ from shapes and the profile's multiprocessor count (reductions.py).
 
 Needs PyTorch (the CPU build will do)."""
 
+import collections
 import contextlib
 import ctypes
 import functools
@@ -81,6 +82,83 @@ def _role_string(role):
     return text or None
 
 
+class AllocatorStats:
+    """What torch.cuda.memory_stats() says while a script is recorded, in
+    PyTorch's keys (a script that prints memory_summary() or its own peak):
+    the recording's live allocations, each in the pool PyTorch puts it in
+    (small: up to 1 MiB) and rounded as PyTorch rounds it (512 bytes).
+    Reserved memory is what the allocator under study makes of these
+    requests, known only once the recording is replayed, so reserved bytes
+    and segments say the live ones, as torch.cuda.memory_reserved() does
+    here; nothing is ever split, retried or out of memory."""
+
+    POOLS = ("all", "large_pool", "small_pool")
+    SMALL = 1 << 20  # PyTorch's kSmallSize
+
+    def __init__(self):
+        self._stats = {
+            key: {pool: dict.fromkeys(("current", "peak", "allocated", "freed"), 0) for pool in self.POOLS}
+            for key in ("allocated_bytes", "requested_bytes", "allocation")
+        }  # fmt: skip
+
+    def _add(self, size, sign):
+        pool = "small_pool" if size <= self.SMALL else "large_pool"
+        rounded = max(512, (size + 511) // 512 * 512)
+        for key, n in (("allocated_bytes", rounded), ("requested_bytes", size), ("allocation", 1)):
+            for p in ("all", pool):
+                c = self._stats[key][p]
+                c["current"] += sign * n
+                c["allocated" if sign > 0 else "freed"] += n
+                c["peak"] = max(c["peak"], c["current"])
+
+    def alloc(self, size):
+        self._add(size, 1)
+
+    def free(self, size):
+        self._add(size, -1)
+
+    def current(self, key="allocated_bytes"):
+        return self._stats[key]["all"]["current"]
+
+    def peak(self, key="allocated_bytes"):
+        return self._stats[key]["all"]["peak"]
+
+    def reset_peak(self):
+        for pools in self._stats.values():
+            for c in pools.values():
+                c["peak"] = c["current"]
+
+    def reset_accumulated(self):
+        for pools in self._stats.values():
+            for c in pools.values():
+                c["allocated"] = c["freed"] = 0
+
+    def nested(self):
+        """torch._C._cuda_memoryStats's shape: {key: {pool: {figure: n}}, counter: n}."""
+        copy = lambda key: {p: dict(c) for p, c in self._stats[key].items()}  # noqa: E731
+        zero = lambda pools: {p: dict.fromkeys(("current", "peak", "allocated", "freed"), 0) for p in pools}  # noqa: E731
+        count = self._stats["allocation"]["all"]
+        return {
+            "allocated_bytes": copy("allocated_bytes"),
+            "active_bytes": copy("allocated_bytes"),
+            "requested_bytes": copy("requested_bytes"),
+            "reserved_bytes": copy("allocated_bytes"),
+            "inactive_split_bytes": zero(self.POOLS),
+            "allocation": copy("allocation"),
+            "active": copy("allocation"),
+            "segment": copy("allocation"),
+            "inactive_split": zero(self.POOLS),
+            "oversize_allocations": zero(("all",))["all"],
+            "oversize_segments": zero(("all",))["all"],
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+            "num_sync_all_streams": 0,
+            "num_device_alloc": count["allocated"],
+            "num_device_free": count["freed"],
+            "max_split_size": -1,
+        }  # fmt: skip
+
+
 class Recording:
     """The allocation sequence of one recorded run.
 
@@ -97,10 +175,14 @@ class Recording:
         self.profile = profile
         self.workload = workload
         self.steps = 0
+        # each optimizer that has stepped (a hand-written update counts as one): a loop
+        # with several (a GAN's two) takes one step of each per iteration
+        self.optimizers = set()
         self._next_id = 0
         self._live = {}  # id -> size
         self._live_bytes = 0
         self.peak_live_bytes = 0
+        self.stats = AllocatorStats()  # torch.cuda.memory_stats() while recording
         self.closed = False  # what dies after the session is not a free of the job's
         self._lock = threading.Lock()
         self._patches = []  # (object, attribute, value before) set while recording
@@ -123,6 +205,7 @@ class Recording:
             self._live[i] = int(size)
             self._live_bytes += int(size)
             self.peak_live_bytes = max(self.peak_live_bytes, self._live_bytes)
+            self.stats.alloc(int(size))
             return i
 
     def free(self, i):
@@ -131,6 +214,7 @@ class Recording:
             if size is None:
                 return
             self._live_bytes -= size
+            self.stats.free(size)
             self.events.append(("f", i))
 
     def use(self, i, stream):
@@ -1219,16 +1303,32 @@ def _cuda_patches(torch, recording, profile):
         name=name, major=cap[0], minor=cap[1], total_memory=total, multi_processor_count=132,
         is_integrated=False, is_multi_gpu_board=False, L2_cache_size=50 << 20, gcnArchName="",
     )  # fmt: skip
-    peak = [0]
+    stats = recording.stats
 
     def allocated(device=None):
-        return recording.live_bytes
+        return stats.current()
 
     def max_allocated(device=None):
-        return max(peak[0], recording.peak_live_bytes)
+        return stats.peak()
 
     def reset_peak(device=None):
-        peak[0] = recording.live_bytes
+        stats.reset_peak()
+
+    def nested_stats(device=None):
+        return stats.nested()
+
+    def flat_stats(device=None):
+        flat = {}
+
+        def flatten(prefix, value):
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    flatten(prefix + "." + k if prefix else k, v)
+            else:
+                flat[prefix] = value
+
+        flatten("", stats.nested())
+        return collections.OrderedDict(sorted(flat.items()))
 
     noop = lambda *a, **k: None  # noqa: E731
     stream = _FakeStream()
@@ -1289,6 +1389,16 @@ def _cuda_patches(torch, recording, profile):
         (c, "get_rng_state_all"): lambda: [torch.zeros(16, dtype=torch.uint8)],
         (c, "set_rng_state"): noop,
         (c, "set_rng_state_all"): noop,
+        # the same through torch.cuda.random (the HF Trainer saves them there with each checkpoint)
+        (c.random, "get_rng_state"): lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        (c.random, "get_rng_state_all"): lambda: [torch.zeros(16, dtype=torch.uint8)],
+        (c.random, "set_rng_state"): noop,
+        (c.random, "set_rng_state_all"): noop,
+        (c.random, "manual_seed"): noop,
+        (c.random, "manual_seed_all"): noop,
+        (c.random, "seed"): noop,
+        (c.random, "seed_all"): noop,
+        (c.random, "initial_seed"): lambda: 0,
         (c, "get_device_name"): lambda device=None: name,
         (c, "get_device_capability"): lambda device=None: cap,
         (c, "get_device_properties"): lambda device=None: props,
@@ -1300,6 +1410,11 @@ def _cuda_patches(torch, recording, profile):
         (c, "max_memory_reserved"): max_allocated,
         (c, "reset_peak_memory_stats"): reset_peak,
         (c, "reset_max_memory_allocated"): reset_peak,
+        # memory_stats() and memory_summary() read this in torch.cuda.memory
+        (c, "memory_stats_as_nested_dict"): nested_stats,
+        (c.memory, "memory_stats_as_nested_dict"): nested_stats,
+        (c, "reset_accumulated_memory_stats"): lambda device=None: stats.reset_accumulated(),
+        (c.memory, "reset_accumulated_memory_stats"): lambda device=None: stats.reset_accumulated(),
         (c, "set_per_process_memory_fraction"): set_fraction,
         (c, "get_per_process_memory_fraction"): lambda device=None: recording.memory_fraction or 1.0,
         (c, "Stream"): _FakeStream,
@@ -1352,6 +1467,8 @@ def _cuda_patches(torch, recording, profile):
             (acc, "memory_reserved"): allocated,
             (acc, "max_memory_reserved"): max_allocated,
             (acc, "reset_peak_memory_stats"): reset_peak,
+            (acc, "memory_stats"): flat_stats,
+            (acc, "reset_accumulated_memory_stats"): lambda device=None: stats.reset_accumulated(),
             (acc, "get_memory_info"): lambda device=None: (total - recording.live_bytes, total),
         })  # fmt: skip
     if hasattr(torch._C, "_conv_determine_backend_memory_format"):
@@ -1586,6 +1703,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
 
     def on_step(optimizer, args, kwargs):
         rec.in_optimizer = False
+        rec.optimizers.add(id(optimizer))
         rec.step()
         if step_hook is not None:
             step_hook(rec)
@@ -1594,6 +1712,7 @@ def recording(batch_size=None, device_profile="h200", workload="job", step_hook=
         rec.in_optimizer = True
 
     def hand_step():
+        rec.optimizers.add("by hand")
         rec.step()
         if step_hook is not None:
             step_hook(rec)
