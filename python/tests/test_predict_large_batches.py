@@ -224,6 +224,40 @@ class SearchTest(unittest.TestCase):
                       "against 4.000 GiB): the script's batch stops growing", str(e.exception))
         self.assertIsInstance(e.exception, RuntimeError)  # (the command keeps the scaled answer, and says why)
 
+    def test_a_dataset_shorter_than_the_batch_is_the_answer(self):
+        # an evaluation over 5,000 samples: every batch past 5,000 is 5,000, recorded as such
+        # (its recordings say how many items), and where 5,000 fit that is the largest batch,
+        # found without recording past it; the allocator it does not fit is searched below
+        recorded = []
+
+        def replay(binary, trace, memory):
+            b = min(int(trace[1:]), 5000)
+            return {"pytorch": {"fits": True, "peak_reserved_bytes": b << 20, "peak_live_bytes": b << 20},
+                    "cudaMallocAsync": {"fits": b <= 3000, "peak_reserved_bytes": b << 20,
+                                        "peak_live_bytes": b << 20}}  # fmt: skip
+
+        def record_many(batches):
+            recorded.extend(batches)
+            if any(b > 5000 for b in batches):
+                checker.items_limit = 5000  # (as the command sets it from the recordings' meta)
+            return {b: "t%d" % b for b in batches}
+
+        real, confirm.fit_rows = confirm.fit_rows, replay
+        try:
+            checker = confirm.Checker(None, 1 << 40, "gpumem", 20, record_many=record_many, workers=4)
+            rows = [{"allocator": "pytorch", "max_batch": 14410}, {"allocator": "cudaMallocAsync", "max_batch": 9000}]
+            line = command.check_at_batches(rows, checker)
+        finally:
+            confirm.fit_rows = real
+        self.assertEqual(rows[0]["max_batch"], 5000)
+        self.assertEqual(rows[0]["dataset_items"], 5000)
+        lo = rows[1]["max_batch"]
+        self.assertTrue(3000 >= lo >= 3000 * 0.98 and "dataset_items" not in rows[1], rows[1])
+        self.assertFalse([b for b in recorded if b > 5000 and b not in (14410, 14411, 9000, 9001)], recorded)
+        self.assertIn("the script's DataLoader has 5000 items, so no batch it runs is larger", line)
+        table = command.table("eval.py", [1, 2], "cpu", 80 << 30, 0, "none", rows, [])
+        self.assertIn("5000 (dataset)", table)
+
     def test_a_search_cut_short_shows_its_bracket_in_the_table(self):
         # the largest batch the table gives is what the recordings showed, not a guess
         def replay(binary, trace, memory):

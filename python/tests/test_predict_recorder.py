@@ -1469,6 +1469,32 @@ class CommandTest(unittest.TestCase):
                 self.assertTrue(any(line.startswith("a ") for line in lines[last:]))
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_an_evaluation_loop_stops_after_its_steps(self):
+        # an inference script over a DataLoader of 4,000 samples: recorded whole, as many
+        # iterations as batches (4,000 at batch 1) that did not align between the two batches;
+        # now a step a batch, stopped after --steps
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()\n"
+            "ds = torch.utils.data.TensorDataset(torch.randn(4000, 64))\n"
+            "with torch.no_grad():\n"
+            "    for (x,) in torch.utils.data.DataLoader(ds, batch_size=a.batch_size):\n"
+            "        m(x.cuda()).argmax(-1)\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            self.assertIn("the script reads as inference", done.stdout.decode())
+            for b in ("b1", "b2"):
+                with open(os.path.join(out, b, "meta.json")) as f:
+                    meta = json.load(f)
+                self.assertEqual((meta["steps"], meta["ended"]), (2, False))
+                with open(os.path.join(out, b, "trace")) as f:
+                    self.assertEqual(sum(line.startswith("a ") and line.rstrip().endswith(" argmax.default")
+                                         for line in f), 2)  # (each batch's answers: two batches recorded)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_saves_write_nothing(self):
         # a script that saves a checkpoint each step: its files stay as they were (on fake
         # tensors torch.save wrote a broken file and stopped the run), and a note says so

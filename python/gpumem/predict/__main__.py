@@ -405,6 +405,9 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
             first += [r["max_batch"], r["max_batch"] + 1]
     try:
         checker.prefetch(first)
+        if getattr(checker, "capped_at", None) is not None:
+            # (the batches stop at the dataset's length: that length first, which settles the searches it fits)
+            checker.prefetch([checker.capped_at])
     except confirm.SearchBudget:
         pass
     # Where the scaled answers were far off (small runs that mislead: cuDNN's autotuner trying
@@ -452,9 +455,11 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
         start = r.get("max_batch")
         if not start:
             continue
+        cap = getattr(checker, "capped_at", None)
+        begin = starts.get(r["allocator"], start)
         try:
             lo, hi = confirm.largest(lambda b, who=r["allocator"]: checker.fits(b, who),
-                                     starts.get(r["allocator"], start), known=checker.known(r["allocator"]))
+                                     begin if cap is None else min(begin, cap), known=checker.known(r["allocator"]))
         except confirm.SearchBudget as e:
             if e.lo is None:
                 short.append("%s (no batch checked)" % r["allocator"])
@@ -464,6 +469,8 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
             r["max_batch_below"] = e.hi  # (the table shows the bracket: the search did not close it)
         r["scaled_max_batch"] = start
         r["max_batch"] = r["largest_batch"] = lo
+        if cap is not None and lo == cap:
+            r["dataset_items"] = cap  # (no larger batch: the dataset's length)
         if lo != start and not r.get("start_only"):
             differ.append("%s largest %d" % (r["allocator"], start))
     for r in rows:
@@ -476,6 +483,9 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
         line += "; scaled from the small runs: " + ", ".join(differ)
     if short:
         line += "; the search ran out of recordings (--confirm-runs) for " + ", ".join(short)
+    if getattr(checker, "capped_at", None) is not None:
+        line += ("; the script's DataLoader has %d items, so no batch it runs is larger: where that many fit, the "
+                 "largest batch is the dataset's length (marked \"dataset\")" % checker.capped_at)
     return line
 
 
@@ -505,7 +515,9 @@ def table(script, sizes, mode, memory, context, context_source, rows, notes, bat
         mb, cell = r.get("max_batch"), "-"
         if mb is not None:
             cell = str(mb)
-        if mb is not None and "max_batch_below" in r:  # a search cut short: what it knows
+        if mb is not None and r.get("dataset_items") == mb:
+            cell = "%d (dataset)" % mb
+        elif mb is not None and "max_batch_below" in r:  # a search cut short: what it knows
             below = r["max_batch_below"]
             cell = "%d+" % mb if below is None else "%d-%d" % (mb, below - 1)
         lines.append("%-22s %-14s %s" % (r.get("allocator", "?"), cell, _gib(r.get("peak_reserved_bytes"))))
@@ -669,6 +681,9 @@ def main(argv=None):
                 # (on a GPU machine the convolutions run there too, for their workspaces)
                 ms = record_points_([(b, a.seq_len if seq_lens else None) for b in batches], check_mode, "at_b")
                 add_notes(ms)
+                for m in ms:
+                    if m.get("dataset_items"):
+                        checker.items_limit = min(m["dataset_items"], checker.items_limit or m["dataset_items"])
                 return {b: m["path"] for b, m in zip(batches, ms)}
 
             scaled = [dict(r) for r in rows]

@@ -65,12 +65,19 @@ class Checker:
         self.binary = binary
         self.budget = budget
         self.rows = {}
+        # The fewest items of a DataLoader whose dataset was shorter than the batch (set from the
+        # recordings' meta by whoever records), and the batch the script's memory stops growing
+        # at because of it: no batch the script runs is larger, so none above it is searched.
+        self.items_limit = None
+        self.capped_at = None
 
     def prefetch(self, batches):
         """Records the batches not recorded yet together (record_many), as
         many as the budget leaves, in the order given."""
         todo = []
         for b in batches:
+            if self.capped_at is not None and b > self.capped_at:
+                continue  # (no such batch: fits() says so without a recording)
             if b >= 1 and b not in self.rows and b not in todo:
                 todo.append(b)
         todo = todo[: max(0, self.budget - len(self.rows))]
@@ -105,6 +112,10 @@ class Checker:
                 continue
             (lo, lo_live), (hi, hi_live) = sorted([(b, other), (batch, live)])
             if hi_live <= lo_live:
+                if self.items_limit is not None and lo >= self.items_limit:
+                    # (a batch past the dataset's length is that length: an answer, not a failure)
+                    self.capped_at = self.items_limit
+                    continue
                 raise BatchDoesNotGrow(
                     "the recording at batch %d holds no more than the one at batch %d (peak live %.3f GiB "
                     "against %.3f GiB): the script's batch stops growing with the batch size asked for "
@@ -114,13 +125,19 @@ class Checker:
         return {a: r["peak_reserved_bytes"] for a, r in self.at(batch).items()}
 
     def known(self, allocator):
-        """{batch: fits} for allocator over the batches recorded so far."""
-        return {b: bool(rows[allocator]["fits"]) for b, rows in self.rows.items() if allocator in rows}
+        """{batch: fits} for allocator over the batches recorded so far (a
+        batch past the dataset's length, where it caps the batch, does not)."""
+        return {b: bool(rows[allocator]["fits"]) and (self.capped_at is None or b <= self.capped_at)
+                for b, rows in self.rows.items() if allocator in rows}  # fmt: skip
 
     def bracket(self, allocator):
         """(largest batch found to fit, smallest found not to), None where
-        none is known, for allocator over the recordings so far."""
-        return _bracket(self.known(allocator))
+        none is known, for allocator over the recordings so far; past the
+        dataset's length, where it caps the batch, nothing fits."""
+        lo, hi = _bracket(self.known(allocator))
+        if self.capped_at is not None and (hi is None or hi > self.capped_at + 1):
+            hi = self.capped_at + 1
+        return lo, hi
 
     def settled(self, allocator, precision=0.02):
         """Whether the recordings so far close allocator's search as
@@ -174,6 +191,8 @@ class Checker:
         return max(0, self.budget - len(self.rows))
 
     def fits(self, batch, allocator):
+        if self.capped_at is not None and batch > self.capped_at:
+            return False  # (no such batch: the script's batches stop at its dataset's length)
         row = self.at(batch).get(allocator)
         if row is None:
             raise KeyError("gpumem fit gave no row for %s" % allocator)

@@ -171,6 +171,7 @@ class Recording:
         self.source = source  # the '# source' line's text; None: the CPU recorder
         self.notes = []
         self.memory_fraction = None  # the script's torch.cuda.set_per_process_memory_fraction, if any
+        self.dataset_items = None  # the fewest items of a DataLoader's dataset shorter than its batch
         self.batch_size = batch_size
         self.profile = profile
         self.workload = workload
@@ -1540,6 +1541,7 @@ def _loader_batch_fits_dataset(loader, recording):
     if loader.drop_last:
         raise RecorderError("the DataLoader's dataset has %d items, fewer than its batch size %d, and drop_last=True: "
                             "it gives no batch at all (a larger dataset, or batch sizes up to %d)" % (items, batch, items))
+    recording.dataset_items = min(items, recording.dataset_items or items)
     recording.note("a DataLoader's dataset has %d items, fewer than the batch size %d: its batches were that "
                    "short, as they would be on the GPU (a training set that short makes the memory at any larger batch "
                    "that of %d)" % (items, batch, items))
