@@ -1494,6 +1494,32 @@ class CommandTest(unittest.TestCase):
                     self.assertEqual(sum(line.startswith("a ") and line.rstrip().endswith(" argmax.default")
                                          for line in f), 2)  # (each batch's answers: two batches recorded)
 
+    @unittest.skipIf(torch is None or transformers is None, "needs PyTorch and transformers")
+    def test_a_checkpoint_loaded_onto_the_gpu_by_device_map(self):
+        # from_pretrained(..., device_map="auto") names the device 0, which a CPU build cannot
+        # make a device of, and loads the weights in worker threads, where the recorder's modes
+        # do not reach: both stopped the recording at its first line
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        script = (
+            "import argparse, os, torch\n"
+            "from transformers import AutoModelForCausalLM\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'model')\n"
+            "m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16, device_map='auto')\n"
+            "assert str(m.device) == 'cuda:0' and torch.device(0).type == 'cuda', m.device\n"
+            "opt = torch.optim.AdamW(m.parameters())\n"
+            "for step in range(1000):\n"
+            "    ids = torch.randint(0, 256, (a.batch_size, 16), device=0)\n"
+            "    m(input_ids=ids, labels=ids).loss.backward(); opt.step(); opt.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            transformers.LlamaForCausalLM(cfg).save_pretrained(os.path.join(d, "model"))
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            with open(os.path.join(out, "b1", "trace")) as f:
+                self.assertEqual(sum(line.startswith("# step") for line in f), 2)
+
     @unittest.skipIf(torch is None, NO_TORCH)
     def test_saves_write_nothing(self):
         # a script that saves a checkpoint each step: its files stay as they were (on fake

@@ -57,6 +57,9 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
             raise _Enough(0)
 
     name = os.path.splitext(os.path.basename(script))[0]
+    # transformers loads a checkpoint's tensors in worker threads, where the recorder's modes (one
+    # thread's) do not reach: they came out real, and moving them to the device failed
+    os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
     with recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
         with _one_rank(rec), _users_files_kept(rec.note), _inference_steps(script, rec.hand_step, rec.note):
             stopped = _run_script(script, args)

@@ -366,8 +366,13 @@ def _allow_fake_cuda(torch):
 def _cuda0(device):
     """A device argument as given, with any CUDA device made cuda:0 (the
     fake tensors live on one device; "cuda" without an index is not moved
-    to by .to() on a build without CUDA)."""
+    to by .to() on a build without CUDA). A bare index is the current
+    accelerator's, which is the fake GPU (a CPU build has none, and
+    torch.device(0) fails there: transformers' device_map="auto" gives
+    0)."""
     torch = _torch()
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", 0)
     if isinstance(device, (str, torch.device)):
         d = torch.device(device)
         if d.type == "cuda":
@@ -388,6 +393,8 @@ class _Placement:
         class Placement(TorchFunctionMode):
             def __torch_function__(self, func, types_, args=(), kwargs=None):
                 kwargs = dict(kwargs or {})
+                if func is torch.device and len(args) == 1 and not kwargs:
+                    return _cuda0(args[0]) if isinstance(args[0], int) else func(*args)
                 if func is Tensor.to:
                     args = tuple(_cuda0(a) for a in args)
                     if "device" in kwargs:
