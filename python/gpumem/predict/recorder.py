@@ -582,6 +582,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
                  aten.arange.start, aten.arange.start_step}  # fmt: skip
     cudnn_attention = {getattr(aten, n) for n in ("_scaled_dot_product_cudnn_attention",) if hasattr(aten, n)}
     conv = {aten.convolution.default, aten.convolution_backward.default}
+    fft = {getattr(aten, name).default for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c") if hasattr(aten, name)}
     scans = {aten.cumsum.default, aten.cumprod.default}
     summing = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
     live = {}  # storage key -> allocation id
@@ -948,6 +949,11 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 recording.note(
                     "cuDNN convolution workspaces (taken and given back within each call, sized by "
                     "cuDNN's choice of algorithm) are not in the trace"
+                )
+            if func in fft and is_cuda(flat):
+                recording.note(
+                    "cuFFT's workspaces (torch.fft, torch.stft: taken and given back within each transform, "
+                    "sized by cuFFT's plan) are not in the trace"
                 )
             return out
 
