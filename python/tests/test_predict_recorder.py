@@ -480,6 +480,16 @@ class RecorderTest(unittest.TestCase):
                 self.assertEqual(torch.accelerator.memory_stats()["allocated_bytes.all.current"], 512)
         self.assertEqual(small.device.type, "cuda")
 
+    def test_fft_workspaces_are_noted(self):
+        # cuFFT takes a workspace within each transform, which fake tensors do not make
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="fft") as rec:
+            x = torch.randn(4, 256, device="cuda")
+            self.assertFalse(any("cuFFT" in n for n in rec.notes))
+            torch.fft.irfft(torch.fft.rfft(x), n=256)
+        self.assertTrue(any("cuFFT's workspaces" in n for n in rec.notes), rec.notes)
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read
