@@ -1366,6 +1366,42 @@ class GpuHistoryTest(unittest.TestCase):
         self.assertEqual(len(taken), 3)
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_inference_loop_steps_on_either_route(self):
+        """The helper both routes use: in a script with no training words,
+        each DataLoader batch after the first ends a step, until a backward
+        runs; in one with them, nothing is marked."""
+        from gpumem.predict import _child
+
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(10, 4)), batch_size=2)
+        model = torch.nn.Linear(4, 1)
+        with tempfile.TemporaryDirectory() as d:
+            scripts = {}
+            for name, text in (("infer", "for x in loader: model(x)\n"), ("train", "loss.backward()\n")):
+                scripts[name] = os.path.join(d, name + ".py")
+                with open(scripts[name], "w") as f:
+                    f.write(text)
+            marks, notes = [], []
+            with _child._inference_steps(scripts["infer"], lambda: marks.append(1), notes.append):
+                for i, (x,) in enumerate(loader):
+                    model(x)
+                # (5 batches, 5 steps: each draw after the first ends one, the draw that finds
+                # the loader empty included)
+                self.assertEqual(len(marks), 5)
+                model(x).sum().backward()
+                for (x,) in loader:
+                    model(x)
+                self.assertEqual(len(marks), 5)  # (training: batches end no step)
+            self.assertEqual(len(notes), 1)
+            marks = []
+            with _child._inference_steps(scripts["train"], lambda: marks.append(1), notes.append):
+                for (x,) in loader:
+                    model(x)
+            self.assertEqual(marks, [])
+        from torch.utils.data import dataloader
+
+        self.assertEqual(dataloader._BaseDataLoaderIter.__next__.__qualname__, "_BaseDataLoaderIter.__next__")
+
     def test_hand_written_update_is_a_step(self):
         """A GPU run marks a step where a loop updates its parameters by hand
         after a backward, at the next forward; an optimizer's step is not
