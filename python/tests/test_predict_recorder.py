@@ -1367,6 +1367,25 @@ class GpuHistoryTest(unittest.TestCase):
 
     @unittest.skipIf(torch is None, NO_TORCH)
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_backward_passes_counted_per_step(self):
+        """Both routes count the backward passes of each step; a reentrant
+        checkpoint's inner ones are not passes of their own."""
+        from torch.utils.checkpoint import checkpoint
+
+        from gpumem.predict import _child
+
+        model = torch.nn.Linear(4, 4)
+        x = torch.ones(2, 4, requires_grad=True)
+        with _child._backwards_per_step() as (counts, take):
+            for _ in range(3):
+                model(x).sum().backward()
+            take()
+            checkpoint(model, x, use_reentrant=True).sum().backward()
+            take()
+        self.assertEqual(counts, [3, 1])
+        self.assertEqual(torch.autograd._engine_run_backward.__module__, "torch.autograd.graph")  # (put back)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_inference_loop_steps_on_either_route(self):
         """The helper both routes use: in a script with no training words,
         each DataLoader batch after the first ends a step, until a backward
@@ -1565,6 +1584,33 @@ class CommandTest(unittest.TestCase):
             self.assertEqual(done.returncode, 0, done.stderr.decode())
             with open(os.path.join(out, "b1", "trace")) as f:
                 self.assertEqual(sum(line.startswith("# step") for line in f), 2)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_accumulation_to_a_global_batch_is_named(self):
+        # micro-batches of --batch-size accumulated to a global batch of 4: 4 backward passes a
+        # step at batch 1, 2 at batch 2; the recordings cannot align, and the message says why
+        # and what to give the script
+        script = (
+            "import argparse, torch\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int)\n"
+            "p.add_argument('--global-batch', type=int, default=4); a = p.parse_args()\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for step in range(1000):\n"
+            "    for micro in range(a.global_batch // a.batch_size):\n"
+            "        m(torch.randn(a.batch_size, 64, device='cuda')).square().mean().backward()\n"
+            "    opt.step(); opt.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertNotEqual(done.returncode, 0)
+            self.assertIn("the script runs 4 and 2 backward passes a step at batch 1 and 2", done.stderr.decode())
+            for b, n in (("b1", 4), ("b2", 2)):
+                with open(os.path.join(out, b, "meta.json")) as f:
+                    self.assertEqual(json.load(f)["backwards_per_step"], [n, n])
+            # as it says: the global batch as {B} too, one backward a step
+            done, _, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}", "--global-batch", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
 
     @unittest.skipIf(torch is None, NO_TORCH)
     def test_saves_write_nothing(self):

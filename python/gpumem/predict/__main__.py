@@ -390,6 +390,26 @@ def start_rows(sizes, paths, memory, binary=None):
     return rows
 
 
+def accumulation_hint(metas, sizes):
+    """Where the runs at the small batches took different numbers of
+    backward passes a step (gradient accumulation to a fixed global batch:
+    64 micro-batches a step at batch 1, 32 at 2), a line saying so and how
+    to predict such a script; else None. Their recordings cannot align,
+    and each run at a small batch is a long one."""
+    per_step = []
+    for m in metas:
+        counts = [c for c in m.get("backwards_per_step") or [] if c]
+        if not counts:
+            return None
+        per_step.append(max(counts))
+    if len(set(per_step)) < 2:
+        return None
+    return ("the script runs %s backward passes a step at batch %s: it accumulates gradients to a fixed global "
+            "batch, so its steps differ from batch to batch; with one backward a step while predicting (its "
+            "accumulation steps at 1, or the global batch given as {B} too) the recordings align"
+            % (" and ".join(str(c) for c in per_step), " and ".join(str(b) for b in sizes)))  # fmt: skip
+
+
 def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     """Puts the checker's figures in rows in place of the scaled ones
     (kept as scaled_*): the peak at batch, and each allocator's largest
@@ -661,7 +681,8 @@ def main(argv=None):
         except PredictError as e:
             keep = True
             if MISALIGNED not in str(e) or not confirm_on or seq_lens:
-                raise PredictError("%s\nthe recordings are in %s" % (e, root)) from None
+                hint = accumulation_hint(scaled_from, sizes)
+                raise PredictError("%s\nthe recordings are in %s%s" % (e, root, "\n" + hint if hint else "")) from None
             # Control flow that depends on the batch (a loop over the images of a batch): no model
             # of the sizes, but on fake tensors a large batch costs what a small one does, so the
             # figures come from recordings at the batches themselves, the search started from a
@@ -670,6 +691,9 @@ def main(argv=None):
             checks.append("the recordings at batch %s do not align, so every figure is from recordings at "
                           "the batches themselves: %s" % (", ".join(str(b) for b in sizes),
                                                           _misalignment(str(e))))  # fmt: skip
+            hint = accumulation_hint(scaled_from, sizes)
+            if hint:
+                checks.append(hint)
             rows = start_rows(sizes[-2:], [m["path"] for m in scaled_from[-2:]], budget)
         if confirm_on:
             check_mode = "probe" if mode == "gpu" else "cpu"

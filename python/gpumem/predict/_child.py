@@ -49,6 +49,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     probe = _conv_probe(profile) if probes else None
 
     def stop(rec):
+        take_backwards()
         if rec.steps >= steps * len(rec.optimizers):
             # The recording ends with the step: what dies while the script
             # unwinds dies when Python's collector runs, which varies from
@@ -60,7 +61,8 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     # transformers loads a checkpoint's tensors in worker threads, where the recorder's modes (one
     # thread's) do not reach: they came out real, and moving them to the device failed
     os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
-    with recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
+    with _backwards_per_step() as (backwards, take_backwards), \
+            recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
         with _one_rank(rec), _users_files_kept(rec.note), _inference_steps(script, rec.hand_step, rec.note):
             stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
@@ -71,7 +73,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
             "context_bytes": context, "context_source": source or "none", "file": "trace",
             "distributed": getattr(rec, "distributed", None), "memory_fraction": rec.memory_fraction,
-            "dataset_items": rec.dataset_items}
+            "dataset_items": rec.dataset_items, "backwards_per_step": backwards}
 
 
 def _one_rank(rec):
@@ -241,6 +243,40 @@ def _inference_steps(script, mark_step, note):
         dataloader._BaseDataLoaderIter.__next__ = original_next
 
 
+@contextlib.contextmanager
+def _backwards_per_step():
+    """Counts the backward passes the script runs (a reentrant
+    checkpoint's inner ones not counted); the list it yields gets, at each
+    take(), how many ran since the last. A script that accumulates
+    gradients to a fixed global batch runs more of them a step at a
+    smaller batch (64 at batch 1, 32 at 2), and its recordings then cannot
+    align: the command says so, naming the counts."""
+    import torch
+
+    state = {"depth": 0, "count": 0}
+    counts = []
+    original = torch.autograd._engine_run_backward
+
+    def run_backward(*args, **kwargs):
+        if state["depth"] == 0:
+            state["count"] += 1
+        state["depth"] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state["depth"] -= 1
+
+    def take():
+        counts.append(state["count"])
+        state["count"] = 0
+
+    torch.autograd._engine_run_backward = run_backward
+    try:
+        yield counts, take
+    finally:
+        torch.autograd._engine_run_backward = original
+
+
 def _conv_probe(profile_name):
     """A probe.ConvProbe on this machine's GPU, which must be the one the
     device profile describes: its workspaces go beside the profile's
@@ -407,6 +443,7 @@ def run_gpu(out_dir, steps, script, args):
     optimizers = set()  # (as the recorder's: a step of each per iteration)
 
     def on_step(optimizer=None, a=None, k=None):
+        take_backwards()
         stepped[0] = True
         optimizers.add(id(optimizer) if optimizer is not None else "by hand")
         done["steps"] += 1
@@ -420,7 +457,8 @@ def run_gpu(out_dir, steps, script, args):
     optim_module.register_optimizer_step_post_hook(on_step)
     skipped = [0]
     notes = []
-    with _every_step_taken(skipped), _hand_steps(on_step, stepped), _users_files_kept(notes.append), \
+    with _backwards_per_step() as (backwards, take_backwards), _every_step_taken(skipped), \
+            _hand_steps(on_step, stepped), _users_files_kept(notes.append), \
             _inference_steps(script, on_step, lambda text: text in notes or notes.append(text)):
         ended = not _run_script(script, args)
     if ended:
@@ -438,6 +476,7 @@ def run_gpu(out_dir, steps, script, args):
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
     return {"steps": done["steps"], "ended": ended, "notes": notes, "context_bytes": done["context_bytes"],
             "peak_live_bytes": rec.peak_live_bytes, "context_source": done["context_source"], "file": "trace",
+            "backwards_per_step": backwards,
             "device": torch.cuda.get_device_name(), "memory_fraction": fraction if fraction < 1 else None}
 
 
