@@ -490,6 +490,15 @@ class RecorderTest(unittest.TestCase):
             torch.fft.irfft(torch.fft.rfft(x), n=256)
         self.assertTrue(any("cuFFT's workspaces" in n for n in rec.notes), rec.notes)
 
+    def test_recurrent_layers_are_noted(self):
+        # without cuDNN an LSTM runs a fused cell a time step, which is not what the GPU runs
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="lstm") as rec:
+            lstm = torch.nn.LSTM(8, 16).cuda()
+            lstm(torch.randn(5, 2, 8, device="cuda"))[0].sum().backward()
+        self.assertTrue(any("an LSTM or GRU ran cell by cell" in n for n in rec.notes), rec.notes)
+
     def test_random_state_of_the_one_fake_gpu(self):
         # Lightning saves and restores every device's random state around a fit: one state,
         # for the one device, where PyTorch's own (CUDA never initialised) has none to read

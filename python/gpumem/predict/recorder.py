@@ -583,6 +583,8 @@ def _tracker(recording, fake_mode, profile, probe=None):
     cudnn_attention = {getattr(aten, n) for n in ("_scaled_dot_product_cudnn_attention",) if hasattr(aten, n)}
     conv = {aten.convolution.default, aten.convolution_backward.default}
     fft = {getattr(aten, name).default for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c") if hasattr(aten, name)}
+    rnn_cells = {getattr(aten, name).default for name in ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell")
+                 if hasattr(aten, name)}  # fmt: skip
     scans = {aten.cumsum.default, aten.cumprod.default}
     summing = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
     live = {}  # storage key -> allocation id
@@ -949,6 +951,14 @@ def _tracker(recording, fake_mode, profile, probe=None):
                 recording.note(
                     "cuDNN convolution workspaces (taken and given back within each call, sized by "
                     "cuDNN's choice of algorithm) are not in the trace"
+                )
+            if func in rnn_cells and is_cuda(flat):
+                # a CPU build has no cuDNN, so nn.LSTM and nn.GRU fall back to a fused cell a time step
+                recording.note(
+                    "an LSTM or GRU ran cell by cell here (PyTorch's fallback without cuDNN); on the GPU cuDNN "
+                    "runs the whole sequence in one call, with a workspace and a reserve space for the backward "
+                    "instead of each step's saved tensors, so its memory may be far from these figures (a run "
+                    "on the GPU, without --cpu, records cuDNN's)"
                 )
             if func in fft and is_cuda(flat):
                 recording.note(
