@@ -1385,13 +1385,13 @@ class GpuHistoryTest(unittest.TestCase):
 
         model = torch.nn.Linear(4, 4)
         x = torch.ones(2, 4, requires_grad=True)
-        with _child._backwards_per_step() as (counts, take):
+        with _child._backwards_counted() as count:
             for _ in range(3):
                 model(x).sum().backward()
-            take()
+            count.take()
             checkpoint(model, x, use_reentrant=True).sum().backward()
-            take()
-        self.assertEqual(counts, [3, 1])
+            count.take()
+        self.assertEqual(count.per_step, [3, 1])
         self.assertEqual(torch.autograd._engine_run_backward.__module__, "torch.autograd.graph")  # (put back)
 
     @unittest.skipIf(torch is None, NO_TORCH)
@@ -1410,7 +1410,8 @@ class GpuHistoryTest(unittest.TestCase):
                 with open(scripts[name], "w") as f:
                     f.write(text)
             marks, notes = [], []
-            with _child._inference_steps(scripts["infer"], lambda: marks.append(1), notes.append):
+            with _child._backwards_counted() as count, \
+                    _child._inference_steps(scripts["infer"], lambda: marks.append(1), notes.append, count):
                 for i, (x,) in enumerate(loader):
                     model(x)
                 # (5 batches, 5 steps: each draw after the first ends one, the draw that finds
@@ -1422,7 +1423,8 @@ class GpuHistoryTest(unittest.TestCase):
                 self.assertEqual(len(marks), 5)  # (training: batches end no step)
             self.assertEqual(len(notes), 1)
             marks = []
-            with _child._inference_steps(scripts["train"], lambda: marks.append(1), notes.append):
+            with _child._backwards_counted() as count, \
+                    _child._inference_steps(scripts["train"], lambda: marks.append(1), notes.append, count):
                 for (x,) in loader:
                     model(x)
             self.assertEqual(marks, [])
@@ -1488,14 +1490,28 @@ def predict_script(d, script, options, script_args, memory="80G"):
     return done, out, path
 
 
+# The top of a test script: torch, and --batch-size in a.batch_size.
+SCRIPT_ARGS = ("import argparse, torch\n"
+               "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n")
+
+
+def recordings(out):
+    """[(meta, trace lines)] of the runs at batch 1 and 2 kept in out."""
+    runs = []
+    for b in ("b1", "b2"):
+        with open(os.path.join(out, b, "meta.json")) as f:
+            meta = json.load(f)
+        with open(os.path.join(out, b, "trace")) as f:
+            runs.append((meta, f.read().splitlines()))
+    return runs
+
+
 class CommandTest(unittest.TestCase):
     @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_hand_written_update_is_training(self):
         # no optimizer: the parameters updated by hand under no_grad after each backward; the
         # next pass ends the step, and the script is stopped after --steps of them
-        script = (
-            "import argparse, torch\n"
-            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+        script = SCRIPT_ARGS + (
             "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()\n"
             "for step in range(1000):\n"
             "    loss = m(torch.randn(a.batch_size, 64, device='cuda')).square().mean()\n"
@@ -1509,20 +1525,15 @@ class CommandTest(unittest.TestCase):
             done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
             self.assertEqual(done.returncode, 0, done.stderr.decode())
             self.assertNotIn("inference", done.stdout.decode())
-            for b in ("b1", "b2"):
-                with open(os.path.join(out, b, "meta.json")) as f:
-                    meta = json.load(f)
+            for meta, lines in recordings(out):
                 self.assertEqual((meta["steps"], meta["ended"]), (2, False))
-                with open(os.path.join(out, b, "trace")) as f:
-                    self.assertEqual(sum(line.startswith("# step") for line in f), 2)
+                self.assertEqual(sum(line.startswith("# step") for line in lines), 2)
 
     @unittest.skipIf(torch is None, NO_TORCH)
     def test_two_optimizers_make_one_step(self):
         # a GAN's loop: the discriminator's optimizer, then the generator's, whose pass is the
         # larger; --steps 2 takes two whole iterations (four optimizer steps), not one and a half
-        script = (
-            "import argparse, torch\n"
-            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+        script = SCRIPT_ARGS + (
             "G, D = torch.nn.Linear(8, 64).cuda(), torch.nn.Linear(64, 1).cuda()\n"
             "optG, optD = torch.optim.Adam(G.parameters()), torch.optim.Adam(D.parameters())\n"
             "for it in range(1000):\n"
@@ -1532,11 +1543,8 @@ class CommandTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
             self.assertEqual(done.returncode, 0, done.stderr.decode())
-            for b in ("b1", "b2"):
-                with open(os.path.join(out, b, "meta.json")) as f:
-                    self.assertEqual(json.load(f)["steps"], 4)
-                with open(os.path.join(out, b, "trace")) as f:
-                    lines = f.read().splitlines()
+            for meta, lines in recordings(out):
+                self.assertEqual(meta["steps"], 4)
                 self.assertEqual(sum(line.startswith("# step") for line in lines), 4)
                 # the second iteration's generator pass is in: G's activations at 4 x the batch
                 last = lines.index("# step 3")
@@ -1547,9 +1555,7 @@ class CommandTest(unittest.TestCase):
         # an inference script over a DataLoader of 4,000 samples: recorded whole, as many
         # iterations as batches (4,000 at batch 1) that did not align between the two batches;
         # now a step a batch, stopped after --steps
-        script = (
-            "import argparse, torch\n"
-            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+        script = SCRIPT_ARGS + (
             "m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).cuda()\n"
             "ds = torch.utils.data.TensorDataset(torch.randn(4000, 64))\n"
             "with torch.no_grad():\n"
@@ -1560,13 +1566,10 @@ class CommandTest(unittest.TestCase):
             done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
             self.assertEqual(done.returncode, 0, done.stderr.decode())
             self.assertIn("the script reads as inference", done.stdout.decode())
-            for b in ("b1", "b2"):
-                with open(os.path.join(out, b, "meta.json")) as f:
-                    meta = json.load(f)
+            for meta, lines in recordings(out):
                 self.assertEqual((meta["steps"], meta["ended"]), (2, False))
-                with open(os.path.join(out, b, "trace")) as f:
-                    self.assertEqual(sum(line.startswith("a ") and line.rstrip().endswith(" argmax.default")
-                                         for line in f), 2)  # (each batch's answers: two batches recorded)
+                self.assertEqual(sum(line.startswith("a ") and line.rstrip().endswith(" argmax.default")
+                                     for line in lines), 2)  # (each batch's answers: two batches recorded)
 
     @unittest.skipIf(torch is None or transformers is None, "needs PyTorch and transformers")
     def test_a_checkpoint_loaded_onto_the_gpu_by_device_map(self):
@@ -1614,9 +1617,8 @@ class CommandTest(unittest.TestCase):
             done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
             self.assertNotEqual(done.returncode, 0)
             self.assertIn("the script runs 4 and 2 backward passes a step at batch 1 and 2", done.stderr.decode())
-            for b, n in (("b1", 4), ("b2", 2)):
-                with open(os.path.join(out, b, "meta.json")) as f:
-                    self.assertEqual(json.load(f)["backwards_per_step"], [n, n])
+            for (meta, _), n in zip(recordings(out), (4, 2)):
+                self.assertEqual(meta["backwards_per_step"], [n, n])
             # as it says: the global batch as {B} too, one backward a step
             done, _, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}", "--global-batch", "{B}"])
             self.assertEqual(done.returncode, 0, done.stderr.decode())

@@ -680,8 +680,8 @@ def main(argv=None):
                 rows = scale(scaled_from, "fake_b")
         except PredictError as e:
             keep = True
+            hint = accumulation_hint(scaled_from, sizes)  # (why they may not align, where that is known)
             if MISALIGNED not in str(e) or not confirm_on or seq_lens:
-                hint = accumulation_hint(scaled_from, sizes)
                 raise PredictError("%s\nthe recordings are in %s%s" % (e, root, "\n" + hint if hint else "")) from None
             # Control flow that depends on the batch (a loop over the images of a batch): no model
             # of the sizes, but on fake tensors a large batch costs what a small one does, so the
@@ -691,7 +691,6 @@ def main(argv=None):
             checks.append("the recordings at batch %s do not align, so every figure is from recordings at "
                           "the batches themselves: %s" % (", ".join(str(b) for b in sizes),
                                                           _misalignment(str(e))))  # fmt: skip
-            hint = accumulation_hint(scaled_from, sizes)
             if hint:
                 checks.append(hint)
             rows = start_rows(sizes[-2:], [m["path"] for m in scaled_from[-2:]], budget)

@@ -49,7 +49,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     probe = _conv_probe(profile) if probes else None
 
     def stop(rec):
-        take_backwards()
+        backwards.take()
         if rec.steps >= steps * len(rec.optimizers):
             # The recording ends with the step: what dies while the script
             # unwinds dies when Python's collector runs, which varies from
@@ -61,9 +61,10 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     # transformers loads a checkpoint's tensors in worker threads, where the recorder's modes (one
     # thread's) do not reach: they came out real, and moving them to the device failed
     os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
-    with _backwards_per_step() as (backwards, take_backwards), \
+    with _backwards_counted() as backwards, \
             recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
-        with _one_rank(rec), _users_files_kept(rec.note), _inference_steps(script, rec.hand_step, rec.note):
+        with _one_rank(rec), _users_files_kept(rec.note), \
+                _inference_steps(script, rec.hand_step, rec.note, backwards):
             stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
@@ -73,7 +74,7 @@ def run_cpu(out_dir, steps, profile, script, args, probes=False):
     return {"steps": rec.steps, "ended": not stopped, "notes": rec.notes, "peak_live_bytes": rec.peak_live_bytes,
             "context_bytes": context, "context_source": source or "none", "file": "trace",
             "distributed": getattr(rec, "distributed", None), "memory_fraction": rec.memory_fraction,
-            "dataset_items": rec.dataset_items, "backwards_per_step": backwards}
+            "dataset_items": rec.dataset_items, "backwards_per_step": backwards.per_step}
 
 
 def _one_rank(rec):
@@ -85,15 +86,24 @@ def _one_rank(rec):
 
 
 def _argument(index, name):
-    """Where a save goes: its argument at index (counting self) or by name."""
+    """A save's destination: its argument at index (counting self) or by name."""
+    return lambda args, kwargs: kwargs.get(name, args[index] if len(args) > index else None)
 
-    def where(args, kwargs):
-        f = kwargs.get(name, args[index] if len(args) > index else None)
-        if isinstance(f, (str, bytes, os.PathLike)):
-            return os.fsdecode(f)
-        return getattr(f, "name", None) or "a file object"
 
-    return where
+def _is_a_file(f):
+    """Whether a destination is a file: a path, or an open file with a
+    descriptor (not a buffer in memory)."""
+    if isinstance(f, (str, bytes, os.PathLike)):
+        return True
+    try:
+        f.fileno()
+    except Exception:  # noqa: BLE001 (io.BytesIO raises UnsupportedOperation; others may differ)
+        return False
+    return True
+
+
+def _described(f):
+    return os.fsdecode(f) if isinstance(f, (str, bytes, os.PathLike)) else getattr(f, "name", None) or "a file object"
 
 
 def _save_targets():
@@ -114,7 +124,7 @@ def _save_targets():
         targets.append((safetensors_torch, "save_file", _argument(1, "filename")))
     loaded = [
         ("transformers.modeling_utils", "PreTrainedModel", "save_pretrained", _argument(1, "save_directory")),
-        ("transformers.trainer", "Trainer", "_save_checkpoint", lambda a, k: str(a[0].args.output_dir)),
+        ("transformers.trainer", "Trainer", "_save_checkpoint", lambda a, k: a[0].args.output_dir),
         ("transformers.trainer", "Trainer", "save_model", _argument(1, "output_dir")),
         ("accelerate.accelerator", "Accelerator", "save_state", _argument(1, "output_dir")),
         ("accelerate.accelerator", "Accelerator", "save_model", _argument(2, "save_directory")),
@@ -148,9 +158,10 @@ def _users_files_kept(note):
 
     def not_written(original, where):
         def save(*args, **kwargs):
-            if original is torch_save and not _to_a_file(args, kwargs):
+            to = where(args, kwargs)
+            if original is torch_save and not _is_a_file(to):
                 return original(*args, **kwargs)
-            saves.append(where(args, kwargs))
+            saves.append(_described(to))
 
         return save
 
@@ -170,18 +181,6 @@ def _users_files_kept(note):
                  % (len(saves), "" if len(saves) == 1 else "s", saves[0]))  # fmt: skip
 
 
-def _to_a_file(args, kwargs):
-    """Whether torch.save's destination is a file: a path, or an open file
-    with a descriptor (not a buffer in memory)."""
-    f = kwargs.get("f", args[1] if len(args) > 1 else None)
-    if isinstance(f, (str, bytes, os.PathLike)):
-        return True
-    try:
-        f.fileno()
-    except Exception:  # noqa: BLE001 (io.BytesIO raises UnsupportedOperation; others may differ)
-        return False
-    return True
-
 # Words a training script has somewhere: its backward, its optimizer, a trainer
 # that holds both (transformers', Lightning's .fit)
 _TRAINING_WORDS = re.compile(r"backward|optim|Trainer|\.fit\(")
@@ -200,79 +199,81 @@ def _inference_script(script):
 
 
 @contextlib.contextmanager
-def _inference_steps(script, mark_step, note):
+def _inference_steps(script, mark_step, note, backwards):
     """An inference script's loop over a DataLoader ends a step at each
     batch it draws after the first, with no backward run since the
-    recording began: mark_step() then, as at an optimizer step, so that the
-    run stops after --steps batches. Recorded whole, an evaluation of 5,000
-    samples at batch 1 took 470 s on fake tensors, and its recordings at
-    two batches did not align (as many iterations as batches). Only where
-    the script's text has no training words (_inference_script); note(text)
-    says it was so recorded."""
+    recording began (backwards: the _BackwardCount of the run): mark_step()
+    then, as at an optimizer step, so that the run stops after --steps
+    batches. Recorded whole, an evaluation of 5,000 samples at batch 1 took
+    470 s on fake tensors, and its recordings at two batches did not align
+    (as many iterations as batches). Only where the script's text has no
+    training words (_inference_script); note(text) says it was so
+    recorded."""
     if not _inference_script(script):
         yield
         return
-    import torch
     from torch.utils.data import dataloader
 
-    state = {"drawn": 0, "trained": False}
+    drawn = [0]
     original_next = dataloader._BaseDataLoaderIter.__next__
-    original_backward = torch.autograd._engine_run_backward
-
-    def run_backward(*args, **kwargs):
-        state["trained"] = True
-        return original_backward(*args, **kwargs)
 
     def next_batch(self):
-        if not state["trained"]:
-            state["drawn"] += 1
-            if state["drawn"] == 2:
+        if not backwards.total:
+            drawn[0] += 1
+            if drawn[0] == 2:
                 note("the script reads as inference (no backward, optimizer or trainer in it): a step is a batch "
                      "of its DataLoader, and the run stopped after --steps of them, as a training run stops after "
                      "its optimizer steps")
-            if state["drawn"] >= 2:
+            if drawn[0] >= 2:
                 mark_step()
         return original_next(self)
 
     dataloader._BaseDataLoaderIter.__next__ = next_batch
-    torch.autograd._engine_run_backward = run_backward
     try:
         yield
     finally:
-        torch.autograd._engine_run_backward = original_backward
         dataloader._BaseDataLoaderIter.__next__ = original_next
 
 
+class _BackwardCount:
+    """The backward passes the script runs (a reentrant checkpoint's inner
+    ones not counted): total, and per step the count since the last
+    take(). A script that accumulates gradients to a fixed global batch
+    runs more of them a step at a smaller batch (64 at batch 1, 32 at 2),
+    and its recordings then cannot align: the command says so, naming the
+    counts."""
+
+    def __init__(self):
+        self.total = 0
+        self.per_step = []
+        self.depth = 0  # (backward passes running: an inner one is a checkpoint's)
+        self._taken = 0
+
+    def take(self):
+        self.per_step.append(self.total - self._taken)
+        self._taken = self.total
+
+
 @contextlib.contextmanager
-def _backwards_per_step():
-    """Counts the backward passes the script runs (a reentrant
-    checkpoint's inner ones not counted); the list it yields gets, at each
-    take(), how many ran since the last. A script that accumulates
-    gradients to a fixed global batch runs more of them a step at a
-    smaller batch (64 at batch 1, 32 at 2), and its recordings then cannot
-    align: the command says so, naming the counts."""
+def _backwards_counted():
+    """A _BackwardCount of the backward passes run within."""
     import torch
 
-    state = {"depth": 0, "count": 0}
-    counts = []
+    count = _BackwardCount()
     original = torch.autograd._engine_run_backward
 
     def run_backward(*args, **kwargs):
-        if state["depth"] == 0:
-            state["count"] += 1
-        state["depth"] += 1
+        if count.depth == 0:
+            count.total += 1
+        count.depth += 1
         try:
             return original(*args, **kwargs)
         finally:
-            state["depth"] -= 1
-
-    def take():
-        counts.append(state["count"])
-        state["count"] = 0
+            count.depth -= 1
 
     torch.autograd._engine_run_backward = run_backward
     try:
-        yield counts, take
+        yield count
     finally:
         torch.autograd._engine_run_backward = original
 
@@ -443,7 +444,7 @@ def run_gpu(out_dir, steps, script, args):
     optimizers = set()  # (as the recorder's: a step of each per iteration)
 
     def on_step(optimizer=None, a=None, k=None):
-        take_backwards()
+        backwards.take()
         stepped[0] = True
         optimizers.add(id(optimizer) if optimizer is not None else "by hand")
         done["steps"] += 1
@@ -457,9 +458,9 @@ def run_gpu(out_dir, steps, script, args):
     optim_module.register_optimizer_step_post_hook(on_step)
     skipped = [0]
     notes = []
-    with _backwards_per_step() as (backwards, take_backwards), _every_step_taken(skipped), \
-            _hand_steps(on_step, stepped), _users_files_kept(notes.append), \
-            _inference_steps(script, on_step, lambda text: text in notes or notes.append(text)):
+    with _backwards_counted() as backwards, _every_step_taken(skipped), _hand_steps(on_step, stepped), \
+            _users_files_kept(notes.append), \
+            _inference_steps(script, on_step, lambda text: text in notes or notes.append(text), backwards):
         ended = not _run_script(script, args)
     if ended:
         dump()
@@ -476,7 +477,7 @@ def run_gpu(out_dir, steps, script, args):
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda: 1.0)()
     return {"steps": done["steps"], "ended": ended, "notes": notes, "context_bytes": done["context_bytes"],
             "peak_live_bytes": rec.peak_live_bytes, "context_source": done["context_source"], "file": "trace",
-            "backwards_per_step": backwards,
+            "backwards_per_step": backwards.per_step,
             "device": torch.cuda.get_device_name(), "memory_fraction": fraction if fraction < 1 else None}
 
 

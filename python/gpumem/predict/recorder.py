@@ -28,7 +28,6 @@ from shapes and the profile's multiprocessor count (reductions.py).
 
 Needs PyTorch (the CPU build will do)."""
 
-import collections
 import contextlib
 import ctypes
 import functools
@@ -93,13 +92,14 @@ class AllocatorStats:
     here; nothing is ever split, retried or out of memory."""
 
     POOLS = ("all", "large_pool", "small_pool")
+    FIGURES = ("current", "peak", "allocated", "freed")
     SMALL = 1 << 20  # PyTorch's kSmallSize
 
     def __init__(self):
-        self._stats = {
-            key: {pool: dict.fromkeys(("current", "peak", "allocated", "freed"), 0) for pool in self.POOLS}
-            for key in ("allocated_bytes", "requested_bytes", "allocation")
-        }  # fmt: skip
+        self._stats = {key: self._zero() for key in ("allocated_bytes", "requested_bytes", "allocation")}
+
+    def _zero(self):
+        return {pool: dict.fromkeys(self.FIGURES, 0) for pool in self.POOLS}
 
     def _add(self, size, sign):
         pool = "small_pool" if size <= self.SMALL else "large_pool"
@@ -136,20 +136,19 @@ class AllocatorStats:
     def nested(self):
         """torch._C._cuda_memoryStats's shape: {key: {pool: {figure: n}}, counter: n}."""
         copy = lambda key: {p: dict(c) for p, c in self._stats[key].items()}  # noqa: E731
-        zero = lambda pools: {p: dict.fromkeys(("current", "peak", "allocated", "freed"), 0) for p in pools}  # noqa: E731
         count = self._stats["allocation"]["all"]
         return {
             "allocated_bytes": copy("allocated_bytes"),
             "active_bytes": copy("allocated_bytes"),
             "requested_bytes": copy("requested_bytes"),
             "reserved_bytes": copy("allocated_bytes"),
-            "inactive_split_bytes": zero(self.POOLS),
+            "inactive_split_bytes": self._zero(),
             "allocation": copy("allocation"),
             "active": copy("allocation"),
             "segment": copy("allocation"),
-            "inactive_split": zero(self.POOLS),
-            "oversize_allocations": zero(("all",))["all"],
-            "oversize_segments": zero(("all",))["all"],
+            "inactive_split": self._zero(),
+            "oversize_allocations": dict.fromkeys(self.FIGURES, 0),
+            "oversize_segments": dict.fromkeys(self.FIGURES, 0),
             "num_alloc_retries": 0,
             "num_ooms": 0,
             "num_sync_all_streams": 0,
@@ -1341,19 +1340,6 @@ def _cuda_patches(torch, recording, profile):
     def nested_stats(device=None):
         return stats.nested()
 
-    def flat_stats(device=None):
-        flat = {}
-
-        def flatten(prefix, value):
-            if isinstance(value, dict):
-                for k, v in value.items():
-                    flatten(prefix + "." + k if prefix else k, v)
-            else:
-                flat[prefix] = value
-
-        flatten("", stats.nested())
-        return collections.OrderedDict(sorted(flat.items()))
-
     noop = lambda *a, **k: None  # noqa: E731
     stream = _FakeStream()
 
@@ -1402,27 +1388,6 @@ def _cuda_patches(torch, recording, profile):
         (c, "init"): noop,
         (c, "_lazy_init"): noop,
         (c, "empty_cache"): noop,
-        (c, "manual_seed"): noop,
-        (c, "manual_seed_all"): noop,
-        (c, "seed"): noop,
-        (c, "seed_all"): noop,
-        # The fake device's random state, for code that saves and restores
-        # it (Lightning around every fit): with CUDA never initialised,
-        # PyTorch's own has no generator to read on a machine with a GPU.
-        (c, "get_rng_state"): lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
-        (c, "get_rng_state_all"): lambda: [torch.zeros(16, dtype=torch.uint8)],
-        (c, "set_rng_state"): noop,
-        (c, "set_rng_state_all"): noop,
-        # the same through torch.cuda.random (the HF Trainer saves them there with each checkpoint)
-        (c.random, "get_rng_state"): lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
-        (c.random, "get_rng_state_all"): lambda: [torch.zeros(16, dtype=torch.uint8)],
-        (c.random, "set_rng_state"): noop,
-        (c.random, "set_rng_state_all"): noop,
-        (c.random, "manual_seed"): noop,
-        (c.random, "manual_seed_all"): noop,
-        (c.random, "seed"): noop,
-        (c.random, "seed_all"): noop,
-        (c.random, "initial_seed"): lambda: 0,
         (c, "get_device_name"): lambda device=None: name,
         (c, "get_device_capability"): lambda device=None: cap,
         (c, "get_device_properties"): lambda device=None: props,
@@ -1459,6 +1424,17 @@ def _cuda_patches(torch, recording, profile):
         (torch.autograd, "inference_mode"): _inference_as_no_grad,
         **_autocast_patches(torch),
     }
+    # The fake device's random state, for code that saves and restores it
+    # (Lightning around every fit, the HF Trainer with each checkpoint, the
+    # latter through torch.cuda.random): with CUDA never initialised,
+    # PyTorch's own has no generator to read on a machine with a GPU.
+    random_state = {
+        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8)],
+        "set_rng_state": noop, "set_rng_state_all": noop, "manual_seed": noop, "manual_seed_all": noop,
+        "seed": noop, "seed_all": noop, "initial_seed": lambda: 0,
+    }  # fmt: skip
+    patches.update({(module, n): f for module in (c, c.random) for n, f in random_state.items()})
     # nn.DataParallel over the one fake GPU scatters each input to it
     # through a CUDA-only function; on one device that is a move.
     from torch.nn.parallel import comm
@@ -1491,7 +1467,8 @@ def _cuda_patches(torch, recording, profile):
             (acc, "memory_reserved"): allocated,
             (acc, "max_memory_reserved"): max_allocated,
             (acc, "reset_peak_memory_stats"): reset_peak,
-            (acc, "memory_stats"): flat_stats,
+            # (PyTorch's own flattening of the nested statistics below)
+            (acc, "memory_stats"): lambda device=None: c.memory.memory_stats(),
             (acc, "reset_accumulated_memory_stats"): lambda device=None: stats.reset_accumulated(),
             (acc, "get_memory_info"): lambda device=None: (total - recording.live_bytes, total),
         })  # fmt: skip
