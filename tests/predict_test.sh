@@ -278,6 +278,37 @@ expect_rc 0 "snapshot pickles with frames"
 expect_in "matched by what made them, stream and size: 7 of the largest recording's allocations" "$out" \
   "snapshot pickles: matched by role"
 expect_in "sort@my?train.py:20~" "$out" "snapshot pickles: the unmatched role named, its blank shown as ?"
+case "$out" in *"convolutions:"*) bad "snapshot pickles with no convolution: a note of convolutions" ;; *) ok ;; esac
+
+# ---- snapshot pickles of a convolution: cuDNN's workspaces by shape ----
+# made inside nn.Conv2d's forward (Python frames) and cuDNN's convolution
+# (C++ frames): the prediction says that a larger batch's workspaces may differ
+python3 - "$T" <<'PY'
+import pickle, sys
+py = [{"filename": "/u/cnn.py", "line": 8, "name": "forward"},
+      {"filename": "/site-packages/torch/nn/modules/conv.py", "line": 543, "name": "_conv_forward"}]
+cxx = [{"filename": "??", "line": 0, "name": "at::native::cudnn_convolution_backward(...)"}]
+for b in (1, 2):
+    ev, top = [], [0x100000]
+    def alloc(size, frames):
+        a = top[0]; top[0] += size + 4096
+        ev.append({"action": "alloc", "addr": a, "size": size, "stream": 0, "frames": frames})
+        return a
+    def free(a, size):
+        ev.append({"action": "free_requested", "addr": a, "size": size, "stream": 0, "frames": []})
+    w = alloc(1 << 20, [{"filename": "/u/cnn.py", "line": 3, "name": "<module>"}])
+    for step in range(2):
+        x = alloc(b << 22, py); ws = alloc(b << 21, py); free(ws, b << 21)
+        g = alloc(b << 22, cxx); free(g, b << 22); free(x, b << 22)
+    with open("%s/conv_b%d.pickle" % (sys.argv[1], b), "wb") as f:
+        pickle.dump({"segments": [], "device_traces": [ev]}, f, protocol=4)
+PY
+run "$BIN" predict --batch-sizes 1,2 "$T/conv_b1.pickle" "$T/conv_b2.pickle" --batch 16
+expect_rc 0 "snapshot pickles of a convolution"
+expect_in "convolutions: 12 allocations of the recordings were made inside one (nn.Conv*, cuDNN)" "$out" \
+  "snapshot pickles of a convolution: its workspaces said to be chosen by shape"
+run "$BIN" predict --batch-sizes 1,2 "$T/conv_b1.pickle" "$T/conv_b2.pickle" --batch 16 --json
+expect_in '"convolution_allocations":12}' "$out" "snapshot pickles of a convolution: counted in --json"
 
 # ---- small allocations that follow no trend ----
 # 6, 96 and 24 bytes at batch 2, 4 and 8: a curve through them goes below

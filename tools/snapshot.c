@@ -221,6 +221,35 @@ static size_t role_part(const pickle_value_t* v, char* out, size_t cap) {
   return n;
 }
 
+/* Whether the pickle string v ends with (or, contains) the C string w. */
+static int str_has(const pickle_value_t* v, const char* w, int at_end) {
+  size_t n = strlen(w);
+  if (!v || v->type != PICKLE_STR || v->len < n) return 0;
+  if (at_end) return memcmp(v->s + v->len - n, w, n) == 0;
+  for (size_t j = 0; j + n <= v->len; j++)
+    if (memcmp(v->s + j, w, n) == 0) return 1;
+  return 0;
+}
+
+/* Whether an allocation was made inside a convolution, by its frames:
+ * nn.Conv*'s forward (torch/nn/modules/conv.py, the Python frames every
+ * snapshot has) or, where C++ frames were recorded, cuDNN's convolution.
+ * cuDNN picks a convolution's algorithm, and the workspace it takes
+ * through the allocator, by shape, so what recordings at small batches
+ * show of them need not hold at a larger one (predict says so). */
+static int frames_convolution(const pickle_doc_t* d, const pickle_value_t* e) {
+  const pickle_value_t* frames = pickle_get(d, e, "frames");
+  if (!frames || frames->type != PICKLE_LIST) return 0;
+  for (size_t i = 0; i < frames->len; i++) {
+    const pickle_value_t* f = pickle_item(d, frames, i);
+    if (f->type != PICKLE_DICT) continue;
+    if (str_has(pickle_get(d, f, "filename"), "torch/nn/modules/conv.py", 1) ||
+        str_has(pickle_get(d, f, "name"), "cudnn_convolution", 0))
+      return 1;
+  }
+  return 0;
+}
+
 /* Frames a role looks at: the innermost (a deep recursion adds nothing). */
 #define ROLE_FRAMES 64
 
@@ -373,7 +402,7 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
 
   /* Pass over the events: the trace body, and what the ring is missing. */
   uint64_t next_id = 1;
-  size_t lost_frees = 0, allocs = 0;
+  size_t lost_frees = 0, allocs = 0, conv_allocs = 0;
   uint64_t lost_free_bytes = 0;
   int64_t reserved = 0, peak_reserved = 0, min_reserved = 0;
   size_t segment_events = 0;
@@ -453,6 +482,7 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
       if (roles.failed) goto no_memory;
       put_role(&body, TRACE_ALLOC, next_id++, (uint64_t)size, stream, r);
       allocs++;
+      conv_allocs += (size_t)frames_convolution(&doc, e);
     } else if (is_free) {
       size_t c = live_cell(&live, addr);
       if (live.id[c]) {
@@ -557,6 +587,7 @@ gpumem_status_t snapshot_to_trace(const char* path, const unsigned char* data, s
     t->from_snapshot = 1;
     t->snapshot_device = (int)device;
     t->snapshot_lost_events = lost_frees + lost_blocks;
+    t->snapshot_conv_allocs = conv_allocs;
     /* The recorded peak is known when the segment events start from an
      * empty device: nothing reserved before the first one. */
     if (segment_events && min_reserved >= 0 && !lost_frees && !lost_blocks)

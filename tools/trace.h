@@ -72,11 +72,13 @@ typedef struct trace {
   size_t num_steps;
   /* Read from a PyTorch memory snapshot pickle (snapshot.h): which device,
    * how many allocations were made up for as lost (GPUMEM_SNAPSHOT_PARTIAL),
-   * and the peak reserved memory its segment events show the recording
-   * process had (0 = unknown). */
+   * the peak reserved memory its segment events show the recording
+   * process had (0 = unknown), and how many allocations its frames place
+   * inside a convolution (nn.Conv*'s forward, cuDNN's convolution). */
   int from_snapshot;
   int snapshot_device;
   size_t snapshot_lost_events;
+  size_t snapshot_conv_allocs;
   uint64_t recorded_peak_reserved;
 } trace_t;
 
