@@ -488,7 +488,19 @@ class RecorderTest(unittest.TestCase):
             x = torch.randn(4, 256, device="cuda")
             self.assertFalse(any("cuFFT" in n for n in rec.notes))
             torch.fft.irfft(torch.fft.rfft(x), n=256)
-        self.assertTrue(any("cuFFT's workspaces" in n for n in rec.notes), rec.notes)
+        self.assertTrue(any("cuFFT's plan workspaces" in n for n in rec.notes), rec.notes)
+
+    def test_complex_to_real_transform_copies_its_input(self):
+        # cuFFT's c2r overwrites its input: PyTorch transforms a copy, made after the output
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="irfft") as rec:
+            spectrum = torch.randn(4, 129, dtype=torch.complex64, device="cuda")
+            before = len(rec.allocations())
+            signal = torch.fft.irfft(spectrum, n=256)
+            made = rec.allocations()[before:]
+        self.assertEqual(signal.shape, (4, 256))
+        self.assertEqual([(size, freed) for _, size, freed in made], [(4 * 256 * 4, False), (4 * 129 * 8, True)])
 
     def test_recurrent_layers_are_noted(self):
         # without cuDNN an LSTM runs a fused cell a time step, which is not what the GPU runs

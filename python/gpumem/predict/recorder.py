@@ -582,6 +582,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
     cudnn_attention = {getattr(aten, n) for n in ("_scaled_dot_product_cudnn_attention",) if hasattr(aten, n)}
     conv = {aten.convolution.default, aten.convolution_backward.default}
     fft = {getattr(aten, name).default for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c") if hasattr(aten, name)}
+    c2r = getattr(aten, "_fft_c2r").default if hasattr(aten, "_fft_c2r") else None
     rnn_cells = {getattr(aten, name).default for name in ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell")
                  if hasattr(aten, name)}  # fmt: skip
     scans = {aten.cumsum.default, aten.cumprod.default}
@@ -960,9 +961,16 @@ def _tracker(recording, fake_mode, profile, probe=None):
                     "on the GPU, without --cpu, records cuDNN's)"
                 )
             if func in fft and is_cuda(flat):
+                if func is c2r:
+                    # cuFFT's complex-to-real transforms overwrite their input, so
+                    # PyTorch transforms a contiguous copy, made after the output and
+                    # given back within the call (an H200's irfft2 of 130 MiB made
+                    # exactly that: bench/torch/fft_workspace_probe.py)
+                    recording.free(recording.alloc(args[0].numel() * args[0].element_size()))
                 recording.note(
-                    "cuFFT's workspaces (torch.fft, torch.stft: taken and given back within each transform, "
-                    "sized by cuFFT's plan) are not in the trace"
+                    "cuFFT's plan workspaces (torch.fft, torch.stft: taken and given back within a "
+                    "transform, sized by cuFFT's plan; none for the power-of-two transforms measured, one "
+                    "the size of the output for a length of 60,000) are not in the trace"
                 )
             return out
 
