@@ -1583,6 +1583,26 @@ class CommandTest(unittest.TestCase):
                 self.assertEqual(sum(line.startswith("a ") and line.rstrip().endswith(" argmax.default")
                                      for line in lines), 2)  # (each batch's answers: two batches recorded)
 
+    @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_dataset_shorter_than_the_batch_with_drop_last(self):
+        # with drop_last=True a batch past the dataset's length gives no batch at all: the check
+        # failed there and the table kept the scaled answer, a batch the script cannot run; now
+        # the dataset's length is the largest batch
+        script = SCRIPT_ARGS + (
+            "m = torch.nn.Linear(64, 10).cuda()\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "ds = torch.utils.data.TensorDataset(torch.randn(40, 64))\n"
+            "for epoch in range(3):\n"
+            "    for (x,) in torch.utils.data.DataLoader(ds, batch_size=a.batch_size, drop_last=True):\n"
+            "        m(x.cuda()).sum().backward(); opt.step(); opt.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, _, _ = predict_script(d, script, [], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            text = done.stdout.decode()
+            self.assertIn("with drop_last=True a larger one gives no batch at all", text)
+            self.assertEqual(text.count("40 (dataset)"), 5, text)
+
     @unittest.skipIf(torch is None or transformers is None, "needs PyTorch and transformers")
     def test_a_checkpoint_loaded_onto_the_gpu_by_device_map(self):
         # from_pretrained(..., device_map="auto") names the device 0, which a CPU build cannot

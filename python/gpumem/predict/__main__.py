@@ -504,8 +504,9 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     if short:
         line += "; the search ran out of recordings (--confirm-runs) for " + ", ".join(short)
     if getattr(checker, "capped_at", None) is not None:
-        line += ("; the script's DataLoader has %d items, so no batch it runs is larger: where that many fit, the "
-                 "largest batch is the dataset's length (marked \"dataset\")" % checker.capped_at)
+        line += ("; the script's DataLoader has %d items, so no batch it runs is larger (with drop_last=True a "
+                 "larger one gives no batch at all): where that many fit, the largest batch is the dataset's length "
+                 "(marked \"dataset\")" % checker.capped_at)
     return line
 
 
@@ -611,7 +612,11 @@ def main(argv=None):
                 raise PredictError(str(e)) from None
 
         def record_sizes(how, prefix):
-            return record_points_([(b, length) for b in sizes for length in seq_lens or [None]], how, prefix)
+            ms = record_points_([(b, length) for b in sizes for length in seq_lens or [None]], how, prefix)
+            for m in ms:
+                if m.get("no_batch"):
+                    raise PredictError("%s at the batch sizes it is recorded at: %s" % (a.script, m["no_batch"]))
+            return ms
 
         notes = []
 
@@ -705,7 +710,9 @@ def main(argv=None):
                 ms = record_points_([(b, a.seq_len if seq_lens else None) for b in batches], check_mode, "at_b")
                 add_notes(ms)
                 for m in ms:
-                    if m.get("dataset_items"):
+                    if m.get("no_batch"):
+                        checker.cap(m["dataset_items"])
+                    elif m.get("dataset_items"):
                         checker.items_limit = min(m["dataset_items"], checker.items_limit or m["dataset_items"])
                 return {b: m["path"] for b, m in zip(batches, ms)}
 

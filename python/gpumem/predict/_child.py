@@ -44,6 +44,16 @@ def _run_script(script, args):
 
 
 def run_cpu(out_dir, steps, profile, script, args, probes=False):
+    from .recorder import NoBatch
+
+    try:
+        return _record_cpu(out_dir, steps, profile, script, args, probes)
+    except NoBatch as e:
+        # (no recording: the batch is past what the script runs, which the parent takes as its cap)
+        return {"no_batch": str(e), "dataset_items": e.items, "steps": 0, "ended": True, "notes": []}
+
+
+def _record_cpu(out_dir, steps, profile, script, args, probes):
     from .recorder import recording
 
     probe = _conv_probe(profile) if probes else None

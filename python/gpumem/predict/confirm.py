@@ -85,15 +85,28 @@ class Checker:
             return
         paths = self.record_many(todo) if self.record_many else {b: self.record_at(b) for b in todo}
         for b in todo:
+            if paths[b] is None:
+                continue  # (past the dataset's length with drop_last: no batch, and cap() was told)
             rows = fit_rows(self.binary, paths[b], self.memory)
             self.rows[b] = rows
             self._grows(b, rows)
 
+    def cap(self, items):
+        """The script gives no batch at all past items (a DataLoader with
+        drop_last=True over a dataset that long): no larger batch runs."""
+        self.items_limit = min(items, self.items_limit or items)
+        self.capped_at = min(items, self.capped_at or items)
+
     def at(self, batch):
+        """{allocator: fit row} at batch; {} where the script gives no batch
+        there (cap())."""
         if batch not in self.rows:
             if len(self.rows) >= self.budget:
                 raise SearchBudget(None, None)
-            rows = fit_rows(self.binary, self.record_at(batch), self.memory)
+            path = self.record_at(batch)
+            if path is None:
+                return {}
+            rows = fit_rows(self.binary, path, self.memory)
             self.rows[batch] = rows
             self._grows(batch, rows)
         return self.rows[batch]
@@ -194,6 +207,8 @@ class Checker:
         if self.capped_at is not None and batch > self.capped_at:
             return False  # (no such batch: the script's batches stop at its dataset's length)
         row = self.at(batch).get(allocator)
+        if self.capped_at is not None and batch > self.capped_at:
+            return False  # (found just now: the script gives no batch this large)
         if row is None:
             raise KeyError("gpumem fit gave no row for %s" % allocator)
         return bool(row["fits"])

@@ -56,6 +56,16 @@ class RecorderError(RuntimeError):
     """The job cannot be recorded on fake CUDA tensors; the text says why."""
 
 
+class NoBatch(RecorderError):
+    """A DataLoader with drop_last=True over fewer items than its batch size:
+    at this batch the script gets no batch at all (items: the dataset's
+    length, the largest batch it runs)."""
+
+    def __init__(self, text, items):
+        super().__init__(text)
+        self.items = items
+
+
 def _torch():
     try:
         import torch
@@ -1547,8 +1557,8 @@ def _loader_batch_fits_dataset(loader, recording):
     if batch is None or items >= batch:
         return
     if loader.drop_last:
-        raise RecorderError("the DataLoader's dataset has %d items, fewer than its batch size %d, and drop_last=True: "
-                            "it gives no batch at all (a larger dataset, or batch sizes up to %d)" % (items, batch, items))
+        raise NoBatch("the DataLoader's dataset has %d items, fewer than its batch size %d, and drop_last=True: "
+                      "it gives no batch at all (a larger dataset, or batch sizes up to %d)" % (items, batch, items), items)
     recording.dataset_items = min(items, recording.dataset_items or items)
     recording.note("a DataLoader's dataset has %d items, fewer than the batch size %d: its batches were that "
                    "short, as they would be on the GPU (a training set that short makes the memory at any larger batch "

@@ -187,6 +187,11 @@ class Runs:
             meta = json.loads(_safefs.read_own(meta_path, 1 << 24).decode("utf-8"))
         except (OSError, ValueError) as e:
             raise RunError("%s at %s: cannot read what it recorded: %s" % (self.script, at, e)) from None
+        if meta.get("no_batch"):
+            # a DataLoader that gives no batch at this one (drop_last): no recording, and whoever asked
+            # for it takes the dataset's length as the largest batch the script runs
+            meta["path"] = None
+            return meta
         meta["path"] = os.path.join(out_dir, "trace")  # (never a name read from a file)
         try:
             meta["output"] = _safefs.read_own(log, 1 << 24).decode("utf-8", "replace")
