@@ -504,9 +504,10 @@ def check_at_batches(rows, checker, batch=None, how="with the CPU recorder"):
     if short:
         line += "; the search ran out of recordings (--confirm-runs) for " + ", ".join(short)
     if getattr(checker, "capped_at", None) is not None:
-        line += ("; the script's DataLoader has %d items, so no batch it runs is larger (with drop_last=True a "
-                 "larger one gives no batch at all): where that many fit, the largest batch is the dataset's length "
-                 "(marked \"dataset\")" % checker.capped_at)
+        line += ("; the script's DataLoader has %d items, so no batch it runs is larger%s: where that many fit, the "
+                 "largest batch is the dataset's length (marked \"dataset\")"
+                 % (checker.capped_at, " (with drop_last=True a larger one gives no batch at all)"
+                    if getattr(checker, "no_batch_past", False) else ""))
     return line
 
 

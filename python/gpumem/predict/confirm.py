@@ -70,6 +70,7 @@ class Checker:
         # at because of it: no batch the script runs is larger, so none above it is searched.
         self.items_limit = None
         self.capped_at = None
+        self.no_batch_past = False  # (cap(): past the dataset's length the script gets no batch at all)
 
     def prefetch(self, batches):
         """Records the batches not recorded yet together (record_many), as
@@ -96,6 +97,7 @@ class Checker:
         drop_last=True over a dataset that long): no larger batch runs."""
         self.items_limit = min(items, self.items_limit or items)
         self.capped_at = min(items, self.capped_at or items)
+        self.no_batch_past = True
 
     def at(self, batch):
         """{allocator: fit row} at batch; {} where the script gives no batch
