@@ -12,7 +12,8 @@
 # OUT: a directory for one JSON file per run and table.txt (also printed);
 # BUILD: gpumem's build directory (default build); STEPS: steps a run (50).
 # CAPS (default "1.10 1.25 1.5") and WAYS (default "overflow microbatch
-# fsdp") pick a subset. Runs one at a time on GPU 0; each run at most
+# fsdp") pick a subset; OPTIMIZER (foreach, the default, or fused) picks
+# AdamW's implementation outside FSDP2 (whose optimizer runs on the CPU). Runs one at a time on GPU 0; each run at most
 # RUN_TIMEOUT seconds (110),
 # and no run starts after BUDGET seconds (420), so that the whole fits in
 # nine minutes; a run not made is a row that says so. The FSDP2 runs take
@@ -37,6 +38,7 @@ run() { # name mode cap
   fi
   echo "== $name ($mode, cap $cap), $((SECONDS - start)) s in" >&2
   timeout -k 10 "$run_timeout" "$py" "$job" --mode "$mode" --cap "$cap" --steps "$steps" \
+    --optimizer "${OPTIMIZER:-foreach}" \
     --out "$out/$name.json" >"$out/$name.log" 2>&1
   local rc=$?
   if [ ! -s "$out/$name.json" ]; then

@@ -49,6 +49,9 @@ def parse(argv=None):
                     help="steps of --mode fsdp (its optimizer steps on the CPU: seconds each)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--optimizer", choices=("foreach", "fused"), default="foreach",
+                    help="AdamW's implementation: foreach (PyTorch's default on CUDA: several "
+                         "kernels a step, each reading the state) or fused (one kernel a step)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.mode != "uncapped" and a.cap <= 0:
@@ -79,7 +82,7 @@ def main(argv=None):
     import torch
 
     result = {"mode": a.mode, "cap": a.cap, "conf": conf_of(a), "steps": a.steps, "batch": a.batch,
-              "seq": a.seq, "model": MODEL, "device": torch.cuda.get_device_name(0)}  # fmt: skip
+              "seq": a.seq, "optimizer": a.optimizer, "model": MODEL, "device": torch.cuda.get_device_name(0)}  # fmt: skip
     try:
         run(torch, gpumem, a, result)
     except Exception as exc:  # the table says what happened; the next run goes on
@@ -126,7 +129,7 @@ def run(torch, gpumem, a, result):
     else:
         with torch.device("cuda"):
             model = LlamaForCausalLM(cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **{a.optimizer: True})
     model.train()
 
     def loss_fn(ids):
