@@ -137,9 +137,11 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const align_r
   }
   printf("],\"events\":%zu,\"allocations\":%zu,\"steps_used\":%zu,\"truncated\":%s", m->num_events,
          m->num_allocs, m->steps_used, m->truncated ? "true" : "false");
-  printf(",\"model\":{\"constant\":%zu,\"affine\":%zu,\"quadratic\":%zu,\"held\":%zu}",
-         m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE], m->kind_count[SCALE_QUADRATIC],
-         m->num_held);
+  printf(
+      ",\"model\":{\"constant\":%zu,\"affine\":%zu,\"quadratic\":%zu,\"held\":%zu,"
+      "\"faster_than_batch\":%zu,\"faster_than_batch_bytes\":%llu}",
+      m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE], m->kind_count[SCALE_QUADRATIC],
+      m->num_held, m->num_faster, (unsigned long long)m->faster_bytes);
   printf(
       ",\"aligned\":{\"by_role\":%s,\"matched\":%zu,\"inserted\":%zu,"
       "\"inserted_bytes_at_largest\":%llu,\"dropped\":%zu,\"dropped_bytes\":%llu,"
@@ -271,6 +273,23 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
   printf("\nsizes in the batch: %zu constant, %zu affine, %zu quadratic\n",
          m->kind_count[SCALE_CONSTANT], m->kind_count[SCALE_AFFINE],
          m->kind_count[SCALE_QUADRATIC]);
+  if (m->num_faster) {
+    const trace_t *t0 = m->traces[0], *t1 = m->traces[1];
+    size_t slot = m->faster_example;
+    uint32_t role = t1->slot_role ? t1->slot_role[slot] : 0;
+    /* (a role is printable ASCII: the readers refuse anything else) */
+    printf(
+        "faster than the batch: %zu allocation%s (%.3f GiB at batch %ld; the largest %s%s%llu bytes "
+        "at %ld, %llu at %ld) grow\nnearer its square than a line: a size quadratic in the batch "
+        "(a batch-by-batch matrix, a contrastive loss's\nlogits) is taken here as a line, far too "
+        "low at a large batch. Record a third batch size and give\nall three (--batch-sizes "
+        "%ld,%ld,%ld).\n",
+        m->num_faster, m->num_faster == 1 ? "" : "s", (double)m->faster_bytes / GIB, m->batch[1],
+        role ? t1->roles[role] : "", role ? ": " : "",
+        (unsigned long long)t0->events[t0->slot_event[slot]].size, m->batch[0],
+        (unsigned long long)t1->events[t1->slot_event[slot]].size, m->batch[1], m->batch[0],
+        m->batch[1], 2 * m->batch[1]);
+  }
   if (m->num_held)
     printf(
         "held: %zu allocation%s of at most %d bytes that follow no trend in the batch, at the "

@@ -383,7 +383,11 @@ static int fit_sizes(const long* b, const uint64_t* s, size_t n, scale_slot_t* o
   for (size_t i = 0; i < n; i++)
     if (s[i] > largest) largest = s[i];
   if (largest > SCALE_BLOCK) return fitted;
-  if (fitted && (out->kind == SCALE_CONSTANT || (out->kind == SCALE_AFFINE && out->p[1] >= 0)))
+  /* (a curve whose every term grows, 4, 16 and 64 bytes at 1, 2 and 4, is
+   * a trend: a batch-by-batch matrix, which is no small allocation at a
+   * large batch) */
+  if (fitted && (out->kind == SCALE_CONSTANT || (out->kind == SCALE_AFFINE && out->p[1] >= 0) ||
+                 (out->kind == SCALE_QUADRATIC && out->p[2] > 0 && out->p[1] >= 0 && out->p[0] >= 0)))
     return 1;
   memset(out, 0, sizeof *out);
   out->den = 1;
@@ -391,6 +395,17 @@ static int fit_sizes(const long* b, const uint64_t* s, size_t n, scale_slot_t* o
   out->p[0] = (i128)largest;
   out->held = 1;
   return 1;
+}
+
+/* Whether sizes s[0] at batch b[0] and s[1] at b[1] grow nearer a square
+ * of the batch than a line through 0: s1 / s0 above the midpoint of r and
+ * r^2, r = b1 / b0 (4 and 16 bytes at 1 and 2: a 1x1 and a 2x2 matrix of
+ * floats). An affine size so fitted has a negative constant, which a
+ * tensor's shape seldom has. */
+static int faster_than_batch(const long* b, const uint64_t* s) {
+  if (s[0] == 0 || s[1] <= s[0]) return 0;
+  u128 b0 = (u128)b[0], b1 = (u128)b[1];
+  return (u128)2 * s[1] * b0 * b0 > (u128)s[0] * (b1 * b0 + b1 * b1);
 }
 
 /* The held-out check: the largest recording predicted from the others. */
@@ -457,6 +472,14 @@ static gpumem_status_t fit_slots(scale_model_t* m) {
     }
     m->kind_count[m->slots[slot].kind]++;
     m->num_held += m->slots[slot].held;
+    if (k == 2 && m->slots[slot].kind == SCALE_AFFINE && !m->slots[slot].held &&
+        faster_than_batch(m->batch, sizes)) {
+      const trace_t* t = m->traces[1];
+      if (!m->num_faster || sizes[1] > t->events[t->slot_event[m->faster_example]].size)
+        m->faster_example = slot;
+      m->num_faster++;
+      m->faster_bytes += sizes[1];
+    }
   }
   /* Runs at different batches differ in their activations at least: the
    * same recording twice would predict that nothing grows, and every

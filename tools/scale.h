@@ -69,6 +69,14 @@ typedef struct scale_model {
    * sizes follow no trend, held at their largest recorded size (scale.c,
    * fit_sizes). */
   size_t num_held;
+  /* With two recordings: the affine allocations that grow faster than the
+   * batch between them, nearer a square than a line (a batch-by-batch
+   * matrix: a contrastive loss's logits), which a line through two points
+   * puts far too low at a large batch; their bytes at the larger batch and
+   * the largest of them (a slot, where num_faster > 0). */
+  size_t num_faster;
+  uint64_t faster_bytes;
+  size_t faster_example;
   scale_check_t check;
   scale_slot_t* slots; /* num_allocs of them */
 } scale_model_t;

@@ -1584,6 +1584,32 @@ class CommandTest(unittest.TestCase):
                                      for line in lines), 2)  # (each batch's answers: two batches recorded)
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_size_in_the_square_of_the_batch_takes_a_third_recording(self):
+        # a contrastive loss's batch-by-batch logits: 4 and 16 bytes at 1 and 2, which a line
+        # through two recordings put far too low at a large batch; a third fits the square
+        script = SCRIPT_ARGS + (
+            "m = torch.nn.Linear(64, 32).cuda()\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for step in range(3):\n"
+            "    z = m(torch.randn(a.batch_size, 64, device='cuda'))\n"
+            "    logits = z @ z.t()\n"
+            "    torch.nn.functional.cross_entropy(logits, torch.arange(a.batch_size, device='cuda')).backward()\n"
+            "    opt.step(); opt.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--no-confirm", "--batch", "4096"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            text = done.stdout.decode()
+            self.assertIn("recorded at batch 1, 2, 4 ", text)
+            self.assertIn("grew faster than the batch from 1 to 2 (nearer its square than a line), so the job was "
+                          "recorded at 4 too", text)
+            self.assertEqual(sorted(os.listdir(out))[:3], ["b1", "b2", "b4"])
+            # at 4096 the logits alone are 64 MiB, and their softmax and gradients as much again:
+            # a line through 1 and 2 gave them a few KiB
+            peak = float(re.search(r"^pytorch +[0-9]+ +([0-9.]+) GiB", text, re.M).group(1))
+            self.assertGreater(peak, 0.25, text)
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_dataset_shorter_than_the_batch_with_drop_last(self):
         # with drop_last=True a batch past the dataset's length gives no batch at all: the check
         # failed there and the table kept the scaled answer, a batch the script cannot run; now

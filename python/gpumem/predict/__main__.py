@@ -224,8 +224,9 @@ def _binary(binary=None):
 
 
 def run_predict(sizes, paths, memory, batch=None, binary=None):
-    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed, and
-    what its check of the largest recording said (check_line)."""
+    """`gpumem predict --sizes ... --memory NB --json`: its rows, parsed,
+    what its check of the largest recording said (check_line), what the
+    alignment found (aligned_line) and its `model` (the kinds of sizes)."""
     binary = _binary(binary)
     cmd = [binary, "predict", "--batch-sizes", ",".join(str(s) for s in sizes)] + list(paths)
     cmd += ["--memory", "%dB" % memory, "--json"]
@@ -252,7 +253,8 @@ def _predict_output(binary, cmd, check_prefix="check: batch", smaller="smaller")
             raise PredictError("%s has no `predict` command (an older build: run `make build`)" % binary)
         raise PredictError("`gpumem predict` failed (exit status %d): %s" % (done.returncode, err))
     text = done.stdout.decode("utf-8", "replace")
-    return parse_rows(text), check_line(text, check_prefix, smaller), aligned_line(text)
+    model = (json.loads(text).get("model") if text.strip() else None) or {}
+    return parse_rows(text), check_line(text, check_prefix, smaller), aligned_line(text), model
 
 
 def aligned_line(text):
@@ -657,15 +659,18 @@ def main(argv=None):
                         checks.append(c)
                     written.append(out)
                 paths = written
-            rows, check, aligned = run_predict(sizes, paths, budget, a.batch)
+            rows, check, aligned, model = run_predict(sizes, paths, budget, a.batch)
             for line in (check, aligned):
                 if line:
                     checks.append(line)
+            faster[0] = model.get("faster_than_batch", 0)
             return rows
+
+        faster = [0]  # (scale(): allocations nearer the batch's square than a line, with two recordings)
 
         direct = False  # every figure from recordings at the batches themselves
         try:
-            scaled_from = metas
+            scaled_from, scaled_mode = metas, mode
             try:
                 rows = scale(metas, "b")
             except PredictError as e:
@@ -675,7 +680,7 @@ def main(argv=None):
                 # past 3072 of them, cub's sorts take scratch) makes the GPU runs' requests differ
                 # between batch sizes. On fake tensors the same operators make the same requests at
                 # every batch: scale from those, and say so.
-                fake = "probe" if metas[0].get("device") == profile.gpu else "cpu"
+                fake = scaled_mode = "probe" if metas[0].get("device") == profile.gpu else "cpu"
                 keep = True
                 checks.append("the GPU runs' recordings do not align, so the scaling is from fake tensors "
                               "(%s) at the same batches: %s" % (
@@ -684,6 +689,22 @@ def main(argv=None):
                 scaled_from = record_sizes(fake, "fake_b")
                 add_notes(scaled_from)
                 rows = scale(scaled_from, "fake_b")
+            if faster[0] and len(sizes) == 2 and not seq_lens:
+                # A size nearer the batch's square than a line (a batch-by-batch matrix: a contrastive
+                # loss's logits) is a line through two recordings, far too low at a large batch: a third
+                # recording fits it exactly, at the cost of one run.
+                extra = 2 * sizes[-1]
+                checks.append("%d allocations grew faster than the batch from %d to %d (nearer its square than a "
+                              "line), so the job was recorded at %d too and sized through all three"
+                              % (faster[0], sizes[0], sizes[1], extra))  # fmt: skip
+                prefix = "b" if scaled_from is metas else "fake_b"
+                more = record_points_([(extra, None)], scaled_mode, prefix)
+                add_notes(more)
+                sizes.append(extra)
+                scaled_from = scaled_from + more
+                if prefix == "b":
+                    metas = scaled_from
+                rows = scale(scaled_from, prefix)
         except PredictError as e:
             keep = True
             hint = accumulation_hint(scaled_from, sizes)  # (why they may not align, where that is known)

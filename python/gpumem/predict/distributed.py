@@ -912,7 +912,7 @@ def _predict_world(a, cmd, confirm, profile, memory, sizes, world, root, notes, 
     batch = a.batch if a.batch is not None else (-(-a.global_batch // world) if a.global_batch else None)
     per_rank = []
     for d in distinct:
-        rows, check, aligned = cmd.run_predict(sizes, [m["path"] for m in d.metas], budget, batch)
+        rows, check, aligned, _ = cmd.run_predict(sizes, [m["path"] for m in d.metas], budget, batch)
         if aligned:
             checks.append("%d GPUs, rank %d: %s" % (world, d.rank, aligned))
         if check:
