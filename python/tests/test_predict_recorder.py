@@ -1610,6 +1610,39 @@ class CommandTest(unittest.TestCase):
             self.assertGreater(peak, 0.25, text)
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_batch_size_in_a_configuration_file(self):
+        # a script that reads its batch size from a JSON file (HF's run_*.py take one as their
+        # only argument) was refused: no {B} in its arguments; a copy of the file with {B} in it
+        # is now filled in for each run, and the user's file is left as it was
+        script = (
+            "import json, sys, torch\n"
+            "cfg = json.load(open(sys.argv[1].split('=', 1)[-1]))\n"
+            "m = torch.nn.Linear(64, 10).cuda()\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for step in range(3):\n"
+            "    m(torch.randn(cfg['batch_size'], 64, device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            config = os.path.join(d, "cfg.json")
+            with open(config, "w") as f:
+                f.write('{"batch_size": {B}, "lr": 0.1}\n')
+            for arg in (config, "--config=" + config):
+                done, out, _ = predict_script(d, script, ["--no-confirm"], [arg])
+                self.assertEqual(done.returncode, 0, done.stderr.decode())
+                for b in (1, 2):
+                    with open(os.path.join(out, "b%d" % b, "cfg.json")) as f:
+                        self.assertEqual(json.load(f), {"batch_size": b, "lr": 0.1})
+                shutil.rmtree(out)
+            with open(config) as f:
+                self.assertEqual(f.read(), '{"batch_size": {B}, "lr": 0.1}\n')
+            with open(config, "w") as f:
+                f.write('{"batch_size": 8}\n')
+            done, _, _ = predict_script(d, script, ["--no-confirm"], [config])
+            self.assertEqual(done.returncode, 2)
+            self.assertIn("or a configuration file named in them (a copy of the script's own, JSON or YAML) does",
+                          done.stderr.decode())
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_dataset_shorter_than_the_batch_with_drop_last(self):
         # with drop_last=True a batch past the dataset's length gives no batch at all: the check
         # failed there and the table kept the scaled answer, a batch the script cannot run; now

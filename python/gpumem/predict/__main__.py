@@ -565,8 +565,12 @@ def main(argv=None):
         sizes = parse_sizes(a.batch_sizes)
     except ValueError as e:
         p.error(str(e))
-    if not any("{B}" in x for x in a.args):
-        p.error("the script's arguments need {B} where the batch size goes (e.g. --batch-size {B})")
+    from . import runs
+
+    filled = runs.templates(a.args)  # (configuration files that hold {B}: runs.py)
+    if not any("{B}" in x for x in a.args) and not any("{B}" in t for _, _, t in filled.values()):
+        p.error("the script's arguments need {B} where the batch size goes (e.g. --batch-size {B}), or a "
+                "configuration file named in them (a copy of the script's own, JSON or YAML) does")
     seq_lens = None
     if a.seq_lens is not None or a.seq_len is not None:
         if a.seq_lens is None or a.seq_len is None:
@@ -577,10 +581,10 @@ def main(argv=None):
             p.error(str(e))
         if a.seq_len < 1:
             p.error("--seq-len must be at least 1")
-        if not any("{L}" in x for x in a.args):
+        if not any("{L}" in x for x in a.args) and not any("{L}" in t for _, _, t in filled.values()):
             p.error("with --seq-lens the script's arguments need {L} where the sequence length goes "
                     "(e.g. --max-length {L})")
-    elif any("{L}" in x for x in a.args):
+    elif any("{L}" in x for x in a.args) or any("{L}" in t for _, _, t in filled.values()):
         p.error("the script's arguments have {L} but no --seq-lens gives the lengths to run at")
     if a.steps < 1:
         p.error("--steps must be at least 1")

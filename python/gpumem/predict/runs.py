@@ -62,12 +62,47 @@ def user_frame(log_text, script):
     return frame, error
 
 
+# A configuration file named in the script's arguments may hold {B} (and
+# {L}) in place of the batch size: a script that reads its batch size from
+# a JSON or YAML file (HF's run_*.py take one such file as their only
+# argument). Each run gets a copy with the values put in.
+TEMPLATE_MAX_BYTES = 1 << 20
+
+
+def templates(args):
+    """{index: (prefix, path, text)} for each argument that names a readable
+    regular file of at most TEMPLATE_MAX_BYTES holding {B} or {L}, as
+    itself or after `--option=`."""
+    found = {}
+    for i, x in enumerate(args):
+        prefix, path = ("", x) if "=" not in x or os.path.isfile(x) else (x[:x.index("=") + 1], x[x.index("=") + 1:])
+        if "{B}" in x or not path or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = f.read(TEMPLATE_MAX_BYTES + 1)
+        except OSError:
+            continue
+        if len(data) > TEMPLATE_MAX_BYTES:
+            continue
+        text = data.decode("utf-8", "replace")
+        if "{B}" in text or "{L}" in text:
+            found[i] = (prefix, path, text)
+    return found
+
+
+def _filled(text, b, length):
+    text = text.replace("{B}", str(b))
+    return text if length is None else text.replace("{L}", str(length))
+
+
 class Runs:
     """The server process and the runs asked of it."""
 
     def __init__(self, script, args, steps, profile, jobs=1, timeout=1800, log_dir=None, env=None, one_gpu=True):
         self.one_gpu = one_gpu  # (False: ranks on the fake process group, --gpus)
         self.script, self.args, self.steps, self.profile = script, list(args), steps, profile
+        self.templates = templates(self.args)
         self.timeout = timeout
         self.jobs = max(1, jobs)
         self.started = time.monotonic()
@@ -130,9 +165,15 @@ class Runs:
                 out_dir = _safefs.private_dir(os.path.join(root, folder))
             except OSError as e:
                 raise RunError(str(e)) from None
-            argv = [x.replace("{B}", str(b)) for x in self.args]
-            if length is not None:
-                argv = [x.replace("{L}", str(length)) for x in argv]
+            argv = [_filled(x, b, length) for x in self.args]
+            for i, (opt, path, text) in self.templates.items():
+                # (the copy keeps the file's name: a script may read the format from its extension)
+                copy = os.path.join(out_dir, os.path.basename(path))
+                try:
+                    _safefs.write_file(copy, _filled(text, b, length))
+                except OSError as e:
+                    raise RunError("%s filled in for batch %d: %s" % (path, b, e)) from None
+                argv[i] = opt + copy
             self._next += 1
             requests.append({"id": self._next, "mode": mode, "out_dir": out_dir, "steps": self.steps,
                              "profile": self.profile, "argv": argv, "env": env or {}, "at": _at(b, length)})  # fmt: skip
