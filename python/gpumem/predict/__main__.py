@@ -650,7 +650,7 @@ def main(argv=None):
             if why_not:
                 checks.append(why_not)
 
-        def scale(ms, prefix):
+        def scale(ms, prefix, sizes=sizes):
             paths = [m["path"] for m in ms]
             if seq_lens:
                 # each batch's recordings over the lengths, written at --seq-len; then those over the batch
@@ -665,7 +665,7 @@ def main(argv=None):
                 paths = written
             rows, check, aligned, model = run_predict(sizes, paths, budget, a.batch)
             for line in (check, aligned):
-                if line:
+                if line and line not in checks:
                     checks.append(line)
             faster[0] = model.get("faster_than_batch", 0)
             return rows
@@ -698,17 +698,23 @@ def main(argv=None):
                 # loss's logits) is a line through two recordings, far too low at a large batch: a third
                 # recording fits it exactly, at the cost of one run.
                 extra = 2 * sizes[-1]
-                checks.append("%d allocations grew faster than the batch from %d to %d (nearer its square than a "
-                              "line), so the job was recorded at %d too and sized through all three"
-                              % (faster[0], sizes[0], sizes[1], extra))  # fmt: skip
+                grew = "%d allocations grew faster than the batch from %d to %d (nearer its square than a line)" % (
+                    faster[0], sizes[0], sizes[1])
                 prefix = "b" if scaled_from is metas else "fake_b"
-                more = record_points_([(extra, None)], scaled_mode, prefix)
-                add_notes(more)
-                sizes.append(extra)
-                scaled_from = scaled_from + more
-                if prefix == "b":
-                    metas = scaled_from
-                rows = scale(scaled_from, prefix)
+                try:
+                    more = record_points_([(extra, None)], scaled_mode, prefix)
+                    rows3 = scale(scaled_from + more, prefix, sizes + [extra])
+                except PredictError as e:
+                    checks.append("%s, and the recording at %d that would size them failed, so they are taken as "
+                                  "lines, far too low at a large batch: %s" % (grew, extra, str(e).splitlines()[0]))
+                else:
+                    add_notes(more)
+                    checks.append("%s, so the job was recorded at %d too and sized through all three" % (grew, extra))
+                    sizes.append(extra)
+                    scaled_from = scaled_from + more
+                    if prefix == "b":
+                        metas = scaled_from
+                    rows = rows3
         except PredictError as e:
             keep = True
             hint = accumulation_hint(scaled_from, sizes)  # (why they may not align, where that is known)
