@@ -279,7 +279,8 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
     uint32_t role = t1->slot_role ? t1->slot_role[slot] : 0;
     /* (a role is printable ASCII: the readers refuse anything else) */
     printf(
-        "faster than the batch: %zu allocation%s (%.3f GiB at batch %ld; the largest %s%s%llu bytes "
+        "faster than the batch: %zu allocation%s (%.3f GiB at batch %ld; the largest %s%s%llu "
+        "bytes "
         "at %ld, %llu at %ld) grow\nnearer its square than a line: a size quadratic in the batch "
         "(a batch-by-batch matrix, a contrastive loss's\nlogits) is taken here as a line, far too "
         "low at a large batch. Record a third batch size and give\nall three (--batch-sizes "

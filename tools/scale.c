@@ -386,8 +386,9 @@ static int fit_sizes(const long* b, const uint64_t* s, size_t n, scale_slot_t* o
   /* (a curve whose every term grows, 4, 16 and 64 bytes at 1, 2 and 4, is
    * a trend: a batch-by-batch matrix, which is no small allocation at a
    * large batch) */
-  if (fitted && (out->kind == SCALE_CONSTANT || (out->kind == SCALE_AFFINE && out->p[1] >= 0) ||
-                 (out->kind == SCALE_QUADRATIC && out->p[2] > 0 && out->p[1] >= 0 && out->p[0] >= 0)))
+  if (fitted &&
+      (out->kind == SCALE_CONSTANT || (out->kind == SCALE_AFFINE && out->p[1] >= 0) ||
+       (out->kind == SCALE_QUADRATIC && out->p[2] > 0 && out->p[1] >= 0 && out->p[0] >= 0)))
     return 1;
   memset(out, 0, sizeof *out);
   out->den = 1;
