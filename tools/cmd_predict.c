@@ -280,11 +280,10 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
     /* (a role is printable ASCII: the readers refuse anything else) */
     printf(
         "faster than the batch: %zu allocation%s (%.3f GiB at batch %ld; the largest %s%s%llu "
-        "bytes "
-        "at %ld, %llu at %ld) grow\nnearer its square than a line: a size quadratic in the batch "
-        "(a batch-by-batch matrix, a contrastive loss's\nlogits) is taken here as a line, far too "
-        "low at a large batch. Record a third batch size and give\nall three (--batch-sizes "
-        "%ld,%ld,%ld).\n",
+        "bytes at %ld, %llu at %ld) grow\nnearer its square than a line: a size quadratic in the "
+        "batch (a batch-by-batch matrix, a contrastive loss's\nlogits) is taken here as a line, "
+        "far too low at a large batch. Record a third batch size and give\nall three "
+        "(--batch-sizes %ld,%ld,%ld).\n",
         m->num_faster, m->num_faster == 1 ? "" : "s", (double)m->faster_bytes / GIB, m->batch[1],
         role ? t1->roles[role] : "", role ? ": " : "",
         (unsigned long long)t0->events[t0->slot_event[slot]].size, m->batch[0],
