@@ -1630,7 +1630,7 @@ class CommandTest(unittest.TestCase):
                 done, out, _ = predict_script(d, script, ["--no-confirm"], [arg])
                 self.assertEqual(done.returncode, 0, done.stderr.decode())
                 for b in (1, 2):
-                    with open(os.path.join(out, "b%d" % b, "cfg.json")) as f:
+                    with open(os.path.join(out, "b%d" % b, "args0", "cfg.json")) as f:
                         self.assertEqual(json.load(f), {"batch_size": b, "lr": 0.1})
                 shutil.rmtree(out)
             with open(config) as f:

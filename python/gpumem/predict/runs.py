@@ -167,9 +167,11 @@ class Runs:
                 raise RunError(str(e)) from None
             argv = [_filled(x, b, length) for x in self.args]
             for i, (opt, path, text) in self.templates.items():
-                # (the copy keeps the file's name: a script may read the format from its extension)
-                copy = os.path.join(out_dir, os.path.basename(path))
+                # (the copy keeps the file's name, in a directory of its own beside the run's files:
+                # a script may read the format from its extension)
                 try:
+                    copy = os.path.join(_safefs.private_dir(os.path.join(out_dir, "args%d" % i)),
+                                        os.path.basename(path))
                     _safefs.write_file(copy, _filled(text, b, length))
                 except OSError as e:
                     raise RunError("%s filled in for batch %d: %s" % (path, b, e)) from None
