@@ -488,6 +488,33 @@ class CommandTest(unittest.TestCase):
                 self.assertIn(message, done.stderr.decode())
 
     @unittest.skipIf(_binary() is None, "needs the gpumem command line program (make build)")
+    def test_a_size_in_the_square_of_the_batch_is_said_per_rank(self):
+        # a contrastive loss's batch-by-batch logits under DDP: a line through two recordings
+        # puts them far too low; one GPU records a third batch, here each rank's line says so
+        script = (
+            "import argparse, os, torch, torch.distributed as dist\n"
+            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "dist.init_process_group('nccl')\n"
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+            "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 32).cuda())\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "for step in range(3):\n"
+            "    z = m(torch.randn(a.batch_size, 64, device='cuda'))\n"
+            "    torch.nn.functional.cross_entropy(z @ z.t(), torch.arange(a.batch_size, device='cuda')).backward()\n"
+            "    opt.step(); opt.zero_grad()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "train.py")
+            with open(path, "w") as f:
+                f.write(script)
+            done = self.run_command("--gpus", "2", "--memory", "4G", "--batch-sizes", "1,2", "--no-confirm", path,
+                                    "--batch-size", "{B}")  # fmt: skip
+            self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+            self.assertIn("2 GPUs, rank 0: ", done.stdout.decode())
+            self.assertIn("grew faster than the batch from 1 to 2 (nearer its square than a line), taken as lines, "
+                          "far too low at a large batch: give three batch sizes (--batch-sizes 1,2,4)",
+                          done.stdout.decode())
+
     def test_fsdp2_script_at_2_and_4_gpus(self):
         with tempfile.TemporaryDirectory() as d:
             done = self.run_command("--gpus", "2,4", "--memory", "4G", "--batch-sizes", "2,4", "--batch", "64",

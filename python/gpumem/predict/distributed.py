@@ -912,7 +912,13 @@ def _predict_world(a, cmd, confirm, profile, memory, sizes, world, root, notes, 
     batch = a.batch if a.batch is not None else (-(-a.global_batch // world) if a.global_batch else None)
     per_rank = []
     for d in distinct:
-        rows, check, aligned, _ = cmd.run_predict(sizes, [m["path"] for m in d.metas], budget, batch)
+        rows, check, aligned, model = cmd.run_predict(sizes, [m["path"] for m in d.metas], budget, batch)
+        if model.get("faster_than_batch") and len(sizes) == 2:
+            # (one GPU records a third batch itself; here each world size's ranks would need it: said)
+            checks.append("%d GPUs, rank %d: %d allocations grew faster than the batch from %d to %d (nearer its "
+                          "square than a line), taken as lines, far too low at a large batch: give three batch "
+                          "sizes (--batch-sizes %d,%d,%d)" % (world, d.rank, model["faster_than_batch"], sizes[0],
+                                                              sizes[1], sizes[0], sizes[1], 2 * sizes[1]))
         if aligned:
             checks.append("%d GPUs, rank %d: %s" % (world, d.rank, aligned))
         if check:
