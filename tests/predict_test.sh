@@ -247,31 +247,46 @@ expect_in '"allocations":1898,"exact":1898,"unpredicted":0,"max_error_bytes":0' 
   "the CPU recorder's GPT-2: batch 8 from 2 and 4, every allocation to the byte"
 
 # ---- PyTorch snapshot pickles: roles from their frames ----
-# batch 4 makes a sort's buffer each step that batch 2 does not; the frames name what made
-# each allocation, so the buffer is matched with nothing and said, named by its frame, with a
-# file name whose blank shows as '?' (nothing from a pickle reaches a trace's text unclean)
+# Two jobs' pickles, each event with the frames that made it:
+# - batch 4 makes a sort's buffer each step that batch 2 does not; the frames name what made
+#   each allocation, so the buffer is matched with nothing and said, named by its frame, with
+#   a file name whose blank shows as '?' (nothing from a pickle reaches a trace's text unclean);
+# - a convolution's allocations at 1 and 2, made inside nn.Conv2d's forward (Python frames)
+#   and cuDNN's convolution (C++ frames).
 python3 - "$T" <<'PY'
 import pickle, sys
-def snap(b, extra):
-    ev, top = [], [0x100000]
-    def alloc(size, frames):
-        a = top[0]; top[0] += size + 4096
-        ev.append({"action": "alloc", "addr": a, "size": size, "stream": 0, "frames": frames})
+class History:
+    def __init__(self):
+        self.ev, self.top = [], 0x100000
+    def alloc(self, size, frames):
+        a = self.top; self.top += size + 4096
+        self.ev.append({"action": "alloc", "addr": a, "size": size, "stream": 0, "frames": frames})
         return a
-    def free(a, size):
-        ev.append({"action": "free_requested", "addr": a, "size": size, "stream": 0, "frames": []})
-    fwd = [{"filename": "/u/my train.py", "line": 10, "name": "forward"},
-           {"filename": "/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"}]
-    alloc(4000000, [{"filename": "/u/my train.py", "line": 3, "name": "<module>"}])
+    def free(self, a, size):
+        self.ev.append({"action": "free_requested", "addr": a, "size": size, "stream": 0, "frames": []})
+    def write(self, name):
+        with open("%s/%s.pickle" % (sys.argv[1], name), "wb") as f:
+            pickle.dump({"segments": [], "device_traces": [self.ev]}, f, protocol=4)
+fwd = [{"filename": "/u/my train.py", "line": 10, "name": "forward"},
+       {"filename": "/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"}]
+for b, extra in ((2, False), (4, True)):
+    h = History()
+    h.alloc(4000000, [{"filename": "/u/my train.py", "line": 3, "name": "<module>"}])
     for step in range(3):
         if extra:
-            s = alloc(1000 * b, [{"filename": "/u/my train.py", "line": 20, "name": "sort"}])
-            free(s, 1000 * b)
-        x = alloc(1048576 * b, fwd); y = alloc(2048 * b, fwd); free(y, 2048 * b); free(x, 1048576 * b)
-    return {"segments": [], "device_traces": [ev]}
-for b, extra in ((2, False), (4, True)):
-    with open("%s/snap_b%d.pickle" % (sys.argv[1], b), "wb") as f:
-        pickle.dump(snap(b, extra), f, protocol=4)
+            h.free(h.alloc(1000 * b, [{"filename": "/u/my train.py", "line": 20, "name": "sort"}]), 1000 * b)
+        x = h.alloc(1048576 * b, fwd); y = h.alloc(2048 * b, fwd); h.free(y, 2048 * b); h.free(x, 1048576 * b)
+    h.write("snap_b%d" % b)
+py = [{"filename": "/u/cnn.py", "line": 8, "name": "forward"},
+      {"filename": "/site-packages/torch/nn/modules/conv.py", "line": 543, "name": "_conv_forward"}]
+cxx = [{"filename": "??", "line": 0, "name": "at::native::cudnn_convolution_backward(...)"}]
+for b in (1, 2):
+    h = History()
+    h.alloc(1 << 20, [{"filename": "/u/cnn.py", "line": 3, "name": "<module>"}])
+    for step in range(2):
+        x = h.alloc(b << 22, py); h.free(h.alloc(b << 21, py), b << 21)
+        h.free(h.alloc(b << 22, cxx), b << 22); h.free(x, b << 22)
+    h.write("conv_b%d" % b)
 PY
 run "$BIN" predict --batch-sizes 2,4 "$T/snap_b2.pickle" "$T/snap_b4.pickle" --batch 16
 expect_rc 0 "snapshot pickles with frames"
@@ -281,28 +296,8 @@ expect_in "sort@my?train.py:20~" "$out" "snapshot pickles: the unmatched role na
 case "$out" in *"convolutions:"*) bad "snapshot pickles with no convolution: a note of convolutions" ;; *) ok ;; esac
 
 # ---- snapshot pickles of a convolution: cuDNN's workspaces by shape ----
-# made inside nn.Conv2d's forward (Python frames) and cuDNN's convolution
-# (C++ frames): the prediction says that a larger batch's workspaces may differ
-python3 - "$T" <<'PY'
-import pickle, sys
-py = [{"filename": "/u/cnn.py", "line": 8, "name": "forward"},
-      {"filename": "/site-packages/torch/nn/modules/conv.py", "line": 543, "name": "_conv_forward"}]
-cxx = [{"filename": "??", "line": 0, "name": "at::native::cudnn_convolution_backward(...)"}]
-for b in (1, 2):
-    ev, top = [], [0x100000]
-    def alloc(size, frames):
-        a = top[0]; top[0] += size + 4096
-        ev.append({"action": "alloc", "addr": a, "size": size, "stream": 0, "frames": frames})
-        return a
-    def free(a, size):
-        ev.append({"action": "free_requested", "addr": a, "size": size, "stream": 0, "frames": []})
-    w = alloc(1 << 20, [{"filename": "/u/cnn.py", "line": 3, "name": "<module>"}])
-    for step in range(2):
-        x = alloc(b << 22, py); ws = alloc(b << 21, py); free(ws, b << 21)
-        g = alloc(b << 22, cxx); free(g, b << 22); free(x, b << 22)
-    with open("%s/conv_b%d.pickle" % (sys.argv[1], b), "wb") as f:
-        pickle.dump({"segments": [], "device_traces": [ev]}, f, protocol=4)
-PY
+# (conv_b1 and conv_b2, written above) the prediction says that a larger batch's workspaces
+# may differ
 run "$BIN" predict --batch-sizes 1,2 "$T/conv_b1.pickle" "$T/conv_b2.pickle" --batch 16
 expect_rc 0 "snapshot pickles of a convolution"
 expect_in "convolutions: 12 allocations of the recordings were made inside one (nn.Conv*, cuDNN)" "$out" \

@@ -278,12 +278,7 @@ static int frames_role(const pickle_doc_t* d, const pickle_value_t* e, char* out
       h = (h ^ 0xff) * 0x100000001b3ull;
     }
     if (line && line->type == PICKLE_INT) h = (h ^ (uint64_t)line->i) * 0x100000001b3ull;
-    if (!shown && file && file->type == PICKLE_STR) {
-      int torch_own = 0;
-      for (size_t j = 0; j + 7 <= file->len && !torch_own; j++)
-        torch_own = memcmp(file->s + j, "/torch/", 7) == 0;
-      if (!torch_own) shown = f;
-    }
+    if (!shown && file && file->type == PICKLE_STR && !str_has(file, "/torch/", 0)) shown = f;
   }
   if (!shown) shown = pickle_item(d, frames, 0);
   if (shown->type != PICKLE_DICT) shown = NULL;

@@ -667,16 +667,14 @@ def main(argv=None):
             for line in (check, aligned):
                 if line and line not in checks:
                     checks.append(line)
-            faster[0] = model.get("faster_than_batch", 0)
-            return rows
-
-        faster = [0]  # (scale(): allocations nearer the batch's square than a line, with two recordings)
+            # (with its rows, how many sizes grew nearer the batch's square than a line)
+            return rows, model.get("faster_than_batch", 0)
 
         direct = False  # every figure from recordings at the batches themselves
         try:
             scaled_from, scaled_mode = metas, mode
             try:
-                rows = scale(metas, "b")
+                rows, faster = scale(metas, "b")
             except PredictError as e:
                 if mode != "gpu" or MISALIGNED not in str(e):
                     raise
@@ -692,18 +690,18 @@ def main(argv=None):
                                   _misalignment(str(e))))  # fmt: skip
                 scaled_from = record_sizes(fake, "fake_b")
                 add_notes(scaled_from)
-                rows = scale(scaled_from, "fake_b")
-            if faster[0] and len(sizes) == 2 and not seq_lens:
+                rows, faster = scale(scaled_from, "fake_b")
+            if faster and len(sizes) == 2 and not seq_lens:
                 # A size nearer the batch's square than a line (a batch-by-batch matrix: a contrastive
                 # loss's logits) is a line through two recordings, far too low at a large batch: a third
                 # recording fits it exactly, at the cost of one run.
                 extra = 2 * sizes[-1]
                 grew = "%d allocations grew faster than the batch from %d to %d (nearer its square than a line)" % (
-                    faster[0], sizes[0], sizes[1])
+                    faster, sizes[0], sizes[1])
                 prefix = "b" if scaled_from is metas else "fake_b"
                 try:
                     more = record_points_([(extra, None)], scaled_mode, prefix)
-                    rows3 = scale(scaled_from + more, prefix, sizes + [extra])
+                    rows3, _ = scale(scaled_from + more, prefix, sizes + [extra])
                 except PredictError as e:
                     checks.append("%s, and the recording at %d that would size them failed, so they are taken as "
                                   "lines, far too low at a large batch: %s" % (grew, extra, str(e).splitlines()[0]))
@@ -742,10 +740,8 @@ def main(argv=None):
                 ms = record_points_([(b, a.seq_len if seq_lens else None) for b in batches], check_mode, "at_b")
                 add_notes(ms)
                 for m in ms:
-                    if m.get("no_batch"):
-                        checker.cap(m["dataset_items"])
-                    elif m.get("dataset_items"):
-                        checker.items_limit = min(m["dataset_items"], checker.items_limit or m["dataset_items"])
+                    if m.get("dataset_items"):
+                        checker.dataset(m["dataset_items"], bool(m.get("no_batch")))
                 return {b: m["path"] for b, m in zip(batches, ms)}
 
             scaled = [dict(r) for r in rows]

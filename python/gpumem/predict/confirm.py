@@ -70,7 +70,7 @@ class Checker:
         # at because of it: no batch the script runs is larger, so none above it is searched.
         self.items_limit = None
         self.capped_at = None
-        self.no_batch_past = False  # (cap(): past the dataset's length the script gets no batch at all)
+        self.no_batch_past = False  # (dataset(): past the dataset's length the script gets no batch at all)
 
     def prefetch(self, batches):
         """Records the batches not recorded yet together (record_many), as
@@ -87,21 +87,24 @@ class Checker:
         paths = self.record_many(todo) if self.record_many else {b: self.record_at(b) for b in todo}
         for b in todo:
             if paths[b] is None:
-                continue  # (past the dataset's length with drop_last: no batch, and cap() was told)
+                continue  # (past the dataset's length with drop_last: no batch, and dataset() was told)
             rows = fit_rows(self.binary, paths[b], self.memory)
             self.rows[b] = rows
             self._grows(b, rows)
 
-    def cap(self, items):
-        """The script gives no batch at all past items (a DataLoader with
-        drop_last=True over a dataset that long): no larger batch runs."""
+    def dataset(self, items, no_batch_past=False):
+        """A recording's DataLoader has a dataset of items, fewer than its
+        batch: the batches past it are that long (items_limit), or, where
+        no_batch_past (drop_last=True), there are none, and no larger batch
+        runs at all (capped_at)."""
         self.items_limit = min(items, self.items_limit or items)
-        self.capped_at = min(items, self.capped_at or items)
-        self.no_batch_past = True
+        if no_batch_past:
+            self.capped_at = min(items, self.capped_at or items)
+            self.no_batch_past = True
 
     def at(self, batch):
         """{allocator: fit row} at batch; {} where the script gives no batch
-        there (cap())."""
+        there (dataset())."""
         if batch not in self.rows:
             if len(self.rows) >= self.budget:
                 raise SearchBudget(None, None)

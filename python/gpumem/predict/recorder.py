@@ -592,7 +592,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
     cudnn_attention = {getattr(aten, n) for n in ("_scaled_dot_product_cudnn_attention",) if hasattr(aten, n)}
     conv = {aten.convolution.default, aten.convolution_backward.default}
     fft = {getattr(aten, name).default for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c") if hasattr(aten, name)}
-    c2r = getattr(aten, "_fft_c2r").default if hasattr(aten, "_fft_c2r") else None
+    c2r = aten._fft_c2r.default if hasattr(aten, "_fft_c2r") else None
     rnn_cells = {getattr(aten, name).default for name in ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell")
                  if hasattr(aten, name)}  # fmt: skip
     scans = {aten.cumsum.default, aten.cumprod.default}

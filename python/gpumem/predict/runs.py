@@ -75,7 +75,8 @@ def templates(args):
     itself or after `--option=`."""
     found = {}
     for i, x in enumerate(args):
-        prefix, path = ("", x) if "=" not in x or os.path.isfile(x) else (x[:x.index("=") + 1], x[x.index("=") + 1:])
+        option, eq, value = x.partition("=")
+        prefix, path = (option + eq, value) if eq and not os.path.isfile(x) else ("", x)
         if "{B}" in x or not path or not os.path.isfile(path):
             continue
         try:
