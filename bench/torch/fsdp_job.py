@@ -2,8 +2,8 @@
 (fully_shard) over a small MLP or a Llama-style decoder, AdamW.
 
     torchrun --nproc-per-node N bench/torch/fsdp_job.py --strategy fsdp2|ddp
-        [--model mlp|llama-tiny|llama-1b] --batch-size B [--seq-len L] [--steps S]
-        [--checkpointing] [--cpu-offload] [--bf16] [--report PATH.json]
+        [--model mlp|llama-tiny|llama-1b|bert-base] --batch-size B [--seq-len L] [--steps S]
+        [--checkpointing] [--cpu-offload] [--bf16] [--memory-fraction F] [--report PATH.json]
 
 Reads RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them, calls
 init_process_group("nccl"), builds the model (a Llama on the meta device,
@@ -20,13 +20,18 @@ Models: mlp, three Linear layers of 16 -> 33 -> 8 -> 6 (shapes that do not
 divide among 2, 4 or 8 ranks: FSDP2 pads the shards, the last ranks hold
 fewer rows or none); llama-tiny, a 2-layer decoder of width 64
 (transformers); llama-1b, Llama 3.2 1B's shape (16 layers of width 2048,
-vocabulary 128,256, tied embeddings: 1.24e9 parameters).
+vocabulary 128,256, tied embeddings: 1.24e9 parameters); bert-base, BERT-base
+classifying sequences into 2 classes (transformers, 12 layers of width 768:
+1.1e8 parameters; DDP only), built on the GPU as DDP jobs usually are.
 
 --checkpointing recomputes each layer's activations in the backward
 (torch.utils.checkpoint, non-reentrant); --cpu-offload keeps FSDP2's
 sharded parameters, gradients and optimizer state on the CPU
 (CPUOffloadPolicy); --bf16 runs FSDP2 with bf16 parameters for compute and
-fp32 gradient reduction (MixedPrecisionPolicy), DDP under bf16 autocast."""
+fp32 gradient reduction (MixedPrecisionPolicy), DDP under bf16 autocast.
+--memory-fraction caps each rank's caching allocator at that share of its
+GPU (torch.cuda.set_per_process_memory_fraction): a batch that does not fit
+ends in torch.OutOfMemoryError, and torchrun stops the other ranks."""
 
 import argparse
 import json
@@ -46,19 +51,26 @@ LLAMA = {
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", choices=("fsdp2", "ddp"), required=True)
-    ap.add_argument("--model", choices=("mlp",) + tuple(LLAMA), default="mlp")
+    ap.add_argument("--model", choices=("mlp",) + tuple(LLAMA) + ("bert-base",), default="mlp")
     ap.add_argument("--batch-size", type=int, required=True, help="sequences (or rows) per rank and step")
-    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (Llama models)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (Llama and BERT models; BERT at most 512)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--checkpointing", action="store_true", help="recompute each layer in the backward")
     ap.add_argument("--cpu-offload", action="store_true", help="FSDP2's CPUOffloadPolicy")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute (FSDP2 mixed precision, DDP autocast)")
+    ap.add_argument("--memory-fraction", type=float, help="cap each rank at this share of its GPU")
     ap.add_argument("--report", help="write this rank's peak memory as JSON here")
     a = ap.parse_args(argv)
     if a.batch_size < 1 or a.seq_len < 1 or a.steps < 1:
         ap.error("--batch-size, --seq-len and --steps must be at least 1")
     if a.cpu_offload and a.strategy != "fsdp2":
         ap.error("--cpu-offload is FSDP2's (CPUOffloadPolicy)")
+    if a.model == "bert-base" and a.strategy != "ddp":
+        ap.error("--model bert-base is for --strategy ddp")
+    if a.model == "bert-base" and a.seq_len > 512:
+        ap.error("--seq-len: BERT-base takes at most 512 tokens")
+    if a.memory_fraction is not None and not 0 < a.memory_fraction <= 1:
+        ap.error("--memory-fraction must be in (0, 1]")
     return a
 
 
@@ -109,6 +121,15 @@ def build_llama(torch, name, checkpointing):
     return model
 
 
+def build_bert(torch, checkpointing):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    model = BertForSequenceClassification(BertConfig(num_labels=2))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def init_llama(torch, model):
     """Values for a Llama materialised from the meta device (to_empty): the
     initialisation transformers gives (normal(0, 0.02) weights, zero biases,
@@ -140,12 +161,15 @@ def main(argv=None):
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
+    if a.memory_fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(a.memory_fraction, device)
     dist.init_process_group("nccl")
     torch.manual_seed(0)
-    llama = a.model != "mlp"
-    model = build_llama(torch, a.model, a.checkpointing) if llama else Mlp.build(torch, a.checkpointing)
-    if not llama:
-        model = model.to(device)
+    llama, bert = a.model in LLAMA, a.model == "bert-base"
+    if llama:
+        model = build_llama(torch, a.model, a.checkpointing)
+    else:
+        model = (build_bert(torch, a.checkpointing) if bert else Mlp.build(torch, a.checkpointing)).to(device)
     if a.strategy == "fsdp2":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -178,6 +202,11 @@ def main(argv=None):
             ids = ids.to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
                 loss = model(input_ids=ids, labels=ids).loss
+        elif bert:
+            ids = torch.randint(0, 30522, (a.batch_size, a.seq_len), generator=gen).to(device)
+            labels = torch.randint(0, 2, (a.batch_size,), generator=gen).to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=ids, labels=labels).loss
         else:
             x = torch.randn(a.batch_size, MLP_DIMS[0], generator=gen).to(device)
             y = torch.randint(0, MLP_DIMS[-1], (a.batch_size,), generator=gen).to(device)
@@ -194,7 +223,7 @@ def main(argv=None):
             "settings": vars(a), "built_reserved": built_reserved,
             "peak_reserved": torch.cuda.max_memory_reserved(device),
             "peak_allocated": torch.cuda.max_memory_allocated(device),
-            "params": sum(p.numel() for p in model.parameters()),
+            "params": sum(p.numel() for p in model.parameters()), "pid": os.getpid(),
         }  # fmt: skip
         path = a.report if rank == 0 else "%s.rank%d.json" % (a.report, rank)
         with open(path, "w") as f:

@@ -906,6 +906,12 @@ def _predict_world(a, cmd, confirm, profile, memory, sizes, world, root, notes, 
     context = max(m["context_bytes"] for m in first.metas)
     nccl, nccl_lines = nccl_bytes(profile, info.get("communicators") or [])
     budget = memory - context - nccl
+    # a script that caps PyTorch itself (set_per_process_memory_fraction) caps what the caching allocator
+    # reserves at that share of the whole device, as PyTorch counts it: the context and NCCL lie outside it
+    fractions = [m["memory_fraction"] for m in first.metas if m.get("memory_fraction")]
+    fraction = min(fractions) if fractions else None
+    if fraction is not None:
+        budget = min(budget, int(fraction * memory))
     if budget <= 0:
         raise cmd.PredictError("at %d GPUs the CUDA context and NCCL take %s, all of --memory (%s)"
                                % (world, cmd._gib(context + nccl), cmd._gib(memory)))  # fmt: skip
@@ -942,7 +948,7 @@ def _predict_world(a, cmd, confirm, profile, memory, sizes, world, root, notes, 
     return {"world": world, "ranks": distinct, "per_rank": per_rank, "context": context,
             "communicators": info.get("communicators") or [],
             "context_source": first.metas[0]["context_source"], "nccl": nccl, "nccl_lines": nccl_lines,
-            "budget": budget, "batch": batch, "streams": info.get("streams", 0)}
+            "budget": budget, "batch": batch, "streams": info.get("streams", 0), "fraction": fraction}
 
 
 def _worst(per_rank):
@@ -991,7 +997,12 @@ def table(script, sizes, memory, profile, results, notes, checks, batch=None, gl
         lines.append("%d GPU%s: %s" % (w, "" if w == 1 else "s", alike))
         for what, n, source in res["nccl_lines"]:
             lines.append("  %s: %s, %s" % (what, gib(n) if n is not None else "-", source))
-        lines.append("  left to the allocator: %s" % gib(res["budget"]))
+        if res.get("fraction") is not None:
+            lines.append("  the script caps PyTorch at %s of the device (torch.cuda.set_per_process_memory_fraction): "
+                         "the table answers for %s" % (("%.4f" % res["fraction"]).rstrip("0").rstrip("."),
+                                                        gib(res["budget"])))  # fmt: skip
+        else:
+            lines.append("  left to the allocator: %s" % gib(res["budget"]))
         at = res["batch"]
         head = "peak reserved at batch %d" % at if at else "peak reserved"
         cols = "  %-20s %-18s %-27s %-18s" % ("allocator", "largest batch/GPU", head, "with context+NCCL")
