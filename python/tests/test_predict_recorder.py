@@ -1951,6 +1951,24 @@ class CommandTest(unittest.TestCase):
                       "--gpus 1", err)
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_script_that_installs_gpumem_itself_is_recorded(self):
+        # the README's way in: gpumem.torch.enable() at the top. On fake tensors torch has no CUDA
+        # allocator to replace; the run is recorded as any other, and the note says what it asked
+        script = ("import gpumem.torch\ngpumem.torch.enable('limit:40G')\n" + SCRIPT_ARGS +
+                  "w = torch.nn.Linear(64, 64).cuda()\nopt = torch.optim.SGD(w.parameters(), lr=0.1)\n"
+                  "for _ in range(3):\n"
+                  "    w(torch.randn(a.batch_size, 64, device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n")  # fmt: skip
+        with tempfile.TemporaryDirectory() as d:
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            runs = recordings(out)
+        text = done.stdout.decode()
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        self.assertIn("the script installs gpumem itself (gpumem.torch.enable('limit:40G')): recorded as it asks "
+                      "PyTorch for memory, which each allocator's row replays; its settings are not applied to the "
+                      "gpumem rows, which stand for the default", text)  # fmt: skip
+        self.assertTrue(all(any(line.startswith("a ") for line in lines) for _, lines in runs))
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_failed_run_keeps_the_log_it_names(self):
         # with no --traces the recordings are in a temporary directory, removed at the end;
         # not when the error names a file in it

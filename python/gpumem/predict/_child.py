@@ -73,7 +73,7 @@ def _record_cpu(out_dir, steps, profile, script, args, probes):
     os.environ.setdefault("HF_DEACTIVATE_ASYNC_LOAD", "1")
     with _backwards_counted() as backwards, \
             recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
-        with _one_rank(rec), _users_files_kept(rec.note), \
+        with _one_rank(rec), _users_files_kept(rec.note), _gpumem_enabled_by_script(rec.note), \
                 _inference_steps(script, rec.hand_step, rec.note, backwards):
             stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
@@ -189,6 +189,39 @@ def _users_files_kept(note):
             note("the script's checkpoints were neither written nor removed while it was recorded (%d call%s, the "
                  "first for %s), so that its files stay as they were; a save takes no device memory"
                  % (len(saves), "" if len(saves) == 1 else "s", saves[0]))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _gpumem_enabled_by_script(note):
+    """A script that installs gpumem itself (gpumem.torch.enable, as the
+    README says to) is recorded as any other: the recording is of the
+    requests, which the allocators' rows then replay. Its enable() is a
+    no-op while it runs (on fake tensors torch has no CUDA allocator to
+    replace, and a GPU recording is PyTorch's own allocation history),
+    noted once with the settings it asked for."""
+    try:
+        import gpumem.torch as gt
+    except ImportError:  # (gpumem's torch module needs torch, which the recorder has)
+        yield
+        return
+    original, asked = gt.enable, []
+
+    def enable(conf=None, shim=True):
+        asked.append(conf)
+        return {"enabled": False, "recorded by": "gpumem.predict"}
+
+    gt.enable = enable
+    try:
+        yield
+    finally:
+        gt.enable = original
+        if asked:
+            conf = next((c for c in asked if c), None)
+            note("the script installs gpumem itself (gpumem.torch.enable(%s)): recorded as it asks PyTorch for "
+                 "memory, which each allocator's row replays; %s" % (
+                     "" if conf is None else repr(conf),
+                     "its settings are not applied to the gpumem rows, which stand for the default"
+                     if conf else "the gpumem rows are what it gets"))  # fmt: skip
 
 
 # Words a training script has somewhere: its backward, its optimizer, a trainer
@@ -469,7 +502,7 @@ def run_gpu(out_dir, steps, script, args):
     skipped = [0]
     notes = []
     with _backwards_counted() as backwards, _every_step_taken(skipped), _hand_steps(on_step, stepped), \
-            _users_files_kept(notes.append), \
+            _users_files_kept(notes.append), _gpumem_enabled_by_script(notes.append), \
             _inference_steps(script, on_step, lambda text: text in notes or notes.append(text), backwards):
         ended = not _run_script(script, args)
     if ended:
