@@ -545,6 +545,11 @@ struct gpumem {
   struct gm_arena_host* arena_host;
   size_t num_arena_host, arena_host_capacity;
   size_t arena_host_bytes;
+  /* Moves of blocks from within the hot window, short of cold ones
+   * (overflow.c): how many, how many of them were freed within a window of
+   * their move (the copy was for nothing), and whether such moves stopped. */
+  size_t tier_warm_moves, tier_warm_wasted;
+  bool tier_warm_off;
   /* What the tier knows of arena blocks beyond their serial (overflow.c,
    * gm_block_note): the last record_stream, the hint, pressure moves. */
   struct gm_block_note* notes;

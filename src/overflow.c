@@ -33,9 +33,11 @@
  * first, then the longest untouched (made, moved or handed to a stream
  * with record_stream longest ago, counted in allocations). An arena block
  * of the last GM_HOT_ALLOCS allocations (or the plan's period) is hot: it
- * belongs to the step now running. Only where nothing cold enough is left
- * does the new request get host pages (docs/design.md, "The overflow
- * tier").
+ * belongs to the step now running. Where the cold ones fall short, the
+ * warm ones go too, all but the last GM_HOT_MIN_ALLOCS allocations', unless
+ * such moves have proved a waste (their blocks died young); only where
+ * nothing movable is left does the new request get host pages
+ * (docs/design.md, "The overflow tier").
  *
  * No ping-pong. A block (tier or arena) that pressure moved to host
  * GM_TIER_BOUNCES times stays there until empty_cache: a step that needs
@@ -131,6 +133,7 @@ static void tier_account(gpumem_t* gm, const gm_tier_block* t, bool on_host, int
 }
 
 static bool host_take_kept(gpumem_t* gm, size_t bytes, gpumem_phys_t* out);
+static void note_warm_free(gpumem_t* gm, uint64_t warm_moved_at);
 static void host_trim_kept(gpumem_t* gm, size_t more, size_t bound);
 
 /* Host pages for bytes more, within the budget: a kept allocation of that
@@ -645,6 +648,9 @@ typedef struct gm_arena_host {
   gm_block* block;
   size_t first, end;    /* pages of block->seg on host pages */
   gpumem_phys_t handle; /* the host allocation mapped under them */
+  /* gm->num_mallocs + 1 when pressure moved it from within the hot window,
+   * short of cold blocks (gm_overflow_make_room); 0 otherwise */
+  uint64_t warm_moved_at;
 } gm_arena_host;
 
 typedef struct gm_block_note {
@@ -667,6 +673,25 @@ typedef struct gm_block_note {
 #ifndef GM_HOT_ALLOCS
 #define GM_HOT_ALLOCS 1024
 #endif
+
+/* Short of cold blocks, the blocks of the last GM_HOT_MIN_ALLOCS
+ * allocations still never move (gm_overflow_make_room): the request's own
+ * inputs, about to be read. */
+#define GM_HOT_MIN_ALLOCS 32
+/* Warm moves freed within a hot window of their move before warm blocks
+ * stop moving: a few may be chance; a job whose warm blocks all die young
+ * (bench: a decode's KV cache under 0.8 x its peak live moved 5,996 such
+ * blocks, each freed within 1024 allocations) stops there. */
+#define GM_WARM_WASTE_LIMIT 8
+
+/* A block a warm move put on host pages is freed: was the copy for
+ * nothing? warm_moved_at: the record's (0: not a warm move). */
+static void note_warm_free(gpumem_t* gm, uint64_t warm_moved_at) {
+  if (!warm_moved_at || gm->num_mallocs + 1 - warm_moved_at >= GM_HOT_ALLOCS) return;
+  gm->tier_warm_wasted++;
+  if (gm->tier_warm_wasted >= GM_WARM_WASTE_LIMIT && 2 * gm->tier_warm_wasted > gm->tier_warm_moves)
+    gm->tier_warm_off = true;
+}
 
 static uint64_t hot_window(const gpumem_t* gm) {
   uint64_t w = GM_HOT_ALLOCS;
@@ -754,7 +779,8 @@ static bool arena_block_movable(gpumem_t* gm, gm_block* b, size_t* first, size_t
 /* Moves the pages [first, end) of live arena block b to host pages. The
  * caller made sure no stream but the block's own may touch it. On
  * failure b is as it was: same pages, same bytes. */
-static gpumem_status_t arena_to_host(gpumem_t* gm, gm_block* b, size_t first, size_t end) {
+static gpumem_status_t arena_to_host(gpumem_t* gm, gm_block* b, size_t first, size_t end,
+                                     bool warm) {
   gm_segment* seg = b->seg;
   size_t bytes = (end - first) * gm->page_size;
   uintptr_t addr = seg->addr + first * gm->page_size, scratch = 0;
@@ -783,7 +809,7 @@ static gpumem_status_t arena_to_host(gpumem_t* gm, gm_block* b, size_t first, si
   }
   scratch_done(gm, scratch, bytes);
   gm_arena_host* r = &gm->arena_host[gm->num_arena_host++];
-  *r = (gm_arena_host){b, first, end, fresh};
+  *r = (gm_arena_host){b, first, end, fresh, warm ? gm->num_mallocs + 1 : 0};
   arena_host_account(gm, r, +1);
   count_move(gm, true, bytes, t0);
   return GPUMEM_OK;
@@ -825,6 +851,7 @@ gpumem_status_t gm_overflow_arena_free(gpumem_t* gm, gm_block* b) {
   if (k == gm->num_arena_host) return GPUMEM_OK;
   const gpumem_backend_t* be = gm->backend;
   gm_arena_host r = gm->arena_host[k];
+  note_warm_free(gm, r.warm_moved_at);
   size_t bytes = (r.end - r.first) * gm->page_size;
   /* Kernels queued on its streams may still read the host pages: they are
    * waited for before the pages go (unmapping is not stream-ordered).
@@ -963,10 +990,9 @@ static gm_block_note* find_note_sorted(gpumem_t* gm, const gm_block* b) {
 }
 
 /* Every candidate, coldest first, in *out (to be freed); their number. */
-static size_t cold_candidates(gpumem_t* gm, cold_candidate** out) {
+static size_t cold_candidates(gpumem_t* gm, uint64_t window, cold_candidate** out) {
   size_t n = 0, cap = 0;
   cold_candidate* c = NULL;
-  uint64_t window = hot_window(gm);
   if (gm->num_notes > 1) qsort(gm->notes, gm->num_notes, sizeof *gm->notes, note_by_block);
 #define CANDIDATE_ROOM()                                           \
   if (n == cap) {                                                  \
@@ -1015,7 +1041,7 @@ gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
   if (!tier_has_host_pages(gm)) return GPUMEM_OK;
   if (gm_capture_possible(gm) && gm_capture_underway(gm)) return GPUMEM_OK;
   cold_candidate* c = NULL;
-  size_t n = cold_candidates(gm, &c);
+  size_t n = cold_candidates(gm, hot_window(gm), &c);
   /* The room there is already: spare pages, whole free pages still mapped
    * (a failed try leaves the pages it mapped), and what the limit leaves. */
   size_t ps = gm->page_size, movable = 0;
@@ -1024,6 +1050,29 @@ gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
   if (gm->limit && reserved < gm->limit) room += (size_t)(gm->limit - reserved);
   for (size_t i = 0; i < n; i++)
     movable += c[i].tier ? c[i].tier->bytes : (c[i].end - c[i].first) * ps;
+  /* Short of cold blocks: the warm ones too, all but the last
+   * GM_HOT_MIN_ALLOCS allocations' (the request's own inputs), still
+   * coldest first, so that only the shortfall comes from them. Without
+   * this the whole request went to host pages: the fine-tune of
+   * bench/torch/overflow_job.py under peak / 1.10 had 1.14 GiB of cold
+   * blocks for 1.24 GiB over the cap, and its second 1000 MiB logits block
+   * went to host whole (1.85 GiB on host, kernels reading the logits over
+   * the link); the optimizer state made at the first step, within the
+   * window, covers the rest (1.27 GiB on host, no request there). A job
+   * whose warm blocks die soon after (a decode's KV cache, made again a
+   * token longer) would copy each for nothing and wait for its stream at
+   * its free: after GM_WARM_WASTE_LIMIT such, more than half of all warm
+   * moves, warm blocks stay where they are (note_warm_free). */
+  bool widened = room + movable < rsize && !gm->tier_warm_off;
+  if (widened) {
+    free(c);
+    c = NULL;
+    n = cold_candidates(gm, GM_HOT_MIN_ALLOCS, &c);
+    movable = 0;
+    for (size_t i = 0; i < n; i++)
+      movable += c[i].tier ? c[i].tier->bytes : (c[i].end - c[i].first) * ps;
+  }
+  uint64_t window = hot_window(gm);
   /* Where all of them would not make room, none moves: the request goes
    * to host pages either way, and moving them would cost copies for
    * nothing (gpt2_train under 0.9 x its peak live: 127 moves a pass, and
@@ -1046,11 +1095,13 @@ gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
       freed += c[i].tier->bytes;
       continue;
     }
+    bool warm = widened && !c[i].prefer_host && gm->num_mallocs - c[i].last_use < window;
     gm_block_note* note = get_note(gm, b);
     if (st == GPUMEM_OK && !note)
       st = gm_fail(GPUMEM_ERR_HOST_MEMORY, "overflow tier: no host memory for a block's note");
-    if (st == GPUMEM_OK) st = arena_to_host(gm, b, c[i].first, c[i].end);
+    if (st == GPUMEM_OK) st = arena_to_host(gm, b, c[i].first, c[i].end, warm);
     if (st != GPUMEM_OK) break;
+    gm->tier_warm_moves += warm;
     note->pressure_moves++;
     note->last_touch = gm->num_mallocs;
     freed += (c[i].end - c[i].first) * gm->page_size;
@@ -1145,7 +1196,7 @@ gpumem_status_t gpumem_prefer_host(gpumem_t* gm, void* ptr) {
     } else {
       note->prefer_host = true;
       /* Now if nothing waits; else at the next pressure, first of all. */
-      if (!on_host && streams_idle(gm, b)) st = arena_to_host(gm, b, first, end);
+      if (!on_host && streams_idle(gm, b)) st = arena_to_host(gm, b, first, end, false);
     }
   } else {
     gm_tier_block* t = b->seg->tier;

@@ -561,6 +561,92 @@ static void test_arena_cold_blocks(void) {
   arena_cold_scenario("overflow:host,map_max:8M", 64 * MIB);
 }
 
+/* One round of pressure short of cold blocks: `warm` blocks of 8 MiB made
+ * `since` allocations before a request of 24 MiB that the cold block
+ * alone (10 MiB) cannot make room for, the rest of the limit filled. The
+ * warm blocks' and the request's bytes are checked; the blocks made are
+ * left in *w (warm, WARM of them) and *h (the filler and the request). */
+enum { WARM = 3, FILL = 2 };
+static void warm_round(ofx_t* f, int since, void* w[WARM], void* h[FILL + 1], uint32_t seed) {
+  for (int i = 0; i < WARM; i++) {
+    CHECK_STATUS(gpumem_malloc(f->gm, 8 * MIB, 0, &w[i]), GPUMEM_OK);
+    fill(f->sim, w[i], 8 * MIB, seed + (uint32_t)i);
+  }
+  age(f, since);
+  for (int i = 0; i < FILL; i++) {
+    CHECK_STATUS(gpumem_malloc(f->gm, 8 * MIB, 0, &h[i]), GPUMEM_OK);
+    fill(f->sim, h[i], 8 * MIB, seed + 10 + (uint32_t)i);
+  }
+  CHECK_STATUS(gpumem_malloc(f->gm, 24 * MIB, 0, &h[FILL]), GPUMEM_OK);
+  fill(f->sim, h[FILL], 24 * MIB, seed + 20);
+  check_ok(f->gm, "a request short of cold blocks");
+  for (int i = 0; i < WARM; i++)
+    CHECK_MSG(intact(f->sim, w[i], 8 * MIB, seed + (uint32_t)i), "warm block %d lost bytes", i);
+}
+
+static void free_all(ofx_t* f, void** p, int n) {
+  for (int i = 0; i < n; i++) {
+    CHECK_STATUS(gpumem_free(f->gm, p[i]), GPUMEM_OK);
+    check_ok(f->gm, "a free");
+  }
+}
+
+/* Short of cold blocks, warm ones move too, coldest first, rather than the
+ * whole request going to host pages (a fine-tune's second logits block
+ * under peak / 1.10); where such blocks die young (a decode's KV cache),
+ * each move was a copy for nothing, and after GM_WARM_WASTE_LIMIT of them,
+ * more than half of all, warm blocks stay and requests go to host again. */
+static void test_warm_blocks_short_of_cold(void) {
+  /* (best fit: the rounds below repeat, and blocks a plan serves stay put) */
+  ofx_t f = ofx_new("overflow:host,limit:64M,placement:bestfit", 1024 * MIB);
+  if (!f.gm) return ofx_done(&f);
+  void* cold = NULL;
+  CHECK_STATUS(gpumem_malloc(f.gm, 10 * MIB + 512, 0, &cold), GPUMEM_OK);
+  fill(f.sim, cold, 10 * MIB + 512, 7);
+  age(&f, 1100);
+  void *w[WARM], *h[FILL + 1];
+  /* the warm blocks 40 allocations old: past the last 32 (the request's
+   * inputs), well within the hot window */
+  warm_round(&f, 40, w, h, 100);
+  gpumem_stats_t st = stats(f.gm);
+  CHECK_MSG(st.num_host_allocs == 0 && st.num_moves_to_host >= 2,
+            "short of cold blocks: %" PRId64 " requests on host pages, %" PRId64 " moves out",
+            st.num_host_allocs, st.num_moves_to_host);
+  CHECK(intact(f.sim, cold, 10 * MIB + 512, 7));
+  /* (the cold block went first: the oldest) */
+  CHECK(st.host_bytes[GPUMEM_POOL_ALL].current >= (int64_t)(8 * MIB + 8 * MIB));
+  /* the warm blocks live on: freed after a whole window, nothing wasted */
+  age(&f, 1100);
+  free_all(&f, w, WARM);
+  free_all(&f, h, FILL + 1);
+  CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
+  check_ok(f.gm, "empty_cache");
+  /* now rounds whose warm blocks die at once: each freed right after the
+   * request, its copy to host for nothing. (The cold block, back on device
+   * pages since empty_cache and touched by that move, goes out as a warm
+   * block in the first round and stays: one warm move not wasted.) */
+  int64_t host_allocs = stats(f.gm).num_host_allocs, moves = 0;
+  int round = 0;
+  for (; round < 12; round++) {
+    int64_t before = stats(f.gm).num_moves_to_host;
+    warm_round(&f, 40, w, h, 1000 + 100 * (uint32_t)round);
+    moves = stats(f.gm).num_moves_to_host - before;
+    free_all(&f, w, WARM);
+    free_all(&f, h, FILL + 1);
+    if (!moves) break; /* warm blocks stayed: the request went to host pages */
+  }
+  /* eight wasted, more than half of the nine warm moves: off */
+  CHECK_MSG(round == 8 && moves == 0, "warm blocks that die young: moves stopped after %d rounds",
+            round);
+  CHECK_MSG(stats(f.gm).num_host_allocs > host_allocs,
+            "with warm moves off, the request goes to host pages (%" PRId64 " before, %" PRId64
+            " now)",
+            host_allocs, stats(f.gm).num_host_allocs);
+  CHECK_STATUS(gpumem_free(f.gm, cold), GPUMEM_OK);
+  check_ok(f.gm, "the last free");
+  ofx_done(&f);
+}
+
 /* Every backend operation of the arena paths failing, each in an allocator of its own: moves out
  * under pressure and by the hint, back at empty_cache, the free of a block on host pages. Each
  * operation ends in success or a clean failure, with gpumem_check passing and every live block's
@@ -976,6 +1062,7 @@ int main(void) {
   test_published();
   test_shared_budget();
   test_arena_cold_blocks();
+  test_warm_blocks_short_of_cold();
   test_kept_host_pages();
   test_faults(false);
   test_faults(true);
