@@ -851,7 +851,6 @@ gpumem_status_t gm_overflow_arena_free(gpumem_t* gm, gm_block* b) {
   if (k == gm->num_arena_host) return GPUMEM_OK;
   const gpumem_backend_t* be = gm->backend;
   gm_arena_host r = gm->arena_host[k];
-  note_warm_free(gm, r.warm_moved_at);
   size_t bytes = (r.end - r.first) * gm->page_size;
   /* Kernels queued on its streams may still read the host pages: they are
    * waited for before the pages go (unmapping is not stream-ordered).
@@ -877,6 +876,7 @@ gpumem_status_t gm_overflow_arena_free(gpumem_t* gm, gm_block* b) {
   gm_arena_host_clear(b->seg, r.first, r.end);
   arena_host_remove(gm, k);
   release_host_pages(gm, r.handle, bytes);
+  note_warm_free(gm, r.warm_moved_at); /* (once the free can no longer fail) */
   /* Every stream it was handed to is done with it: nothing to wait for. */
   b->num_uses = 0;
   return GPUMEM_OK;
