@@ -65,19 +65,13 @@ PREDICTED_ROW = {"native": "pytorch", "expandable": "pytorch expandable", "gpume
 GIB = 2**30
 
 
-def jobs_of(text):
-    names = list(JOBS) if not text else text.split(",")
-    bad = [n for n in names if n not in JOBS]
+def names_of(text, known, what):
+    """The comma-separated names of text (all of known where empty), each
+    one of known, else a SystemExit that names the bad ones."""
+    names = list(known) if not text else text.split(",")
+    bad = [n for n in names if n not in known]
     if bad:
-        raise SystemExit("unknown job %s (jobs: %s)" % (", ".join(bad), ", ".join(JOBS)))
-    return names
-
-
-def allocators_of(text):
-    names = list(ALLOCATORS) if not text else text.split(",")
-    bad = [n for n in names if n not in ALLOCATORS]
-    if bad:
-        raise SystemExit("unknown allocator %s (allocators: %s)" % (", ".join(bad), ", ".join(ALLOCATORS)))
+        raise SystemExit("unknown %s %s (%ss: %s)" % (what, ", ".join(bad), what, ", ".join(known)))
     return names
 
 
@@ -336,13 +330,13 @@ def main(argv=None):
         ap.error("--fraction must be in (0, 1]")
     if a.phase == "cap" and a.fraction is None:
         ap.error("cap needs --fraction")
-    names = jobs_of(a.jobs)
+    names = names_of(a.jobs, JOBS, "job")
     if a.phase == "measure":
-        measure(a.out, names, allocators_of(a.allocators), a.nproc, a.timeout)
+        measure(a.out, names, names_of(a.allocators, ALLOCATORS, "allocator"), a.nproc, a.timeout)
     elif a.phase == "record":
         record(a.out, names, a.nproc, a.timeout, a.gpumem, a.memory)
     elif a.phase == "cap":
-        cap(a.out, names, allocators_of(a.allocators), a.nproc, a.fraction, a.timeout)
+        cap(a.out, names, names_of(a.allocators, ALLOCATORS, "allocator"), a.nproc, a.fraction, a.timeout)
     elif a.phase == "predict":
         extra = (["--batch-sizes", a.batch_sizes] if a.batch_sizes else []) + (["--no-confirm"] if a.no_confirm else [])
         predict(a.out, names, a.nproc, a.timeout, a.profile, a.memory, a.fraction, extra)

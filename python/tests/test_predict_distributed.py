@@ -487,62 +487,55 @@ class CommandTest(unittest.TestCase):
                 self.assertEqual(done.returncode, 2, done.stderr)
                 self.assertIn(message, done.stderr.decode())
 
-    @unittest.skipIf(_binary() is None, "needs the gpumem command line program (make build)")
-    def test_a_size_in_the_square_of_the_batch_is_said_per_rank(self):
-        # a contrastive loss's batch-by-batch logits under DDP: a line through two recordings
-        # puts them far too low; one GPU records a third batch, here each rank's line says so
+    def ddp_script_at_2_gpus(self, setup, layer, step):
+        """A DDP script of one nn.<layer> trained by SGD for three steps,
+        `setup` run before its process group and `step` (the forward and
+        backward) each step, predicted at 2 GPUs from batch 1 and 2: the
+        finished command."""
         script = (
             "import argparse, os, torch, torch.distributed as dist\n"
             "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
+            "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n" + setup +
             "dist.init_process_group('nccl')\n"
-            "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
-            "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 32).cuda())\n"
+            "m = torch.nn.parallel.DistributedDataParallel(torch.nn.%s.cuda())\n"
             "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-            "for step in range(3):\n"
-            "    z = m(torch.randn(a.batch_size, 64, device='cuda'))\n"
-            "    torch.nn.functional.cross_entropy(z @ z.t(), torch.arange(a.batch_size, device='cuda')).backward()\n"
+            "for step in range(3):\n" % layer + step +
             "    opt.step(); opt.zero_grad()\n"
-        )
+        )  # fmt: skip
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "train.py")
             with open(path, "w") as f:
                 f.write(script)
-            done = self.run_command("--gpus", "2", "--memory", "4G", "--batch-sizes", "1,2", "--no-confirm", path,
+            return self.run_command("--gpus", "2", "--memory", "4G", "--batch-sizes", "1,2", "--no-confirm", path,
                                     "--batch-size", "{B}")  # fmt: skip
-            self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
-            self.assertIn("2 GPUs, rank 0: ", done.stdout.decode())
-            self.assertIn("grew faster than the batch from 1 to 2 (nearer its square than a line), taken as lines, "
-                          "far too low at a large batch: give three batch sizes (--batch-sizes 1,2,4)",
-                          done.stdout.decode())
+
+    @unittest.skipIf(_binary() is None, "needs the gpumem command line program (make build)")
+    def test_a_size_in_the_square_of_the_batch_is_said_per_rank(self):
+        # a contrastive loss's batch-by-batch logits under DDP: a line through two recordings
+        # puts them far too low; one GPU records a third batch, here each rank's line says so
+        done = self.ddp_script_at_2_gpus(
+            "", "Linear(64, 32)",
+            "    z = m(torch.randn(a.batch_size, 64, device='cuda'))\n"
+            "    torch.nn.functional.cross_entropy(z @ z.t(), torch.arange(a.batch_size, device='cuda')).backward()\n")
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        self.assertIn("2 GPUs, rank 0: ", done.stdout.decode())
+        self.assertIn("grew faster than the batch from 1 to 2 (nearer its square than a line), taken as lines, "
+                      "far too low at a large batch: give three batch sizes (--batch-sizes 1,2,4)",
+                      done.stdout.decode())
 
     @unittest.skipIf(_binary() is None, "needs the gpumem command line program (make build)")
     def test_a_script_that_caps_pytorch_is_answered_under_its_cap(self):
         # set_per_process_memory_fraction caps what each rank's caching allocator reserves at
         # that share of the whole device: the table answers for that, not for what the context
         # and NCCL leave
-        script = (
-            "import argparse, os, torch, torch.distributed as dist\n"
-            "p = argparse.ArgumentParser(); p.add_argument('--batch-size', type=int); a = p.parse_args()\n"
-            "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
-            "torch.cuda.set_per_process_memory_fraction(0.25)\n"
-            "dist.init_process_group('nccl')\n"
-            "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(256, 256).cuda())\n"
-            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
-            "for step in range(3):\n"
-            "    m(torch.randn(a.batch_size, 256, device='cuda')).square().sum().backward()\n"
-            "    opt.step(); opt.zero_grad()\n"
-        )
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "train.py")
-            with open(path, "w") as f:
-                f.write(script)
-            done = self.run_command("--gpus", "2", "--memory", "4G", "--batch-sizes", "1,2", "--no-confirm", path,
-                                    "--batch-size", "{B}")  # fmt: skip
-            out = done.stdout.decode()
-            self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
-            self.assertIn("the script caps PyTorch at 0.25 of the device (torch.cuda.set_per_process_memory_fraction): "
-                          "the table answers for 1.000 GiB", out)  # fmt: skip
-            self.assertNotIn("left to the allocator", out)
+        done = self.ddp_script_at_2_gpus(
+            "torch.cuda.set_per_process_memory_fraction(0.25)\n", "Linear(256, 256)",
+            "    m(torch.randn(a.batch_size, 256, device='cuda')).square().sum().backward()\n")
+        out = done.stdout.decode()
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        self.assertIn("the script caps PyTorch at 0.25 of the device (torch.cuda.set_per_process_memory_fraction): "
+                      "the table answers for 1.000 GiB", out)  # fmt: skip
+        self.assertNotIn("left to the allocator", out)
 
     def test_fsdp2_script_at_2_and_4_gpus(self):
         with tempfile.TemporaryDirectory() as d:
