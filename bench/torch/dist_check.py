@@ -47,6 +47,9 @@ JOB = os.path.join(HERE, "fsdp_job.py")
 sys.path.insert(0, HERE)
 from predict_report import GRID, grid_floor  # noqa: E402  (one grid of ~10% steps for every cap walk)
 
+sys.path.insert(0, os.path.join(REPO, "python"))
+from gpumem._safefs import private_dir, write_file  # noqa: E402  (results written as src/outfile.c writes)
+
 LLAMA_1B = ["--model", "llama-1b", "--seq-len", "2048", "--bf16"]
 # name: (fsdp_job.py arguments, batch sizes per GPU measured and predicted at)
 JOBS = {
@@ -97,19 +100,16 @@ def torchrun(nproc, allocator, args, log_path, timeout, conf=None):
     if allocator == "gpumem":
         cmd += ["-m", "gpumem.torch"]
     cmd += [JOB] + args
-    with open(log_path, "w") as log:
-        log.write("# %s\n" % " ".join(cmd))
-        log.flush()
-        try:
-            rc = subprocess.run(cmd, env=run_env(allocator, conf), stdout=log, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode  # fmt: skip
-        except subprocess.TimeoutExpired:
-            return "timeout"
-    if rc != 0:
-        with open(log_path, errors="replace") as f:
-            if re.search(r"OutOfMemoryError|CUDA out of memory", f.read()):
-                return "oom"
-    return rc
+    try:
+        done = subprocess.run(cmd, env=run_env(allocator, conf), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        write_file(log_path, ("# %s\n" % " ".join(cmd)).encode() + (e.stdout or b""))
+        return "timeout"
+    write_file(log_path, ("# %s\n" % " ".join(cmd)).encode() + done.stdout)
+    if done.returncode != 0 and re.search(rb"OutOfMemoryError|CUDA out of memory", done.stdout):
+        return "oom"
+    return done.returncode
 
 
 def rank_reports(path, nproc):
@@ -127,7 +127,7 @@ def rank_reports(path, nproc):
 
 def measure(out, names, allocators, nproc, timeout):
     d = os.path.join(out, "measured")
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    private_dir(d)
     for name in names:
         args, batches = JOBS[name]
         for b in batches:
@@ -149,7 +149,7 @@ def record(out, names, nproc, timeout, gpumem_bin, memory):
     """The small GPU runs' route: gpumem's recording of each rank at 1 and 2,
     then `gpumem predict` per rank at each of the job's batches."""
     d = os.path.join(out, "recorded")
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    private_dir(d)
     for name in names:
         args, batches = JOBS[name]
         traces = {}  # rank: [trace at 1, trace at 2]
@@ -172,14 +172,14 @@ def record(out, names, nproc, timeout, gpumem_bin, memory):
                 done = subprocess.run([gpumem_bin, "predict", "--batch-sizes", "1,2"] + paths
                                       + ["--batch", str(b), "--memory", memory, "--json"],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-                with open(os.path.join(d, "%s_b%d.rank%d.json" % (name, b, r)), "wb") as f:
-                    f.write(done.stdout if done.returncode == 0 else done.stderr)
+                write_file(os.path.join(d, "%s_b%d.rank%d.json" % (name, b, r)),
+                           done.stdout if done.returncode == 0 else done.stderr)
                 print("%-26s rank %d at %d: gpumem predict exit %d" % (name, r, b, done.returncode), flush=True)
 
 
 def predict(out, names, nproc, timeout, profile, memory, fraction=None, extra=()):
     d = os.path.join(out, "predicted")
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    private_dir(d)
     env = dict(os.environ, PYTHONPATH=os.path.join(REPO, "python"))
     for name in names:
         args, batches = JOBS[name]
@@ -195,8 +195,7 @@ def predict(out, names, nproc, timeout, profile, memory, fraction=None, extra=()
             except subprocess.TimeoutExpired:
                 print("%-30s timed out after %g s" % (tag, timeout), flush=True)
                 continue
-            with open(os.path.join(d, tag + ".txt"), "wb") as f:
-                f.write(done.stdout + done.stderr)
+            write_file(os.path.join(d, tag + ".txt"), done.stdout + done.stderr)
             print("%-30s exit %d in %.0f s" % (tag, done.returncode, time.time() - t0), flush=True)
 
 
@@ -211,7 +210,8 @@ def predicted_row(text, allocator):
 
 def cap(out, names, allocators, nproc, fraction, timeout, max_moves=4):
     d = os.path.join(out, "cap")
-    os.makedirs(os.path.join(d, "runs"), mode=0o700, exist_ok=True)
+    private_dir(d)
+    private_dir(os.path.join(d, "runs"))
     for name in names:
         args, _ = JOBS[name]
         try:
@@ -251,8 +251,7 @@ def cap(out, names, allocators, nproc, fraction, timeout, max_moves=4):
                         break
                     i = j
             res = {"predicted": row[0], "largest": found, "runs": runs, "fraction": fraction}
-            with open(os.path.join(d, "%s_%s.json" % (name, al)), "w") as f:
-                json.dump(res, f, indent=1)
+            write_file(os.path.join(d, "%s_%s.json" % (name, al)), json.dumps(res, indent=1))
             print("%-26s %-10s predicted %d, runs %s" % (name, al, row[0], ", ".join(
                 "%d %s" % kv for kv in sorted(runs.items()))), flush=True)  # fmt: skip
 
@@ -303,8 +302,7 @@ def compare(out, nproc):
                                                      ", ".join("%s %s" % kv for kv in sorted(r["runs"].items(),
                                                                key=lambda kv: int(kv[0]))), within))  # fmt: skip
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "compare.txt"), "w") as f:
-        f.write(text)
+    write_file(os.path.join(out, "compare.txt"), text)
     sys.stdout.write(text)
 
 
