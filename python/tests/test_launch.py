@@ -108,6 +108,20 @@ class LauncherTest(unittest.TestCase):
         self.assertIn("cannot enable gpumem: gpumem.torch needs PyTorch", r.stderr)
         self.assertNotIn("script ran", r.stdout)
 
+    def test_predict_without_torch_says_so(self):
+        # --cpu too (the recorder runs the job on PyTorch's fake tensors):
+        # one line naming what to install, no traceback.
+        script = self.write("s.py", "print('script ran')\n")
+        self.write("notorch/torch/__init__.py", "raise ImportError('No module named torch (hidden)')\n")
+        path = os.path.join(self.dir, "notorch") + ":" + PYTHON_DIR
+        for cpu in ([], ["--cpu"]):
+            r = _run([sys.executable, "-m", "gpumem.predict", "--memory", "8G"] + cpu + [script, "--batch-size", "{B}"],
+                     env_extra={"PYTHONPATH": path})  # fmt: skip
+            self.assertEqual(r.returncode, 1, r.stderr)
+            self.assertIn("gpumem.predict needs PyTorch (pip install torch)", r.stderr)
+            self.assertNotIn("Traceback", r.stderr)
+            self.assertNotIn("script ran", r.stdout)
+
 
 @unittest.skipUnless(_library_dir() and os.path.exists(os.path.join(_library_dir(), "gpumem")),
                      "needs the gpumem program beside GPUMEM_LIBRARY")

@@ -128,20 +128,25 @@ def _env():
     return env
 
 
-def _gpu_available():
+def _torch():
+    """torch, or a PredictError that says how to get it (with --cpu too:
+    the recorder runs the job on PyTorch's fake tensors)."""
     try:
         import torch
     except ImportError:
         raise PredictError("gpumem.predict needs PyTorch (pip install torch)") from None
-    return torch.cuda.is_available()
+    return torch
+
+
+def _gpu_available():
+    return _torch().cuda.is_available()
 
 
 def _local_gpu():
     """(this machine's GPU's name or None, torch's version). (This process
     makes no recording: the runs are forked from another, which never
     touches CUDA.)"""
-    import torch
-
+    torch = _torch()
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return name, torch.__version__
 
