@@ -16,6 +16,7 @@ itself (an inference script takes no optimizer step), what could not be seen
 (notes) and the memory the CUDA context takes outside the allocator."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -74,7 +75,7 @@ def _record_cpu(out_dir, steps, profile, script, args, probes):
     with _backwards_counted() as backwards, \
             recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
         with _one_rank(rec), _users_files_kept(rec.note), _gpumem_enabled_by_script(rec.note), \
-                _inference_steps(script, rec.hand_step, rec.note, backwards):
+                _hub_kernels_off(rec.note), _inference_steps(script, rec.hand_step, rec.note, backwards):
             stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
@@ -222,6 +223,30 @@ def _gpumem_enabled_by_script(note):
                      "" if conf is None else repr(conf),
                      "its settings are not applied to the gpumem rows, which stand for the default"
                      if conf else "the gpumem rows are what it gets"))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _hub_kernels_off(note):
+    """transformers (5.25 on, which installs the `kernels` package with it)
+    swaps some layers of a model that from_pretrained loads onto a GPU for
+    CUDA kernels fetched from the Hugging Face Hub. Fake tensors cannot run
+    them, and fetching them needs the network: under the recorder
+    from_pretrained stopped with "could not verify publisher trust status".
+    While recording, USE_HUB_KERNELS=NO keeps PyTorch's own path for those
+    layers, noted where a script used transformers with the package there."""
+    before = os.environ.get("USE_HUB_KERNELS")
+    os.environ["USE_HUB_KERNELS"] = "NO"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("USE_HUB_KERNELS", None)
+        else:
+            os.environ["USE_HUB_KERNELS"] = before
+        if "transformers" in sys.modules and importlib.util.find_spec("kernels") is not None:
+            note("transformers' layer kernels from the Hugging Face Hub (the kernels package) were off while "
+                 "recording (USE_HUB_KERNELS=NO): fake tensors cannot run them, so the recording holds "
+                 "PyTorch's own path for those layers, not the kernels' (their own memory, if any, is not in it)")
 
 
 # Words a training script has somewhere: its backward, its optimizer, a trainer
