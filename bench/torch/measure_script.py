@@ -7,7 +7,10 @@ The script runs unedited in this process (runpy, as `python SCRIPT` would),
 with the allocator installed before it imports torch; at its end, FILE gets
 torch.cuda.max_memory_reserved() and max_memory_allocated() (gpumem's own
 figures under gpumem), whether it ran out of memory, the script's wall time
-and, under gpumem, the overflow tier's counts. For checking what
+and, under gpumem, the overflow tier's counts. With --snapshot FILE, FILE
+gets PyTorch's own memory snapshot of the whole run (_record_memory_history:
+every request, free and segment), for seeing how the allocator placed the
+job's blocks where a prediction missed. For checking what
 `python -m gpumem.predict` said about a script nobody here wrote.
 """
 
@@ -30,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--allocator", choices=["native", "expandable", "async", "gpumem"], default="native")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--snapshot", help="write PyTorch's memory snapshot of the run (a pickle) here")
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -37,6 +41,8 @@ def main():
     torch = install_allocator(a)
     sys.argv = [a.script] + a.args
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
+    if a.snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     oom = None
     started = time.monotonic()
     try:
@@ -54,6 +60,10 @@ def main():
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "seconds": round(seconds, 2), **tier,
               "peak_reserved": torch.cuda.max_memory_reserved(), "peak_allocated": torch.cuda.max_memory_allocated(),
               "oom": oom}  # fmt: skip
+    if a.snapshot:
+        import pickle
+
+        _safefs.write_file(a.snapshot, pickle.dumps(torch.cuda.memory._snapshot()))
     _safefs.write_file(a.json, json.dumps(result) + "\n")
     print(json.dumps(result))
 
