@@ -75,7 +75,7 @@ def _record_cpu(out_dir, steps, profile, script, args, probes):
     with _backwards_counted() as backwards, \
             recording(None, profile, workload=name, step_hook=stop, probe=probe) as rec:
         with _one_rank(rec), _users_files_kept(rec.note), _gpumem_enabled_by_script(rec.note), \
-                _hub_kernels_off(rec.note), _inference_steps(script, rec.hand_step, rec.note, backwards):
+                _hub_kernels_off(script, rec.note), _inference_steps(script, rec.hand_step, rec.note, backwards):
             stopped = _run_script(script, args)
     rec.write(os.path.join(out_dir, "trace"))
     context = rec.profile.value("cuda_context_bytes", 0) if rec.profile else 0
@@ -225,15 +225,29 @@ def _gpumem_enabled_by_script(note):
                      if conf else "the gpumem rows are what it gets"))  # fmt: skip
 
 
+_LOADS_A_MODEL = re.compile(r"from_pretrained|pipeline\(")
+
+
+def _source(script):
+    """The script's text ("" where it cannot be read)."""
+    try:
+        with open(script, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 @contextlib.contextmanager
-def _hub_kernels_off(note):
+def _hub_kernels_off(script, note):
     """transformers (5.25 on, which installs the `kernels` package with it)
     swaps some layers of a model that from_pretrained loads onto a GPU for
     CUDA kernels fetched from the Hugging Face Hub. Fake tensors cannot run
     them, and fetching them needs the network: under the recorder
     from_pretrained stopped with "could not verify publisher trust status".
     While recording, USE_HUB_KERNELS=NO keeps PyTorch's own path for those
-    layers, noted where a script used transformers with the package there."""
+    layers, noted where the package is there and the script loads a model
+    (from_pretrained or pipeline in its text: where it builds one from a
+    config, no kernels are swapped in and the note would be noise)."""
     before = os.environ.get("USE_HUB_KERNELS")
     os.environ["USE_HUB_KERNELS"] = "NO"
     try:
@@ -243,7 +257,8 @@ def _hub_kernels_off(note):
             os.environ.pop("USE_HUB_KERNELS", None)
         else:
             os.environ["USE_HUB_KERNELS"] = before
-        if "transformers" in sys.modules and importlib.util.find_spec("kernels") is not None:
+        if "transformers" in sys.modules and importlib.util.find_spec("kernels") is not None and \
+                _LOADS_A_MODEL.search(_source(script)):
             note("transformers' layer kernels from the Hugging Face Hub (the kernels package) were off while "
                  "recording (USE_HUB_KERNELS=NO): fake tensors cannot run them, so the recording holds "
                  "PyTorch's own path for those layers, not the kernels' (their own memory, if any, is not in it)")
@@ -259,11 +274,8 @@ def _inference_script(script):
     training loop in its text. Where it trains after evaluating, its
     evaluation draws batches with no backward just as an inference loop
     does, and only its text tells them apart."""
-    try:
-        with open(script, encoding="utf-8", errors="replace") as f:
-            return not _TRAINING_WORDS.search(f.read())
-    except OSError:
-        return False
+    text = _source(script)
+    return bool(text) and not _TRAINING_WORDS.search(text)
 
 
 @contextlib.contextmanager
