@@ -3,7 +3,8 @@
  * in proportion to the batch, one only a smaller recording makes is left
  * out, frees in another order take the largest's places, a short-lived
  * workspace is not taken for the lasting allocation after it, sizes in
- * proportion are matched before sizes that merely grew, roles keep apart
+ * proportion are matched before sizes that merely grew, one a smaller
+ * recording makes too is sized through it, roles keep apart
  * what sizes would confuse, recordings are cut to the steps they share, and
  * recordings that differ everywhere are an error that says where. A
  * randomized test edits one job's recording at random and checks that the
@@ -161,6 +162,39 @@ static void test_closest_sizes_among_grown(void) {
   scale_free(m);
   trace_free(t[0]);
   trace_free(t[1]);
+}
+
+static void test_missing_at_the_smallest_sized_through_the_others(void) {
+  /* a softmax of logits.t() copies its input on the GPU, which batch 1's
+   * 1 x 1 logits (contiguous) need not: the copy, as the logits, grows with
+   * the square of the batch, made at 2 and 4 and not at 1. Sized at 1
+   * through 2 and 4 (a power law), the fit through all three is the
+   * square; in proportion to the batch from 4 alone it would be 4000 at 1,
+   * and the copy at 32 far off the logits' 1,024,000 */
+  trace_t* t[3] = {
+      parse("b1.trace", "a 0 4096 0 weight\na 1 1000 0 mm\na 2 1000 0 log_softmax\nf 2\nf 1\n"),
+      parse("b2.trace",
+            "a 0 4096 0 weight\na 1 4000 0 mm\na 2 4000 0 log_softmax\n"
+            "a 3 4000 0 log_softmax\nf 3\nf 2\nf 1\n"),
+      parse("b4.trace",
+            "a 0 4096 0 weight\na 1 16000 0 mm\na 2 16000 0 log_softmax\n"
+            "a 3 16000 0 log_softmax\nf 3\nf 2\nf 1\n"),
+  };
+  if (!t[0] || !t[1] || !t[2]) return;
+  long batch[] = {1, 2, 4};
+  align_report_t rep;
+  CHECK_STATUS(align_recordings(t, batch, 3, &rep), GPUMEM_OK);
+  CHECK(rep.inserted == 1 && rep.inserted_sized == 1 && rep.inserted_bytes == 16000);
+  for (int i = 0; i < 3; i++) scale_canonical_frees(t[i]);
+  scale_model_t* m = NULL;
+  CHECK_STATUS(scale_fit((const trace_t* const*)t, batch, 3, &m), GPUMEM_OK);
+  if (m) {
+    CHECK(size_at(m, 32, 1) == 1024000);
+    CHECK(size_at(m, 32, 2) == 1024000 && size_at(m, 32, 3) == 1024000);
+    CHECK(size_at(m, 32, 0) == 4096);
+  }
+  scale_free(m);
+  for (int i = 0; i < 3; i++) trace_free(t[i]);
 }
 
 static void test_roles_keep_apart_what_sizes_confuse(void) {
@@ -428,6 +462,7 @@ int main(void) {
   test_proportional_before_grown();
   test_closest_sizes_among_grown();
   test_roles_keep_apart_what_sizes_confuse();
+  test_missing_at_the_smallest_sized_through_the_others();
   test_cut_to_the_steps_in_common();
   test_requests_per_item_refused();
   test_bad_role_refused();

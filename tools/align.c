@@ -400,10 +400,50 @@ static int by_bytes(const void* a, const void* b) {
   return x < y ? 1 : x > y ? -1 : 0;
 }
 
-/* traces[k] in the order of the largest, R (see align.h). */
+/* The size at batch bO of allocation `slot` of the largest recording R
+ * (batch bR), which the recording at bO does not make. Where another
+ * smaller recording makes it (others[k'] matched it: a copy of a matrix
+ * that batch 1's 1 x 1 needs no copy of, a workspace a kernel takes past a
+ * size), on the power law through its size there and the largest's, the
+ * exponent between 0 and 2 (as grown_pair allows): a line from the largest
+ * alone would put a size that grows with the square of the batch far too
+ * low at the batch predicted, the fit through every recording being one
+ * line. Otherwise in proportion to the batch (sizes within a block as
+ * they are). *sized: whether another recording said. */
+static uint64_t inserted_size(const seq_t* R, size_t slot, long bR, long bO, const seq_t* others,
+                              size_t* const* matches, const long* batch, size_t n_others,
+                              int* sized) {
+  uint64_t r = R->size[slot];
+  size_t best = n_others;
+  size_t best_at = 0; /* the allocation of others[best] it is, + 1 */
+  for (size_t j = 0; j < n_others; j++) {
+    /* (no match: that one was aligned as it was, allocation for allocation) */
+    size_t at = matches[j] ? matches[j][slot] : slot < others[j].n ? slot + 1 : 0;
+    if (!at || batch[j] == bO) continue;
+    if (best == n_others || labs(batch[j] - bO) < labs(batch[best] - bO)) {
+      best = j;
+      best_at = at;
+    }
+  }
+  *sized = best < n_others;
+  if (!*sized) {
+    if (r <= ALIGN_BLOCK) return r;
+    return (uint64_t)(((u128)r * (u128)bO + (u128)bR - 1) / (u128)bR);
+  }
+  uint64_t o = others[best].size[best_at - 1];
+  double e = o && r > o ? log((double)r / (double)o) / log((double)bR / (double)batch[best]) : 0.0;
+  if (e > 2.0) e = 2.0;
+  double at = (double)r * pow((double)bO / (double)bR, e);
+  return at < 1.0 ? 1 : (uint64_t)llround(at);
+}
+
+/* traces[k] in the order of the largest, R (see align.h); others and
+ * matches: every smaller recording and its match (NULL: aligned as it
+ * was), for what recording k does not make. */
 static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const seq_t* O,
                                const size_t* match_of, long bR, long bO, uint8_t* inserted_any,
-                               align_report_t* rep, tally_t* tally) {
+                               align_report_t* rep, tally_t* tally, const seq_t* others,
+                               size_t* const* matches, const long* batch, size_t n_others) {
   const trace_t* r = R->t;
   const trace_t* o = O->t;
   trace_event_t* ev = malloc((R->events ? R->events : 1) * sizeof *ev);
@@ -425,12 +465,19 @@ static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const
         ev[i].line = o->events[o->slot_event[m - 1]].line;
         used[m - 1] = 1;
       }
+    } else if (slot < R->n) {
+      /* made only at larger batches: through the others that make it, or in proportion */
+      int sized = 0;
+      ev[i].size = inserted_size(R, slot, bR, bO, others, matches, batch, n_others, &sized);
+      if (sized && ev[i].op == TRACE_ALLOC && !(inserted_any[slot] & 2)) {
+        inserted_any[slot] |= 2;
+        rep->inserted_sized++;
+      }
     } else if (ev[i].size > ALIGN_BLOCK) {
-      /* made only at the larger batch: in proportion to the batch */
       ev[i].size = (uint64_t)(((u128)ev[i].size * (u128)bO + (u128)bR - 1) / (u128)bR);
     }
-    if (!m && ev[i].op == TRACE_ALLOC && slot < R->n && !inserted_any[slot]) {
-      inserted_any[slot] = 1;
+    if (!m && ev[i].op == TRACE_ALLOC && slot < R->n && !(inserted_any[slot] & 1)) {
+      inserted_any[slot] |= 1;
       rep->inserted++;
       rep->inserted_bytes += R->size[slot];
       tally_role(tally, r, slot, 1, R->size[slot]);
@@ -583,38 +630,34 @@ gpumem_status_t align_recordings(trace_t** traces, const long* batch, size_t n,
   int cut = fewest > 0 && fewest < most;
   const trace_t* ref = traces[n - 1];
   size_t ref_events = cut ? ref->step_end[fewest - 1] : ref->num_events;
-  seq_t R, O;
-  size_t* match_of = NULL;
-  uint8_t* inserted_any = NULL;
+  const size_t smaller = n - 1;
+  seq_t R;
+  memset(&R, 0, sizeof R);
+  seq_t* O = calloc(smaller, sizeof *O);
+  /* each smaller recording's match (NULL: aligned as it was) */
+  size_t** matches = calloc(smaller, sizeof *matches);
+  uint8_t* inserted_any = NULL; /* 1: counted inserted; 2: counted sized through another */
+  uint8_t* matched_all = NULL;
   gpumem_status_t st = GPUMEM_OK;
   tally_t tally = {0};
-  memset(&O, 0, sizeof O);
-  if (seq_init(&R, ref, ref_events) != 0) goto no_memory;
-  match_of = malloc((R.n ? R.n : 1) * sizeof *match_of);
+  if (!O || !matches || seq_init(&R, ref, ref_events) != 0) goto no_memory;
   inserted_any = calloc(R.n ? R.n : 1, 1);
-  if (!match_of || !inserted_any) goto no_memory;
-  rep->by_role = has_roles(&R);
-  uint8_t* matched_all = malloc(R.n ? R.n : 1);
-  if (!matched_all) goto no_memory;
+  matched_all = malloc(R.n ? R.n : 1);
+  if (!inserted_any || !matched_all) goto no_memory;
   memset(matched_all, 1, R.n ? R.n : 1);
-  for (size_t k = 0; k + 1 < n && st == GPUMEM_OK; k++) {
+  rep->by_role = has_roles(&R);
+  /* Every recording matched before any is rewritten: what one does not
+   * make is sized through the others that do (inserted_size). */
+  for (size_t k = 0; k < smaller && st == GPUMEM_OK; k++) {
     const trace_t* t = traces[k];
-    if (seq_init(&O, t, cut ? t->step_end[fewest - 1] : t->num_events) != 0) {
-      free(matched_all);
-      goto no_memory;
-    }
-    ctx_t c = {&R, &O, batch[n - 1], batch[k], has_roles(&R) && has_roles(&O)};
+    if (seq_init(&O[k], t, cut ? t->step_end[fewest - 1] : t->num_events) != 0) goto no_memory;
+    ctx_t c = {&R, &O[k], batch[n - 1], batch[k], has_roles(&R) && has_roles(&O[k])};
     if (!c.roles) rep->by_role = 0;
-    if (already_aligned(&c)) {
-      seq_free(&O);
-      continue;
-    }
-    int rc = match(&c, match_of);
-    if (rc < 0) {
-      seq_free(&O);
-      free(matched_all);
-      goto no_memory;
-    }
+    if (already_aligned(&c)) continue;
+    matches[k] = malloc((R.n ? R.n : 1) * sizeof **matches);
+    if (!matches[k]) goto no_memory;
+    int rc = match(&c, matches[k]);
+    if (rc < 0) goto no_memory;
     if (rc > 0) {
       char where[400];
       first_difference(&c, where, sizeof where);
@@ -623,18 +666,21 @@ gpumem_status_t align_recordings(trace_t** traces, const long* batch, size_t n,
           "%ld): they must be one job, its requests changing with the batch",
           ALIGN_MAX_DIFFERENCES, where, batch[k], ref->path, batch[n - 1]);
       st = GPUMEM_ERR_INVALID_ARGUMENT;
-    } else if (not_one_job(&c, match_of, batch[k], batch[n - 1])) {
+    } else if (not_one_job(&c, matches[k], batch[k], batch[n - 1])) {
       st = GPUMEM_ERR_INVALID_ARGUMENT;
     } else {
       for (size_t i = 0; i < R.n; i++)
-        if (!match_of[i]) matched_all[i] = 0;
-      st = rewrite(traces, k, &R, &O, match_of, batch[n - 1], batch[k], inserted_any, rep, &tally);
-      rep->edited = 1;
+        if (!matches[k][i]) matched_all[i] = 0;
     }
-    seq_free(&O);
+  }
+  for (size_t k = 0; k < smaller && st == GPUMEM_OK; k++) {
+    if (!matches[k]) continue;
+    /* (replaces traces[k]: O[k].t is not read after, its sizes are its own) */
+    st = rewrite(traces, k, &R, &O[k], matches[k], batch[n - 1], batch[k], inserted_any, rep,
+                 &tally, O, matches, batch, smaller);
+    rep->edited = 1;
   }
   for (size_t i = 0; i < R.n; i++) rep->matched += matched_all[i];
-  free(matched_all);
   if (st == GPUMEM_OK && rep->edited && ref_events < ref->num_events) {
     /* the largest cut as the others now are: what follows its last whole
      * step would otherwise run on past theirs (a run of frees across the
@@ -648,17 +694,18 @@ gpumem_status_t align_recordings(trace_t** traces, const long* batch, size_t n,
   }
   if (tally.n) qsort(tally.rows, tally.n, sizeof *tally.rows, by_bytes);
   for (size_t k = 0; k < ALIGN_TOP_ROLES && k < tally.n; k++) rep->top[k] = tally.rows[k];
-  free(tally.rows);
-  seq_free(&R);
-  free(match_of);
-  free(inserted_any);
-  return st;
+  goto done;
 no_memory:
+  gpumem_set_last_error("out of host memory aligning the recordings");
+  st = GPUMEM_ERR_HOST_MEMORY;
+done:
   free(tally.rows);
   seq_free(&R);
-  seq_free(&O);
-  free(match_of);
+  for (size_t k = 0; O && k < smaller; k++) seq_free(&O[k]);
+  for (size_t k = 0; matches && k < smaller; k++) free(matches[k]);
+  free(O);
+  free(matches);
   free(inserted_any);
-  gpumem_set_last_error("out of host memory aligning the recordings");
-  return GPUMEM_ERR_HOST_MEMORY;
+  free(matched_all);
+  return st;
 }

@@ -18,7 +18,9 @@
  * frees and record_streams too: the larger batch is the one predicted
  * from), each allocation at its own recorded size. An allocation only the
  * largest makes is added to the smaller ones in proportion to the batch:
- * an upper bound for sizes that grow at most linearly. One a smaller
+ * an upper bound for sizes that grow at most linearly; where another
+ * smaller recording makes it too, on the power law through the sizes the
+ * recordings that make it give (an exponent of at most 2). One a smaller
  * recording makes and the largest does not is left out. Both are counted,
  * with their bytes, in the report. */
 #ifndef GPUMEM_TOOLS_ALIGN_H
@@ -54,6 +56,7 @@ typedef struct align_report {
   size_t matched;          /* allocations of the largest recording matched in every other */
   size_t inserted;         /* allocations only the largest makes, added to smaller ones */
   uint64_t inserted_bytes; /* their sizes in the largest recording */
+  size_t inserted_sized;   /* of them, made by another smaller recording and sized through it */
   size_t dropped;          /* allocations of smaller recordings the largest does not make */
   uint64_t dropped_bytes;  /* their sizes as recorded */
   size_t frees_moved;      /* frees of matched allocations placed as in the largest recording */

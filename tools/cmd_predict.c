@@ -144,11 +144,12 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const align_r
       m->num_held, m->num_faster, (unsigned long long)m->faster_bytes);
   printf(
       ",\"aligned\":{\"by_role\":%s,\"matched\":%zu,\"inserted\":%zu,"
-      "\"inserted_bytes_at_largest\":%llu,\"dropped\":%zu,\"dropped_bytes\":%llu,"
-      "\"frees_moved\":%zu,\"upper_bound\":%s,\"unmatched_roles\":[",
+      "\"inserted_bytes_at_largest\":%llu,\"inserted_sized_by_others\":%zu,\"dropped\":%zu,"
+      "\"dropped_bytes\":%llu,\"frees_moved\":%zu,\"upper_bound\":%s,\"unmatched_roles\":[",
       al->by_role ? "true" : "false", al->matched, al->inserted,
-      (unsigned long long)al->inserted_bytes, al->dropped, (unsigned long long)al->dropped_bytes,
-      al->frees_moved, al->inserted ? "true" : "false");
+      (unsigned long long)al->inserted_bytes, al->inserted_sized, al->dropped,
+      (unsigned long long)al->dropped_bytes, al->frees_moved,
+      al->inserted > al->inserted_sized ? "true" : "false");
   for (size_t k = 0; k < ALIGN_TOP_ROLES && al->top[k].count; k++) {
     printf("%s{\"role\":", k ? "," : "");
     show_json(stdout, al->top[k].role);
@@ -253,12 +254,13 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
              show_count(al->frees_moved, c2));
     if (al->inserted)
       printf(
-          "\nonly at the largest batch: %s allocations (%.3f GiB there), taken in proportion to "
-          "the batch at every batch: an upper bound where they grow at most linearly; but what a "
-          "library picks by shape (cuDNN's convolution workspaces, a large reduction's staging "
-          "buffer) may change again between the recorded batches and the target, which only "
-          "recordings nearer the target show",
-          show_count(al->inserted, c3), (double)al->inserted_bytes / GIB);
+          "\nnot at every batch: %s allocations (%.3f GiB at the largest), where a smaller batch "
+          "makes them too sized through it (%zu), the rest taken in proportion to the batch: an "
+          "upper bound where they grow at most linearly; but what a library picks by shape "
+          "(cuDNN's convolution workspaces, a large reduction's staging buffer) may change again "
+          "between the recorded batches and the target, which only recordings nearer the target "
+          "show",
+          show_count(al->inserted, c3), (double)al->inserted_bytes / GIB, al->inserted_sized);
     if (al->dropped)
       printf("\nonly at a smaller batch: %s allocations (%.3f GiB), left out",
              show_count(al->dropped, c3), (double)al->dropped_bytes / GIB);

@@ -503,6 +503,24 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(signal.shape, (4, 256))
         self.assertEqual([(size, freed) for _, size, freed in made], [(4 * 256 * 4, False), (4 * 129 * 8, True)])
 
+    def test_softmax_of_a_transposed_input_copies_it(self):
+        # CUDA's softmax kernels read a contiguous input: a log_softmax of logits.t() makes its
+        # output, then a copy of its input given back within the call (an H100 made it for a
+        # bf16 32768 x 32768 matrix); a contiguous input makes the output alone
+        from gpumem.predict.recorder import recording
+
+        with recording(None, None, workload="softmax") as rec:
+            logits = torch.randn(64, 32, dtype=torch.bfloat16, device="cuda")
+            before = len(rec.allocations())
+            out = torch.log_softmax(logits.t(), dim=1)
+            transposed = rec.allocations()[before:]
+            before = len(rec.allocations())
+            out2 = torch.softmax(logits, dim=1)
+            contiguous = rec.allocations()[before:]
+        self.assertEqual([(size, freed) for _, size, freed in transposed], [(64 * 32 * 2, False), (64 * 32 * 2, True)])
+        self.assertEqual([(size, freed) for _, size, freed in contiguous], [(64 * 32 * 2, False)])
+        self.assertEqual((out.shape, out2.shape), ((32, 64), (64, 32)))
+
     def test_recurrent_layers_are_noted(self):
         # without cuDNN an LSTM runs a fused cell a time step, which is not what the GPU runs
         from gpumem.predict.recorder import recording
@@ -2092,8 +2110,9 @@ class CommandTest(unittest.TestCase):
             trace_lines, ["--memory", "1G", "--batch-sizes", "1,2,4", "--batch", "16", "--no-confirm"], meta, gpu=True)
         self.assertEqual(rc, 0, text)
         self.assertEqual(calls, [("gpu", 1), ("gpu", 2), ("gpu", 4)])
-        self.assertIn("the recordings were aligned by what made each allocation: 6 allocations only the largest "
-                      "batch makes (0.000 GiB there) taken in proportion to the batch, an upper bound", text)
+        self.assertIn("the recordings were aligned by what made each allocation: 6 allocations only larger "
+                      "batches make (0.000 GiB at the largest): each taken in proportion to the batch, an upper "
+                      "bound", text)
         # at batch 16: 16 MiB of weights and two 32 MiB activations live together, and a 64 KiB buffer
         self.assertRegex(text, r"pytorch +\d+ +0\.080 GiB")
 

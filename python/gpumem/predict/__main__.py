@@ -270,9 +270,16 @@ def aligned_line(text):
         return None
     parts = []
     if al.get("inserted"):
-        parts.append("%d allocations only the largest batch makes (%s there) taken in proportion to the batch, an "
-                     "upper bound where they grow at most linearly" % (al["inserted"],
-                                                                      _gib(al.get("inserted_bytes_at_largest"))))
+        sized = al.get("inserted_sized_by_others") or 0
+        rest = al["inserted"] - sized
+        how = []
+        if sized:
+            how.append("%d sized through the smaller batches that make them too" % sized)
+        if rest:
+            how.append("%s taken in proportion to the batch, an upper bound where they grow at most linearly"
+                       % ("the rest" if sized else "each"))
+        parts.append("%d allocations only larger batches make (%s at the largest): %s"
+                     % (al["inserted"], _gib(al.get("inserted_bytes_at_largest")), "; ".join(how)))
     if al.get("dropped"):
         parts.append("%d made only at a smaller batch (%s) left out" % (al["dropped"], _gib(al.get("dropped_bytes"))))
     roles = ["%s (%d, %s)" % (r["role"] or "no role", r["count"], _gib(r["bytes"])) for r in al.get("unmatched_roles", [])]

@@ -596,6 +596,7 @@ def _tracker(recording, fake_mode, profile, probe=None):
     rnn_cells = {getattr(aten, name).default for name in ("_thnn_fused_lstm_cell", "_thnn_fused_gru_cell")
                  if hasattr(aten, name)}  # fmt: skip
     scans = {aten.cumsum.default, aten.cumprod.default}
+    softmaxes = {aten._softmax.default, aten._log_softmax.default}
     summing = {aten.sum.dim_IntList: "sum", aten.sum.default: "sum", aten.mean.dim: "mean", aten.mean.default: "mean"}
     live = {}  # storage key -> allocation id
     workspaces = set()
@@ -937,6 +938,13 @@ def _tracker(recording, fake_mode, profile, probe=None):
             elif func in summing and is_cuda(flat):
                 dims = args[1] if func in (aten.sum.dim_IntList, aten.mean.dim) and len(args) > 1 else None
                 reduction_scratch(summing[func], args[0], dims, out)
+            elif func in softmaxes and is_cuda(flat) and not args[0].is_contiguous():
+                # CUDA's softmax kernels read a contiguous input: one that is not (a cross-entropy
+                # of logits.t()) is copied after the output and the copy given back within the
+                # call. On an H100 a bf16 log_softmax of a transposed 32768 x 32768 matrix made a
+                # 2 GiB copy so, which the meta function does not: freed before the next 4 GiB
+                # request, it held one more 2 GiB segment under PyTorch's allocator (+2 GiB)
+                recording.free(recording.alloc(args[0].numel() * args[0].element_size()))
             elif func in scans and is_cuda(flat) and args[0].dtype != out.dtype:
                 # a scan of another type than its result's (a bool mask counted into
                 # int64) reads a copy of its input in the result's type (cumsum_out)
