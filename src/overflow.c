@@ -989,6 +989,14 @@ static gm_block_note* find_note_sorted(gpumem_t* gm, const gm_block* b) {
   return bsearch(&key, gm->notes, gm->num_notes, sizeof key, note_by_block);
 }
 
+/* The bytes moving all n candidates would free. */
+static size_t candidates_bytes(const gpumem_t* gm, const cold_candidate* c, size_t n) {
+  size_t bytes = 0;
+  for (size_t i = 0; i < n; i++)
+    bytes += c[i].tier ? c[i].tier->bytes : (c[i].end - c[i].first) * gm->page_size;
+  return bytes;
+}
+
 /* Every candidate, coldest first, in *out (to be freed); their number. */
 static size_t cold_candidates(gpumem_t* gm, uint64_t window, cold_candidate** out) {
   size_t n = 0, cap = 0;
@@ -1044,12 +1052,11 @@ gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
   size_t n = cold_candidates(gm, hot_window(gm), &c);
   /* The room there is already: spare pages, whole free pages still mapped
    * (a failed try leaves the pages it mapped), and what the limit leaves. */
-  size_t ps = gm->page_size, movable = 0;
+  size_t ps = gm->page_size;
   size_t room = gm->num_spare_pages * ps + (size_t)gm_reclaimable_bytes(gm);
   uint64_t reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
   if (gm->limit && reserved < gm->limit) room += (size_t)(gm->limit - reserved);
-  for (size_t i = 0; i < n; i++)
-    movable += c[i].tier ? c[i].tier->bytes : (c[i].end - c[i].first) * ps;
+  size_t movable = candidates_bytes(gm, c, n);
   /* Short of cold blocks: the warm ones too, all but the last
    * GM_HOT_MIN_ALLOCS allocations' (the request's own inputs), still
    * coldest first, so that only the shortfall comes from them. Without
@@ -1068,9 +1075,7 @@ gpumem_status_t gm_overflow_make_room(gpumem_t* gm, size_t rsize, bool* retry) {
     free(c);
     c = NULL;
     n = cold_candidates(gm, GM_HOT_MIN_ALLOCS, &c);
-    movable = 0;
-    for (size_t i = 0; i < n; i++)
-      movable += c[i].tier ? c[i].tier->bytes : (c[i].end - c[i].first) * ps;
+    movable = candidates_bytes(gm, c, n);
   }
   uint64_t window = hot_window(gm);
   /* Where all of them would not make room, none moves: the request goes

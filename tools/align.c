@@ -400,6 +400,13 @@ static int by_bytes(const void* a, const void* b) {
   return x < y ? 1 : x > y ? -1 : 0;
 }
 
+/* size, made at batch bR, in proportion to batch bO (sizes within a block
+ * as they are): an upper bound where sizes grow at most linearly. */
+static uint64_t in_proportion(uint64_t size, long bR, long bO) {
+  if (size <= ALIGN_BLOCK) return size;
+  return (uint64_t)(((u128)size * (u128)bO + (u128)bR - 1) / (u128)bR);
+}
+
 /* The size at batch bO of allocation `slot` of the largest recording R
  * (batch bR), which the recording at bO does not make. Where another
  * smaller recording makes it (others[k'] matched it: a copy of a matrix
@@ -426,10 +433,7 @@ static uint64_t inserted_size(const seq_t* R, size_t slot, long bR, long bO, con
     }
   }
   *sized = best < n_others;
-  if (!*sized) {
-    if (r <= ALIGN_BLOCK) return r;
-    return (uint64_t)(((u128)r * (u128)bO + (u128)bR - 1) / (u128)bR);
-  }
+  if (!*sized) return in_proportion(r, bR, bO);
   uint64_t o = others[best].size[best_at - 1];
   double e = o && r > o ? log((double)r / (double)o) / log((double)bR / (double)batch[best]) : 0.0;
   if (e > 2.0) e = 2.0;
@@ -437,13 +441,16 @@ static uint64_t inserted_size(const seq_t* R, size_t slot, long bR, long bO, con
   return at < 1.0 ? 1 : (uint64_t)llround(at);
 }
 
-/* traces[k] in the order of the largest, R (see align.h); others and
- * matches: every smaller recording and its match (NULL: aligned as it
- * was), for what recording k does not make. */
-static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const seq_t* O,
-                               const size_t* match_of, long bR, long bO, uint8_t* inserted_any,
-                               align_report_t* rep, tally_t* tally, const seq_t* others,
-                               size_t* const* matches, const long* batch, size_t n_others) {
+/* traces[k] in the order of the largest, R (batch bR; see align.h):
+ * others[k], batch[k], matches[k] are the recording rewritten; the others
+ * size what it does not make (matches[j] NULL: aligned as it was). */
+static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, long bR,
+                               const seq_t* others, size_t* const* matches, const long* batch,
+                               size_t n_others, uint8_t* inserted_any, align_report_t* rep,
+                               tally_t* tally) {
+  const seq_t* O = &others[k];
+  const size_t* match_of = matches[k];
+  const long bO = batch[k];
   const trace_t* r = R->t;
   const trace_t* o = O->t;
   trace_event_t* ev = malloc((R->events ? R->events : 1) * sizeof *ev);
@@ -473,8 +480,8 @@ static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, const
         inserted_any[slot] |= 2;
         rep->inserted_sized++;
       }
-    } else if (ev[i].size > ALIGN_BLOCK) {
-      ev[i].size = (uint64_t)(((u128)ev[i].size * (u128)bO + (u128)bR - 1) / (u128)bR);
+    } else {
+      ev[i].size = in_proportion(ev[i].size, bR, bO);
     }
     if (!m && ev[i].op == TRACE_ALLOC && slot < R->n && !(inserted_any[slot] & 1)) {
       inserted_any[slot] |= 1;
@@ -676,8 +683,8 @@ gpumem_status_t align_recordings(trace_t** traces, const long* batch, size_t n,
   for (size_t k = 0; k < smaller && st == GPUMEM_OK; k++) {
     if (!matches[k]) continue;
     /* (replaces traces[k]: O[k].t is not read after, its sizes are its own) */
-    st = rewrite(traces, k, &R, &O[k], matches[k], batch[n - 1], batch[k], inserted_any, rep,
-                 &tally, O, matches, batch, smaller);
+    st =
+        rewrite(traces, k, &R, batch[n - 1], O, matches, batch, smaller, inserted_any, rep, &tally);
     rep->edited = 1;
   }
   for (size_t i = 0; i < R.n; i++) rep->matched += matched_all[i];
