@@ -287,6 +287,21 @@ for b in (1, 2):
         x = h.alloc(b << 22, py); h.free(h.alloc(b << 21, py), b << 21)
         h.free(h.alloc(b << 22, cxx), b << 22); h.free(x, b << 22)
     h.write("conv_b%d" % b)
+# a GradScaler's job: at batch 1 every step skipped (its gradients overflowed), at 2 none; the
+# optimizer's first step makes 40 state tensors, each step an update buffer
+opt = [{"filename": "/u/amp.py", "line": 30, "name": "<module>"},
+       {"filename": "/site-packages/torch/optim/adamw.py", "line": 200, "name": "_multi_tensor_adamw"}]
+for name, b, steps in (("amp", 1, False), ("amp", 2, True), ("ampr", 1, True), ("ampr", 2, False)):
+    h = History()
+    h.alloc(1 << 24, [{"filename": "/u/amp.py", "line": 3, "name": "<module>"}])
+    for step in range(3):
+        xs = [h.alloc((b << 16) * (i + 1), fwd) for i in range(20)]
+        for i, x in enumerate(xs): h.free(x, (b << 16) * (i + 1))
+        if steps:
+            if step == 0:
+                for i in range(40): h.alloc(1 << 22, opt)
+            h.free(h.alloc(1 << 22, opt), 1 << 22)
+    h.write("%s_b%d" % (name, b))
 PY
 run "$BIN" predict --batch-sizes 2,4 "$T/snap_b2.pickle" "$T/snap_b4.pickle" --batch 16
 expect_rc 0 "snapshot pickles with frames"
@@ -304,6 +319,20 @@ expect_in "convolutions: 12 allocations of the recordings were made inside one (
   "snapshot pickles of a convolution: its workspaces said to be chosen by shape"
 run "$BIN" predict --batch-sizes 1,2 "$T/conv_b1.pickle" "$T/conv_b2.pickle" --batch 16 --json
 expect_in '"convolution_allocations":12}' "$out" "snapshot pickles of a convolution: counted in --json"
+
+# ---- snapshot pickles of a GradScaler's job: steps skipped at one batch only ----
+# (amp_b1, amp_b2, and ampr_* the other way round, written above) what the optimizer made at 2 is carried to 1 at its size,
+# and the state stays 4 MiB a tensor at batch 64
+run "$BIN" predict --batch-sizes 1,2 "$T/amp_b1.pickle" "$T/amp_b2.pickle" --batch 64 --json
+expect_rc 0 "snapshot pickles with steps skipped at batch 1"
+expect_in '"inserted":43,"inserted_bytes_at_largest":180355072,"inserted_sized_by_others":0,"inserted_optimizer":43,' \
+  "$out" "steps skipped at batch 1: the optimizer's allocations carried"
+# peak live at 64: the 16 MiB weights, the 40 state tensors of 4 MiB and the 20 activations of
+# 4 MiB x (i + 1) (the state in proportion to the batch would be 32 times larger)
+expect_in '"batch":64,"peak_live_bytes":1065353216,' "$out" "steps skipped at batch 1: the state not scaled with the batch"
+run "$BIN" predict --batch-sizes 1,2 "$T/ampr_b1.pickle" "$T/ampr_b2.pickle" --batch 64
+expect_rc 1 "snapshot pickles, the larger batch's steps skipped"
+expect_in "makes no allocation in an optimizer's step" "$err" "the larger batch's steps skipped: said"
 
 # ---- a size quadratic in the batch: a contrastive loss's batch-by-batch logits ----
 # two recordings make a line of 4 and 16 bytes, far too low at a large batch: said, with the

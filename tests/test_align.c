@@ -5,7 +5,8 @@
  * workspace is not taken for the lasting allocation after it, sizes in
  * proportion are matched before sizes that merely grew, one a smaller
  * recording makes too is sized through it, roles keep apart
- * what sizes would confuse, recordings are cut to the steps they share, and
+ * what sizes would confuse, what an optimizer's step a smaller run
+ * skipped made is carried at its size, recordings are cut to the steps they share, and
  * recordings that differ everywhere are an error that says where. A
  * randomized test edits one job's recording at random and checks that the
  * model still predicts every allocation both make. */
@@ -310,6 +311,65 @@ static void test_skipped_step_named(void) {
   trace_free(t[1]);
 }
 
+/* Text of one job at batch b, three iterations without step marks (a
+ * snapshot's): 40 activations of 4096 x b freed each iteration, and,
+ * where `steps`, an optimizer's step each iteration (roles in torch/optim,
+ * TRACE_OPTIMIZER_ROLE), whose first makes 30 state tensors of 65536
+ * bytes and each an update of 512. */
+static void scaler_job(char* text, int b, int steps) {
+  int len = 0, id = 100;
+  len += sprintf(text + len, "a 1 1048576 0 weight\n");
+  for (int it = 0; it < 3; it++) {
+    for (int i = 0; i < 40; i++)
+      len += sprintf(text + len, "a %d %d 0 act%d@train.py:5~1\n", id + i, 4096 * b, i);
+    for (int i = 0; i < 40; i++) len += sprintf(text + len, "f %d\n", id + i);
+    id += 40;
+    if (!steps) continue;
+    if (it == 0)
+      for (int i = 0; i < 30; i++)
+        len += sprintf(text + len, "a %d 65536 0 " TRACE_OPTIMIZER_ROLE "state@train.py:9~2\n",
+                       10 + i);
+    len +=
+        sprintf(text + len, "a %d 512 0 " TRACE_OPTIMIZER_ROLE "upd@train.py:9~3\nf %d\n", id, id);
+    id++;
+  }
+}
+
+static void test_skipped_optimizer_steps_carried_at_their_size(void) {
+  /* a GradScaler skipped every step at batch 1 and none at 2: what the
+   * optimizer made at 2 (33 of its 154 allocations, at its end) is
+   * carried to batch 1 at its size, not counted against the two being one
+   * job, and the state stays 65536 bytes at any batch */
+  static char text[2][16384];
+  scaler_job(text[0], 1, 0);
+  scaler_job(text[1], 2, 1);
+  trace_t* t[2] = {parse("b1.trace", text[0]), parse("b2.trace", text[1])};
+  if (!t[0] || !t[1]) return;
+  align_report_t rep;
+  scale_model_t* m = fit_pair(t, 1, 2, &rep);
+  CHECK(m != NULL);
+  CHECK(rep.inserted == 33 && rep.inserted_optimizer == 33 && rep.inserted_sized == 0);
+  CHECK(rep.dropped == 0 && rep.matched == 121);
+  /* slot 41 is the first state tensor, slot 1 an activation */
+  if (m) CHECK(size_at(m, 64, 41) == 65536 && size_at(m, 64, 1) == 4096 * 64);
+  scale_free(m);
+  trace_free(t[0]);
+  trace_free(t[1]);
+  /* the other way round the largest has no optimizer state to carry: refused, saying why */
+  scaler_job(text[0], 1, 1);
+  scaler_job(text[1], 2, 0);
+  t[0] = parse("b1.trace", text[0]);
+  t[1] = parse("b2.trace", text[1]);
+  if (!t[0] || !t[1]) return;
+  long batch[] = {1, 2};
+  CHECK_STATUS(align_recordings(t, batch, 2, &rep), GPUMEM_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(gpumem_last_error(),
+               "b2.trace (batch 2) makes no allocation in an optimizer's step, "
+               "where b1.trace (batch 1) makes 33") != NULL);
+  trace_free(t[0]);
+  trace_free(t[1]);
+}
+
 static void test_bad_role_refused(void) {
   const char* text = "a 0 100 0 ro\x01le\n";
   trace_t* t = NULL;
@@ -468,6 +528,7 @@ int main(void) {
   test_bad_role_refused();
   test_different_jobs_refused();
   test_skipped_step_named();
+  test_skipped_optimizer_steps_carried_at_their_size();
   test_random_edits();
   return test_finish("test_align");
 }

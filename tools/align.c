@@ -24,6 +24,8 @@ typedef struct seq {
   uint32_t* stream; /* its stream, by order of first appearance */
   uint64_t* role;   /* hash of its role's text, 0 for none */
   uint64_t* size;
+  uint8_t* optimizer; /* 1: made in an optimizer's step (TRACE_OPTIMIZER_ROLE) */
+  size_t optimizer_n; /* how many */
 } seq_t;
 
 typedef struct pair_list {
@@ -48,6 +50,7 @@ static void seq_free(seq_t* s) {
   free(s->stream);
   free(s->role);
   free(s->size);
+  free(s->optimizer);
   memset(s, 0, sizeof *s);
 }
 
@@ -61,7 +64,8 @@ static int seq_init(seq_t* s, const trace_t* t, size_t events) {
   s->stream = malloc((n ? n : 1) * sizeof *s->stream);
   s->role = calloc(n ? n : 1, sizeof *s->role);
   s->size = malloc((n ? n : 1) * sizeof *s->size);
-  if (!s->stream || !s->role || !s->size) return -1;
+  s->optimizer = calloc(n ? n : 1, 1);
+  if (!s->stream || !s->role || !s->size || !s->optimizer) return -1;
   uintptr_t seen[TRACE_MAX_STREAMS];
   uint32_t count = 0;
   uint64_t* role_hash = NULL;
@@ -77,7 +81,13 @@ static int seq_init(seq_t* s, const trace_t* t, size_t events) {
     if (k == count && count < TRACE_MAX_STREAMS) seen[count++] = e->stream;
     s->stream[i] = k;
     s->size[i] = e->size;
-    if (role_hash) s->role[i] = role_hash[t->slot_role[i]];
+    if (role_hash) {
+      s->role[i] = role_hash[t->slot_role[i]];
+      const char* text = t->roles[t->slot_role[i]];
+      s->optimizer[i] =
+          text && strncmp(text, TRACE_OPTIMIZER_ROLE, strlen(TRACE_OPTIMIZER_ROLE)) == 0;
+      s->optimizer_n += s->optimizer[i];
+    }
   }
   free(role_hash);
   return 0;
@@ -416,11 +426,15 @@ static uint64_t in_proportion(uint64_t size, long bR, long bO) {
  * alone would put a size that grows with the square of the batch far too
  * low at the batch predicted, the fit through every recording being one
  * line. Otherwise in proportion to the batch (sizes within a block as
- * they are). *sized: whether another recording said. */
+ * they are); but one an optimizer's step made (a step the smaller run
+ * skipped: TRACE_OPTIMIZER_ROLE) at its size, as the parameters it is
+ * shaped like are. *sized: whether another recording said. */
 static uint64_t inserted_size(const seq_t* R, size_t slot, long bR, long bO, const seq_t* others,
                               size_t* const* matches, const long* batch, size_t n_others,
                               int* sized) {
   uint64_t r = R->size[slot];
+  *sized = 0;
+  if (R->optimizer[slot]) return r;
   size_t best = n_others;
   size_t best_at = 0; /* the allocation of others[best] it is, + 1 */
   for (size_t j = 0; j < n_others; j++) {
@@ -486,6 +500,7 @@ static gpumem_status_t rewrite(trace_t** traces, size_t k, const seq_t* R, long 
     if (!m && ev[i].op == TRACE_ALLOC && slot < R->n && !(inserted_any[slot] & 1)) {
       inserted_any[slot] |= 1;
       rep->inserted++;
+      rep->inserted_optimizer += R->optimizer[slot];
       rep->inserted_bytes += R->size[slot];
       tally_role(tally, r, slot, 1, R->size[slot]);
     }
@@ -546,6 +561,14 @@ static const char* skipped_steps_note(const ctx_t* c, char* buf, size_t len) {
   return buf;
 }
 
+/* Allocations of s from `from` on, those an optimizer's step made left
+ * out (a step one run skipped is not a difference in the job). */
+static size_t job_allocs(const seq_t* s, size_t from) {
+  size_t n = 0;
+  for (size_t i = from; i < s->n; i++) n += !s->optimizer[i];
+  return n;
+}
+
 /* Whether the matching says the two are not recordings of one job, or
  * not of one whose requests only change in size, with the error set: one
  * that ends early (a run cut short: what one has after its last match is
@@ -553,26 +576,44 @@ static const char* skipped_steps_note(const ctx_t* c, char* buf, size_t len) {
  * allocations matched; or more than ALIGN_MAX_UNMATCHED_SHARE of the
  * largest's allocations unmatched in either (a loop over the items of a
  * batch makes more requests at a larger one: no size model holds, and
- * the ones added in proportion to the batch would be no bound). */
+ * the ones added in proportion to the batch would be no bound). What an
+ * optimizer's step made (TRACE_OPTIMIZER_ROLE) counts in none of these:
+ * a GradScaler skips a step at one batch and not the other. But where the
+ * largest made no optimizer step and a smaller one did, the largest,
+ * which every recording is rewritten after, has no optimizer state to
+ * carry: refused, saying so. */
 static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR) {
   const seq_t *R = c->R, *O = c->O;
   char note_buf[1024];
   const char* note = skipped_steps_note(c, note_buf, sizeof note_buf);
-  size_t matched = 0, last_r = 0, last_o = 0;
+  if (!R->optimizer_n && O->optimizer_n) {
+    gpumem_set_last_error(
+        "the recordings differ: %s (batch %ld) makes no allocation in an optimizer's step, where "
+        "%s (batch %ld) makes %zu: the larger run skipped its steps (a GradScaler skips a step "
+        "whose gradients overflow, often the first few) and shows no optimizer state to predict "
+        "from; record more steps, so that it takes one",
+        R->t->path, bR, O->t->path, bO, O->optimizer_n);
+    return 1;
+  }
+  size_t matched = 0, last_r = 0, last_o = 0, r_matched_job = 0, o_matched_job = 0;
   for (size_t i = 0; i < R->n; i++) {
     if (!match_of[i]) continue;
     matched++;
+    r_matched_job += !R->optimizer[i];
+    o_matched_job += !O->optimizer[match_of[i] - 1];
     last_r = i + 1;
     last_o = match_of[i];
   }
+  const size_t r_job = job_allocs(R, 0), o_job = job_allocs(O, 0);
+  const size_t r_tail = job_allocs(R, last_r), o_tail = job_allocs(O, last_o);
   const seq_t* shorter = NULL;
   const seq_t* longer = NULL;
   size_t at = 0;
-  if (R->n - last_r > R->n / 10 && R->n - last_r >= 4) {
+  if (r_tail > r_job / 10 && r_tail >= 4) {
     shorter = O;
     longer = R;
     at = last_r;
-  } else if (O->n - last_o > O->n / 10 && O->n - last_o >= 4) {
+  } else if (o_tail > o_job / 10 && o_tail >= 4) {
     shorter = R;
     longer = O;
     at = last_o;
@@ -584,7 +625,7 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
         "where %s goes on with %zu more allocations: a recording cut short (record each batch for "
         "the same steps), or requests that grow in number with the batch%s",
         shorter->t->path, l->path, at ? l->events[l->slot_event[at - 1]].line : 0, l->path,
-        longer->n - at, note);
+        job_allocs(longer, at), note);
     return 1;
   }
   if (matched * 2 < R->n || matched * 2 < O->n) {
@@ -594,7 +635,7 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
         matched, O->n, O->t->path, bO, R->n, R->t->path, bR, note);
     return 1;
   }
-  size_t unmatched = (R->n - matched) + (O->n - matched);
+  size_t unmatched = (r_job - r_matched_job) + (o_job - o_matched_job);
   if (unmatched > 16 && unmatched * ALIGN_MAX_UNMATCHED_SHARE_DEN > R->n) {
     gpumem_set_last_error(
         "the recordings differ in %zu of their %zu and %zu allocations (%s at batch %ld, %s at "

@@ -20,7 +20,10 @@
  * largest makes is added to the smaller ones in proportion to the batch:
  * an upper bound for sizes that grow at most linearly; where another
  * smaller recording makes it too, on the power law through the sizes the
- * recordings that make it give (an exponent of at most 2). One a smaller
+ * recordings that make it give (an exponent of at most 2); where an
+ * optimizer's step made it (a step a smaller run skipped), at its size.
+ * What optimizer steps made is not counted against the recordings being
+ * one job (the limits below). One a smaller
  * recording makes and the largest does not is left out. Both are counted,
  * with their bytes, in the report. */
 #ifndef GPUMEM_TOOLS_ALIGN_H
@@ -50,16 +53,17 @@ typedef struct align_role_bytes {
 } align_role_bytes_t;
 
 typedef struct align_report {
-  int edited;              /* some recording was rewritten */
-  int by_role;             /* every recording named roles, and they were used */
-  size_t steps;            /* whole steps aligned (0: recordings without step markers) */
-  size_t matched;          /* allocations of the largest recording matched in every other */
-  size_t inserted;         /* allocations only the largest makes, added to smaller ones */
-  uint64_t inserted_bytes; /* their sizes in the largest recording */
-  size_t inserted_sized;   /* of them, made by another smaller recording and sized through it */
-  size_t dropped;          /* allocations of smaller recordings the largest does not make */
-  uint64_t dropped_bytes;  /* their sizes as recorded */
-  size_t frees_moved;      /* frees of matched allocations placed as in the largest recording */
+  int edited;                /* some recording was rewritten */
+  int by_role;               /* every recording named roles, and they were used */
+  size_t steps;              /* whole steps aligned (0: recordings without step markers) */
+  size_t matched;            /* allocations of the largest recording matched in every other */
+  size_t inserted;           /* allocations only the largest makes, added to smaller ones */
+  uint64_t inserted_bytes;   /* their sizes in the largest recording */
+  size_t inserted_sized;     /* of them, made by another smaller recording and sized through it */
+  size_t inserted_optimizer; /* of them, made in an optimizer's step: carried at their size */
+  size_t dropped;            /* allocations of smaller recordings the largest does not make */
+  uint64_t dropped_bytes;    /* their sizes as recorded */
+  size_t frees_moved;        /* frees of matched allocations placed as in the largest recording */
   align_role_bytes_t top[ALIGN_TOP_ROLES]; /* by bytes, largest first; count 0: none */
 } align_report_t;
 

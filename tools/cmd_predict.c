@@ -144,12 +144,13 @@ static void predict_json(const cli_t* cli, const scale_model_t* m, const align_r
       m->num_held, m->num_faster, (unsigned long long)m->faster_bytes);
   printf(
       ",\"aligned\":{\"by_role\":%s,\"matched\":%zu,\"inserted\":%zu,"
-      "\"inserted_bytes_at_largest\":%llu,\"inserted_sized_by_others\":%zu,\"dropped\":%zu,"
-      "\"dropped_bytes\":%llu,\"frees_moved\":%zu,\"upper_bound\":%s,\"unmatched_roles\":[",
+      "\"inserted_bytes_at_largest\":%llu,\"inserted_sized_by_others\":%zu,"
+      "\"inserted_optimizer\":%zu,\"dropped\":%zu,\"dropped_bytes\":%llu,\"frees_moved\":%zu,"
+      "\"upper_bound\":%s,\"unmatched_roles\":[",
       al->by_role ? "true" : "false", al->matched, al->inserted,
-      (unsigned long long)al->inserted_bytes, al->inserted_sized, al->dropped,
-      (unsigned long long)al->dropped_bytes, al->frees_moved,
-      al->inserted > al->inserted_sized ? "true" : "false");
+      (unsigned long long)al->inserted_bytes, al->inserted_sized, al->inserted_optimizer,
+      al->dropped, (unsigned long long)al->dropped_bytes, al->frees_moved,
+      al->inserted > al->inserted_sized + al->inserted_optimizer ? "true" : "false");
   for (size_t k = 0; k < ALIGN_TOP_ROLES && al->top[k].count; k++) {
     printf("%s{\"role\":", k ? "," : "");
     show_json(stdout, al->top[k].role);
@@ -261,6 +262,12 @@ static void predict_human(const cli_t* cli, const scale_model_t* m, const align_
           "between the recorded batches and the target, which only recordings nearer the target "
           "show",
           show_count(al->inserted, c3), (double)al->inserted_bytes / GIB, al->inserted_sized);
+    if (al->inserted_optimizer)
+      printf(
+          "\n  of them %zu made in an optimizer's step that a smaller batch's run skipped (a "
+          "GradScaler skips a step whose gradients overflow), carried at their size: an "
+          "optimizer's state is shaped like the parameters",
+          al->inserted_optimizer);
     if (al->dropped)
       printf("\nonly at a smaller batch: %s allocations (%.3f GiB), left out",
              show_count(al->dropped, c3), (double)al->dropped_bytes / GIB);

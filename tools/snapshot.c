@@ -256,13 +256,16 @@ static int frames_convolution(const pickle_doc_t* d, const pickle_value_t* e) {
 /* What made an allocation, from its frames (innermost first): its role
  * (tools/trace.h), "name@file:line~hash" with the innermost frame outside
  * PyTorch's own files (else the innermost) and a hash of all of them, so
- * that two allocations made by one line at different depths differ. 0
- * when the event has no frames (a snapshot recorded without them). */
+ * that two allocations made by one line at different depths differ, after
+ * TRACE_OPTIMIZER_ROLE where a frame is in torch/optim (an optimizer's
+ * step: align.c keeps such a request's size where one recording lacks it).
+ * 0 when the event has no frames (a snapshot recorded without them). */
 static int frames_role(const pickle_doc_t* d, const pickle_value_t* e, char* out, size_t cap) {
   const pickle_value_t* frames = pickle_get(d, e, "frames");
   if (!frames || frames->type != PICKLE_LIST || frames->len == 0) return 0;
   uint64_t h = 0xcbf29ce484222325ull;
   const pickle_value_t* shown = NULL;
+  int optimizer = 0;
   size_t n = frames->len < ROLE_FRAMES ? frames->len : ROLE_FRAMES;
   for (size_t i = 0; i < n; i++) {
     const pickle_value_t* f = pickle_item(d, frames, i);
@@ -279,6 +282,7 @@ static int frames_role(const pickle_doc_t* d, const pickle_value_t* e, char* out
     }
     if (line && line->type == PICKLE_INT) h = (h ^ (uint64_t)line->i) * 0x100000001b3ull;
     if (!shown && file && file->type == PICKLE_STR && !str_has(file, "/torch/", 0)) shown = f;
+    if (str_has(file, "/torch/optim/", 0)) optimizer = 1;
   }
   if (!shown) shown = pickle_item(d, frames, 0);
   if (shown->type != PICKLE_DICT) shown = NULL;
@@ -301,7 +305,8 @@ static int frames_role(const pickle_doc_t* d, const pickle_value_t* e, char* out
     const pickle_value_t* lv = pickle_get(d, shown, "line");
     if (lv && lv->type == PICKLE_INT) line = (long long)lv->i;
   }
-  snprintf(out, cap, "%s@%s:%lld~%08llx", name[0] ? name : "?", file[0] ? file : "?", line,
+  snprintf(out, cap, "%s%s@%s:%lld~%08llx", optimizer ? TRACE_OPTIMIZER_ROLE : "",
+           name[0] ? name : "?", file[0] ? file : "?", line,
            (unsigned long long)(h & 0xffffffffull));
   return 1;
 }

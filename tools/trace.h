@@ -97,6 +97,12 @@ typedef struct trace {
 #define TRACE_MAX_STREAMS 64
 /* Characters in a ROLE field (printable ASCII, no blanks). */
 #define TRACE_MAX_ROLE 160
+/* A role that begins so was made inside an optimizer's step (a snapshot's
+ * frames in torch/optim; a recorder may say so too). Its tensors are
+ * shaped like the parameters, whatever the batch, so where a step was
+ * skipped in one recording (a GradScaler skips a step whose gradients
+ * overflow) align.c carries what the other made at its size. */
+#define TRACE_OPTIMIZER_ROLE "optim/"
 #define TRACE_MAX_SIZE ((uint64_t)1 << 48)
 /* The sum of all sizes requested (2^62): what sums sizes, rounded up to
  * pages and segments, stays below 2^63 and fits the signed statistics. */

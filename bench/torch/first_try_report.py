@@ -29,10 +29,10 @@ ROUTES = (("snapshot", "{out}/{job}.b{b}.pickle.gz"), ("gpu", "{out}/gpu/{job}_b
 ALLOCATORS = (("native", "pytorch"), ("expandable", "pytorch expandable"), ("gpumem", "gpumem default"))
 
 
-def predict(binary, paths, target):
-    """`gpumem predict --batch-sizes 1,2 ... --batch target --json`: (its
+def predict(binary, sizes, paths, target):
+    """`gpumem predict --batch-sizes SIZES ... --batch target --json`: (its
     object, or None, and the error's first line)."""
-    done = subprocess.run([binary, "predict", "--batch-sizes", "1,2"] + paths + ["--batch", str(target), "--json"],
+    done = subprocess.run([binary, "predict", "--batch-sizes", ",".join(map(str, sizes))] + paths + ["--batch", str(target), "--json"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     if done.returncode != 0:
         return None, done.stderr.decode("utf-8", "replace").strip().splitlines()[0][:300]
@@ -61,26 +61,28 @@ def main(argv=None):
     ap.add_argument("out")
     ap.add_argument("--gpumem", default=os.path.join(os.path.dirname(__file__), "..", "..", "build", "gpumem"))
     ap.add_argument("--targets", default="16", help="batches predicted at (default 16)")
+    ap.add_argument("--sizes", default="1,2", help="the two small batches recorded (default 1,2)")
     ap.add_argument("--measured-from", help="a predict_accuracy.py results.json with the runs")
     ap.add_argument("--json", help="write every figure here")
     a = ap.parse_args(argv)
     targets = [int(t) for t in a.targets.split(",")]
+    sizes = [int(b) for b in a.sizes.split(",")]
     results = None
     if a.measured_from:
         with open(a.measured_from) as f:
             results = json.load(f)
     jobs = sorted({os.path.basename(p).split(".b")[0] for p in glob.glob(os.path.join(a.out, "*.pickle.gz"))} |
-                  {os.path.basename(p).rsplit("_b", 1)[0] for p in glob.glob(os.path.join(a.out, "cpu", "*_b1"))})
+                  {os.path.basename(p).rsplit("_b", 1)[0] for p in glob.glob(os.path.join(a.out, "cpu", "*_b%d" % sizes[0]))})
     rows = []
     for job in jobs:
         for target in targets:
             runs = measured(a.out, job, target, results)
             for route, pattern in ROUTES:
-                paths = [pattern.format(out=a.out, job=job, b=b) for b in (1, 2)]
+                paths = [pattern.format(out=a.out, job=job, b=b) for b in sizes]
                 row = {"job": job, "route": route, "target": target, "measured": runs}
                 if not all(os.path.exists(p) for p in paths):
                     continue
-                doc, err = predict(a.gpumem, paths, target)
+                doc, err = predict(a.gpumem, sizes, paths, target)
                 if doc is None:
                     row["error"] = err
                     rows.append(row)
@@ -90,8 +92,8 @@ def main(argv=None):
                 peaks = {r["allocator"]: r.get("peak_reserved_bytes") for r in doc.get("allocators", [])}
                 row["predicted"] = {a_: peaks.get(name) for a_, name in ALLOCATORS}
                 rows.append(row)
-    print("| job | recorded as | batch | aligned | only at 2 | only at 1 | frees moved | %s |" %
-          " | ".join("%s: predicted / ran" % a_ for a_, _ in ALLOCATORS))  # fmt: skip
+    print("| job | recorded as | batch | aligned | only at %d | only at %d | frees moved | %s |" %
+          (sizes[1], sizes[0], " | ".join("%s: predicted / ran" % a_ for a_, _ in ALLOCATORS)))  # fmt: skip
     print("|---|---|---|---|---|---|---|%s" % ("---|" * len(ALLOCATORS)))
     within = {a_: [0, 0] for a_, _ in ALLOCATORS}
     for r in rows:

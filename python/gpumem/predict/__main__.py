@@ -271,13 +271,16 @@ def aligned_line(text):
     parts = []
     if al.get("inserted"):
         sized = al.get("inserted_sized_by_others") or 0
-        rest = al["inserted"] - sized
+        optimizer = al.get("inserted_optimizer") or 0
+        rest = al["inserted"] - sized - optimizer
         how = []
         if sized:
             how.append("%d sized through the smaller batches that make them too" % sized)
+        if optimizer:
+            how.append("%d of an optimizer's step a smaller batch skipped, at their size" % optimizer)
         if rest:
             how.append("%s taken in proportion to the batch, an upper bound where they grow at most linearly"
-                       % ("the rest" if sized else "each"))
+                       % ("the rest" if sized or optimizer else "each"))
         parts.append("%d allocations only larger batches make (%s at the largest): %s"
                      % (al["inserted"], _gib(al.get("inserted_bytes_at_largest")), "; ".join(how)))
     if al.get("dropped"):
