@@ -1374,6 +1374,18 @@ class GpuHistoryTest(unittest.TestCase):
         self.assertEqual(rec.peak_live_bytes, 512 + 1024)
 
 
+    def test_optimizer_frames_named_in_the_role(self):
+        """An allocation made inside torch/optim has a role that says so,
+        as tools/snapshot.c gives a pickle's (docs/predict.md, "Alignment")."""
+        from gpumem.predict import _child
+
+        user = {"filename": "/home/u/train.py", "line": 30, "name": "<module>"}
+        adamw = {"filename": "/site-packages/torch/optim/adamw.py", "line": 200, "name": "_multi_tensor_adamw"}
+        linear = {"filename": "/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"}
+        self.assertRegex(_child.frames_role([adamw, user]), r"^optim/<module>@train\.py:30~[0-9a-f]{8}$")
+        self.assertRegex(_child.frames_role([linear, user]), r"^<module>@train\.py:30~[0-9a-f]{8}$")
+        self.assertIsNone(_child.frames_role([]))
+
     @unittest.skipIf(torch is None, NO_TORCH)
     def test_gradscaler_takes_every_step(self):
         """A GradScaler skips the step whose gradients overflow; a GPU run

@@ -381,15 +381,18 @@ def _conv_probe(profile_name):
 def frames_role(frames):
     """What made an allocation, from its frames (innermost first): the
     innermost frame outside PyTorch's own files as name@file:line, and a
-    hash of all of them (tools/snapshot.c makes the same from a pickle)."""
+    hash of all of them, after "optim/" where a frame is in torch/optim (an
+    optimizer's step; tools/snapshot.c makes the same from a pickle)."""
     if not frames:
         return None
     import zlib
 
     shown = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
     key = "|".join("%s:%s:%s" % (f.get("filename"), f.get("line"), f.get("name")) for f in frames[:64])
-    return "%s@%s:%s~%08x" % (shown.get("name") or "?", os.path.basename(shown.get("filename") or "?"),
-                               shown.get("line", 0), zlib.crc32(key.encode("utf-8", "replace")))
+    optimizer = any("/torch/optim/" in (f.get("filename") or "") for f in frames[:64])
+    return "%s%s@%s:%s~%08x" % ("optim/" if optimizer else "", shown.get("name") or "?",
+                                 os.path.basename(shown.get("filename") or "?"), shown.get("line", 0),
+                                 zlib.crc32(key.encode("utf-8", "replace")))
 
 
 def history_to_recording(entries, step_ends, workload, source):
