@@ -198,6 +198,36 @@ static void test_missing_at_the_smallest_sized_through_the_others(void) {
   for (int i = 0; i < 3; i++) trace_free(t[i]);
 }
 
+static void test_small_sizes_matched_by_their_growth(void) {
+  /* the same on a GPU run at batch 1, 2 and 4, where every allocation of
+   * the loss has one role (one line of the user's) and its sizes are
+   * within a block: bf16 logits of 2, 8 and 32 bytes, their copy at 2 and
+   * 4 only, and two 4-byte scalars at each. The scalar is the same request
+   * at every batch, not the copy: the copy is sized through 2 and 4 and
+   * grows with the square of the batch (at 4, any two small sizes were
+   * once one request, the copy took the scalar's 4 bytes at batch 1 and,
+   * 4, 8 and 32 following no trend, stayed at 32 bytes at any batch) */
+  trace_t* t[3] = {
+      parse("b1.trace", "a 0 2 0 ce\na 1 4 0 ce\na 3 4 0 ce\nf 3\nf 1\nf 0\n"),
+      parse("b2.trace", "a 0 8 0 ce\na 1 4 0 ce\na 2 8 0 ce\na 3 4 0 ce\nf 3\nf 2\nf 1\nf 0\n"),
+      parse("b4.trace", "a 0 32 0 ce\na 1 4 0 ce\na 2 32 0 ce\na 3 4 0 ce\nf 3\nf 2\nf 1\nf 0\n"),
+  };
+  if (!t[0] || !t[1] || !t[2]) return;
+  long batch[] = {1, 2, 4};
+  align_report_t rep;
+  CHECK_STATUS(align_recordings(t, batch, 3, &rep), GPUMEM_OK);
+  CHECK(rep.inserted == 1 && rep.inserted_sized == 1 && rep.matched == 3);
+  for (int i = 0; i < 3; i++) scale_canonical_frees(t[i]);
+  scale_model_t* m = NULL;
+  CHECK_STATUS(scale_fit((const trace_t* const*)t, batch, 3, &m), GPUMEM_OK);
+  if (m) {
+    CHECK(size_at(m, 64, 0) == 8192 && size_at(m, 64, 2) == 8192);
+    CHECK(size_at(m, 64, 1) == 4 && size_at(m, 64, 3) == 4);
+  }
+  scale_free(m);
+  for (int i = 0; i < 3; i++) trace_free(t[i]);
+}
+
 static void test_roles_keep_apart_what_sizes_confuse(void) {
   /* at batch 4 an index sort (its own role) takes 400 bytes before the
    * embedding's gradient of 400; at batch 2 the gradient is 200 and no
@@ -523,6 +553,7 @@ int main(void) {
   test_closest_sizes_among_grown();
   test_roles_keep_apart_what_sizes_confuse();
   test_missing_at_the_smallest_sized_through_the_others();
+  test_small_sizes_matched_by_their_growth();
   test_cut_to_the_steps_in_common();
   test_requests_per_item_refused();
   test_bad_role_refused();

@@ -105,13 +105,19 @@ static int same_maker(const ctx_t* c, size_t i, size_t j) {
   return !c->roles || !a || !b || a == b;
 }
 
-/* The same request: equal sizes, both within one block, or sizes in exact
- * proportion to the batch. */
+/* The same request: equal sizes, or sizes in exact proportion to the
+ * batch; within one block, in exact proportion to its square too. Two
+ * sizes within a block need not be one request: at batch 1, 2 and 4 a
+ * loss's logits are 2, 8 and 32 bytes and the scalars beside them 4 at
+ * each, and taking any two small sizes for the same request matched a
+ * batch-by-batch matrix with a scalar (grown_pair still pairs them where
+ * nothing better is found). */
 static int exact_pair(const ctx_t* c, size_t i, size_t j) {
   if (!same_maker(c, i, j)) return 0;
   uint64_t r = c->R->size[i], o = c->O->size[j];
-  if (r == o || (r <= ALIGN_BLOCK && o <= ALIGN_BLOCK)) return 1;
-  return (u128)r * (u128)c->bO == (u128)o * (u128)c->bR;
+  if (r == o || (u128)r * (u128)c->bO == (u128)o * (u128)c->bR) return 1;
+  return r <= ALIGN_BLOCK && o <= ALIGN_BLOCK &&
+         (u128)r * (u128)c->bO * (u128)c->bO == (u128)o * (u128)c->bR * (u128)c->bR;
 }
 
 /* A request that can have grown into the larger one: no smaller, and at
@@ -232,12 +238,12 @@ done:
 }
 
 /* How far a pair's sizes are from equal or from in proportion to the
- * batch, in millionths of a natural log. */
+ * batch or its square, in millionths of a natural log. */
 static long long misfit(const ctx_t* c, size_t i, size_t j) {
   double r = (double)(c->R->size[i] > 0 ? c->R->size[i] : 1);
   double o = (double)(c->O->size[j] > 0 ? c->O->size[j] : 1);
   double lr = log(r / o), lb = log((double)c->bR / (double)c->bO);
-  double m = fabs(lr) < fabs(lr - lb) ? fabs(lr) : fabs(lr - lb);
+  double m = fmin(fabs(lr), fmin(fabs(lr - lb), fabs(lr - 2 * lb)));
   return (long long)(m * 1e6);
 }
 
