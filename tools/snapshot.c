@@ -255,7 +255,7 @@ static int frames_convolution(const pickle_doc_t* d, const pickle_value_t* e) {
 
 /* What made an allocation, from its frames (innermost first): its role
  * (tools/trace.h), "name@file:line~hash" with the innermost frame outside
- * PyTorch's own files (else the innermost) and a hash of all of them, so
+ * PyTorch's own installed files (else the innermost) and a hash of all of them, so
  * that two allocations made by one line at different depths differ, after
  * TRACE_OPTIMIZER_ROLE where a frame is in torch/optim (an optimizer's
  * step: align.c keeps such a request's size where one recording lacks it).
@@ -281,7 +281,10 @@ static int frames_role(const pickle_doc_t* d, const pickle_value_t* e, char* out
       h = (h ^ 0xff) * 0x100000001b3ull;
     }
     if (line && line->type == PICKLE_INT) h = (h ^ (uint64_t)line->i) * 0x100000001b3ull;
-    if (!shown && file && file->type == PICKLE_STR && !str_has(file, "/torch/", 0)) shown = f;
+    /* (PyTorch's own files as installed: a script of the user's may lie
+     * in a directory named torch) */
+    if (!shown && file && file->type == PICKLE_STR && !str_has(file, "-packages/torch/", 0))
+      shown = f;
     if (str_has(file, "/torch/optim/", 0)) optimizer = 1;
   }
   if (!shown) shown = pickle_item(d, frames, 0);

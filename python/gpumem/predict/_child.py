@@ -387,7 +387,8 @@ def frames_role(frames):
         return None
     import zlib
 
-    shown = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0])
+    # (PyTorch's own files as installed: a script of the user's may lie in a directory named torch)
+    shown = next((f for f in frames if "-packages/torch/" not in f.get("filename", "")), frames[0])
     key = "|".join("%s:%s:%s" % (f.get("filename"), f.get("line"), f.get("name")) for f in frames[:64])
     optimizer = any("/torch/optim/" in (f.get("filename") or "") for f in frames[:64])
     return "%s%s@%s:%s~%08x" % ("optim/" if optimizer else "", shown.get("name") or "?",
