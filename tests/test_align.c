@@ -25,16 +25,20 @@ static trace_t* parse(const char* name, const char* text) {
   return t;
 }
 
-/* Aligns x (batch bx) with r (batch br), then fits them as `gpumem
- * predict` does; the model, or NULL when they still do not fit. */
+/* Aligns t[0..n) (at batch[0..n)), then fits them as `gpumem predict`
+ * does; the model, or NULL when they still do not fit. */
+static scale_model_t* fit_all(trace_t** t, const long* batch, size_t n, align_report_t* rep) {
+  CHECK_STATUS(align_recordings(t, batch, n, rep), GPUMEM_OK);
+  for (size_t i = 0; i < n; i++) scale_canonical_frees(t[i]);
+  scale_model_t* m = NULL;
+  if (scale_fit((const trace_t* const*)t, batch, n, &m) != GPUMEM_OK) return NULL;
+  return m;
+}
+
+/* The same for x (batch bx) and r (batch br). */
 static scale_model_t* fit_pair(trace_t** t, long bx, long br, align_report_t* rep) {
   long batch[] = {bx, br};
-  CHECK_STATUS(align_recordings(t, batch, 2, rep), GPUMEM_OK);
-  scale_canonical_frees(t[0]);
-  scale_canonical_frees(t[1]);
-  scale_model_t* m = NULL;
-  if (scale_fit((const trace_t* const*)t, batch, 2, &m) != GPUMEM_OK) return NULL;
-  return m;
+  return fit_all(t, batch, 2, rep);
 }
 
 /* The size of allocation `slot` of the model's trace at batch b. */
@@ -184,11 +188,9 @@ static void test_missing_at_the_smallest_sized_through_the_others(void) {
   if (!t[0] || !t[1] || !t[2]) return;
   long batch[] = {1, 2, 4};
   align_report_t rep;
-  CHECK_STATUS(align_recordings(t, batch, 3, &rep), GPUMEM_OK);
+  scale_model_t* m = fit_all(t, batch, 3, &rep);
+  CHECK(m != NULL);
   CHECK(rep.inserted == 1 && rep.inserted_sized == 1 && rep.inserted_bytes == 16000);
-  for (int i = 0; i < 3; i++) scale_canonical_frees(t[i]);
-  scale_model_t* m = NULL;
-  CHECK_STATUS(scale_fit((const trace_t* const*)t, batch, 3, &m), GPUMEM_OK);
   if (m) {
     CHECK(size_at(m, 32, 1) == 1024000);
     CHECK(size_at(m, 32, 2) == 1024000 && size_at(m, 32, 3) == 1024000);
@@ -215,11 +217,9 @@ static void test_small_sizes_matched_by_their_growth(void) {
   if (!t[0] || !t[1] || !t[2]) return;
   long batch[] = {1, 2, 4};
   align_report_t rep;
-  CHECK_STATUS(align_recordings(t, batch, 3, &rep), GPUMEM_OK);
+  scale_model_t* m = fit_all(t, batch, 3, &rep);
+  CHECK(m != NULL);
   CHECK(rep.inserted == 1 && rep.inserted_sized == 1 && rep.matched == 3);
-  for (int i = 0; i < 3; i++) scale_canonical_frees(t[i]);
-  scale_model_t* m = NULL;
-  CHECK_STATUS(scale_fit((const trace_t* const*)t, batch, 3, &m), GPUMEM_OK);
   if (m) {
     CHECK(size_at(m, 64, 0) == 8192 && size_at(m, 64, 2) == 8192);
     CHECK(size_at(m, 64, 1) == 4 && size_at(m, 64, 3) == 4);

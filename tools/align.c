@@ -25,7 +25,6 @@ typedef struct seq {
   uint64_t* role;   /* hash of its role's text, 0 for none */
   uint64_t* size;
   uint8_t* optimizer; /* 1: made in an optimizer's step (TRACE_OPTIMIZER_ROLE) */
-  size_t optimizer_n; /* how many */
 } seq_t;
 
 typedef struct pair_list {
@@ -86,7 +85,6 @@ static int seq_init(seq_t* s, const trace_t* t, size_t events) {
       const char* text = t->roles[t->slot_role[i]];
       s->optimizer[i] =
           text && strncmp(text, TRACE_OPTIMIZER_ROLE, strlen(TRACE_OPTIMIZER_ROLE)) == 0;
-      s->optimizer_n += s->optimizer[i];
     }
   }
   free(role_hash);
@@ -592,13 +590,14 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
   const seq_t *R = c->R, *O = c->O;
   char note_buf[1024];
   const char* note = skipped_steps_note(c, note_buf, sizeof note_buf);
-  if (!R->optimizer_n && O->optimizer_n) {
+  const size_t r_job = job_allocs(R, 0), o_job = job_allocs(O, 0);
+  if (r_job == R->n && o_job < O->n) {
     gpumem_set_last_error(
         "the recordings differ: %s (batch %ld) makes no allocation in an optimizer's step, where "
         "%s (batch %ld) makes %zu: the larger run skipped its steps (a GradScaler skips a step "
         "whose gradients overflow, often the first few) and shows no optimizer state to predict "
         "from; record more steps, so that it takes one",
-        R->t->path, bR, O->t->path, bO, O->optimizer_n);
+        R->t->path, bR, O->t->path, bO, O->n - o_job);
     return 1;
   }
   size_t matched = 0, last_r = 0, last_o = 0, r_matched_job = 0, o_matched_job = 0;
@@ -610,7 +609,6 @@ static int not_one_job(const ctx_t* c, const size_t* match_of, long bO, long bR)
     last_r = i + 1;
     last_o = match_of[i];
   }
-  const size_t r_job = job_allocs(R, 0), o_job = job_allocs(O, 0);
   const size_t r_tail = job_allocs(R, last_r), o_tail = job_allocs(O, last_o);
   const seq_t* shorter = NULL;
   const seq_t* longer = NULL;

@@ -389,8 +389,9 @@ def frames_role(frames):
 
     # (PyTorch's own files as installed: a script of the user's may lie in a directory named torch)
     shown = next((f for f in frames if "-packages/torch/" not in f.get("filename", "")), frames[0])
-    key = "|".join("%s:%s:%s" % (f.get("filename"), f.get("line"), f.get("name")) for f in frames[:64])
-    optimizer = any("/torch/optim/" in (f.get("filename") or "") for f in frames[:64])
+    inner = frames[:64]  # (as tools/snapshot.c's ROLE_FRAMES)
+    key = "|".join("%s:%s:%s" % (f.get("filename"), f.get("line"), f.get("name")) for f in inner)
+    optimizer = any("/torch/optim/" in (f.get("filename") or "") for f in inner)
     return "%s%s@%s:%s~%08x" % ("optim/" if optimizer else "", shown.get("name") or "?",
                                  os.path.basename(shown.get("filename") or "?"), shown.get("line", 0),
                                  zlib.crc32(key.encode("utf-8", "replace")))
