@@ -1418,7 +1418,6 @@ class GpuHistoryTest(unittest.TestCase):
         self.assertEqual(len(taken), 3)
 
     @unittest.skipIf(torch is None, NO_TORCH)
-    @unittest.skipIf(torch is None, NO_TORCH)
     def test_backward_passes_counted_per_step(self):
         """Both routes count the backward passes of each step; a reentrant
         checkpoint's inner ones are not passes of their own."""
@@ -1475,6 +1474,7 @@ class GpuHistoryTest(unittest.TestCase):
 
         self.assertEqual(dataloader._BaseDataLoaderIter.__next__.__qualname__, "_BaseDataLoaderIter.__next__")
 
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_hand_written_update_is_a_step(self):
         """A GPU run marks a step where a loop updates its parameters by hand
         after a backward, at the next forward; an optimizer's step is not
