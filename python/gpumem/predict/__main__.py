@@ -138,7 +138,38 @@ def _torch():
     return torch
 
 
+def _no_driver():
+    """True where this machine has no NVIDIA driver (its NVML library,
+    which every driver installs, is missing): torch can see no GPU there,
+    and this process need not import torch to say so. The recording
+    server imports it anyway; a second import here was two seconds of
+    every prediction on a machine with no GPU."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return True
+    return False
+
+
+def _torch_version_unimported():
+    """torch's version from its installed metadata, or None (not installed
+    as a distribution: then torch itself is asked)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise PredictError("gpumem.predict needs PyTorch (pip install torch)")
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _gpu_available():
+    if _no_driver() and _torch_version_unimported() is not None:
+        return False
     return _torch().cuda.is_available()
 
 
@@ -146,6 +177,10 @@ def _local_gpu():
     """(this machine's GPU's name or None, torch's version). (This process
     makes no recording: the runs are forked from another, which never
     touches CUDA.)"""
+    if _no_driver():
+        version = _torch_version_unimported()
+        if version is not None:
+            return None, version
     torch = _torch()
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return name, torch.__version__
