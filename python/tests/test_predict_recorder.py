@@ -2004,6 +2004,25 @@ class CommandTest(unittest.TestCase):
         self.assertTrue(all(any(line.startswith("a ") for line in lines) for _, lines in runs))
 
     @unittest.skipIf(torch is None, NO_TORCH)
+    def test_a_module_that_prints_as_it_is_imported(self):
+        # the recording process imports the script's imports before it says it is ready, on the
+        # line the command reads: a banner printed there stopped the command with a traceback
+        script = SCRIPT_ARGS.replace("import argparse, torch\n", "import argparse, torch\nimport noisy\n") + (
+            "m = torch.nn.Linear(64, 10).cuda()\n"
+            "for _ in range(3):\n"
+            "    m(torch.randn(a.batch_size, 64, device='cuda')).sum().backward()\n"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "noisy.py"), "w") as f:
+                f.write("print('a banner from a library')\n")
+            done, out, _ = predict_script(d, script, ["--no-confirm"], ["--batch-size", "{B}"])
+            self.assertEqual(done.returncode, 0, done.stderr.decode())
+            self.assertNotIn("Traceback", done.stderr.decode())
+            self.assertIn("gpumem default", done.stdout.decode())
+            with open(os.path.join(out, "server.log")) as f:
+                self.assertIn("a banner from a library", f.read())
+
+    @unittest.skipIf(torch is None, NO_TORCH)
     def test_a_failed_run_keeps_the_log_it_names(self):
         # with no --traces the recordings are in a temporary directory, removed at the end;
         # not when the error names a file in it

@@ -72,10 +72,11 @@ def _preimport_recording():
             pass
 
 
-def _run_child(request, script):
+def _run_child(request, script, protocol):
     """In the forked child: runs the recording; never returns."""
     code = 1
     try:
+        os.close(protocol.fileno())  # (the server's line to the command: not the child's)
         out_dir = request["out_dir"]
         log = os.path.join(out_dir, "log")
         try:
@@ -114,14 +115,28 @@ def _run_child(request, script):
 
 def main(argv):
     script, jobs = argv[0], max(1, int(argv[1]))
-    import torch  # noqa: F401 (imported once here, for every child)
+    # The lines to the command go to a file of their own; what the script's
+    # imports print goes to the log, where it cannot be taken for one.
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+
+    def say(message):
+        protocol.write(json.dumps(message) + "\n")
+        protocol.flush()
+
+    try:
+        import torch  # noqa: F401 (imported once here, for every child)
+    except ImportError as e:
+        # (the command, on a machine with no GPU, has not imported torch itself)
+        say({"ready": False, "no_torch": str(e)})
+        return 1
 
     from gpumem.predict import _child, recorder  # noqa: F401
 
     _preimport_recording()
     _preimport(script)
-    sys.stdout.write(json.dumps({"ready": True}) + "\n")
-    sys.stdout.flush()
+    say({"ready": True})
     waiting, running = [], {}
     sel = selectors.DefaultSelector()
     sel.register(sys.stdin, selectors.EVENT_READ)
@@ -132,7 +147,7 @@ def main(argv):
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
-                _run_child(request, script)
+                _run_child(request, script, protocol)
             running[pid] = request["id"]
         if stdin_open and (not running or sel.select(timeout=0.05)):
             line = sys.stdin.readline()
@@ -150,8 +165,7 @@ def main(argv):
                     continue
             ident = running.pop(pid, None)
             if ident is not None:
-                sys.stdout.write(json.dumps({"id": ident, "rc": os.waitstatus_to_exitcode(status)}) + "\n")
-                sys.stdout.flush()
+                say({"id": ident, "rc": os.waitstatus_to_exitcode(status)})
     return 0
 
 

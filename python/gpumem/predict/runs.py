@@ -130,7 +130,10 @@ class Runs:
         self._next = 0
         t0 = time.monotonic()
         line = self._read_line(time.monotonic() + 600, "importing PyTorch and %s's imports" % script)
-        if not line or not json.loads(line).get("ready"):
+        ready = json.loads(line) if line else {}
+        if "no_torch" in ready:
+            raise RunError("gpumem.predict needs PyTorch (pip install torch): %s" % ready["no_torch"])
+        if not ready.get("ready"):
             raise RunError("the recording process did not start (exit status %s)%s" % (
                 self.proc.poll(), "; its output is in %s" % self.server_log if self.server_log else ""))
         self.import_s = time.monotonic() - t0
