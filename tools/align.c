@@ -68,10 +68,20 @@ static int seq_init(seq_t* s, const trace_t* t, size_t events) {
   uintptr_t seen[TRACE_MAX_STREAMS];
   uint32_t count = 0;
   uint64_t* role_hash = NULL;
+  uint8_t* role_optimizer = NULL; /* per role, as role_hash: tested once, not per allocation */
   if (t->slot_role && t->num_roles > 1) {
     role_hash = calloc(t->num_roles, sizeof *role_hash);
-    if (!role_hash) return -1;
-    for (size_t r = 1; r < t->num_roles; r++) role_hash[r] = text_hash(t->roles[r]);
+    role_optimizer = calloc(t->num_roles, 1);
+    if (!role_hash || !role_optimizer) {
+      free(role_hash);
+      free(role_optimizer);
+      return -1;
+    }
+    const size_t len = strlen(TRACE_OPTIMIZER_ROLE);
+    for (size_t r = 1; r < t->num_roles; r++) {
+      role_hash[r] = text_hash(t->roles[r]);
+      role_optimizer[r] = t->roles[r] && strncmp(t->roles[r], TRACE_OPTIMIZER_ROLE, len) == 0;
+    }
   }
   for (size_t i = 0; i < n; i++) {
     const trace_event_t* e = &t->events[t->slot_event[i]];
@@ -82,12 +92,11 @@ static int seq_init(seq_t* s, const trace_t* t, size_t events) {
     s->size[i] = e->size;
     if (role_hash) {
       s->role[i] = role_hash[t->slot_role[i]];
-      const char* text = t->roles[t->slot_role[i]];
-      s->optimizer[i] =
-          text && strncmp(text, TRACE_OPTIMIZER_ROLE, strlen(TRACE_OPTIMIZER_ROLE)) == 0;
+      s->optimizer[i] = role_optimizer[t->slot_role[i]];
     }
   }
   free(role_hash);
+  free(role_optimizer);
   return 0;
 }
 
