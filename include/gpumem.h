@@ -530,11 +530,16 @@ typedef struct gpumem_explain {
   uint64_t partial_pages_large;
   uint64_t partial_pages_small; /* the same, in small-pool pages */
   /* Free bytes the cache could give back now: whole free pages still
-   * mapped, whole free segments (pytorch policy). */
+   * mapped in mappings of their own, whole free segments (pytorch
+   * policy). */
   uint64_t cached_reclaimable;
   uint64_t spare_pages; /* physical pages held, unmapped */
   size_t live_blocks;
   size_t free_blocks;
+  /* Whole free pages still mapped whose mapping (one physical allocation,
+   * unmapped only whole) also lies under live blocks: they go back only
+   * with those blocks, or by moving the blocks' bytes. */
+  uint64_t cached_pinned;
 } gpumem_explain_t;
 
 /* Fills out with where reserved memory sits now. */

@@ -510,7 +510,8 @@ size_t gpumem_check(gpumem_t* gm) {
 /* ---- gpumem_explain: the same walk, sorting bytes instead of judging ---- */
 
 /* Free bytes of block b (in an arena) that lie in mapped pages, split into
- * whole interior pages (reclaimable) and partial edge pages. */
+ * whole interior pages (reclaimable, or pinned where their mapping reaches
+ * under live blocks) and partial edge pages. */
 static void explain_arena_free(const gpumem_t* gm, const gm_block* b, gpumem_explain_t* out) {
   const gm_segment* seg = b->seg;
   size_t ps = gm->page_size;
@@ -530,6 +531,9 @@ static void explain_arena_free(const gpumem_t* gm, const gm_block* b, gpumem_exp
     else
       out->partial_pages_large += bytes;
   }
+  uint64_t pinned = (uint64_t)gm_arena_pinned_pages(gm, b) * ps;
+  out->cached_reclaimable -= pinned;
+  out->cached_pinned += pinned;
 }
 
 gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {

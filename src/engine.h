@@ -805,6 +805,9 @@ gpumem_status_t gm_reclaim_from(gpumem_t* gm, int which, size_t want, size_t* re
 /* Whole pages inside free block b, [*first, *end), below the arena's
  * highest mapped page; false when none. */
 bool gm_interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first, size_t* end);
+/* Of those, the mapped pages whose mapping reaches past them (under live
+ * blocks or edge pages): pinned until those go. */
+size_t gm_arena_pinned_pages(const gpumem_t* gm, const gm_block* b);
 
 /* Host-backed page slots (the overflow tier, overflow.c). */
 static inline bool gm_arena_page_host(const gm_segment* seg, size_t p) {

@@ -269,6 +269,18 @@ static size_t whole_mapping_pages(const gm_segment* seg, size_t first, size_t en
   return pages;
 }
 
+/* Whole free pages of free block b that are mapped in mappings reaching
+ * past its interior: the driver unmaps a mapping only whole, so while the
+ * blocks beside b live these pages stay reserved whatever reclaim or a
+ * fence does. */
+size_t gm_arena_pinned_pages(const gpumem_t* gm, const gm_block* b) {
+  size_t first, end;
+  if (!gm_interior_pages(gm, b, &first, &end)) return 0;
+  size_t mapped = 0;
+  for (size_t p = first; p < end; p++) mapped += gm_arena_page_mapped(b->seg, p);
+  return mapped - whole_mapping_pages(b->seg, first, end, false);
+}
+
 /* ---- spare pages ---- */
 
 static gpumem_status_t release_spare_runs(gpumem_t* gm);

@@ -892,9 +892,27 @@ static void test_mappings(void) {
             "empty_cache with a mapping partly under a live block: reserved %lld",
             (long long)reserved(&f));
   CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
+  /* explain says so: those four whole free pages are pinned, not
+   * reclaimable; the free halves of pages 2 and 12 are hole edges */
+  gpumem_explain_t ex;
+  CHECK_STATUS(gpumem_explain(f.gm, &ex), GPUMEM_OK);
+  CHECK_MSG(ex.cached_pinned == 8 * MIB && ex.cached_reclaimable == 0 &&
+                ex.partial_pages_large == 2 * MIB &&
+                ex.requested + ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
+                        ex.cached_reclaimable + ex.cached_pinned + ex.other_streams +
+                        ex.spare_pages ==
+                    ex.reserved,
+            "explain with pages pinned by b's mappings: pinned %llu, reclaimable %llu, edges "
+            "%llu bytes",
+            (unsigned long long)ex.cached_pinned, (unsigned long long)ex.cached_reclaimable,
+            (unsigned long long)ex.partial_pages_large);
   /* b freed too: everything goes, one unmap call for the run of mappings */
   uint64_t unmaps = dev(&f).calls[GPUMEM_CALL_unmap];
   release(&f, b);
+  CHECK_STATUS(gpumem_explain(f.gm, &ex), GPUMEM_OK);
+  CHECK_MSG(ex.cached_pinned == 0 && ex.cached_reclaimable == 30 * MIB,
+            "explain with every block free: pinned %llu, reclaimable %llu bytes",
+            (unsigned long long)ex.cached_pinned, (unsigned long long)ex.cached_reclaimable);
   CHECK_STATUS(gpumem_empty_cache(f.gm), GPUMEM_OK);
   CHECK(reserved(&f) == 0 && dev(&f).pages_live == 0 && dev(&f).bytes_in_use == 0);
   CHECK(dev(&f).calls[GPUMEM_CALL_unmap] == unmaps + 1);

@@ -22,8 +22,9 @@ static const char usage_explain[] =
     "Replays one cold pass of TRACE, finds the event at which reserved memory\n"
     "peaked, replays again up to it and says where the reserved bytes beyond\n"
     "the live ones sit: rounding, partial pages at hole edges (large and\n"
-    "small pool), cached free memory not yet reclaimed, memory waiting for\n"
-    "other streams, spare pages.\n"
+    "small pool), cached free memory not yet reclaimed (apart: whole free\n"
+    "pages whose mapping also lies under live blocks, which go back only\n"
+    "with them), memory waiting for other streams, spare pages.\n"
     "\n"
     "options:\n"
     "  --policy default|pytorch  allocation policy (default: default)\n"
@@ -139,10 +140,11 @@ int cmd_explain(int argc, char** argv) {
   explain_row("partial pages at hole edges, large pool", ex.partial_pages_large, live);
   explain_row("partial pages at hole edges, small pool", ex.partial_pages_small, live);
   explain_row("cached free, reclaimable (whole pages/segments)", ex.cached_reclaimable, live);
+  explain_row("cached free, pinned (mapping under live blocks)", ex.cached_pinned, live);
   explain_row("waiting for other streams (record_stream)", ex.other_streams, live);
   explain_row("spare pages (held, not in use)", ex.spare_pages, live);
   uint64_t beyond = ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
-                    ex.cached_reclaimable + ex.other_streams + ex.spare_pages;
+                    ex.cached_reclaimable + ex.cached_pinned + ex.other_streams + ex.spare_pages;
   explain_row("total", beyond, live);
   if (live + beyond != ex.reserved) {
     rc = cli_error("internal: the breakdown adds up to %llu bytes, reserved is %llu",

@@ -271,6 +271,7 @@ static void explain_rows(FILE* f, const gpumem_explain_t* ex) {
       {"partial pages at hole edges, large pool", ex->partial_pages_large},
       {"partial pages at hole edges, small pool", ex->partial_pages_small},
       {"cached free, reclaimable", ex->cached_reclaimable},
+      {"cached free, pinned (mapping under live blocks)", ex->cached_pinned},
       {"waiting for other streams (record_stream)", ex->other_streams},
       {"spare pages (held, not mapped)", ex->spare_pages},
   };
