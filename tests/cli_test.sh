@@ -322,6 +322,22 @@ case "$out" in "{"*) ok ;; *) bad "summary --json: not an object: $out" ;; esac
 run "$BIN" summary "$TINY" "$TINY"
 expect_rc 2 "summary of two traces"
 
+# ---- explain --at-line: the state after a given line, not the peak ----
+
+run "$BIN" explain --at-line 3 "$TINY"
+expect_rc 0 "explain --at-line 3"
+expect_in "as it stands at event 1 (line 3)" "$out" "explain --at-line names the event and line"
+expect_in "requested by 2 live allocations" "$out" "explain --at-line 3: the two blocks made by then"
+expect_in "cached free, pinned (mapping under live blocks)" "$out" "explain: pinned pages apart"
+run "$BIN" explain --at-line 11 "$TINY"
+expect_in "requested by 10 live allocations" "$out" "explain --at-line 11: the first step's blocks too"
+run "$BIN" explain --at-line 1 "$TINY"
+expect_rc 1 "explain --at-line before the first event"
+expect_in "has no event on or before that line" "$err" "explain --at-line before the first event"
+run "$BIN" explain --at-line 3x "$TINY"
+expect_rc 2 "explain --at-line 3x"
+expect_in "bad --at-line '3x'" "$err" "explain --at-line 3x"
+
 # ---- explain --snapshot: the state at the peak, for memory_viz ----
 
 run "$BIN" explain --snapshot "$T/snap.pickle" "$TINY"

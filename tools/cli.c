@@ -90,6 +90,7 @@ static const option_spec_t all_options[] = {
     {"detail", OPT_DETAIL, 0},
     {"snapshot", OPT_SNAPSHOT, 1},
     {"since-line", OPT_SINCE_LINE, 1},
+    {"at-line", OPT_AT_LINE, 1},
     {"memory", OPT_MEMORY, 1},
     {"batch-sizes", OPT_SIZES, 1},
     {"sizes", OPT_SIZES, 1}, /* the older name of --batch-sizes */
@@ -401,6 +402,10 @@ int cli_parse_args(int argc, char** argv, unsigned allowed, const char* usage, c
         if (!cli_parse_count(value, 1, INT_MAX, &cli->since_line))
           return cli_usage_error(usage, "bad --since-line '%s' (a trace line number, from 1)",
                                  value);
+        break;
+      case OPT_AT_LINE:
+        if (!cli_parse_count(value, 1, INT_MAX, &cli->at_line))
+          return cli_usage_error(usage, "bad --at-line '%s' (a trace line number, from 1)", value);
         break;
       case OPT_HELP:
         cli->help = 1;

@@ -37,6 +37,7 @@ enum {
   OPT_DETAIL,
   OPT_SNAPSHOT,
   OPT_SINCE_LINE,
+  OPT_AT_LINE,
   OPT_MEMORY,
   OPT_SIZES,
   OPT_BATCH,
@@ -57,6 +58,7 @@ typedef struct cli {
   const char* snapshot;    /* explain: write the snapshot at the peak here */
   const char* write_trace; /* predict: write the trace at --batch here */
   int since_line;          /* leaks: count allocations from this trace line on */
+  int at_line;             /* explain: the state after this trace line (0: at the peak) */
   peer_model_t peer;       /* replay through a model of another allocator */
   size_t memory;           /* fit: the device memory asked about */
   const char* sizes;       /* predict: the recordings' batch sizes, as given */

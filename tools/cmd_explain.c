@@ -20,8 +20,9 @@ static const char usage_explain[] =
     "usage: gpumem explain [options] TRACE\n"
     "\n"
     "Replays one cold pass of TRACE, finds the event at which reserved memory\n"
-    "peaked, replays again up to it and says where the reserved bytes beyond\n"
-    "the live ones sit: rounding, partial pages at hole edges (large and\n"
+    "peaked (or takes the one --at-line names), replays again up to it and\n"
+    "says where the reserved bytes beyond the live ones sit: rounding, partial pages at hole edges "
+    "(large and\n"
     "small pool), cached free memory not yet reclaimed (apart: whole free\n"
     "pages whose mapping also lies under live blocks, which go back only\n"
     "with them), memory waiting for other streams, spare pages.\n"
@@ -32,6 +33,8 @@ static const char usage_explain[] =
     "  --conf STRING             configuration, GPUMEM_CONF grammar (key:value,...),\n"
     "                            over GPUMEM_CONF's keys; --policy, --limit override both\n"
     "  --capacity SIZE           simulated device memory (default 1T)\n"
+    "  --at-line LINE            the state after the last event at or before trace\n"
+    "                            line LINE, instead of at the peak\n"
     "  --snapshot FILE           also write the allocator's snapshot at that event\n"
     "                            as a pickle of torch.cuda.memory._snapshot()'s shape:\n"
     "                            segments, blocks and the events so far, each tagged\n"
@@ -87,7 +90,8 @@ static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
 int cmd_explain(int argc, char** argv) {
   cli_t cli;
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
-                     (1u << OPT_CAPACITY) | (1u << OPT_SNAPSHOT) | (1u << OPT_HELP);
+                     (1u << OPT_CAPACITY) | (1u << OPT_SNAPSHOT) | (1u << OPT_AT_LINE) |
+                     (1u << OPT_HELP);
   int rc = cli_parse_one_trace(argc, argv, allowed, usage_explain, &cli);
   if (rc >= 0) return rc;
   rc = 0;
@@ -96,6 +100,15 @@ int cmd_explain(int argc, char** argv) {
   void** slots = NULL;
   gpumem_options_t opts;
   if ((rc = cli_load_with_slots(&cli, &t, &slots)) != 0) goto done;
+  /* --at-line: the last event on or before that line; the peak otherwise */
+  size_t at_event = SIZE_MAX;
+  for (size_t i = 0; cli.at_line && i < t->num_events && t->events[i].line <= (unsigned)cli.at_line;
+       i++)
+    at_event = i;
+  if (cli.at_line && at_event == SIZE_MAX) {
+    rc = cli_error("--at-line %d: %s has no event on or before that line", cli.at_line, t->name);
+    goto done;
+  }
   /* Two runs on fresh allocators: the first finds the peak, the second
    * stops right after it. Replays on the simulated device are
    * deterministic, so both see the same state at that event. */
@@ -107,7 +120,7 @@ int cmd_explain(int argc, char** argv) {
       goto done;
     }
     memset(slots, 0, t->num_allocs * sizeof *slots);
-    size_t stop = run == 0 ? t->num_events : peak_event + 1;
+    size_t stop = run == 0 ? (cli.at_line ? at_event + 1 : t->num_events) : peak_event + 1;
     /* the second run records every event up to the peak for the snapshot
      * (a free is two: requested and completed) */
     if (run == 1 && cli.snapshot && gpumem_record_history(gm, 2 * stop + 64) != GPUMEM_OK) {
@@ -121,7 +134,7 @@ int cmd_explain(int argc, char** argv) {
       goto done;
     }
     if (run == 0) {
-      peak_event = found;
+      peak_event = cli.at_line ? at_event : found;
       gpumem_destroy(gm);
       gm = NULL;
     }
@@ -130,8 +143,9 @@ int cmd_explain(int argc, char** argv) {
   gpumem_explain(gm, &ex);
   uint64_t live = ex.requested;
   char b1[32], b2[32];
-  printf("%s: peak reserved at event %zu (line %u), policy %s\n", t->name, peak_event,
-         t->events[peak_event].line, replay_policy_name(opts.policy));
+  printf("%s: %s at event %zu (line %u), policy %s\n", t->name,
+         cli.at_line ? "as it stands" : "peak reserved", peak_event, t->events[peak_event].line,
+         replay_policy_name(opts.policy));
   printf("  reserved %s for %s requested by %zu live allocations (%.4f x)\n\n",
          gm_format_bytes(ex.reserved, b1, sizeof b1), gm_format_bytes(live, b2, sizeof b2),
          ex.live_blocks, live ? (double)ex.reserved / (double)live : 0.0);
