@@ -30,9 +30,12 @@ memory against mapping work: mapping ahead, the small pool, lending, the
 mapping size) is replayed on every trace, and so is the `pytorch` policy,
 whose own bounds 1 and 3 hold by definition.
 
-Prints two markdown tables: per setting, on how many traces each bound fails
-and on which all three hold; per trace, the default's figures beside each
-bound and the bounds it fails.
+Prints three markdown tables: per setting, on how many traces each bound
+fails and on which all three hold; per trace, the first setting's figures
+beside each bound and the bounds it fails; and for each trace where it fails
+one, where the bytes beyond live sit at its peak (`gpumem explain`): whole
+free pages pinned by a mapping that also lies under live blocks, whole free
+pages the cache could give back, and partial pages at hole edges.
 """
 
 import argparse
@@ -76,6 +79,23 @@ def replay(gpumem, trace, setting):
     return {"name": r["name"], "reserved": r["peak_reserved_bytes"], "live": r["peak_live_bytes"],
             "first": r["est_h100_map_us_per_op_cold"], "second": r["est_h100_map_us_per_op_cold_second_half"],
             "ops": r["ops_cold"]}
+
+
+def explain(gpumem, trace, setting):
+    args = ["--conf", setting] if setting else []
+    return run_json([gpumem, "explain", "--json"] + args + [trace])[0]
+
+
+def size_text(n):
+    """Bytes as gpumem prints them (gm_format_bytes in src/stats.c)."""
+    if n < 1024:
+        return "%d B" % n
+    v, units = n / 1024.0, ["KiB", "MiB", "GiB", "TiB"]
+    u = 0
+    while u + 1 < len(units) and v * 100.0 + 0.5 >= 1024.0 * 100.0:
+        v /= 1024.0
+        u += 1
+    return "%.2f %s" % (v, units[u])
 
 
 def label(setting):
@@ -152,6 +172,19 @@ def main():
         label(s), sum(fails), len(args.traces),
         "; bound 2 not judged on %s (blocks move between streams, no GPU measurement of cudaMallocAsync)"
         % ", ".join(unjudged) if unjudged else ""))
+    failing = [t for t, f in zip(args.traces, fails) if f]
+    if not failing:
+        return
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 2) as ex:
+        where = list(ex.map(lambda t: explain(args.gpumem, t, s), failing))
+    print("\n| trace | %s at its peak: reserved / live then | whole free pages pinned (of live) "
+          "| whole free pages reclaimable | partial pages at hole edges |" % label(s))
+    print("|---|---|---|---|---|")
+    for e in where:
+        live = e["requested"]
+        print("| %s | %.4f | %s (%.2f%%) | %s | %s |" % (
+            e["name"], e["reserved"] / live, size_text(e["cached_pinned"]), 100.0 * e["cached_pinned"] / live,
+            size_text(e["cached_reclaimable"]), size_text(e["partial_pages_large"] + e["partial_pages_small"])))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,11 @@ static const char usage_explain[] =
     "\n"
     "Replays one cold pass of TRACE, finds the event at which reserved memory\n"
     "peaked (or takes the one --at-line names), replays again up to it and\n"
-    "says where the reserved bytes beyond the live ones sit: rounding, partial pages at hole edges "
-    "(large and\n"
-    "small pool), cached free memory not yet reclaimed (apart: whole free\n"
-    "pages whose mapping also lies under live blocks, which go back only\n"
-    "with them), memory waiting for other streams, spare pages.\n"
+    "says where the reserved bytes beyond the live ones sit: rounding,\n"
+    "partial pages at hole edges (large and small pool), cached free memory\n"
+    "not yet reclaimed (apart: whole free pages whose mapping also lies under\n"
+    "live blocks, which go back only with them), memory waiting for other\n"
+    "streams, spare pages.\n"
     "\n"
     "options:\n"
     "  --policy default|pytorch  allocation policy (default: default)\n"
@@ -35,6 +35,8 @@ static const char usage_explain[] =
     "  --capacity SIZE           simulated device memory (default 1T)\n"
     "  --at-line LINE            the state after the last event at or before trace\n"
     "                            line LINE, instead of at the peak\n"
+    "  --json                    one JSON object: the event, its line and each\n"
+    "                            field in bytes (with --snapshot, its path too)\n"
     "  --snapshot FILE           also write the allocator's snapshot at that event\n"
     "                            as a pickle of torch.cuda.memory._snapshot()'s shape:\n"
     "                            segments, blocks and the events so far, each tagged\n"
@@ -53,7 +55,7 @@ static void explain_row(const char* what, uint64_t bytes, uint64_t live) {
  * as a pickle: the form PyTorch's memory_viz opens and every gpumem
  * command reads back (the library writes it as JSON; the pickle is the
  * same value). */
-static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
+static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path, int quiet) {
   gm_text_t json = {NULL, 0, 0};
   if (gpumem_snapshot_json(gm, 0, t->path, gm_text_write, &json) != 0) {
     free(json.s);
@@ -82,16 +84,49 @@ static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path) {
     return cli_error("writing %s failed: %s", path, show_detail(gpumem_last_error()));
   }
   if (!gm_outfile_commit(&out, why, sizeof why)) return cli_error("%s", why);
-  char shown[512];
-  printf("\nsnapshot at that event: %s\n", show_text(path, shown, sizeof shown));
+  if (!quiet) {
+    char shown[512];
+    printf("\nsnapshot at that event: %s\n", show_text(path, shown, sizeof shown));
+  }
   return 0;
+}
+
+/* The breakdown as one JSON object (--json). */
+static void print_json(const trace_t* t, size_t event, const gpumem_options_t* opts,
+                       const gpumem_explain_t* ex, const char* snapshot) {
+  fputs("{\"trace\":", stdout);
+  show_json(stdout, t->path);
+  fputs(",\"name\":", stdout);
+  show_json(stdout, t->name);
+  printf(",\"event\":%zu,\"line\":%u,\"policy\":\"%s\"", event, t->events[event].line,
+         replay_policy_name(opts->policy));
+  struct {
+    const char* key;
+    uint64_t n;
+  } f[] = {{"reserved", ex->reserved},
+           {"requested", ex->requested},
+           {"rounding", ex->rounding},
+           {"partial_pages_large", ex->partial_pages_large},
+           {"partial_pages_small", ex->partial_pages_small},
+           {"cached_reclaimable", ex->cached_reclaimable},
+           {"cached_pinned", ex->cached_pinned},
+           {"other_streams", ex->other_streams},
+           {"spare_pages", ex->spare_pages}};
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+    printf(",\"%s\":%llu", f[i].key, (unsigned long long)f[i].n);
+  printf(",\"live_blocks\":%zu,\"free_blocks\":%zu", ex->live_blocks, ex->free_blocks);
+  if (snapshot) {
+    fputs(",\"snapshot\":", stdout);
+    show_json(stdout, snapshot);
+  }
+  fputs("}\n", stdout);
 }
 
 int cmd_explain(int argc, char** argv) {
   cli_t cli;
   unsigned allowed = (1u << OPT_POLICY) | (1u << OPT_LIMIT) | (1u << OPT_CONF) |
                      (1u << OPT_CAPACITY) | (1u << OPT_SNAPSHOT) | (1u << OPT_AT_LINE) |
-                     (1u << OPT_HELP);
+                     (1u << OPT_JSON) | (1u << OPT_HELP);
   int rc = cli_parse_one_trace(argc, argv, allowed, usage_explain, &cli);
   if (rc >= 0) return rc;
   rc = 0;
@@ -142,6 +177,19 @@ int cmd_explain(int argc, char** argv) {
   gpumem_explain_t ex;
   gpumem_explain(gm, &ex);
   uint64_t live = ex.requested;
+  uint64_t beyond = ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
+                    ex.cached_reclaimable + ex.cached_pinned + ex.other_streams + ex.spare_pages;
+  if (live + beyond != ex.reserved) {
+    rc = cli_error("internal: the breakdown adds up to %llu bytes, reserved is %llu",
+                   (unsigned long long)(live + beyond), (unsigned long long)ex.reserved);
+    goto done;
+  }
+  if (cli.json) {
+    /* (the snapshot first: the object names it only once it is written) */
+    if (cli.snapshot && (rc = write_snapshot(gm, t, cli.snapshot, 1)) != 0) goto done;
+    print_json(t, peak_event, &opts, &ex, cli.snapshot);
+    goto done;
+  }
   char b1[32], b2[32];
   printf("%s: %s at event %zu (line %u), policy %s\n", t->name,
          cli.at_line ? "as it stands" : "peak reserved", peak_event, t->events[peak_event].line,
@@ -157,14 +205,8 @@ int cmd_explain(int argc, char** argv) {
   explain_row("cached free, pinned (mapping under live blocks)", ex.cached_pinned, live);
   explain_row("waiting for other streams (record_stream)", ex.other_streams, live);
   explain_row("spare pages (held, not in use)", ex.spare_pages, live);
-  uint64_t beyond = ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
-                    ex.cached_reclaimable + ex.cached_pinned + ex.other_streams + ex.spare_pages;
   explain_row("total", beyond, live);
-  if (live + beyond != ex.reserved) {
-    rc = cli_error("internal: the breakdown adds up to %llu bytes, reserved is %llu",
-                   (unsigned long long)(live + beyond), (unsigned long long)ex.reserved);
-  }
-  if (rc == 0 && cli.snapshot) rc = write_snapshot(gm, t, cli.snapshot);
+  if (cli.snapshot) rc = write_snapshot(gm, t, cli.snapshot, 0);
 done:
   gpumem_destroy(gm);
   free(slots);
