@@ -338,6 +338,21 @@ run "$BIN" explain --at-line 3x "$TINY"
 expect_rc 2 "explain --at-line 3x"
 expect_in "bad --at-line '3x'" "$err" "explain --at-line 3x"
 
+run "$BIN" explain --json --at-line 11 "$TINY"
+expect_rc 0 "explain --json"
+if command -v python3 >/dev/null 2>&1; then
+  # one object whose fields partition reserved memory, at the line asked
+  if why=$(python3 - "$out" <<'PY' 2>&1
+import json, sys
+e = json.loads(sys.argv[1])
+parts = ("requested rounding partial_pages_large partial_pages_small cached_reclaimable "
+         "cached_pinned other_streams spare_pages").split()
+assert e["line"] == 11 and e["live_blocks"] == 10, e
+assert sum(e[k] for k in parts) == e["reserved"], e
+PY
+  ); then ok; else bad "explain --json: $why"; fi
+fi
+
 # ---- explain --snapshot: the state at the peak, for memory_viz ----
 
 run "$BIN" explain --snapshot "$T/snap.pickle" "$TINY"
