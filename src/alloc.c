@@ -1558,13 +1558,36 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
         "the device and the overflow tier's host pages are both spent (overflow:host): raise "
         "or lift the host budget (overflow:host:SIZE), free tensors, or lower the batch size";
   } else if (st.cached_free_bytes >= rsize && st.largest_free_block < rsize) {
-    snprintf(
-        advice_buf, sizeof advice_buf,
-        "fragmentation: %s is cached free but the largest piece is %s. %s", cached, largest,
-        gm->virtual_memory
-            ? "Free memory sits in partly used pages"
-            : "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
-              "policy, max_split_size_mb limits splitting of large blocks");
+    /* Under virtual memory the reclaim before this report took every whole
+     * free page it could: what is left lies in pages live blocks partly
+     * cover, or in whole pages whose mapping also lies under live blocks
+     * (the driver unmaps a mapping only whole), which only a cap from the
+     * start avoids: capped, every mapping is one page. */
+    gpumem_explain_t ex;
+    char partial[32], pinned[32];
+    if (gm->virtual_memory) {
+      gm_explain_locked(gm, &ex);
+      gm_format_bytes(ex.partial_pages_large + ex.partial_pages_small, partial, sizeof partial);
+      gm_format_bytes(ex.cached_pinned, pinned, sizeof pinned);
+    }
+    if (!gm->virtual_memory)
+      snprintf(advice_buf, sizeof advice_buf,
+               "fragmentation: %s is cached free but the largest piece is %s. "
+               "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
+               "policy, max_split_size_mb limits splitting of large blocks",
+               cached, largest);
+    else if (ex.cached_pinned == 0)
+      snprintf(advice_buf, sizeof advice_buf,
+               "fragmentation: %s is cached free but the largest piece is %s. Free memory sits in "
+               "partly used pages",
+               cached, largest);
+    else
+      snprintf(advice_buf, sizeof advice_buf,
+               "fragmentation: %s is cached free but the largest piece is %s. Free memory sits in "
+               "partly used pages (%s) and in whole pages whose mapping live blocks also lie on "
+               "(%s), which go back only with those blocks: a limit or fraction set from the "
+               "start maps one page at a time and pins none",
+               cached, largest, partial, pinned);
     advice = advice_buf;
   } else if (active - allocated >= (int64_t)rsize) {
     advice =

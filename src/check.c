@@ -536,11 +536,9 @@ static void explain_arena_free(const gpumem_t* gm, const gm_block* b, gpumem_exp
   out->cached_pinned += pinned;
 }
 
-gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
-  if (!gm || !out) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_explain: NULL argument");
+void gm_explain_locked(gpumem_t* gm, gpumem_explain_t* out) {
   memset(out, 0, sizeof *out);
   out->struct_size = sizeof *out;
-  gm_lock_acquire(&gm->lock);
   out->reserved = (uint64_t)gm->stats.reserved_bytes[GPUMEM_POOL_ALL].current;
   out->spare_pages = (uint64_t)(gm->num_spare_pages + gm->spare_run_pages) * gm->page_size;
   for (gm_segment* seg = gm->segments; seg; seg = seg->next_seg) {
@@ -570,6 +568,12 @@ gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
   /* Live and pending blocks lie wholly in mapped pages (an invariant), so
    * their bytes plus the free bytes in mapped pages are the mapped memory:
    * the fields partition reserved memory. */
+}
+
+gpumem_status_t gpumem_explain(gpumem_t* gm, gpumem_explain_t* out) {
+  if (!gm || !out) return gm_fail(GPUMEM_ERR_INVALID_ARGUMENT, "gpumem_explain: NULL argument");
+  gm_lock_acquire(&gm->lock);
+  gm_explain_locked(gm, out);
   gm_lock_release(&gm->lock);
   return GPUMEM_OK;
 }

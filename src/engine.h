@@ -808,6 +808,8 @@ bool gm_interior_pages(const gpumem_t* gm, const gm_block* b, size_t* first, siz
 /* Of those, the mapped pages whose mapping reaches past them (under live
  * blocks or edge pages): pinned until those go. */
 size_t gm_arena_pinned_pages(const gpumem_t* gm, const gm_block* b);
+/* gpumem_explain with the lock held (check.c). */
+void gm_explain_locked(gpumem_t* gm, gpumem_explain_t* out);
 
 /* Host-backed page slots (the overflow tier, overflow.c). */
 static inline bool gm_arena_page_host(const gm_segment* seg, size_t p) {

@@ -946,6 +946,31 @@ static void test_mappings(void) {
   fx_done(&f);
 }
 
+/* When the device refuses and the free memory left lies in whole pages of
+ * mappings that live blocks share, the out-of-memory message says so and
+ * how much, apart from partly used pages: empty_cache cannot give those
+ * back, a cap from the start would have pinned none. */
+static void test_oom_names_pinned_pages(void) {
+  fx_t f = fx_new("policy:default,reclaim:pressure,placement:bestfit,map_max:8M", 32 * MIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 5 * MIB, SA);  /* pages 0..2, one mapping */
+  char* b = alloc(&f, 20 * MIB, SA); /* page 2 shared, 3..12, and ahead to 14 */
+  CHECK(a && b && reserved(&f) == (int64_t)(30 * MIB));
+  release(&f, a); /* pages 0..1: whole, free, in the mapping under b's first page */
+  void* p = NULL;
+  gpumem_status_t st = gpumem_malloc(f.gm, 8 * MIB, SA, &p);
+  const char* msg = gpumem_last_error();
+  CHECK_MSG(st == GPUMEM_ERR_OUT_OF_MEMORY && p == NULL, "8 MiB on a 32 MiB device: %s",
+            gpumem_strerror(st));
+  CHECK_MSG(strstr(msg,
+                   "Free memory sits in partly used pages (2.00 MiB) and in whole pages "
+                   "whose mapping live blocks also lie on (8.00 MiB)") != NULL,
+            "the message does not name the pinned pages: %s", msg);
+  CHECK_STATUS(gpumem_check(f.gm), GPUMEM_OK);
+  release(&f, b);
+  fx_done(&f);
+}
+
 /* Reserved memory follows live bytes, not history: 100 x 3 MiB, every
  * other one freed, then 50 x 3 MiB again (into the holes), then 50 x 4 MiB
  * (which fit no hole, so pages move from the holes). */
@@ -1960,6 +1985,7 @@ int main(int argc, char** argv) {
 
   test_pages_on_demand();
   test_mappings();
+  test_oom_names_pinned_pages();
   /* pressure with one page per mapping: what a limit set later can reclaim
    * (with larger mappings, only the wholly free ones) */
   static const char* const reclaim[] = {LAZY_ALL, "policy:default,reclaim:eager",
