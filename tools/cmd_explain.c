@@ -146,16 +146,17 @@ int cmd_explain(int argc, char** argv) {
   }
   /* Two runs on fresh allocators: the first finds the peak, the second
    * stops right after it. Replays on the simulated device are
-   * deterministic, so both see the same state at that event. */
-  size_t peak_event = SIZE_MAX;
-  for (int run = 0; run < 2; run++) {
+   * deterministic, so both see the same state at that event. With
+   * --at-line the event is known: the second run alone. */
+  size_t peak_event = at_event;
+  for (int run = cli.at_line ? 1 : 0; run < 2; run++) {
     if (replay_options(&cli.config, t, &opts) != GPUMEM_OK ||
         replay_open(&cli.config, &opts, &gm) != GPUMEM_OK) {
       rc = cli_error("%s", show_detail(gpumem_last_error()));
       goto done;
     }
     memset(slots, 0, t->num_allocs * sizeof *slots);
-    size_t stop = run == 0 ? (cli.at_line ? at_event + 1 : t->num_events) : peak_event + 1;
+    size_t stop = run == 0 ? t->num_events : peak_event + 1;
     /* the second run records every event up to the peak for the snapshot
      * (a free is two: requested and completed) */
     if (run == 1 && cli.snapshot && gpumem_record_history(gm, 2 * stop + 64) != GPUMEM_OK) {
@@ -169,7 +170,7 @@ int cmd_explain(int argc, char** argv) {
       goto done;
     }
     if (run == 0) {
-      peak_event = cli.at_line ? at_event : found;
+      peak_event = found;
       gpumem_destroy(gm);
       gm = NULL;
     }
