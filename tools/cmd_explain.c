@@ -91,28 +91,40 @@ static int write_snapshot(gpumem_t* gm, const trace_t* t, const char* path, int 
   return 0;
 }
 
+/* The fields of ex beyond the live bytes, in the order both forms print
+ * them: the row's text and the JSON key. */
+#define EXPLAIN_BEYOND 7
+typedef struct beyond_field {
+  const char* text;
+  const char* key;
+  uint64_t n;
+} beyond_field_t;
+
+static void beyond_fields(const gpumem_explain_t* ex, beyond_field_t f[EXPLAIN_BEYOND]) {
+  const beyond_field_t all[EXPLAIN_BEYOND] = {
+      {"rounding (512 B units, unsplit tails)", "rounding", ex->rounding},
+      {"partial pages at hole edges, large pool", "partial_pages_large", ex->partial_pages_large},
+      {"partial pages at hole edges, small pool", "partial_pages_small", ex->partial_pages_small},
+      {"cached free, reclaimable (whole pages/segments)", "cached_reclaimable",
+       ex->cached_reclaimable},
+      {"cached free, pinned (mapping under live blocks)", "cached_pinned", ex->cached_pinned},
+      {"waiting for other streams (record_stream)", "other_streams", ex->other_streams},
+      {"spare pages (held, not in use)", "spare_pages", ex->spare_pages}};
+  memcpy(f, all, sizeof all);
+}
+
 /* The breakdown as one JSON object (--json). */
 static void print_json(const trace_t* t, size_t event, const gpumem_options_t* opts,
-                       const gpumem_explain_t* ex, const char* snapshot) {
+                       const gpumem_explain_t* ex, const beyond_field_t* f, const char* snapshot) {
   fputs("{\"trace\":", stdout);
   show_json(stdout, t->path);
   fputs(",\"name\":", stdout);
   show_json(stdout, t->name);
   printf(",\"event\":%zu,\"line\":%u,\"policy\":\"%s\"", event, t->events[event].line,
          replay_policy_name(opts->policy));
-  struct {
-    const char* key;
-    uint64_t n;
-  } f[] = {{"reserved", ex->reserved},
-           {"requested", ex->requested},
-           {"rounding", ex->rounding},
-           {"partial_pages_large", ex->partial_pages_large},
-           {"partial_pages_small", ex->partial_pages_small},
-           {"cached_reclaimable", ex->cached_reclaimable},
-           {"cached_pinned", ex->cached_pinned},
-           {"other_streams", ex->other_streams},
-           {"spare_pages", ex->spare_pages}};
-  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
+  printf(",\"reserved\":%llu,\"requested\":%llu", (unsigned long long)ex->reserved,
+         (unsigned long long)ex->requested);
+  for (size_t i = 0; i < EXPLAIN_BEYOND; i++)
     printf(",\"%s\":%llu", f[i].key, (unsigned long long)f[i].n);
   printf(",\"live_blocks\":%zu,\"free_blocks\":%zu", ex->live_blocks, ex->free_blocks);
   if (snapshot) {
@@ -177,9 +189,10 @@ int cmd_explain(int argc, char** argv) {
   }
   gpumem_explain_t ex;
   gpumem_explain(gm, &ex);
-  uint64_t live = ex.requested;
-  uint64_t beyond = ex.rounding + ex.partial_pages_large + ex.partial_pages_small +
-                    ex.cached_reclaimable + ex.cached_pinned + ex.other_streams + ex.spare_pages;
+  uint64_t live = ex.requested, beyond = 0;
+  beyond_field_t f[EXPLAIN_BEYOND];
+  beyond_fields(&ex, f);
+  for (size_t i = 0; i < EXPLAIN_BEYOND; i++) beyond += f[i].n;
   if (live + beyond != ex.reserved) {
     rc = cli_error("internal: the breakdown adds up to %llu bytes, reserved is %llu",
                    (unsigned long long)(live + beyond), (unsigned long long)ex.reserved);
@@ -188,7 +201,7 @@ int cmd_explain(int argc, char** argv) {
   if (cli.json) {
     /* (the snapshot first: the object names it only once it is written) */
     if (cli.snapshot && (rc = write_snapshot(gm, t, cli.snapshot, 1)) != 0) goto done;
-    print_json(t, peak_event, &opts, &ex, cli.snapshot);
+    print_json(t, peak_event, &opts, &ex, f, cli.snapshot);
     goto done;
   }
   char b1[32], b2[32];
@@ -199,13 +212,7 @@ int cmd_explain(int argc, char** argv) {
          gm_format_bytes(ex.reserved, b1, sizeof b1), gm_format_bytes(live, b2, sizeof b2),
          ex.live_blocks, live ? (double)ex.reserved / (double)live : 0.0);
   printf("  %-46s %14s  %8s\n", "bytes beyond the live ones", "bytes", "of live");
-  explain_row("rounding (512 B units, unsplit tails)", ex.rounding, live);
-  explain_row("partial pages at hole edges, large pool", ex.partial_pages_large, live);
-  explain_row("partial pages at hole edges, small pool", ex.partial_pages_small, live);
-  explain_row("cached free, reclaimable (whole pages/segments)", ex.cached_reclaimable, live);
-  explain_row("cached free, pinned (mapping under live blocks)", ex.cached_pinned, live);
-  explain_row("waiting for other streams (record_stream)", ex.other_streams, live);
-  explain_row("spare pages (held, not in use)", ex.spare_pages, live);
+  for (size_t i = 0; i < EXPLAIN_BEYOND; i++) explain_row(f[i].text, f[i].n, live);
   explain_row("total", beyond, live);
   if (cli.snapshot) rc = write_snapshot(gm, t, cli.snapshot, 0);
 done:
