@@ -1563,31 +1563,31 @@ static void format_oom_report(gpumem_t* gm, size_t size, size_t rsize, gpumem_st
      * cover, or in whole pages whose mapping also lies under live blocks
      * (the driver unmaps a mapping only whole), which only a cap from the
      * start avoids: capped, every mapping is one page. */
-    gpumem_explain_t ex;
-    char partial[32], pinned[32];
-    if (gm->virtual_memory) {
-      gm_explain_locked(gm, &ex);
-      gm_format_bytes(ex.partial_pages_large + ex.partial_pages_small, partial, sizeof partial);
-      gm_format_bytes(ex.cached_pinned, pinned, sizeof pinned);
-    }
-    if (!gm->virtual_memory)
+    if (!gm->virtual_memory) {
       snprintf(advice_buf, sizeof advice_buf,
                "fragmentation: %s is cached free but the largest piece is %s. "
                "GPUMEM_CONF=policy:default (virtual memory) reclaims such holes; with the pytorch "
                "policy, max_split_size_mb limits splitting of large blocks",
                cached, largest);
-    else if (ex.cached_pinned == 0)
-      snprintf(advice_buf, sizeof advice_buf,
-               "fragmentation: %s is cached free but the largest piece is %s. Free memory sits in "
-               "partly used pages",
-               cached, largest);
-    else
-      snprintf(advice_buf, sizeof advice_buf,
-               "fragmentation: %s is cached free but the largest piece is %s. Free memory sits in "
-               "partly used pages (%s) and in whole pages whose mapping live blocks also lie on "
-               "(%s), which go back only with those blocks: a limit or fraction set from the "
-               "start maps one page at a time and pins none",
-               cached, largest, partial, pinned);
+    } else {
+      gpumem_explain_t ex;
+      gm_explain_locked(gm, &ex);
+      char partial[32], pinned[32];
+      gm_format_bytes(ex.partial_pages_large + ex.partial_pages_small, partial, sizeof partial);
+      gm_format_bytes(ex.cached_pinned, pinned, sizeof pinned);
+      if (ex.cached_pinned == 0)
+        snprintf(advice_buf, sizeof advice_buf,
+                 "fragmentation: %s is cached free but the largest piece is %s. Free memory sits "
+                 "in partly used pages",
+                 cached, largest);
+      else
+        snprintf(advice_buf, sizeof advice_buf,
+                 "fragmentation: %s is cached free but the largest piece is %s. Free memory sits "
+                 "in partly used pages (%s) and in whole pages whose mapping live blocks also lie "
+                 "on (%s), which go back only with those blocks: a limit or fraction set from the "
+                 "start maps one page at a time and pins none",
+                 cached, largest, partial, pinned);
+    }
     advice = advice_buf;
   } else if (active - allocated >= (int64_t)rsize) {
     advice =
