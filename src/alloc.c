@@ -589,6 +589,24 @@ static inline bool follows_tail_run(const gm_pool* pool) {
 #define GM_AHEAD_HUGE_BLOCK ((size_t)160 << 20)
 #define GM_AHEAD_HUGE_MAX ((size_t)8 << 20)
 
+/* A block at least GM_AHEAD_SPIKE times the run's block before it is no
+ * sample of the run's next blocks either: it maps ahead as that block
+ * would. A greedy generate() makes cuBLAS's 32 MiB workspace at its first
+ * matmul, in a run after a 1.1 MiB activation; twice the workspace ahead
+ * (64 MiB) held the decode's live peak up, and the next blocks are the
+ * activations' size again. GPT-2 small at batch 8, prompt 32, 64 new
+ * tokens (CPU recorder): 1.2093 -> 1.0263 x peak live, against the pytorch
+ * policy's 1.1701 (the best peer model + 0.010: 1.0297); six of 22 such
+ * recordings of GPT-2 sizes, batches and lengths were above the pytorch
+ * policy by this, none after (BENCHMARKS.md). Fitted: at 8, gpt2_train's
+ * first pass rose from 0.211 to 0.213 us/op and resnet50's 0.230 to
+ * 0.238; at 16 the bundled and synthetic traces move by at most 0.016
+ * us/op (lightning_gpt2 0.847 -> 0.863) and resnet_multiscale from 1.0071
+ * to 1.0114 (its bound 1.0120); at 32 the decode's 28-fold spike is not
+ * caught. Below GM_AHEAD_HUGE_BLOCK: a huge block has its own cap, which
+ * graphsage's first pass needs (0.412 -> 0.532 us/op with this instead). */
+#define GM_AHEAD_SPIKE 16
+
 /* A block outside a run that walks past the arena's highest mapped page
  * by less than a GM_REGROWTH_SHARE-th of itself lies almost all on pages
  * mapped before: a shape a little larger than one made there earlier, a
@@ -680,12 +698,14 @@ static inline size_t tail_run_ahead(const gpumem_t* gm, gm_pool* pool, const gm_
   if (GM_LIKELY(!follows_tail_run(pool)))
     return pool->tail_run && !pool->is_small ? regrowth_ahead(gm, pool, b, rsize) : 0;
   if (pool->is_small) return 0;
-  size_t ahead = GM_TAIL_RUN_AHEAD_FACTOR * rsize, cap = gm->opts.map_ahead_bytes;
+  size_t sample = rsize, prev = pool->tail_run_prev;
+  if (rsize < GM_AHEAD_HUGE_BLOCK && prev && rsize / prev >= GM_AHEAD_SPIKE) sample = prev;
+  size_t ahead = GM_TAIL_RUN_AHEAD_FACTOR * sample, cap = gm->opts.map_ahead_bytes;
   if (ahead > cap) ahead = cap;
   return rsize >= GM_AHEAD_HUGE_BLOCK && ahead > GM_AHEAD_HUGE_MAX ? GM_AHEAD_HUGE_MAX : ahead;
 }
 
-static inline void note_tail_run(gm_pool* pool, bool at_tail_for_want_of_hole) {
+static inline void note_tail_run(gm_pool* pool, bool at_tail_for_want_of_hole, size_t rsize) {
   if (!at_tail_for_want_of_hole) {
     pool->tail_run = 0;
     return;
@@ -694,6 +714,8 @@ static inline void note_tail_run(gm_pool* pool, bool at_tail_for_want_of_hole) {
     pool->tail_run = 0;
     pool->tail_run_frees = pool->stream->frees_total;
   }
+  pool->tail_run_prev = pool->tail_run ? pool->tail_run_last : 0;
+  pool->tail_run_last = rsize;
   pool->tail_run++;
 }
 
@@ -857,7 +879,7 @@ static gpumem_status_t try_alloc(gpumem_t* gm, gm_pool* pool, size_t rsize, gm_b
     } else if (b && b->next && b->size != rsize) {
       b = prefer_walked_tail(gm, pool, b, rsize);
     }
-    if (!pool->is_small) note_tail_run(pool, for_want_of_hole);
+    if (!pool->is_small) note_tail_run(pool, for_want_of_hole, rsize);
   }
   if (GM_UNLIKELY(pool->is_small) && b && pool->maps_pages && !pool->is_private &&
       gm->num_mallocs - gm->high_water_serial >= GM_STALE_PEAK_ALLOCS &&

@@ -263,6 +263,9 @@ struct gm_pool {
    * tail_run_frees): alloc.c, follows_tail_run. */
   uint32_t tail_run;
   uint64_t tail_run_frees;
+  /* The run's last block and the one before it (0: none), in bytes:
+   * alloc.c, tail_run_ahead. */
+  size_t tail_run_prev, tail_run_last;
   /* Blocks outside a run that walked past the arena's highest mapped page
    * by a little (alloc.c, regrowth_ahead). */
   uint32_t regrowths;

@@ -398,6 +398,36 @@ static void test_map_ahead(void) {
   fx_done(&f);
 }
 
+/* A block at least 16 times the run's block before it maps ahead as that
+ * block would (alloc.c, GM_AHEAD_SPIKE): a decode's 32 MiB cuBLAS
+ * workspace made in a run of 2 MiB activations takes 4 MiB ahead, not 64,
+ * and the run's next small block still finds its pages mapped. */
+static void test_map_ahead_spike(void) {
+  fx_t f = fx_new("policy:default", 64 * GIB, 0);
+  if (!f.gm) return fx_done(&f);
+  char* a = alloc(&f, 2 * MIB, SA);
+  char* b = alloc(&f, 2 * MIB, SA); /* a run: 2 MiB and 4 ahead */
+  CHECK_MSG(reserved(&f) == (int64_t)(8 * MIB), "a run of two: reserved %lld, want 8 MiB",
+            (long long)reserved(&f));
+  char* w = alloc(&f, 32 * MIB, SA); /* 16 times b: b's 4 MiB ahead, not 64 */
+  CHECK_MSG(w == b + 2 * MIB && reserved(&f) == (int64_t)(40 * MIB),
+            "the spike: reserved %lld, want 40 MiB (at %p, want %p)", (long long)reserved(&f),
+            (void*)w, (void*)(b + 2 * MIB));
+  uint64_t creates = dev(&f).calls[GPUMEM_CALL_create_page];
+  char* c = alloc(&f, 2 * MIB, SA); /* in the pages ahead: no call */
+  CHECK_MSG(c == w + 32 * MIB && dev(&f).calls[GPUMEM_CALL_create_page] == creates,
+            "after the spike: %llu new mappings, want none",
+            (unsigned long long)(dev(&f).calls[GPUMEM_CALL_create_page] - creates));
+  char* d = alloc(&f, 20 * MIB, SA); /* 10 times c: no spike; 18 MiB more and 40 ahead */
+  CHECK_MSG(reserved(&f) == (int64_t)(98 * MIB), "no spike: reserved %lld, want 98 MiB",
+            (long long)reserved(&f));
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  char* live[] = {a, b, w, c, d};
+  for (size_t i = 0; i < sizeof live / sizeof live[0]; i++) release(&f, live[i]);
+  CHECK_MSG(gpumem_check(f.gm) == 0, "gpumem_check: %s", gpumem_last_error());
+  fx_done(&f);
+}
+
 /* small_pool:off puts a small request in the large arena, in the room a
  * large block leaves in its last page: no page of its own, and it counts
  * in the large pool's statistics, where its free takes it back out. By
@@ -1965,6 +1995,7 @@ int main(int argc, char** argv) {
   test_tail_run("policy:default", true);
   test_tail_run("policy:default,limit:4G", false);
   test_map_ahead();
+  test_map_ahead_spike();
   test_small_pool_setting("policy:default", false);
   test_small_pool_setting("policy:default,small_pool:on", false);
   test_small_pool_setting("policy:default,small_pool:off", true);
