@@ -72,7 +72,7 @@ if [ -n "$SYNTH" ]; then
     tables=
   fi
   for script in $tables; do
-    inputs=("$SRC"/traces/*.trace.gz "$T"/synth/*.trace "$SRC"/traces/jobs/*.trace.gz)
+    inputs=("$SRC"/traces/*.trace.gz "$T"/synth/*.trace "$SRC"/traces/jobs/*.trace.gz "$SRC"/traces/decode/*.trace.gz)
     [ "$script" = bounds_by_setting ] && inputs+=("$SRC/tests/snapshots/small.pickle")
     python3 "$SRC/bench/$script.py" --gpumem "$BIN" "${inputs[@]}" >"$T/$script.md" ||
       die "bench/$script.py failed"
