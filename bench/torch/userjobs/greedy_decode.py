@@ -1,6 +1,6 @@
 """A user's generation script: a GPT-2 of a chosen size (random weights from
 its configuration), greedy generate() with transformers' default dynamic KV
-cache, a few calls of one shape. Each new token is concatenated onto every
+cache, repeated a few times at one shape. Each new token is concatenated onto every
 layer's cache, so each token frees a block per layer and makes one a token
 longer: a stream of ever larger blocks after the weights and a prefill.
 
@@ -27,7 +27,7 @@ p.add_argument("--model", choices=sorted(SIZES), default="gpt2")
 p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
 p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
 p.add_argument("--new-tokens", type=int, default=256)
-p.add_argument("--calls", type=int, default=2, help="generate() calls, one shape")
+p.add_argument("--repeats", type=int, default=2, help="generate() runs, one shape")
 p.add_argument("--load", choices=["host", "device"], default="host",
                help="host: built on the CPU and moved in --dtype; device: built in fp32 on the GPU, converted there")
 args = p.parse_args()
@@ -44,11 +44,11 @@ else:
     model = GPT2LMHeadModel(cfg).to("cuda", DTYPES[args.dtype])
 model.eval()
 total = 0.0
-for call in range(args.calls):
-    g = torch.Generator().manual_seed(1000 + call)
+for i in range(args.repeats):
+    g = torch.Generator().manual_seed(1000 + i)
     ids = torch.randint(1, cfg.vocab_size, (args.batch_size, args.prompt), generator=g).to("cuda")
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                              min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
     total += float(out[:, -1].sum())
-print("generated", args.calls, "x", tuple(out.shape), total)
+print("generated", args.repeats, "x", tuple(out.shape), total)
